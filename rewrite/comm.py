@@ -1,0 +1,191 @@
+"""Tensor-parallel collectives as autograd Functions (Megatron's f and g operators).
+
+Each Function pairs a forward collective with its adjoint in backward, so a
+rewritten model is differentiated by plain autograd: no hooks anywhere.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "group_rank",
+    "group_size",
+    "copy_to_parallel",
+    "reduce_from_parallel",
+    "gather_from_parallel",
+    "scatter_to_parallel",
+    "SharedInputCopy",
+]
+
+
+def group_size(group: ProcessGroup | None = None) -> int:
+    """World size of `group` (default group when None); 1 without a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in `group` (default group when None); 0 without a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the given process group; "
+            "build each layer with a group that contains the calling rank"
+        )
+    return rank
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    # Collectives need dense memory; callers own `x`, so reducing in place is safe.
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    size, rank = group_size(group), group_rank(group)
+    if x.shape[-1] % size:
+        raise ValueError(
+            f"cannot split the last dimension ({x.shape[-1]}) of a tensor of shape "
+            f"{tuple(x.shape)} evenly across {size} ranks"
+        )
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    size = group_size(group)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """f: identity forward; all-reduce of the input gradient in backward.
+
+    Column layers read a replicated X; each rank's dL/dX is only the partial
+    sum dL/dY_i W_i, so the full gradient is their sum over ranks.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Autograd may hand the same grad tensor to several consumers (e.g. both
+        # branches of a residual add): reduce a private copy, never in place.
+        return _all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """g: all-reduce (sum) forward; identity backward. Sums row layers' partial outputs."""
+
+    @staticmethod
+    def forward(ctx, x, group, inplace):
+        # Row layers pass their private matmul output: reducing it in place saves a
+        # copy of (..., out) per layer. Anything else is reduced on a copy.
+        if inplace and x.is_contiguous() and x._base is None and not (x.is_leaf and x.requires_grad):
+            ctx.mark_dirty(x)
+        else:
+            x = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    """Concatenate the last dimension across ranks; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    """Keep this rank's slice of the last dimension; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+def copy_to_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Megatron's f. A no-op for a group of one."""
+    return x if group_size(group) == 1 else _CopyToParallel.apply(x, group)
+
+
+def reduce_from_parallel(
+    x: torch.Tensor, group: ProcessGroup | None = None, *, inplace: bool = False
+) -> torch.Tensor:
+    """Megatron's g: sum over the group. A no-op for a group of one.
+
+    With `inplace=True` a contiguous intermediate is reduced in its own memory.
+    """
+    return x if group_size(group) == 1 else _ReduceFromParallel.apply(x, group, inplace)
+
+
+def gather_from_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """All-gather along the last dimension (`(..., n/p)` -> `(..., n)`)."""
+    return x if group_size(group) == 1 else _GatherFromParallel.apply(x, group)
+
+
+def scatter_to_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's slice of the last dimension (`(..., n)` -> `(..., n/p)`)."""
+    return x if group_size(group) == 1 else _ScatterToParallel.apply(x, group)
+
+
+class SharedInputCopy:
+    """Applies f once per input tensor for every column layer that shares this object.
+
+    Attention's q/k/v (and the MLP's gate/up) read the same activation. One f per
+    layer would all-reduce that activation's gradient three times in backward;
+    sharing f lets autograd sum the local partial gradients first, so the block
+    costs a single all-reduce, as in Megatron's fused QKV. The cache holds only weak
+    references and is keyed on tensor identity and version, so it can never hand
+    out a stale value.
+    """
+
+    def __init__(self, group: ProcessGroup | None = None):
+        self.group = group
+        self._src: weakref.ref | None = None
+        self._out: weakref.ref | None = None
+        self._version = -1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Without a gradient to reduce, f is the identity: nothing to share.
+        if not (torch.is_grad_enabled() and x.requires_grad) or group_size(self.group) == 1:
+            return x
+        src = self._src() if self._src is not None else None
+        out = self._out() if self._out is not None else None
+        if src is x and out is not None and x._version == self._version:
+            return out
+        out = _CopyToParallel.apply(x, self.group)
+        self._src, self._out, self._version = weakref.ref(x), weakref.ref(out), x._version
+        return out

@@ -1,0 +1,293 @@
+"""Tensor-parallel linear layers: `ColumnParallelLinear` and `RowParallelLinear`.
+
+For `Y = X W^T + b` with `W` of shape `[out, in]` on `p` ranks:
+
+- column: `W = [W_1; ...; W_p]` split along `out`. Rank `i` computes
+  `Y_i = X W_i^T + b_i`, a `[..., out/p]` slice of `Y`.
+- row: `W = [W_1 ... W_p]` split along `in`, and `X = [X_1 ... X_p]` likewise.
+  Rank `i` computes the partial `X_i W_i^T`; `Y = sum_i X_i W_i^T + b`.
+
+A column layer feeding a row layer (Megatron's pairing) needs no communication
+between them: one all-reduce closes the pair in forward, one opens it in backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.nn import functional as F
+
+from .comm import (
+    SharedInputCopy,
+    gather_from_parallel,
+    group_rank,
+    group_size,
+    reduce_from_parallel,
+    scatter_to_parallel,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _check_features(cls: str, in_features: int, out_features: int) -> None:
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{cls}: {name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{cls}: {name} must be >= 1, got {value}")
+
+
+def _check_divisible(cls: str, dim: str, size: int, world: int) -> None:
+    if size % world:
+        raise ValueError(
+            f"{cls}: {dim}={size} is not divisible by the tensor-parallel world size {world}; "
+            f"use a world size that divides {size}"
+        )
+
+
+def _master(
+    cls: str,
+    master_weight: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The full `[out, in]` weight: the one given, or nn.Linear's default init."""
+    if master_weight is None:
+        # Drawn in full so every rank, seeded alike, slices the same matrix.
+        weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        return weight
+    if not isinstance(master_weight, torch.Tensor):
+        raise TypeError(f"{cls}: master_weight must be a torch.Tensor, got {type(master_weight).__name__}")
+    if tuple(master_weight.shape) != (out_features, in_features):
+        raise ValueError(
+            f"{cls}: master_weight has shape {tuple(master_weight.shape)}, expected "
+            f"[out_features, in_features] = [{out_features}, {in_features}]"
+        )
+    return master_weight.detach()
+
+
+class ColumnParallelLinear(nn.Module):
+    """`nn.Linear` with its output features split across a tensor-parallel group.
+
+    Args:
+        in_features: size of each input sample.
+        out_features: size of each output sample (all ranks together).
+        bias: add a learnable bias, sharded like the output and initialised to zero.
+        master_weight: the full, initialised `[out_features, in_features]` weight; this
+            rank keeps rows `[rank*out/ws, (rank+1)*out/ws)`. When None, the full
+            weight is drawn with nn.Linear's init: seed every rank alike.
+        gather_output: all-gather the output so every rank returns `[..., out]`
+            (default). False leaves it sharded, `[..., out/ws]`, to feed a
+            `RowParallelLinear` directly.
+        group: process group to split over (default: the default group). Without an
+            initialised process group the layer runs as world size 1.
+        device, dtype: only used to create the weight when master_weight is None.
+
+    Raises:
+        ValueError: out_features not divisible by the world size, or a master_weight
+            of the wrong shape.
+
+    Example:
+        >>> layer = ColumnParallelLinear(64, 128, True, torch.randn(128, 64))
+        >>> layer(torch.randn(2, 5, 64)).shape
+        torch.Size([2, 5, 128])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        master_weight: torch.Tensor | None = None,
+        *,
+        gather_output: bool = True,
+        group: ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        cls = type(self).__name__
+        _check_features(cls, in_features, out_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.group = group
+        self.tp_size, self.tp_rank = group_size(group), group_rank(group)
+        _check_divisible(cls, "out_features", out_features, self.tp_size)
+        self.gather_output = gather_output
+        self.out_per_rank = out_features // self.tp_size
+        full = _master(cls, master_weight, out_features, in_features, device, dtype)
+        start = self.tp_rank * self.out_per_rank
+        # clone(): this rank's storage holds only its slice, never the full matrix.
+        self.weight = nn.Parameter(full[start : start + self.out_per_rank].clone())
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_per_rank, device=full.device, dtype=full.dtype))
+        else:
+            self.register_parameter("bias", None)
+        # Sibling column layers reading one activation may share this (see comm).
+        self.input_copy = SharedInputCopy(group)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        group: ProcessGroup | None = None,
+        gather_output: bool = True,
+        input_copy: SharedInputCopy | None = None,
+    ) -> ColumnParallelLinear:
+        """Shard an existing `nn.Linear`, keeping its trained weight and bias slices.
+
+        `input_copy` lets several layers reading the same activation share one
+        backward all-reduce; it must wrap the same group.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"ColumnParallelLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            linear.weight,
+            gather_output=gather_output,
+            group=group,
+        )
+        if linear.bias is not None:
+            start = layer.tp_rank * layer.out_per_rank
+            layer.bias = nn.Parameter(linear.bias.detach()[start : start + layer.out_per_rank].clone())
+        _keep_trainability(layer, linear)
+        if input_copy is not None:
+            layer.input_copy = input_copy
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"ColumnParallelLinear expects inputs with last dimension in_features={self.in_features}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        x = self.input_copy(x)  # f: identity here, all-reduce of dL/dx in backward
+        y = F.linear(x, self.weight, self.bias)  # (..., out / tp)
+        return gather_from_parallel(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"({self.out_per_rank} on rank {self.tp_rank} of {self.tp_size}), "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """`nn.Linear` with its input features split across a tensor-parallel group.
+
+    Args:
+        in_features: size of each input sample (all ranks together).
+        out_features: size of each output sample.
+        bias: add a learnable bias of shape `[out_features]`, full on every rank,
+            initialised to zero and added once after the sum.
+        master_weight: the full, initialised `[out_features, in_features]` weight; this
+            rank keeps columns `[rank*in/ws, (rank+1)*in/ws)`. When None, the full
+            weight is drawn with nn.Linear's init: seed every rank alike.
+        input_is_parallel: forward() receives this rank's slice `[..., in/ws]` of the
+            input (default). False: it receives the full input and splits it itself.
+        group: process group to split over (default: the default group). Without an
+            initialised process group the layer runs as world size 1.
+        device, dtype: only used to create the weight when master_weight is None.
+
+    Raises:
+        ValueError: in_features not divisible by the world size, or a master_weight
+            of the wrong shape.
+
+    Example:
+        >>> layer = RowParallelLinear(128, 64, True, torch.randn(64, 128))
+        >>> layer(torch.randn(2, 5, 128)).shape  # world size 1: the slice is everything
+        torch.Size([2, 5, 64])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        master_weight: torch.Tensor | None = None,
+        *,
+        input_is_parallel: bool = True,
+        group: ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        cls = type(self).__name__
+        _check_features(cls, in_features, out_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.group = group
+        self.tp_size, self.tp_rank = group_size(group), group_rank(group)
+        _check_divisible(cls, "in_features", in_features, self.tp_size)
+        self.input_is_parallel = input_is_parallel
+        self.in_per_rank = in_features // self.tp_size
+        full = _master(cls, master_weight, out_features, in_features, device, dtype)
+        start = self.tp_rank * self.in_per_rank
+        self.weight = nn.Parameter(full[:, start : start + self.in_per_rank].clone())
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=full.device, dtype=full.dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        group: ProcessGroup | None = None,
+        input_is_parallel: bool = True,
+    ) -> RowParallelLinear:
+        """Shard an existing `nn.Linear`, keeping its trained weight slice and full bias."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"RowParallelLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            linear.weight,
+            input_is_parallel=input_is_parallel,
+            group=group,
+        )
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone())
+        _keep_trainability(layer, linear)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            if x.shape[-1] != self.in_features:
+                raise ValueError(
+                    f"RowParallelLinear(input_is_parallel=False) expects the full input, last dimension "
+                    f"in_features={self.in_features}; got shape {tuple(x.shape)}"
+                )
+            x = scatter_to_parallel(x, self.group)  # (..., in / tp)
+        elif x.shape[-1] != self.in_per_rank:
+            raise ValueError(
+                f"RowParallelLinear expects this rank's input slice, last dimension "
+                f"{self.in_per_rank} (in_features={self.in_features} / world size {self.tp_size}); "
+                f"got shape {tuple(x.shape)}. Pass input_is_parallel=False to split a full input."
+            )
+        y = reduce_from_parallel(F.linear(x, self.weight), self.group, inplace=True)  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} ({self.in_per_rank} on rank {self.tp_rank} of {self.tp_size}), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
+
+
+def _keep_trainability(layer: nn.Module, linear: nn.Linear) -> None:
+    """A frozen source stays frozen once sharded."""
+    layer.weight.requires_grad_(linear.weight.requires_grad)
+    if linear.bias is not None:
+        layer.bias.requires_grad_(linear.bias.requires_grad)

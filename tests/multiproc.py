@@ -1,0 +1,73 @@
+"""Run a function on several local ranks (gloo, CPU) that fails instead of hanging.
+
+`run(fn, world_size, *args)` starts one process per rank, rendezvous through a
+file, and joins them under a hard deadline. A rank that raises fails the test
+with its traceback and every other rank is killed; a rank still alive at the
+deadline (a deadlock) is killed with the others and named in the failure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Workers are forked from a server that imported these once: a spawn per rank would
+# re-import torch and transformers (seconds each) in every test.
+_PRELOAD = ["torch", "torch.distributed", "transformers", "rewrite", "tests.multiproc", "tests.models"]
+
+
+def _worker(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
+    """Call `fn(rank, world_size, *args)` on `world_size` ranks; return their results.
+
+    `fn` must be defined at module level (it is pickled by reference).
+    """
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="rewrite-dist-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ctx = mp.start_processes(
+            _worker,
+            args=(fn, world_size, init_file, tmp, args),
+            nprocs=world_size,
+            join=False,
+            start_method="forkserver",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                    raise AssertionError(
+                        f"{getattr(fn, '__name__', fn)} timed out after {timeout_s:.0f}s on "
+                        f"{world_size} ranks; ranks still running (killed): {alive}"
+                    )
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(5)
+        return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
