@@ -1,0 +1,35 @@
+"""The multi-process helper itself: a deadlock fails fast, a rank's error is shown."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+from torch.multiprocessing import ProcessRaisedException
+
+from tests.multiproc import run
+
+
+def _rank0_never_arrives(rank: int, ws: int) -> None:
+    if rank == 0:
+        time.sleep(600)
+    dist.barrier()
+
+
+def _rank1_raises(rank: int, ws: int) -> None:
+    if rank == 1:
+        raise ValueError("bad plan on rank 1")
+    dist.barrier()
+
+
+def test_deadlock_is_killed_and_named():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"timed out after 3s on 2 ranks; ranks still running \(killed\): \[0, 1\]"):
+        run(_rank0_never_arrives, 2, timeout_s=3)
+    assert time.monotonic() - start < 20
+
+
+def test_failing_rank_traceback_surfaces():
+    with pytest.raises(ProcessRaisedException, match="bad plan on rank 1"):
+        run(_rank1_raises, 2, timeout_s=30)
