@@ -1,0 +1,91 @@
+"""Tiny random LLaMA-family models built from configs: no downloads needed.
+
+Used by the CLI (`--model tiny-llama`), the demo, notebooks and tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["PRESETS", "build_config", "build_model", "load_config"]
+
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,  # GQA, and tp 2 and 4 both divide it
+    vocab_size=256,  # byte-level tokens
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+# name -> (transformers config class, overrides)
+PRESETS: dict[str, tuple[str, dict]] = {
+    "tiny-llama": ("LlamaConfig", _TINY),
+    "tiny-mistral": ("MistralConfig", {**_TINY, "sliding_window": None}),
+    "tiny-qwen2": ("Qwen2Config", _TINY),
+    "tiny-qwen3": ("Qwen3Config", {**_TINY, "head_dim": 8}),
+    # The benchmark model: small but real proportions.
+    "bench-llama": (
+        "LlamaConfig",
+        dict(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=4096,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def build_config(name: str, **overrides):
+    """The transformers config of a preset, with `overrides` applied."""
+    import transformers
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
+    cls_name, fields = PRESETS[name]
+    return getattr(transformers, cls_name)(**{**fields, **overrides})
+
+
+def load_config(model: str | Path):
+    """A config from a preset name, an HF `config.json`, or a local model directory."""
+    from transformers import AutoConfig
+
+    if isinstance(model, str) and model in PRESETS:
+        return build_config(model)
+    path = Path(model)
+    if path.is_file() and path.suffix == ".json":
+        return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path))
+    if path.is_dir() and (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(path))
+    raise ValueError(
+        f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}), a config.json file, "
+        "nor a directory holding one"
+    )
+
+
+def build_model(config, *, seed: int = 0, device: str | torch.device | None = None, dtype=None) -> nn.Module:
+    """A causal LM with random weights from `config` (a config object or a preset name).
+
+    `device="meta"` builds it without allocating weights, for planning.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(config, str):
+        config = build_config(config)
+    torch.manual_seed(seed)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    if device is not None and str(device) == "meta":
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, **kwargs)
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    return model.to(device) if device is not None else model

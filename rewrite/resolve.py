@@ -1,0 +1,368 @@
+"""Binding a plan to a model: expand patterns, check shapes, heads and cut points.
+
+Pure: it reads the model (a meta-device model will do) and never changes it, and
+it needs no process group. Every problem is collected and raised once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from torch import nn
+
+from . import fxsplit
+from .backbone import Backbone, find_backbone
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .plan import ParallelPlan, PlanError, load_plan
+
+__all__ = ["ResolvedPlan", "ShardSpec", "StageSpec", "resolve", "balanced_split", "match_pattern"]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One module to rewrite: its path, style, the rule that chose it, per-rank shapes."""
+
+    fqn: str
+    style: str
+    pattern: str  # the plan's rule, or "(implied)" for per-head modules of a sharded attention
+    in_features: int | None  # None for grad_allreduce modules
+    out_features: int | None
+    bias: bool
+    weight_shape: tuple[int, ...] | None  # on each rank
+    bias_shape: tuple[int, ...] | None  # on each rank
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: the modules it runs, in order, and its parameters per rank."""
+
+    stage_idx: int
+    modules: tuple[str, ...]
+    layers: tuple[str, ...]
+    param_count: int  # on each rank of the stage, after tensor-parallel sharding
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan bound to a model: what the rewriter applies and `rewrite show` prints."""
+
+    plan: ParallelPlan
+    model_name: str
+    kind: str  # "hf": the LLaMA-family walker; "fx": torch.fx tracing
+    backbone: Backbone | None
+    shards: tuple[ShardSpec, ...]
+    stages: tuple[StageSpec, ...]
+    cut_points: tuple[str, ...]
+    total_params: int
+    total_bytes: int
+    layer_indices: tuple[tuple[int, ...], ...] = field(default=())  # per stage, "hf" only
+
+    @property
+    def tp(self) -> int:
+        return self.plan.mesh.tp
+
+    @property
+    def pp(self) -> int:
+        return self.plan.mesh.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.mesh.world_size
+
+
+def balanced_split(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage, differing by at most one; the first `num_layers % pp` stages get the extra.
+
+    The last stage also runs the norm and the (often large) LM head, so the
+    remainder goes to the front.
+    """
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def match_pattern(pattern: str, fqn: str) -> bool:
+    """`*` matches within one dotted segment; segment counts must agree."""
+    pat, parts = pattern.split("."), fqn.split(".")
+    return len(pat) == len(parts) and all(fnmatchcase(p, q) for q, p in zip(pat, parts))
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    general = {re.sub(r"(?<=\.)\d+(?=\.|$)", "*", c) for c in candidates}
+    pool = sorted(general | set(candidates)) if "*" in name else candidates
+    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _output_sharded(style: str | None) -> bool:
+    return style == "column"
+
+
+def _input_sharded(style: str | None) -> bool:
+    return style == "row"
+
+
+_BLOCKS = ((("q_proj", "k_proj", "v_proj"), "o_proj"), (("gate_proj", "up_proj"), "down_proj"))
+
+
+def _shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[list, list[str]]:
+    tp, problems, chosen = plan.mesh.tp, [], {}
+    names = list(modules)
+    tied = _tied_names(model)
+    for pattern, style in plan.tensor_parallel.items():
+        hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
+        if not hits:
+            problems.append(f"tensor_parallel[{pattern!r}] matches no module{_closest(pattern, names)}")
+        for fqn in hits:
+            module = modules[fqn]
+            if style == "grad_allreduce":
+                if not any(True for _ in module.parameters()):
+                    problems.append(f"tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters")
+                    continue
+            elif not isinstance(module, nn.Linear):
+                linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n]
+                hint = f"; its linears: {', '.join(linears[:4])}" if linears else ""
+                problems.append(
+                    f"tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, not an "
+                    f"nn.Linear; only linears can be sharded{hint}"
+                )
+            elif fqn in chosen and chosen[fqn][1] != style:
+                other, other_style = chosen[fqn]
+                problems.append(
+                    f"{fqn!r} is matched by tensor_parallel[{other!r}] as {other_style!r} and by "
+                    f"tensor_parallel[{pattern!r}] as {style!r}; keep one style per module"
+                )
+            else:
+                chosen.setdefault(fqn, (pattern, style))
+    if tp > 1:
+        for fqn in _per_head_modules(modules, {f: s for f, (_, s) in chosen.items()}):
+            chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
+    shards = []
+    for fqn, (pattern, style) in chosen.items():
+        lin = modules[fqn]
+        if style == "grad_allreduce":
+            weight = getattr(lin, "weight", None)
+            shape = tuple(weight.shape) if isinstance(weight, nn.Parameter) else None
+            shards.append(ShardSpec(fqn, style, pattern, None, None, False, shape, None))
+            continue
+        split_out = style in ("column", "column_gather")
+        dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
+        if size % tp:
+            problems.append(
+                f"{fqn} ({style}): {dim}={size} is not divisible by mesh.tp={tp}; "
+                f"use a tp that divides {size}"
+            )
+        if fqn in tied and tp > 1:
+            problems.append(
+                f"{fqn}.weight is tied to {tied[fqn]}; sharding it would untie them. Remove "
+                f"tensor_parallel[{pattern!r}] or build the model with tie_word_embeddings=False"
+            )
+        weight = (lin.out_features // tp, lin.in_features) if split_out else (lin.out_features, lin.in_features // tp)
+        bias = None
+        if lin.bias is not None:
+            bias = (lin.out_features // tp,) if split_out else (lin.out_features,)
+        shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias))
+    if tp > 1:
+        problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp)
+    return shards, problems
+
+
+def _per_head_modules(modules: dict[str, nn.Module], styles: dict[str, str]) -> list[str]:
+    """Children with parameters of an attention whose heads are split (Qwen3's q_norm, k_norm).
+
+    They run whole on each rank but see only its heads, so their gradients are
+    partial sums: the rewriter must add them over the group.
+    """
+    found = []
+    for fqn, style in styles.items():
+        if not fqn.endswith(".q_proj") or not _output_sharded(style):
+            continue
+        parent = fqn.rsplit(".", 1)[0]
+        for name, child in modules[parent].named_children():
+            if name not in ("q_proj", "k_proj", "v_proj", "o_proj") and any(True for _ in child.parameters()):
+                found.append(f"{parent}.{name}")
+    return found
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Module path -> the parameter its weight is shared with, for shared weights."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name.rsplit(".", 1)[0]] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def _block_problems(model: nn.Module, styles: dict[str, str], tp: int) -> list[str]:
+    """Attention and MLP blocks must be sharded as a whole, heads intact."""
+    problems, config = [], getattr(model, "config", None)
+    parents = sorted({fqn.rsplit(".", 1)[0] for fqn in styles if "." in fqn})
+    for parent in parents:
+        for inputs, output in _BLOCKS:
+            members = [*inputs, output]
+            got = {m: styles.get(f"{parent}.{m}") for m in members}
+            if not any(got.values()):
+                continue
+            if not all(hasattr(model.get_submodule(parent), m) for m in members):
+                continue
+            if len({_output_sharded(got[m]) for m in inputs} | {_input_sharded(got[output])}) > 1:
+                found = ", ".join(f"{m}={got[m] or 'unsharded'}" for m in members)
+                problems.append(
+                    f"{parent}: {found}; shard {', '.join(inputs)} as column and {output} as row together "
+                    "(the column outputs are the row layer's sharded input)"
+                )
+            if output == "o_proj" and config is not None and _output_sharded(got["q_proj"]):
+                heads = getattr(config, "num_attention_heads", None)
+                kv = getattr(config, "num_key_value_heads", None) or heads
+                if heads and heads % tp:
+                    problems.append(
+                        f"mesh.tp={tp} does not divide num_attention_heads={heads} (q_proj, o_proj would split a head)"
+                    )
+                if kv and kv % tp:
+                    problems.append(
+                        f"mesh.tp={tp} does not divide num_key_value_heads={kv} (k_proj, v_proj would split a head)"
+                    )
+    return list(dict.fromkeys(problems))  # each config problem once, not once per layer
+
+
+def _hf_stages(plan: ParallelPlan, model: nn.Module, bb: Backbone) -> tuple[list[list[int]], list[str], list[str]]:
+    n, pp, cuts = len(model.get_submodule(bb.layers)), plan.mesh.pp, plan.pipeline.cut_points
+    names = [bb.layer(i) for i in range(n)]
+    if pp > n:
+        return [], [], [f"mesh.pp={pp} stages but the model has {n} layers; each stage needs at least one layer"]
+    if cuts is None:
+        starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
+    else:
+        problems = []
+        for k, cut in enumerate(cuts):
+            if cut not in names:
+                problems.append(
+                    f"pipeline.cut_points[{k}] {cut!r} is not a layer of the model's layer sequence "
+                    f"({names[0]} .. {names[-1]}){_closest(cut, names)}"
+                )
+        if problems:
+            return [], [], problems
+        starts = [0] + [names.index(c) for c in cuts]
+        if starts != sorted(starts):
+            return [], [], [f"pipeline.cut_points {cuts} are out of order; list them as the layers run: {sorted(cuts, key=names.index)}"]
+        if starts[1] == 0:
+            return [], [], [f"pipeline.cut_points[0] {cuts[0]!r} leaves stage 0 without a layer; cut after {names[0]}"]
+    bounds = starts + [n]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(pp)], [names[i] for i in starts[1:]], []
+
+
+def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], list[str], list[str]]:
+    pp, seq = plan.mesh.pp, fxsplit.layer_sequence(model)
+    if pp == 1:
+        return [[name for name, _ in model.named_children()]], [], []
+    try:
+        traced = fxsplit.trace(model)
+    except ValueError as exc:
+        return [], [], [str(exc)]
+    cuts = plan.pipeline.cut_points
+    if cuts is None:
+        if len(seq) < pp:
+            return [], [], [
+                f"mesh.pp={pp} needs a layer sequence of at least {pp} modules for a balanced split, found "
+                f"{len(seq)} in {type(model).__name__}; list pipeline.cut_points instead"
+            ]
+        cuts = [seq[sum(balanced_split(len(seq), pp)[:s])] for s in range(1, pp)]
+    problems = fxsplit.split_problems(traced, list(cuts))
+    if problems:
+        return [], list(cuts), problems
+    stages = []
+    for s in range(pp):
+        graph = fxsplit.stage_graph(traced, list(cuts), s)
+        used = [n.target for n in graph.nodes if n.op in ("call_module", "get_attr")]
+        collapsed = [next((e for e in seq if t == e or t.startswith(e + ".")), t) for t in used]
+        stages.append(list(dict.fromkeys(collapsed)))
+    return stages, list(cuts), []
+
+
+def _param_footprint(model: nn.Module, modules: list[str], shards: dict[str, ShardSpec], tp: int) -> tuple[int, int]:
+    """Parameters (count, bytes) one rank holds for `modules`, after sharding."""
+    seen, count, size = set(), 0, 0
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen or not any(name == m or name.startswith(m + ".") or not m for m in modules):
+            continue
+        seen.add(id(param))
+        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        numel, shard = param.numel(), shards.get(owner)
+        if shard and shard.style != "grad_allreduce" and (leaf == "weight" or shard.style.startswith("column")):
+            numel //= tp
+        count, size = count + numel, size + numel * param.element_size()
+    return count, size
+
+
+def resolve(
+    plan: ParallelPlan | str | Path | dict, model: nn.Module, *, world_size: int | None = None
+) -> ResolvedPlan:
+    """Bind a plan to a model, checking everything that needs the model.
+
+    Args:
+        plan: a `ParallelPlan`, or anything `load_plan` takes.
+        model: the model to bind to (it is not changed; a meta-device model works).
+        world_size: when given, must equal `mesh.pp * mesh.tp`.
+
+    Returns:
+        A `ResolvedPlan`: per module its style and per-rank shapes, per stage its modules.
+
+    Raises:
+        PlanError (a ValueError): every problem found, each with the fix.
+
+    Example:
+        >>> resolved = resolve("plans/llama-tp2.yaml", model)
+        >>> resolved.shards[0].weight_shape
+        (32, 64)
+    """
+    plan = load_plan(plan)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"resolve() needs an nn.Module, got {type(model).__name__}")
+    tp, pp, problems = plan.mesh.tp, plan.mesh.pp, []
+    if world_size is not None and world_size != plan.mesh.world_size:
+        problems.append(
+            f"mesh: pp={pp} x tp={tp} = {plan.mesh.world_size} ranks, but the world size is {world_size}; "
+            f"launch {plan.mesh.world_size} processes or change the mesh"
+        )
+    modules = dict(model.named_modules())
+    done = [f for f, m in modules.items() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if done:
+        raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
+    shards, shard_problems = _shard_problems(plan, model, modules)
+    problems += shard_problems
+    bb = find_backbone(model)
+    if bb is not None:
+        layer_sets, cuts, stage_problems = _hf_stages(plan, model, bb)
+        module_sets = [bb.stage_modules(ls, first=s == 0, last=s == pp - 1) for s, ls in enumerate(layer_sets)]
+        layer_names = [[bb.layer(i) for i in ls] for ls in layer_sets]
+    else:
+        module_sets, cuts, stage_problems = _fx_stages(plan, model)
+        layer_sets, layer_names = [], module_sets
+    problems += stage_problems
+    if problems:
+        raise PlanError(plan.source, problems)
+    by_fqn = {s.fqn: s for s in shards}
+    stages = []
+    for s, mods in enumerate(module_sets):
+        count, size = _param_footprint(model, mods if pp > 1 else [""], by_fqn, tp)
+        stages.append(StageSpec(s, tuple(mods), tuple(layer_names[s]), count, size))
+    total, total_bytes = _param_footprint(model, [""], {}, 1)
+    return ResolvedPlan(
+        plan=plan,
+        model_name=type(model).__name__,
+        kind="hf" if bb is not None else "fx",
+        backbone=bb,
+        shards=tuple(shards),
+        stages=tuple(stages),
+        cut_points=tuple(cuts),
+        total_params=total,
+        total_bytes=total_bytes,
+        layer_indices=tuple(tuple(ls) for ls in layer_sets),
+    )
