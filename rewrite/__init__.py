@@ -8,6 +8,7 @@ Write a plan, apply it, train:
 """
 
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .hfplan import plan_from_hf
 from .mesh import Mesh, build_mesh
 from .plan import ParallelPlan, PlanError, load_plan
 from .resolve import ResolvedPlan, ShardSpec, StageSpec, resolve
@@ -21,6 +22,7 @@ __all__ = [
     "ParallelPlan",
     "PlanError",
     "load_plan",
+    "plan_from_hf",
     "resolve",
     "ResolvedPlan",
     "ShardSpec",

@@ -23,6 +23,7 @@ class _Tracer(fx.Tracer):
     def __init__(self):
         super().__init__()
         self.path: list[str] = []
+        self.failed_in: str | None = None  # innermost module whose forward raised
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return isinstance(m, (ColumnParallelLinear, RowParallelLinear)) or super().is_leaf_module(m, qualname)
@@ -31,6 +32,10 @@ class _Tracer(fx.Tracer):
         self.path.append(self.path_of_module(m))
         try:
             return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.path[-1]
+            raise
         finally:
             self.path.pop()
 
@@ -57,7 +62,7 @@ def trace(model: nn.Module) -> TracedModel:
     try:
         graph = tracer.trace(model)
     except Exception as exc:  # fx raises many types; all mean "not traceable"
-        where = tracer.path[-1] if tracer.path and tracer.path[-1] else None
+        where = tracer.failed_in or None
         module = f"module {where!r} ({type(model.get_submodule(where)).__name__})" if where else "its forward()"
         raise ValueError(
             f"{type(model).__name__} cannot be split into pipeline stages: torch.fx could not trace "
