@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -49,7 +51,12 @@ def _pipeline(rank: int, ws: int, mesh: dict, microbatches: int, cut_points, ove
     plan = {"mesh": mesh, "tensor_parallel": tp_rules, "pipeline": {"microbatches": microbatches}}
     if cut_points is not None:
         plan["pipeline"]["cut_points"] = cut_points
+    layer_refs = [weakref.ref(layer) for layer in model.model.layers]
     stage = rewrite.apply_plan(model, plan)
+    gc.collect()
+    alive = [str(i) for i, ref in enumerate(layer_refs) if ref() is not None]
+    kept = list(model.model.layers.keys()) if isinstance(model.model.layers, torch.nn.ModuleDict) else alive
+    assert alive == kept, f"unowned layers were not released: alive {alive}, owned {kept}"
     ids, targets = _batch(config, microbatches)
     loss = rewrite.run_afab(stage, ids, targets)
     ref_loss = reference_step(reference, ids, targets)

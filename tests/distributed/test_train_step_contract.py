@@ -92,3 +92,21 @@ def _four_ranks(rank: int, ws: int) -> float:
 def test_train_step_pipeline_afab_four_ranks():
     losses = run(_four_ranks, 4, timeout_s=120)
     assert len(set(losses)) == 1, "the step loss is the same on every rank"
+
+
+def _bf16(rank: int, ws: int) -> float:
+    model = build_model("tiny-llama", seed=6)
+    reference = copy.deepcopy(model)
+    inputs = [torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    targets = [torch.roll(x, -1, dims=1) for x in inputs]
+    loss = rewrite.train_step_pipeline_afab(model, inputs, targets, "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    ref_loss = reference_step(reference, inputs, targets)
+    assert abs(float(loss) - float(ref_loss)) < 0.05 * float(ref_loss), (float(loss), float(ref_loss))
+    return float(loss)
+
+
+def test_train_step_pipeline_afab_bf16():
+    losses = run(_bf16, 2, timeout_s=120)
+    assert losses[0] == losses[1]

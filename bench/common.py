@@ -1,0 +1,108 @@
+"""Shared pieces of the benchmarks: the model, the data, launching ranks, timing.
+
+Every measurement runs one torch thread per rank, on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rewrite.presets import build_config, build_model
+
+MODEL = "bench-llama"  # hidden 256, intermediate 688, 8 layers, 8 heads / 4 kv heads, vocab 4096
+SEQ = 128
+MICROBATCHES = 8
+MB = 2
+
+
+def batch(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """8 microbatches of [2, 128] token ids and their next-token targets."""
+    vocab = build_config(MODEL).vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (MICROBATCHES, MB, SEQ + 1), generator=gen)
+    return [t[:, :-1].contiguous() for t in tokens], [t[:, 1:].contiguous() for t in tokens]
+
+
+def model(seed: int = 0):
+    return build_model(MODEL, seed=seed)
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def param_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            local = p.to_local() if hasattr(p, "to_local") else p  # DTensor: this rank's shard
+            total += local.numel() * local.element_size()
+    return total
+
+
+def timed(fn, *, warmup: int, steps: int, barrier: bool = True) -> list[float]:
+    """Seconds per call of `fn`, after `warmup` untimed calls; ranks start each call together."""
+    times = []
+    for i in range(warmup + steps):
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if barrier and dist.is_initialized():
+            dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _worker(rank: int, fn, world: int, init_file: str, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
+    try:
+        torch.save(fn(rank, world, *args), os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world: int, *args) -> list:
+    """Run `fn(rank, world, *args)` on `world` fresh processes; return each rank's result."""
+    with tempfile.TemporaryDirectory(prefix="rewrite-bench-") as tmp:
+        mp.start_processes(
+            _worker,
+            args=(fn, world, os.path.join(tmp, "rendezvous"), tmp, args),
+            nprocs=world,
+            start_method="spawn",
+        )
+        return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def single_process(fn, *args):
+    """Run `fn(*args)` in one fresh process with one thread (a process group of one)."""
+    return launch(_NoGroup(fn), 1, *args)[0]
+
+
+class _NoGroup:
+    """Picklable wrapper: call fn without the rank arguments."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, rank, world, *args):
+        return self.fn(*args)

@@ -1,0 +1,113 @@
+"""PP = 2, AFAB: rewrite's run_afab vs torch.distributed.pipelining ScheduleGPipe vs one process.
+
+Both pipelines run in the same two processes and alternate step by step, so
+machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import rewrite
+from bench import common
+
+
+class _HandStage(nn.Module):
+    """A hand-carved stage of a LLaMA: [embeddings] -> layers[lo:hi] -> [norm, head]."""
+
+    def __init__(self, lm, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.embed = lm.model.embed_tokens if first else None
+        self.rotary = lm.model.rotary_emb
+        self.layers = nn.ModuleList(lm.model.layers[lo:hi])
+        self.norm = lm.model.norm if last else None
+        self.head = lm.lm_head if last else None
+
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x  # (mb, seq, hidden)
+        position_ids = torch.arange(h.shape[1]).unsqueeze(0)
+        pos = self.rotary(h, position_ids)
+        for layer in self.layers:
+            # attention_mask=None: SDPA applies the causal mask itself, as in rewrite's stages.
+            h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pos)
+        if self.head is not None:
+            h = self.head(self.norm(h))  # (mb, seq, vocab)
+        return h
+
+
+def _gpipe(rank: int, world: int):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    lm = common.model()
+    half = lm.config.num_hidden_layers // world
+    carved = _HandStage(lm, rank * half, (rank + 1) * half, rank == 0, rank == world - 1)
+    del lm
+    stage = PipelineStage(carved, rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=common.MICROBATCHES, loss_fn=rewrite.causal_lm_loss)
+    ids, targets = common.batch()
+    full_ids, full_targets = torch.cat(ids), torch.cat(targets)  # the schedule splits them again
+
+    def step():
+        if rank == 0:
+            schedule.step(full_ids)
+        else:
+            schedule.step(target=full_targets, losses=[], return_outputs=False)
+        carved.zero_grad(set_to_none=True)
+
+    return carved, step
+
+
+def _ours(rank: int, world: int):
+    lm = common.model()
+    stage = rewrite.apply_plan(lm, {"mesh": {"pp": world}, "pipeline": {"microbatches": common.MICROBATCHES}})
+    ids, targets = common.batch()
+    busy = []
+
+    def step():
+        start = time.time()
+        rewrite.run_afab(stage, ids, targets)
+        wall = time.time() - start
+        busy.append(sum(e.end - e.start for e in stage.timeline) / wall)
+        stage.module.zero_grad(set_to_none=True)
+
+    return stage.module, step, busy
+
+
+def timing(rank: int, world: int, warmup: int, steps: int) -> dict:
+    ours_module, ours_step, busy = _ours(rank, world)
+    gpipe_module, gpipe_step = _gpipe(rank, world)
+    ours, gpipe = [], []
+    for i in range(warmup + steps):  # alternate, so drift affects both alike
+        t_ours = common.timed(ours_step, warmup=0, steps=1)[0]
+        t_gpipe = common.timed(gpipe_step, warmup=0, steps=1)[0]
+        if i >= warmup:
+            ours.append(t_ours)
+            gpipe.append(t_gpipe)
+    return {"ours": ours, "gpipe": gpipe, "busy": busy[warmup:]}
+
+
+def memory(rank: int, world: int, impl: str) -> dict:
+    """Parameter bytes and peak RSS of one implementation alone in its processes."""
+    module, step = _gpipe(rank, world) if impl == "gpipe" else _ours(rank, world)[:2]
+    for _ in range(2):
+        step()
+    dist.barrier()
+    return {"param_bytes": common.param_bytes(module), "peak_rss_mib": common.peak_rss_mib()}
+
+
+def one_process(warmup: int, steps: int) -> dict:
+    """The same batch, one process, one thread: plain gradient accumulation."""
+    lm = common.model()
+    ids, targets = common.batch()
+
+    def step():
+        for x, y in zip(ids, targets):
+            (rewrite.causal_lm_loss(lm(input_ids=x).logits, y) / len(ids)).backward()
+        lm.zero_grad(set_to_none=True)
+
+    times = common.timed(step, warmup=warmup, steps=steps, barrier=False)
+    return {"times": times, "param_bytes": common.param_bytes(lm), "peak_rss_mib": common.peak_rss_mib()}

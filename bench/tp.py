@@ -1,0 +1,97 @@
+"""TP = 2: rewrite's Megatron layers vs DTensor `parallelize_module` vs one process.
+
+DTensor gets the model's own `base_model_tp_plan`. Both run in the same two
+processes and alternate step by step. Collectives are counted from the profiler's
+`gloo:*` events, so both implementations are counted the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import rewrite
+from bench import common
+
+_COLLECTIVES = ("gloo:all_reduce", "gloo:all_gather", "gloo:reduce_scatter", "gloo:broadcast", "gloo:allgather")
+
+
+def _ours(world: int):
+    lm = common.model()
+    rules = rewrite.plan_from_hf(lm.config, tp=world).tensor_parallel
+    rules = {k: v for k, v in rules.items() if k != "lm_head"}  # as DTensor below: layers only
+    stage = rewrite.apply_plan(lm, {"mesh": {"tp": world}, "tensor_parallel": rules,
+                                    "pipeline": {"microbatches": common.MICROBATCHES}})
+    ids, targets = common.batch()
+
+    def step():
+        rewrite.run_afab(stage, ids, targets)
+        lm.zero_grad(set_to_none=True)
+
+    return lm, step
+
+
+def _dtensor(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    lm = common.model()
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {f"model.{k}": styles[v]() for k, v in lm.config.base_model_tp_plan.items()}
+    mesh = init_device_mesh("cpu", (world,))
+    # parallelize_module takes '*' for one path segment, like our plans.
+    parallelize_module(lm, mesh, plan)
+    ids, targets = common.batch()
+
+    def step():
+        for x, y in zip(ids, targets):
+            (rewrite.causal_lm_loss(lm(input_ids=x).logits, y) / len(ids)).backward()
+        lm.zero_grad(set_to_none=True)
+
+    return lm, step
+
+
+def _collectives(step) -> dict:
+    """Collectives of one step: count and bytes (fp32), by kind."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    out: dict[str, dict[str, int]] = {}
+    for event in prof.events():
+        if event.name.startswith(_COLLECTIVES):
+            numel = sum(_numel(shape) for shape in event.input_shapes if shape)
+            entry = out.setdefault(event.name.removeprefix("gloo:"), {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += 4 * numel
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def timing(rank: int, world: int, warmup: int, steps: int) -> dict:
+    ours_model, ours_step = _ours(world)
+    dt_model, dt_step = _dtensor(world)
+    ours, dtensor = [], []
+    for i in range(warmup + steps):
+        t_ours = common.timed(ours_step, warmup=0, steps=1)[0]
+        t_dt = common.timed(dt_step, warmup=0, steps=1)[0]
+        if i >= warmup:
+            ours.append(t_ours)
+            dtensor.append(t_dt)
+    return {
+        "ours": ours,
+        "dtensor": dtensor,
+        "collectives_ours": _collectives(ours_step),
+        "collectives_dtensor": _collectives(dt_step),
+    }
+
+
+def memory(rank: int, world: int, impl: str) -> dict:
+    module, step = _dtensor(world) if impl == "dtensor" else _ours(world)
+    for _ in range(2):
+        step()
+    return {"param_bytes": common.param_bytes(module), "peak_rss_mib": common.peak_rss_mib()}
