@@ -36,6 +36,20 @@ def model(seed: int = 0):
     return build_model(MODEL, seed=seed)
 
 
+def accumulation_step(lm):
+    """One step of plain gradient accumulation over the batch's microbatches."""
+    from rewrite import causal_lm_loss
+
+    ids, targets = batch()
+
+    def step():
+        for x, y in zip(ids, targets):
+            (causal_lm_loss(lm(input_ids=x).logits, y) / len(ids)).backward()
+        lm.zero_grad(set_to_none=True)
+
+    return step
+
+
 def peak_rss_mib() -> float:
     """Peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -102,12 +102,6 @@ def memory(rank: int, world: int, impl: str) -> dict:
 def one_process(warmup: int, steps: int) -> dict:
     """The same batch, one process, one thread: plain gradient accumulation."""
     lm = common.model()
-    ids, targets = common.batch()
-
-    def step():
-        for x, y in zip(ids, targets):
-            (rewrite.causal_lm_loss(lm(input_ids=x).logits, y) / len(ids)).backward()
-        lm.zero_grad(set_to_none=True)
-
+    step = common.accumulation_step(lm)
     times = common.timed(step, warmup=warmup, steps=steps, barrier=False)
     return {"times": times, "param_bytes": common.param_bytes(lm), "peak_rss_mib": common.peak_rss_mib()}

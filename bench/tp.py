@@ -1,7 +1,8 @@
 """TP = 2: rewrite's Megatron layers vs DTensor `parallelize_module` vs one process.
 
-DTensor gets the model's own `base_model_tp_plan`. Both run in the same two
-processes and alternate step by step. Collectives are counted from the profiler's
+DTensor gets the model's own `base_model_tp_plan`, rewrite the same rules as a
+plan. Both run the same gradient-accumulation loop over the microbatches, in the
+same two processes, alternating step by step. Collectives are counted from the profiler's
 `gloo:*` events, so both implementations are counted the same way.
 """
 
@@ -22,13 +23,8 @@ def _ours(world: int):
     rules = {k: v for k, v in rules.items() if k != "lm_head"}  # as DTensor below: layers only
     stage = rewrite.apply_plan(lm, {"mesh": {"tp": world}, "tensor_parallel": rules,
                                     "pipeline": {"microbatches": common.MICROBATCHES}})
-    ids, targets = common.batch()
-
-    def step():
-        rewrite.run_afab(stage, ids, targets)
-        lm.zero_grad(set_to_none=True)
-
-    return lm, step
+    assert stage.model is lm  # with pp == 1 the rewritten model is a complete HF model
+    return lm, common.accumulation_step(lm)
 
 
 def _dtensor(world: int):
@@ -41,14 +37,7 @@ def _dtensor(world: int):
     mesh = init_device_mesh("cpu", (world,))
     # parallelize_module takes '*' for one path segment, like our plans.
     parallelize_module(lm, mesh, plan)
-    ids, targets = common.batch()
-
-    def step():
-        for x, y in zip(ids, targets):
-            (rewrite.causal_lm_loss(lm(input_ids=x).logits, y) / len(ids)).backward()
-        lm.zero_grad(set_to_none=True)
-
-    return lm, step
+    return lm, common.accumulation_step(lm)
 
 
 def _collectives(step) -> dict:
