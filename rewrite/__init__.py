@@ -7,6 +7,8 @@ Write a plan, apply it, train:
     >>> loss = rewrite.run_afab(stage, input_chunks, target_chunks)
 """
 
+from .checkpoint import save_pretrained
+from .checkpoint_load import from_pretrained
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .hfplan import plan_from_hf
 from .mesh import Mesh, build_mesh
@@ -35,5 +37,7 @@ __all__ = [
     "run_afab",
     "causal_lm_loss",
     "train_step_pipeline_afab",
+    "save_pretrained",
+    "from_pretrained",
 ]
 __version__ = "0.1.0"

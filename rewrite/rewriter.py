@@ -131,7 +131,9 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
     tied = []
     if tied_weight is not None and mesh.pp > 1 and (first or last):
         # Each end holds a copy of the shared matrix: start them equal, sum their grads.
-        dist.broadcast(tied_weight.data, src=mesh.global_rank(0), group=mesh.tied_group)
+        # (A meta-device model has no values yet: whoever materialises it loads both.)
+        if not tied_weight.is_meta:
+            dist.broadcast(tied_weight.data, src=mesh.global_rank(0), group=mesh.tied_group)
         tied = [tied_weight]
     forward = partial(run_backbone, model, bb, layer_indices=indices, first=first, last=last)
     return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fn=forward, tied=tied)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import tempfile
 import time
 from datetime import timedelta
@@ -33,11 +34,11 @@ def _worker(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: 
         world_size=world_size,
         timeout=timedelta(seconds=60),
     )
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    # On error the group is left up: tearing it down here would make the peers fail
+    # (connection reset) before this rank's traceback is recorded as the first one.
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
+    dist.destroy_process_group()
 
 
 def run(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
@@ -57,7 +58,7 @@ def run(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
         )
         deadline = time.monotonic() + timeout_s
         try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            while not _join(ctx, timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
                     alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
                     raise AssertionError(
@@ -71,3 +72,24 @@ def run(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
             for p in ctx.processes:
                 p.join(5)
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _join(ctx, timeout: float) -> bool:
+    """ctx.join, but a failure shows every failed rank's traceback, first failure first.
+
+    When one rank raises, its peers often fail next inside a collective
+    ("Connection reset by peer"); the rank that failed first is the cause.
+    """
+    try:
+        return ctx.join(timeout=timeout)
+    except mp.ProcessRaisedException as exc:
+        time.sleep(0.5)  # let peers failing at the same moment finish writing their errors
+        failed = [(os.path.getmtime(f), r, f) for r, f in enumerate(ctx.error_files) if os.path.exists(f)]
+        traces = []
+        for _, rank, path in sorted(failed):
+            try:
+                with open(path, "rb") as fh:
+                    traces.append(f"-- rank {rank} failed:\n{pickle.load(fh)}")
+            except (EOFError, pickle.UnpicklingError):
+                traces.append(f"-- rank {rank} failed (its traceback was not fully written)")
+        raise AssertionError("\n".join(traces) or str(exc)) from exc
