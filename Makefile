@@ -1,4 +1,6 @@
 # `make test` builds .venv on first use, installs everything, runs the suite.
+# `make demo` does the same install, then trains a tiny LLaMA on 4 CPU processes
+# (tp 2 x pp 2, torchrun, gloo) and writes out/demo/{timeline.png,loss.png,metrics.json}.
 # torch is installed first, pinned, so nothing later pulls a different build.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
@@ -6,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test install clean
+.PHONY: test demo install clean
 
 install: $(STAMP)
 
@@ -21,6 +23,12 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+DEMO_PLAN ?= plans/llama-tp2-pp2.yaml
+DEMO_ARGS ?= --model tiny-llama --steps 30 --out out/demo
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 -m rewrite.cli train $(DEMO_PLAN) $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

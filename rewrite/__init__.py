@@ -9,6 +9,7 @@ Write a plan, apply it, train:
 
 from .checkpoint import save_pretrained
 from .checkpoint_load import from_pretrained
+from .launch import LaunchError, launch
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .hfplan import plan_from_hf
 from .mesh import Mesh, build_mesh
@@ -39,5 +40,7 @@ __all__ = [
     "train_step_pipeline_afab",
     "save_pretrained",
     "from_pretrained",
+    "launch",
+    "LaunchError",
 ]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ from . import fxsplit
 from .backbone import Backbone, find_backbone
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .plan import ParallelPlan, PlanError, load_plan
-from .tpcheck import ShardSpec, closest, match_pattern, shard_problems
+from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 
 __all__ = ["ResolvedPlan", "ShardSpec", "StageSpec", "resolve", "balanced_split", "match_pattern"]
 
@@ -184,7 +184,7 @@ def resolve(
         layer_sets, layer_names = [], module_sets
     problems += stage_problems
     if problems:
-        raise PlanError(plan.source, problems)
+        raise PlanError(plan.source, collapse_repeats(problems))
     by_fqn = {s.fqn: s for s in shards}
     stages = []
     for s, mods in enumerate(module_sets):

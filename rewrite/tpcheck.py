@@ -14,7 +14,9 @@ from torch import nn
 
 from .plan import ParallelPlan
 
-__all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems"]
+__all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats"]
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,8 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
     if tp > 1:
         for fqn in _per_head_modules(modules, {f: s for f, (_, s) in chosen.items()}):
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
-    shards = []
-    for fqn, (pattern, style) in chosen.items():
+    shards, order = [], {name: i for i, name in enumerate(names)}
+    for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
         lin = modules[fqn]
         if style == "grad_allreduce":
             weight = getattr(lin, "weight", None)
@@ -115,6 +117,26 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
     if tp > 1:
         problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp)
     return shards, problems
+
+
+def collapse_repeats(problems: list[str]) -> list[str]:
+    """One line for problems that differ only in a layer index, not one per layer.
+
+    'model.layers.0.mlp: ...' .. 'model.layers.31.mlp: ...' becomes
+    'model.layers.*.mlp: ... [* = 0, 1, ..., 31]'.
+    """
+    groups: dict[str, list[str]] = {}
+    for problem in problems:
+        match = _INDEX.search(problem)
+        key = _INDEX.sub("\0", problem, count=1) if match else problem
+        groups.setdefault(key, []).append(match.group(0) if match else "")
+    out = []
+    for key, indices in groups.items():
+        if len(indices) == 1:
+            out.append(key.replace("\0", indices[0]))
+        else:
+            out.append(key.replace("\0", "*") + f" [* = {', '.join(indices)}]")
+    return out
 
 
 def _per_head_modules(modules: dict[str, nn.Module], styles: dict[str, str]) -> list[str]:

@@ -79,7 +79,7 @@ def test_pattern_mistakes(llama):
         "model.layers.0.self_attn.q_proj": "row",
     } | {k: v for k, v in TP_RULES.items() if "mlp" not in k}}, llama)
     assert "tensor_parallel['model.layers.*.mlp.up_projj'] matches no module; did you mean 'model.layers.*.mlp.up_proj'?" in message
-    assert "tensor_parallel['model.layers.*.mlp'] matches 'model.layers.0.mlp', a LlamaMLP, not an nn.Linear" in message
+    assert "tensor_parallel['model.layers.*.mlp'] matches 'model.layers.*.mlp', a LlamaMLP, not an nn.Linear" in message
     assert "its linears: gate_proj, up_proj, down_proj" in message
     assert ("'model.layers.0.self_attn.q_proj' is matched by tensor_parallel['model.layers.0.self_attn.q_proj'] "
             "as 'row' and by tensor_parallel['model.layers.*.self_attn.q_proj'] as 'column'") in message
@@ -90,8 +90,10 @@ def test_divisibility_and_heads():
                           intermediate_size=90)
     model = build_model(config, device="meta")
     message = problems({"mesh": {"tp": 4}, "tensor_parallel": TP_RULES}, model)
-    assert "model.layers.0.mlp.gate_proj (column): out_features=90 is not divisible by mesh.tp=4" in message
-    assert "model.layers.0.mlp.down_proj (row): in_features=90 is not divisible by mesh.tp=4" in message
+    assert ("model.layers.*.mlp.gate_proj (column): out_features=90 is not divisible by mesh.tp=4; "
+            "use a tp that divides 90 [* = 0, 1, 2, 3]") in message
+    assert "model.layers.*.mlp.down_proj (row): in_features=90 is not divisible by mesh.tp=4" in message
+    assert message.startswith("plan: 5 problems"), "one line per rule, not one per layer"
     assert "mesh.tp=4 does not divide num_attention_heads=6 (q_proj, o_proj would split a head)" in message
     assert "mesh.tp=4 does not divide num_key_value_heads=2 (k_proj, v_proj would split a head)" in message
     assert message.count("num_key_value_heads=2") == 1, "a config problem is reported once, not per layer"
@@ -100,8 +102,9 @@ def test_divisibility_and_heads():
 def test_incomplete_blocks_and_tied_head(llama):
     rules = {k: v for k, v in TP_RULES.items() if "o_proj" not in k}
     message = problems({"mesh": {"tp": 2}, "tensor_parallel": rules}, llama)
-    assert ("model.layers.0.self_attn: q_proj=column, k_proj=column, v_proj=column, o_proj=unsharded; "
+    assert ("model.layers.*.self_attn: q_proj=column, k_proj=column, v_proj=column, o_proj=unsharded; "
             "shard q_proj, k_proj, v_proj as column and o_proj as row together") in message
+    assert message.rstrip().endswith("[* = 0, 1, 2, 3]")
     tied = build_model(build_config("tiny-llama", tie_word_embeddings=True), device="meta")
     message = problems({"mesh": {"tp": 2}, "tensor_parallel": {"lm_head": "column_gather"}}, tied)
     assert "lm_head.weight is tied to model.embed_tokens.weight; sharding it would untie them" in message

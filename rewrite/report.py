@@ -1,0 +1,124 @@
+"""Plain-text tables of a resolved plan: what `rewrite show` prints.
+
+Three tables: module path -> style -> per-rank shapes; stages -> modules;
+parameters and memory per rank. Aligned columns, no dependency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .resolve import ResolvedPlan
+
+__all__ = ["format_table", "format_bytes", "format_plan", "shard_rows", "stage_rows", "rank_rows"]
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, indent: str = "  ") -> str:
+    """Left-aligned columns, two spaces apart, with a dashed rule under the header.
+
+    Example:
+        >>> print(format_table(["a", "bb"], [[1, 2]]))
+          a  bb
+          -  --
+          1  2
+    """
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    rule = ["-" * w for w in widths]
+    lines = [cells[0], rule, *cells[1:]]
+    return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def format_bytes(n: int) -> str:
+    """`1536` -> `'1.5 KiB'`."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "-" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _layer_order(fqn: str) -> tuple[float, ...]:
+    # Layer by layer (the plan's rule order within a layer); unnumbered modules such as lm_head last.
+    numbers = tuple(float(p) for p in fqn.split(".") if p.isdigit())
+    return numbers or (float("inf"),)
+
+
+def shard_rows(resolved: ResolvedPlan) -> list[list[str]]:
+    """One row per rewritten module, layer by layer: path, style, the plan rule, weight and bias shape on each tp rank."""
+    shards = sorted(resolved.shards, key=lambda s: _layer_order(s.fqn))
+    return [[s.fqn, s.style, s.pattern, _shape(s.weight_shape), _shape(s.bias_shape)] for s in shards]
+
+
+def _ranks_of(resolved: ResolvedPlan, stage_idx: int) -> list[int]:
+    # Global rank = pp_rank * tp + tp_rank (rewrite.mesh).
+    return [stage_idx * resolved.tp + t for t in range(resolved.tp)]
+
+
+def stage_rows(resolved: ResolvedPlan) -> list[list[str]]:
+    """One row per pipeline stage: its index, global ranks, and the modules it runs in order."""
+    return [
+        [str(s.stage_idx), ",".join(map(str, _ranks_of(resolved, s.stage_idx))), ", ".join(s.modules)]
+        for s in resolved.stages
+    ]
+
+
+def rank_rows(resolved: ResolvedPlan) -> list[list[str]]:
+    """One row per global rank: stage, tp rank, parameters and their memory.
+
+    The training column counts weights + gradients (the parameters' dtype) + AdamW's
+    two moments kept in float32: 2 * bytes + 8 * count.
+    """
+    rows = []
+    for s in resolved.stages:
+        training = 2 * s.param_bytes + 8 * s.param_count
+        for t, rank in enumerate(_ranks_of(resolved, s.stage_idx)):
+            rows.append([str(rank), str(s.stage_idx), str(t), f"{s.param_count:,}", format_bytes(s.param_bytes), format_bytes(training)])
+    return rows
+
+
+def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None) -> str:
+    """The three tables of `rewrite show`, with a heading line.
+
+    Args:
+        resolved: `rewrite.resolve(plan, model)`; a meta-device model is enough.
+        model_label: how to name the model in the heading (e.g. the preset or path).
+
+    Returns:
+        Multi-line text, no trailing newline.
+
+    Example:
+        >>> print(format_plan(rewrite.resolve("plans/llama-tp2.yaml", model)))
+    """
+    plan, tp, pp = resolved.plan, resolved.tp, resolved.pp
+    model = resolved.model_name + (f" ({model_label})" if model_label else "")
+    pipe = plan.pipeline
+    out = [
+        f"{plan.source} on {model}",
+        f"mesh: pp={pp} x tp={tp} = {resolved.world_size} ranks; {pipe.microbatches} microbatch"
+        f"{'es' if pipe.microbatches != 1 else ''} per step, schedule {pipe.schedule}; "
+        f"{'module walker (hf)' if resolved.kind == 'hf' else 'torch.fx stages'}",
+        "",
+    ]
+    if resolved.shards:
+        out.append(
+            f"Tensor parallel: {len(resolved.shards)} modules; shapes held by each of the {tp} tp rank"
+            f"{'s' if tp != 1 else ''}" + (" (tp=1: nothing is split)" if tp == 1 else "")
+        )
+        out.append(format_table(["module", "style", "rule", "weight", "bias"], shard_rows(resolved)))
+    else:
+        out.append("Tensor parallel: no module is sharded")
+    out.append("")
+    cuts = f", cut at {', '.join(resolved.cut_points)}" if resolved.cut_points else ""
+    out.append(f"Pipeline: {pp} stage{'s' if pp != 1 else ''}{cuts}")
+    out.append(format_table(["stage", "ranks", "modules"], stage_rows(resolved)))
+    out.append("")
+    out.append("Parameters and memory per rank (training = weights + grads + AdamW moments in fp32)")
+    out.append(format_table(["rank", "stage", "tp_rank", "params", "weights", "training"], rank_rows(resolved)))
+    out.append(f"  whole model: {resolved.total_params:,} parameters, {format_bytes(resolved.total_bytes)}")
+    return "\n".join(out)

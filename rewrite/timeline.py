@@ -1,0 +1,110 @@
+"""The pipeline timeline: gather every rank's `Stage.timeline`, draw it as a Gantt chart.
+
+One row per rank, one bar per microbatch's forward (blue) and backward (orange),
+labelled with its microbatch index. Under AFAB every forward of a stage ends before
+its first backward, and stage s + 1 starts microbatch i after stage s sends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .stage import Stage, TimelineEvent
+
+__all__ = ["gather_timeline", "plot_timeline", "events_to_dicts", "events_from_dicts"]
+
+COLORS = {"forward": "#4C72B0", "backward": "#DD8452"}
+
+
+def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
+    """Every rank's events of the last step run through its stage, sorted by rank then start.
+
+    Collective: every rank of `group` (default: the whole world) calls it; every
+    rank gets the full list. Clocks are wall-clock seconds (`time.time()`), so ranks
+    on several machines are only as aligned as those machines' clocks.
+
+    Example:
+        >>> loss = rewrite.run_afab(stage, inputs, targets)
+        >>> events = gather_timeline(stage)       # on every rank
+        >>> if dist.get_rank() == 0: plot_timeline(events).savefig("timeline.png")
+    """
+    mine = [tuple(asdict(e).values()) for e in stage.timeline]  # plain tuples pickle anywhere
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    events = [TimelineEvent(*e) for rank_events in every for e in rank_events]
+    return sorted(events, key=lambda e: (e.rank, e.start))
+
+
+def events_to_dicts(events: Sequence[TimelineEvent]) -> list[dict]:
+    """JSON-ready events (for metrics files)."""
+    return [asdict(e) for e in events]
+
+
+def events_from_dicts(rows: Sequence[dict]) -> list[TimelineEvent]:
+    return [TimelineEvent(**row) for row in rows]
+
+
+def plot_timeline(
+    events: Sequence[TimelineEvent],
+    *,
+    tp: int | None = None,
+    title: str | None = None,
+    ax=None,
+    path: str | Path | None = None,
+):
+    """A Gantt chart per rank: forward and backward bars per microbatch, index on each bar.
+
+    Args:
+        events: from `gather_timeline` (or any ranks' `stage.timeline`, concatenated).
+        tp: tensor-parallel size, to label rows with their tp rank (rank % tp).
+        title: the chart title; default names the microbatch count.
+        ax: a matplotlib Axes to draw on; default: a new figure sized to the ranks.
+        path: when given, the figure is saved there as PNG.
+
+    Returns:
+        The matplotlib `Figure` (in a notebook, the cell shows it).
+
+    Raises:
+        ValueError: no events (run a step with `run_afab` first).
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    if not events:
+        raise ValueError("no timeline events to plot: run a step with rewrite.run_afab(stage, ...) first")
+    ranks = sorted({e.rank for e in events})
+    t0 = min(e.start for e in events)
+    t1 = max(e.end for e in events)
+    span = max(t1 - t0, 1e-9)
+    if ax is None:
+        fig = Figure(figsize=(10, 1.0 + 0.6 * len(ranks)), layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    row = {rank: i for i, rank in enumerate(ranks)}
+    for e in events:
+        left, width = e.start - t0, max(e.end - e.start, span * 1e-3)
+        y = row[e.rank]
+        ax.barh(y, width, left=left, height=0.7, color=COLORS.get(e.kind, "gray"), edgecolor="white", linewidth=0.5)
+        if width > span * 0.012:  # label only bars wide enough to hold a digit
+            ax.text(left + width / 2, y, str(e.mb_idx), ha="center", va="center", fontsize=8, color="white")
+    labels = []
+    for rank in ranks:
+        stage_idx = next(e.stage_idx for e in events if e.rank == rank)
+        where = f"stage {stage_idx}" + (f", tp {rank % tp}" if tp else "")
+        labels.append(f"rank {rank}\n{where}")
+    ax.set_yticks(range(len(ranks)), labels)
+    ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
+    ax.set_xlim(0, span * 1.01)
+    ax.set_xlabel("seconds since the step's first forward")
+    microbatches = len({e.mb_idx for e in events})
+    ax.set_title(title or f"AFAB timeline: {microbatches} microbatches (numbers on bars), {len(ranks)} ranks")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
