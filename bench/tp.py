@@ -8,7 +8,6 @@ same two processes, alternating step by step. Collectives are counted from the p
 
 from __future__ import annotations
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import rewrite

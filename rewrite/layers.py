@@ -29,7 +29,7 @@ from .comm import (
     scatter_to_parallel,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "local_shard"]
 
 
 def _check_features(cls: str, in_features: int, out_features: int) -> None:
@@ -72,7 +72,48 @@ def _master(
     return master_weight.detach()
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What both layers share: group bookkeeping, slicing, building from nn.Linear."""
+
+    _split = ""  # "out_features" (column) or "in_features" (row)
+
+    def _build(self, in_features, out_features, bias, master_weight, group, device, dtype) -> None:
+        cls = type(self).__name__
+        _check_features(cls, in_features, out_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.group = group
+        self.tp_size, self.tp_rank = group_size(group), group_rank(group)
+        split = getattr(self, self._split)
+        _check_divisible(cls, self._split, split, self.tp_size)
+        self.per_rank = split // self.tp_size
+        full = _master(cls, master_weight, out_features, in_features, device, dtype)
+        # clone(): this rank's storage holds only its slice, never the full matrix.
+        self.weight = nn.Parameter(self.shard_of("weight", full).clone())
+        if bias:
+            zeros = torch.zeros(out_features, device=full.device, dtype=full.dtype)
+            self.bias = nn.Parameter(self.shard_of("bias", zeros).clone())
+        else:
+            self.register_parameter("bias", None)
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of the unsharded `full` tensor that this rank's parameter `name` holds (a view)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _from(cls, linear: nn.Linear, **options):
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear needs an nn.Linear, got {type(linear).__name__}")
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight, **options)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(layer.shard_of("bias", linear.bias.detach()).clone())
+        # A frozen source stays frozen once sharded.
+        layer.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
+        return layer
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """`nn.Linear` with its output features split across a tensor-parallel group.
 
     Args:
@@ -112,22 +153,9 @@ class ColumnParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        cls = type(self).__name__
-        _check_features(cls, in_features, out_features)
-        self.in_features, self.out_features = in_features, out_features
-        self.group = group
-        self.tp_size, self.tp_rank = group_size(group), group_rank(group)
-        _check_divisible(cls, "out_features", out_features, self.tp_size)
         self.gather_output = gather_output
-        self.out_per_rank = out_features // self.tp_size
-        full = _master(cls, master_weight, out_features, in_features, device, dtype)
-        start = self.tp_rank * self.out_per_rank
-        # clone(): this rank's storage holds only its slice, never the full matrix.
-        self.weight = nn.Parameter(full[start : start + self.out_per_rank].clone())
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(self.out_per_rank, device=full.device, dtype=full.dtype))
-        else:
-            self.register_parameter("bias", None)
+        self._build(in_features, out_features, bias, master_weight, group, device, dtype)
+        self.out_per_rank = self.per_rank
         # Sibling column layers reading one activation may share this (see comm).
         self.input_copy = SharedInputCopy(group)
 
@@ -145,23 +173,16 @@ class ColumnParallelLinear(nn.Module):
         `input_copy` lets several layers reading the same activation share one
         backward all-reduce; it must wrap the same group.
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"ColumnParallelLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            linear.weight,
-            gather_output=gather_output,
-            group=group,
-        )
-        if linear.bias is not None:
-            start = layer.tp_rank * layer.out_per_rank
-            layer.bias = nn.Parameter(linear.bias.detach()[start : start + layer.out_per_rank].clone())
-        _keep_trainability(layer, linear)
+        layer = cls._from(linear, gather_output=gather_output, group=group)
         if input_copy is not None:
             layer.input_copy = input_copy
         return layer
+
+    _split = "out_features"
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        start = self.tp_rank * self.per_rank
+        return full[start : start + self.per_rank]  # rows of the weight, entries of the bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -181,7 +202,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """`nn.Linear` with its input features split across a tensor-parallel group.
 
     Args:
@@ -221,21 +242,9 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
-        cls = type(self).__name__
-        _check_features(cls, in_features, out_features)
-        self.in_features, self.out_features = in_features, out_features
-        self.group = group
-        self.tp_size, self.tp_rank = group_size(group), group_rank(group)
-        _check_divisible(cls, "in_features", in_features, self.tp_size)
         self.input_is_parallel = input_is_parallel
-        self.in_per_rank = in_features // self.tp_size
-        full = _master(cls, master_weight, out_features, in_features, device, dtype)
-        start = self.tp_rank * self.in_per_rank
-        self.weight = nn.Parameter(full[:, start : start + self.in_per_rank].clone())
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, device=full.device, dtype=full.dtype))
-        else:
-            self.register_parameter("bias", None)
+        self._build(in_features, out_features, bias, master_weight, group, device, dtype)
+        self.in_per_rank = self.per_rank
 
     @classmethod
     def from_linear(
@@ -246,20 +255,15 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
     ) -> RowParallelLinear:
         """Shard an existing `nn.Linear`, keeping its trained weight slice and full bias."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"RowParallelLinear.from_linear needs an nn.Linear, got {type(linear).__name__}")
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            linear.weight,
-            input_is_parallel=input_is_parallel,
-            group=group,
-        )
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach().clone())
-        _keep_trainability(layer, linear)
-        return layer
+        return cls._from(linear, input_is_parallel=input_is_parallel, group=group)
+
+    _split = "in_features"
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        if name == "bias":
+            return full  # the bias is whole on every rank, added once after the sum
+        start = self.tp_rank * self.per_rank
+        return full[:, start : start + self.per_rank]  # columns of the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -286,8 +290,11 @@ class RowParallelLinear(nn.Module):
         )
 
 
-def _keep_trainability(layer: nn.Module, linear: nn.Linear) -> None:
-    """A frozen source stays frozen once sharded."""
-    layer.weight.requires_grad_(linear.weight.requires_grad)
-    if linear.bias is not None:
-        layer.bias.requires_grad_(linear.bias.requires_grad)
+def local_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The part of the unsharded tensor `full` that parameter `name` of a rewritten `model` holds.
+
+    Sharded linears keep their slice (see `shard_of`); every other parameter is whole.
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    return owner.shard_of(leaf, full) if isinstance(owner, _ParallelLinear) else full

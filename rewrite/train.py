@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import local_shard
 from .plan import load_plan
 from .presets import build_model, load_config
 from .rewriter import apply_plan
@@ -37,7 +37,6 @@ __all__ = [
     "default_data_path",
     "load_bytes",
     "sample_batch",
-    "reference_slice",
     "parity_check",
     "plot_loss",
 ]
@@ -120,23 +119,6 @@ def sample_batch(
     return list(windows[..., :-1].unbind(0)), list(windows[..., 1:].unbind(0))
 
 
-def reference_slice(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
-    """The part of the unsharded tensor `full` that the rewritten parameter `name` holds.
-
-    Column layers keep rows `[r*n, (r+1)*n)` of weight and bias; row layers keep those
-    columns of the weight and the whole bias; everything else is whole.
-    """
-    owner_name, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_name) if owner_name else model
-    if isinstance(owner, ColumnParallelLinear):
-        n = owner.out_per_rank
-        return full[owner.tp_rank * n : (owner.tp_rank + 1) * n]
-    if isinstance(owner, RowParallelLinear) and leaf == "weight":
-        n = owner.in_per_rank
-        return full[:, owner.tp_rank * n : (owner.tp_rank + 1) * n]
-    return full
-
-
 def reference_step(reference: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
     """The same step single-process: each microbatch's loss / m, gradients accumulated."""
     total = torch.zeros(())
@@ -166,7 +148,7 @@ def parity_check(
             continue
         got = param.grad if param.grad is not None else torch.zeros_like(param)
         want = ref[name].grad if ref[name].grad is not None else torch.zeros_like(ref[name])
-        dgrad = max(dgrad, (got - reference_slice(model, name, want)).abs().max().item())
+        dgrad = max(dgrad, (got - local_shard(model, name, want)).abs().max().item())
         compared.append(name)
     stats = torch.tensor([abs(float(loss) - float(ref_loss)), dgrad], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)

@@ -7,7 +7,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 from safetensors import safe_open

@@ -8,7 +8,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import rewrite
 from rewrite.presets import build_config, build_model
