@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rewrite import ColumnParallelLinear, RowParallelLinear
+from rewrite import ColumnParallelLinear, RowParallelLinear, comm
 from tests.asserts import assert_close
 from tests.multiproc import run
 
-IN, OUT = 8, 12  # divisible by 1, 2 and 4
+IN, OUT = 12, 24  # divisible by 1, 2, 3 and 4
 
 
 def _reference(weight: torch.Tensor, bias: bool) -> nn.Linear:
@@ -135,17 +135,17 @@ def _check_errors(rank: int, ws: int) -> None:
 
 def _count_all_reduces(fn) -> int:
     calls = []
-    original = dist.all_reduce
+    original = comm.all_reduce_sum
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    dist.all_reduce = counting
+    comm.all_reduce_sum = counting
     try:
         fn()
     finally:
-        dist.all_reduce = original
+        comm.all_reduce_sum = original
     return len(calls)
 
 
@@ -160,6 +160,16 @@ def _check_shared_input_copy(rank: int, ws: int) -> None:
     assert _count_all_reduces(loss.backward) == expected, "shared input copy must all-reduce once"
 
 
+def _check_sum(rank: int, ws: int) -> None:
+    """all_reduce_sum: the exact sum within rounding, and the same bits on every rank."""
+    parts = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(ws)]
+    total = comm.all_reduce_sum(parts[rank].clone())
+    assert_close("sum", total, torch.stack(parts).sum(0))
+    gathered = [torch.empty_like(total) for _ in range(ws)]
+    dist.all_gather(gathered, total)
+    assert all(torch.equal(g, total) for g in gathered), "ranks hold different bits of the same sum"
+
+
 def _contract(rank: int, ws: int) -> str:
     assert dist.get_world_size() == ws and dist.get_rank() == rank
     for bias in (True, False):
@@ -169,10 +179,12 @@ def _contract(rank: int, ws: int) -> str:
     _check_megatron_pair(rank, ws)
     _check_errors(rank, ws)
     _check_shared_input_copy(rank, ws)
+    _check_sum(rank, ws)
     return "ok"
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+# 3 ranks: the sums take torch.distributed.all_reduce instead of the P2P exchange.
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_parallel_linear_contract(world_size):
     assert run(_contract, world_size) == ["ok"] * world_size
 

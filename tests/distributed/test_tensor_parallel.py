@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import rewrite
 from rewrite import ColumnParallelLinear, RowParallelLinear
+from rewrite import comm
 from rewrite.presets import build_config, build_model
 from tests.asserts import assert_close
 from tests.multiproc import run
@@ -19,29 +20,39 @@ PLANS = {2: "plans/llama-tp2.yaml", 4: "plans/llama-tp4.yaml"}
 
 
 class _Counter:
-    """Counts collectives by patching torch.distributed for the duration of a block."""
+    """Counts collectives by patching them for the duration of a block.
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+    All-reduces are counted at rewrite's `all_reduce_sum`, which every tensor-parallel
+    sum goes through (over P2P on gloo, else torch.distributed.all_reduce).
+    """
+
+    TARGETS = {
+        "all_reduce": (comm, "all_reduce_sum"),
+        "all_gather": (dist, "all_gather"),
+        "all_gather_into_tensor": (dist, "all_gather_into_tensor"),
+        "reduce_scatter_tensor": (dist, "reduce_scatter_tensor"),
+        "broadcast": (dist, "broadcast"),
+    }
 
     def __enter__(self):
-        self.counts = dict.fromkeys(self.NAMES, 0)
-        self.saved = {n: getattr(dist, n) for n in self.NAMES}
-        for name in self.NAMES:
-            setattr(dist, name, self._wrap(name))
+        self.counts = dict.fromkeys(self.TARGETS, 0)
+        self.saved = {kind: getattr(module, name) for kind, (module, name) in self.TARGETS.items()}
+        for kind, (module, name) in self.TARGETS.items():
+            setattr(module, name, self._wrap(kind))
         return self
 
-    def _wrap(self, name):
-        original = self.saved[name]
+    def _wrap(self, kind):
+        original = self.saved[kind]
 
         def counted(*args, **kwargs):
-            self.counts[name] += 1
+            self.counts[kind] += 1
             return original(*args, **kwargs)
 
         return counted
 
     def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
+        for kind, (module, name) in self.TARGETS.items():
+            setattr(module, name, self.saved[kind])
 
 
 def _check_model(rank: int, ws: int, preset: str, overrides: dict, count_collectives: bool) -> dict:
