@@ -39,12 +39,14 @@ class _HandStage(nn.Module):
         return h
 
 
-def _gpipe(rank: int, world: int):
+def _gpipe(rank: int, world: int, cut: int):
+    """Two hand-carved stages: layers [0, cut) and [cut, n)."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+    assert world == 2, "the hand-carved baseline has two stages"
     lm = common.model()
-    half = lm.config.num_hidden_layers // world
-    carved = _HandStage(lm, rank * half, (rank + 1) * half, rank == 0, rank == world - 1)
+    n = lm.config.num_hidden_layers
+    carved = _HandStage(lm, 0 if rank == 0 else cut, cut if rank == 0 else n, rank == 0, rank == 1)
     del lm
     stage = PipelineStage(carved, rank, world, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=common.MICROBATCHES, loss_fn=rewrite.causal_lm_loss)
@@ -61,9 +63,10 @@ def _gpipe(rank: int, world: int):
     return carved, step
 
 
-def _ours(rank: int, world: int):
+def _ours(rank: int, world: int, cut: int):
     lm = common.model()
-    stage = rewrite.apply_plan(lm, {"mesh": {"pp": world}, "pipeline": {"microbatches": common.MICROBATCHES}})
+    pipeline = {"microbatches": common.MICROBATCHES, "cut_points": [f"model.layers.{cut}"]}
+    stage = rewrite.apply_plan(lm, {"mesh": {"pp": world}, "pipeline": pipeline})
     ids, targets = common.batch()
     busy = []
 
@@ -77,9 +80,9 @@ def _ours(rank: int, world: int):
     return stage.module, step, busy
 
 
-def timing(rank: int, world: int, warmup: int, steps: int) -> dict:
-    ours_module, ours_step, busy = _ours(rank, world)
-    gpipe_module, gpipe_step = _gpipe(rank, world)
+def timing(rank: int, world: int, warmup: int, steps: int, cut: int = 4) -> dict:
+    ours_module, ours_step, busy = _ours(rank, world, cut)
+    gpipe_module, gpipe_step = _gpipe(rank, world, cut)
     ours, gpipe = [], []
     for i in range(warmup + steps):  # alternate, so drift affects both alike
         t_ours = common.timed(ours_step, warmup=0, steps=1)[0]
@@ -92,7 +95,7 @@ def timing(rank: int, world: int, warmup: int, steps: int) -> dict:
 
 def memory(rank: int, world: int, impl: str) -> dict:
     """Parameter bytes and peak RSS of one implementation alone in its processes."""
-    module, step = _gpipe(rank, world) if impl == "gpipe" else _ours(rank, world)[:2]
+    module, step = _gpipe(rank, world, 4) if impl == "gpipe" else _ours(rank, world, 4)[:2]
     for _ in range(2):
         step()
     dist.barrier()

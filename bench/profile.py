@@ -36,7 +36,7 @@ def _profile_tp(rank: int, world: int, rows: int) -> dict:
 
 
 def _profile_pp(rank: int, world: int, rows: int) -> dict:
-    _, step, _ = pp._ours(rank, world)
+    _, step, _ = pp._ours(rank, world, 4)
     step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()

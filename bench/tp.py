@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import rewrite
 from bench import common
+from rewrite import comm
 
 _COLLECTIVES = ("gloo:all_reduce", "gloo:all_gather", "gloo:reduce_scatter", "gloo:broadcast", "gloo:allgather")
 
@@ -40,10 +41,27 @@ def _dtensor(world: int):
 
 
 def _collectives(step) -> dict:
-    """Collectives of one step: count and bytes (fp32), by kind."""
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
+    """Collectives of one step: count and bytes (fp32), by kind.
+
+    gloo's own collectives come from the profiler. rewrite's sums run over P2P on
+    gloo, so they are counted where they are made (`all_reduce_sum`), once per sum
+    whatever the transport, with the bytes of the tensor summed.
+    """
     out: dict[str, dict[str, int]] = {}
+    original = comm.all_reduce_sum
+
+    def counted(x, group=None):
+        entry = out.setdefault("all_reduce", {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += x.numel() * x.element_size()
+        return original(x, group)
+
+    comm.all_reduce_sum = counted
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            step()
+    finally:
+        comm.all_reduce_sum = original
     for event in prof.events():
         if event.name.startswith(_COLLECTIVES):
             numel = sum(_numel(shape) for shape in event.input_shapes if shape)
