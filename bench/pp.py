@@ -77,7 +77,7 @@ def _ours(rank: int, world: int, cut: int):
         busy.append(sum(e.end - e.start for e in stage.timeline) / wall)
         stage.module.zero_grad(set_to_none=True)
 
-    return stage.module, step, busy
+    return stage, step, busy
 
 
 def timing(rank: int, world: int, warmup: int, steps: int, cut: int = 4) -> dict:
