@@ -76,15 +76,22 @@ def test_train_step_pipeline_afab(world_size):
         assert called[0] == sorted([*WATCHED, "lm_head"])
 
 
+def _model_and_batch(seed: int, shape: tuple[int, int], microbatches: int):
+    """A tiny LLaMA, its untouched copy, and next-token microbatches."""
+    model = build_model("tiny-llama", seed=seed)
+    gens = [torch.Generator().manual_seed(i) for i in range(microbatches)]
+    inputs = [torch.randint(0, 256, shape, generator=g) for g in gens]
+    return model, copy.deepcopy(model), inputs, [torch.roll(x, -1, dims=1) for x in inputs]
+
+
 def _four_ranks(rank: int, ws: int) -> float:
-    model = build_model("tiny-llama", seed=4)
-    reference = copy.deepcopy(model)
-    inputs = [torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    targets = [torch.roll(x, -1, dims=1) for x in inputs]
+    model, reference, inputs, targets = _model_and_batch(4, (1, 6), 3)
     loss = rewrite.train_step_pipeline_afab(model, inputs, targets, "cpu", torch.float32)
     assert_close("loss", loss, reference_step(reference, inputs, targets))
     assert_grads_match(model, reference, prefix=f"rank {rank} ")
-    layers = sorted(int(n.split(".")[2]) for n, _ in model.named_parameters() if n.startswith("model.layers.") and n.endswith("input_layernorm.weight"))
+    layers = sorted(
+        int(n.split(".")[2]) for n, _ in model.named_parameters() if n.endswith("input_layernorm.weight")
+    )
     assert layers == [rank], layers  # one layer per rank with 4 layers on 4 ranks
     return float(loss)
 
@@ -95,10 +102,7 @@ def test_train_step_pipeline_afab_four_ranks():
 
 
 def _bf16(rank: int, ws: int) -> float:
-    model = build_model("tiny-llama", seed=6)
-    reference = copy.deepcopy(model)
-    inputs = [torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    targets = [torch.roll(x, -1, dims=1) for x in inputs]
+    model, reference, inputs, targets = _model_and_batch(6, (2, 8), 2)
     loss = rewrite.train_step_pipeline_afab(model, inputs, targets, "cpu", torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
