@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from .layers import local_shard
+from .parity import Parity, parity_check
 from .plan import load_plan
 from .presets import build_model, load_config
 from .rewriter import apply_plan
-from .schedule import causal_lm_loss, run_afab
+from .schedule import run_afab
 from .timeline import events_to_dicts, gather_timeline, plot_timeline
 
 __all__ = [
@@ -65,24 +64,6 @@ class TrainConfig:
     progress: bool = True  # progress bar on rank 0 (else one line per step)
 
 
-@dataclass(frozen=True)
-class Parity:
-    """Step 1 against the single-process step, maxima over every rank."""
-
-    max_dloss: float  # |loss - reference loss|
-    max_dgrad: float  # max |grad - reference grad| over every element (sharded: the matching slice)
-    num_params: int  # distinct parameters of the model compared, over all ranks
-    total_params: int  # parameters the model has (num_params should equal it)
-
-    def line(self) -> str:
-        """The one line rank 0 prints."""
-        missing = "" if self.num_params == self.total_params else f" (of {self.total_params}: some never compared)"
-        return (
-            f"parity vs single process (step 1): max |dloss| = {self.max_dloss:.1e}, "
-            f"max |dgrad| = {self.max_dgrad:.1e} over {self.num_params} parameters{missing}"
-        )
-
-
 def default_data_path() -> Path:
     """`data/alice29.txt` in the working directory, else beside this package's source tree."""
     if Path("data/alice29.txt").is_file():
@@ -117,46 +98,6 @@ def sample_batch(
     offsets = torch.arange(seq_len + 1)  # (seq + 1,)
     windows = tokens[starts.unsqueeze(-1) + offsets]  # (m, b, seq + 1)
     return list(windows[..., :-1].unbind(0)), list(windows[..., 1:].unbind(0))
-
-
-def reference_step(reference: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-    """The same step single-process: each microbatch's loss / m, gradients accumulated."""
-    total = torch.zeros(())
-    for x, y in zip(inputs, targets):
-        loss = causal_lm_loss(reference(input_ids=x).logits, y) / len(inputs)
-        loss.backward()
-        total += loss.detach()
-    return total
-
-
-def parity_check(
-    model: nn.Module, reference: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor], loss: torch.Tensor
-) -> Parity:
-    """Compare this rank's gradients and the step loss with `reference` run on one process.
-
-    Collective: every rank calls it after `run_afab` and before the optimizer step.
-    `reference` is a copy of the model taken before `apply_plan`; it is stepped here.
-    """
-    ref_loss = reference_step(reference, inputs, targets)
-    ref = dict(reference.named_parameters(remove_duplicate=False))
-    dgrad, compared = 0.0, []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if name not in ref:  # would be a rewriter bug: report it as a failed comparison
-            dgrad = float("inf")
-            continue
-        got = param.grad if param.grad is not None else torch.zeros_like(param)
-        want = ref[name].grad if ref[name].grad is not None else torch.zeros_like(ref[name])
-        dgrad = max(dgrad, (got - local_shard(model, name, want)).abs().max().item())
-        compared.append(name)
-    stats = torch.tensor([abs(float(loss) - float(ref_loss)), dgrad], dtype=torch.float64)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, compared)
-    ids = {id(ref[n]) for names in every for n in names}  # tied weights count once
-    total = len(dict(reference.named_parameters()))
-    return Parity(float(stats[0]), float(stats[1]), len(ids), total)
 
 
 def plot_loss(losses: list[float], *, title: str = "training loss", path: str | Path | None = None):

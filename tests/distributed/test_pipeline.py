@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rewrite
+from rewrite.parity import reference_step
 from rewrite.presets import build_config, build_model
 from tests.asserts import assert_close
 from tests.multiproc import run
@@ -22,16 +23,6 @@ def _batch(config, microbatches: int, mb: int = 2, seq: int = 10, seed: int = 5)
     targets = [torch.randint(0, config.vocab_size, (mb, seq), generator=gen) for _ in range(microbatches)]
     targets[0][0, :3] = -100  # ignored positions are honoured
     return ids, targets
-
-
-def reference_step(reference, ids, targets) -> torch.Tensor:
-    """The single-process run: same microbatches, loss / m, gradients accumulated."""
-    total = torch.zeros(())
-    for x, y in zip(ids, targets):
-        loss = rewrite.causal_lm_loss(reference(input_ids=x).logits, y) / len(ids)
-        loss.backward()
-        total += loss.detach()
-    return total
 
 
 def assert_afab_order(timeline) -> None:

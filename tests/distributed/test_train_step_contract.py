@@ -11,7 +11,7 @@ from torch import nn
 import rewrite
 from rewrite.presets import build_model
 from tests.asserts import assert_close
-from tests.distributed.test_pipeline import reference_step
+from rewrite.parity import reference_step
 from tests.multiproc import run
 from tests.reference import assert_grads_match
 
