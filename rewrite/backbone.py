@@ -26,39 +26,24 @@ class Backbone:
     num_layers: int
     has_head: bool
 
-    def _path(self, name: str) -> str:
-        return f"{self.base}.{name}" if self.base else name
-
-    @property
-    def embed(self) -> str:
-        return self._path("embed_tokens")
-
-    @property
-    def layers(self) -> str:
-        return self._path("layers")
-
-    @property
-    def norm(self) -> str:
-        return self._path("norm")
-
-    @property
-    def rotary(self) -> str:
-        return self._path("rotary_emb")
+    def path(self, part: str) -> str:
+        """Dotted path of a base-model part: 'embed_tokens', 'layers', 'norm' or 'rotary_emb'."""
+        return f"{self.base}.{part}" if self.base else part
 
     @property
     def head(self) -> str | None:
         return "lm_head" if self.has_head else None
 
     def layer(self, index: int) -> str:
-        return f"{self.layers}.{index}"
+        return f"{self.path('layers')}.{index}"
 
     def stage_modules(self, layer_indices: list[int], *, first: bool, last: bool) -> list[str]:
         """Top-level module paths a stage holding `layer_indices` runs, in order."""
-        modules = [self.embed] if first else []
-        modules.append(self.rotary)
+        modules = [self.path("embed_tokens")] if first else []
+        modules.append(self.path("rotary_emb"))
         modules += [self.layer(i) for i in layer_indices]
         if last:
-            modules += [self.norm] + ([self.head] if self.head else [])
+            modules += [self.path("norm")] + ([self.head] if self.head else [])
         return modules
 
 

@@ -70,7 +70,7 @@ def balanced_split(num_layers: int, pp: int) -> list[int]:
 
 
 def _hf_stages(plan: ParallelPlan, model: nn.Module, bb: Backbone) -> tuple[list[list[int]], list[str], list[str]]:
-    n, pp, cuts = len(model.get_submodule(bb.layers)), plan.mesh.pp, plan.pipeline.cut_points
+    n, pp, cuts = len(model.get_submodule(bb.path("layers"))), plan.mesh.pp, plan.pipeline.cut_points
     names = [bb.layer(i) for i in range(n)]
     if pp > n:
         return [], [], [f"mesh.pp={pp} stages but the model has {n} layers; each stage needs at least one layer"]
