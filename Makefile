@@ -28,7 +28,7 @@ DEMO_PLAN ?= plans/llama-tp2-pp2.yaml
 DEMO_ARGS ?= --model tiny-llama --steps 30 --out out/demo
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 -m rewrite.cli train $(DEMO_PLAN) $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 -m rewrite train $(DEMO_PLAN) $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

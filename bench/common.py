@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rewrite.presets import build_config, build_model
+from rewrite.run.presets import build_config, build_model
 
 MODEL = "bench-llama"  # hidden 256, intermediate 688, 8 layers, 8 heads / 4 kv heads, vocab 4096
 SEQ = 128

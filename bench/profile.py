@@ -47,7 +47,7 @@ def _profile_pp(rank: int, world: int, rows: int) -> dict:
 
 def _tp_sums(rank: int, world: int, rows: int) -> dict:
     """Each sum's wall time in a TP step, then the same step with the sums skipped."""
-    from rewrite import comm
+    from rewrite.tensor_parallel import comm
 
     _, step = tp._ours(world)
     original, waits = comm.all_reduce_sum, []

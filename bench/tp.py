@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import rewrite
 from bench import common
-from rewrite import comm
+from rewrite.tensor_parallel import comm
 
 _COLLECTIVES = ("gloo:all_reduce", "gloo:all_gather", "gloo:reduce_scatter", "gloo:broadcast", "gloo:allgather")
 

@@ -7,17 +7,18 @@ Write a plan, apply it, train:
     >>> loss = rewrite.run_afab(stage, input_chunks, target_chunks)
 """
 
-from .checkpoint import save_pretrained
-from .checkpoint_load import from_pretrained
-from .launch import LaunchError, launch
-from .layers import ColumnParallelLinear, RowParallelLinear
-from .hfplan import plan_from_hf
+from .checkpoint.hf_load import from_pretrained
+from .checkpoint.hf_save import save_pretrained
 from .mesh import Mesh, build_mesh
-from .plan import ParallelPlan, PlanError, load_plan
-from .resolve import ResolvedPlan, ShardSpec, StageSpec, resolve
+from .pipeline.runner import causal_lm_loss, run_afab
+from .pipeline.stage import Stage, TimelineEvent
+from .plan.from_hf import plan_from_hf
+from .plan.resolve import ResolvedPlan, ShardSpec, StageSpec, resolve
+from .plan.schema import ParallelPlan, PlanError, load_plan
 from .rewriter import apply_plan
-from .schedule import causal_lm_loss, run_afab, train_step_pipeline_afab
-from .stage import Stage, TimelineEvent
+from .run.launch import LaunchError, launch
+from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from .train_step import train_step_pipeline_afab
 
 __all__ = [
     "ColumnParallelLinear",

@@ -8,23 +8,19 @@ dotted paths, and carves out this rank's pipeline stage.
 from __future__ import annotations
 
 import hashlib
-from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
 from torch import nn
 
-from . import fxsplit
-from .backbone import run_backbone
-from .comm import SharedInputCopy
-from .layers import ColumnParallelLinear, RowParallelLinear
-from .mesh import Mesh, build_mesh, check_world
-from .plan import ParallelPlan, load_plan
-from .replicated import make_grad_allreduce
-from .resolve import ResolvedPlan, resolve
-from .stage import Stage
+from .mesh import build_mesh, check_world
+from .pipeline.carve import carve_stage
+from .pipeline.stage import Stage
+from .plan.resolve import ResolvedPlan, resolve
+from .plan.schema import ParallelPlan, load_plan
+from .tensor_parallel.apply import apply_tensor_parallel
 
-__all__ = ["apply_plan", "apply_tensor_parallel", "carve_stage"]
+__all__ = ["apply_plan"]
 
 
 def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stage:
@@ -74,66 +70,3 @@ def _check_ranks_agree(resolved: ResolvedPlan, model: nn.Module) -> None:
             f"ranks were given different plans or models (ranks grouped by what they got: "
             f"{sorted(groups.values())}); pass the same plan and model on every rank"
         )
-
-
-def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> None:
-    """Swap each planned module in place for its tensor-parallel version over `group`."""
-    copies: dict[str, SharedInputCopy] = {}
-    for spec in resolved.shards:
-        parent_name, _, name = spec.fqn.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        module = getattr(parent, name)
-        if spec.style == "grad_allreduce":
-            make_grad_allreduce(module, group)
-            continue
-        if spec.style in ("column", "column_gather"):
-            # Siblings reading one activation (q/k/v; gate/up) share one backward all-reduce.
-            shared = copies.setdefault(parent_name, SharedInputCopy(group))
-            new = ColumnParallelLinear.from_linear(
-                module, group=group, gather_output=spec.style == "column_gather", input_copy=shared
-            )
-        else:
-            new = RowParallelLinear.from_linear(module, group=group, input_is_parallel=spec.style == "row")
-        setattr(parent, name, new)
-
-
-def carve_stage(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
-    """Keep only this rank's stage in `model` (in place) and wrap it in a `Stage`."""
-    bb = resolved.backbone
-    if bb is not None:
-        return _carve_hf(model, resolved, mesh)
-    if mesh.pp == 1:
-        return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fn=model)
-    traced = fxsplit.trace(model)
-    graph = fxsplit.stage_graph(traced, list(resolved.cut_points), mesh.pp_rank)
-    fxsplit.carve_unused(model, fxsplit.used_targets(graph))
-    module = fxsplit.build_stage_module(model, graph)
-    return Stage(model=model, module=module, resolved=resolved, mesh=mesh, forward_fn=module)
-
-
-def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
-    bb, s = resolved.backbone, mesh.pp_rank
-    first, last = s == 0, s == mesh.pp - 1
-    indices = list(resolved.layer_indices[s])
-    base = model.get_submodule(bb.base) if bb.base else model
-    tied_weight = None
-    if bb.head and model.lm_head.weight is base.embed_tokens.weight:
-        tied_weight = base.embed_tokens.weight
-    if mesh.pp > 1:
-        # Keep the original layer objects under their original indices; drop the rest.
-        base.layers = nn.ModuleDict({str(i): base.layers[i] for i in indices})
-        if not first:
-            base.embed_tokens = None
-        if not last:
-            base.norm = None
-            if bb.head:
-                model.lm_head = None
-    tied = []
-    if tied_weight is not None and mesh.pp > 1 and (first or last):
-        # Each end holds a copy of the shared matrix: start them equal, sum their grads.
-        # (A meta-device model has no values yet: whoever materialises it loads both.)
-        if not tied_weight.is_meta:
-            dist.broadcast(tied_weight.data, src=mesh.global_rank(0), group=mesh.tied_group)
-        tied = [tied_weight]
-    forward = partial(run_backbone, model, bb, layer_indices=indices, first=first, last=last)
-    return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fn=forward, tied=tied)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from rewrite.layers import local_shard
+from rewrite.tensor_parallel.layers import local_shard
 from tests.asserts import assert_close
 
 

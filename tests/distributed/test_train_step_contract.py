@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import rewrite
-from rewrite.presets import build_model
+from rewrite.run.presets import build_model
 from tests.asserts import assert_close
-from rewrite.parity import reference_step
+from rewrite.run.parity import reference_step
 from tests.multiproc import run
 from tests.reference import assert_grads_match
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import rewrite
-from rewrite.presets import build_model
+from rewrite.run.presets import build_model
 from tests.multiproc import run
 
 

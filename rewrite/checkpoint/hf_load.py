@@ -1,0 +1,280 @@
+"""Loading a Hugging Face checkpoint straight into a parallel plan.
+
+The model is built on the meta device and rewritten there; each rank then reads
+from the safetensors files only the slices of its own stage and tp rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+
+from .hf_save import INDEX, SINGLE, Entry, agree, meta_model, stage_entries
+from ..mesh import check_world
+from ..plan.schema import ParallelPlan, PlanError, load_plan
+from ..plan.resolve import ResolvedPlan, resolve
+from ..rewriter import apply_plan
+from ..pipeline.stage import Stage
+
+__all__ = ["from_pretrained"]
+
+Source = tuple[Path, str]  # (safetensors file, tensor name in it)
+
+
+def from_pretrained(
+    directory: str | Path,
+    plan: ParallelPlan | str | Path | dict,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Stage:
+    """Build a Hugging Face checkpoint's model already rewritten by `plan`, this rank's part only.
+
+    Collective: every rank of the default process group calls it with the same
+    arguments. The model is built on the meta device from `config.json`, the plan is
+    applied there, and each rank materialises only its stage's tensors, reading only
+    its tensor-parallel slices from the safetensors files (`get_slice`). Rotary
+    frequencies (not stored) are recomputed from the config.
+
+    Args:
+        directory: a checkpoint directory (`config.json` plus `model.safetensors` or
+            `model.safetensors.index.json` and its shards), e.g. from `save_pretrained`
+            or `transformers`' own `save_pretrained`.
+        plan: a `ParallelPlan`, or a path / dict for `load_plan`.
+        device: where this rank's tensors go.
+        dtype: cast floating tensors to it; None keeps the stored dtype.
+
+    Returns:
+        This rank's `Stage`, as `apply_plan` returns it.
+
+    Raises:
+        ValueError: on every rank, before any tensor is read, when the config does not
+            fit the plan, the world size is not pp * tp, or a file or tensor this rank
+            needs is missing, unreadable or of the wrong shape (each named).
+
+    Example:
+        >>> dist.init_process_group("gloo")                  # under torchrun, 4 processes
+        >>> stage = rewrite.from_pretrained("ckpt/", "plans/llama-tp2-pp2.yaml")
+        >>> loss = rewrite.run_afab(stage, ids, targets)
+    """
+    plan = load_plan(plan)
+    check_world(plan.mesh.pp, plan.mesh.tp)
+    directory = Path(directory)
+    pp_rank, tp_rank = divmod(dist.get_rank(), plan.mesh.tp)
+    what = f"from_pretrained({str(directory)!r}, {plan.source})"
+    problems, sources, entries, meta, generation = [], {}, [], None, None
+    try:
+        config, generation = _read_configs(directory)
+        meta = meta_model(config)
+        resolved = _resolve(plan, meta, directory, config)
+        entries = stage_entries(meta, resolved, pp_rank, tp_rank)
+        sources, problems = _check_sources(directory, _weight_map(directory), entries)
+    except ValueError as exc:
+        problems.append(str(exc))
+    except Exception as exc:  # anything else too: a rank that raised alone would leave the others waiting
+        problems.append(f"{type(exc).__name__}: {exc}")
+    agree(problems, what)  # the first collective: every rank raises, or none does
+
+    by_name = {e.name: e for e in entries}
+    # Tied weights first, whole (a plan never shards them): apply_plan broadcasts the
+    # first stage's copy to the last stage, so both need real storage by then.
+    agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what)
+    stage = apply_plan(meta, plan)
+    problems = _materialise(stage.model, by_name, sources, device, dtype, only_tied=False)
+    problems += _rebuild_unstored(stage, device)
+    left = [n for n, t in [*stage.model.named_parameters(), *stage.model.named_buffers()] if t.is_meta]
+    if left:
+        problems.append(f"tensors left without storage: {left[:5]}; the checkpoint does not cover this model")
+    agree(problems, what)
+    floats = [p.dtype for p in stage.model.parameters() if p.is_floating_point()]
+    if floats:
+        stage.model.config.dtype = floats[0]
+    if generation is not None:
+        stage.model.generation_config = generation
+    return stage
+
+
+def _read_configs(directory: Path):
+    from transformers import AutoConfig, GenerationConfig
+
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file; pass a checkpoint directory (config.json + safetensors files)")
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{path}: cannot read the model config: {exc}") from None
+    generation = None
+    if (directory / "generation_config.json").is_file():
+        try:
+            generation = GenerationConfig.from_pretrained(str(directory))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{directory / 'generation_config.json'}: cannot read it: {exc}") from None
+    return config, generation
+
+
+def _resolve(plan: ParallelPlan, meta: nn.Module, directory: Path, config) -> ResolvedPlan:
+    try:
+        return resolve(plan, meta, world_size=dist.get_world_size())
+    except PlanError as exc:
+        fields = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
+        desc = ", ".join(f"{f}={getattr(config, f)}" for f in fields if hasattr(config, f))
+        raise ValueError(
+            f"{directory / 'config.json'} ({type(meta).__name__}: {desc}) does not fit the plan; "
+            f"change the plan or load another checkpoint:\n{exc}"
+        ) from None
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    """Tensor name -> file name, from the index or the single `model.safetensors`."""
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{index}: not a safetensors index ({type(exc).__name__}: {exc}); re-save the checkpoint"
+            ) from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: 'weight_map' is not a mapping of tensor names to files; re-save the checkpoint")
+        return weight_map
+    single = directory / SINGLE
+    if not single.is_file():
+        raise ValueError(f"{directory}: neither {SINGLE} nor {INDEX} found; pass a safetensors checkpoint directory")
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), SINGLE)
+    except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
+        raise ValueError(f"{single}: unreadable ({exc}); the file is corrupted or truncated, re-save it") from None
+
+
+def _check_sources(
+    directory: Path, weight_map: dict[str, str], entries: list[Entry]
+) -> tuple[dict[str, Source], list[str]]:
+    """Where each entry is stored; problems for anything missing, unreadable or misshapen."""
+    problems, wanted = [], {}
+    for e in entries:
+        key = e.canonical if e.canonical in weight_map else e.name
+        if key not in weight_map:
+            problems.append(
+                f"{directory}: tensor {e.name!r} is not in the checkpoint; it does not hold this config's model"
+            )
+            continue
+        wanted.setdefault(weight_map[key], []).append((e, key))
+    sources, shapes_off = {}, []
+    for file, pairs in wanted.items():
+        path = directory / file
+        if not path.is_file():
+            names = [key for _, key in pairs]
+            problems.append(
+                f"{path}: shard file missing (the index maps {len(names)} tensors this rank needs to it, "
+                f"e.g. {names[0]!r}); copy the complete checkpoint"
+            )
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+                shapes = {key: tuple(f.get_slice(key).get_shape()) for _, key in pairs if key in keys}
+        except Exception as exc:  # SafetensorError or OSError
+            problems.append(f"{path}: unreadable ({exc}); the file is corrupted or truncated, re-save it")
+            continue
+        for e, key in pairs:
+            if key not in keys:
+                problems.append(f"{path}: no tensor {key!r}, though {INDEX} maps it there; re-save the checkpoint")
+            elif shapes[key] != e.full_shape:
+                shapes_off.append(
+                    f"{path}: tensor {key!r} has shape {list(shapes[key])}, but config.json implies {list(e.full_shape)}"
+                )
+            else:
+                sources[e.name] = (path, key)
+    if shapes_off:
+        more = f" (and {len(shapes_off) - 2} more tensors)" if len(shapes_off) > 2 else ""
+        problems.append("; ".join(shapes_off[:2]) + more + "; the config and the weights do not belong together")
+    return sources, problems
+
+
+def _read(f, key: str, entry: Entry) -> torch.Tensor:
+    """Only this rank's slice of `key`."""
+    if entry.dim is None:
+        return f.get_tensor(key)
+    part = f.get_slice(key)
+    stop = entry.start + entry.length
+    return part[entry.start : stop] if entry.dim == 0 else part[:, entry.start : stop]
+
+
+def _owned(view: torch.Tensor, device, dtype) -> torch.Tensor:
+    """A contiguous copy in memory of its own.
+
+    safetensors hands out views of the memory-mapped file (a slice keeps the whole
+    tensor's mapping alive, and a row-parallel slice is strided): copy only the slice.
+    """
+    out = view.to(device=device, dtype=dtype)
+    if out.data_ptr() == view.data_ptr():
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def _materialise(
+    model: nn.Module, by_name: dict[str, Entry], sources: dict[str, Source], device, dtype, *, only_tied: bool
+) -> list[str]:
+    """Replace `model`'s meta tensors that this rank stores by their data (or slice), in file order."""
+    slots: dict[int, list] = {}  # id(meta tensor) -> its [(module, kind, leaf, name)]; tied ones share
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for leaf, t in getattr(module, kind).items():
+                if t is not None and t.is_meta:
+                    name = f"{mod_name}.{leaf}" if mod_name else leaf
+                    slots.setdefault(id(t), []).append((module, kind, leaf, name, t))
+    # This rank reads a tensor when it holds one of its names; tied copies share the result.
+    slots = {k: sorted(v, key=lambda s: s[3] not in by_name) for k, v in slots.items()
+             if any(s[3] in by_name for s in v)}
+    if only_tied:
+        slots = {k: v for k, v in slots.items() if len(v) > 1}
+    problems = []
+    for group in sorted(slots.values(), key=lambda g: sources[g[0][3]]):
+        module, kind, leaf, name, old = group[0]
+        (path, key), entry = sources[name], by_name[name]
+        try:
+            # A handle per tensor: safetensors maps the file, and the pages a read touched
+            # stay resident until the mapping goes, so holding one open would keep them all.
+            with safe_open(str(path), framework="pt") as f:
+                data = _read(f, key, entry)
+                if tuple(data.shape) != tuple(old.shape):
+                    problems.append(
+                        f"{name}: read {list(data.shape)} from {path}, the rewritten model holds {list(old.shape)}"
+                    )
+                    continue
+                data = _owned(data, device, dtype if dtype is not None and data.is_floating_point() else None)
+        except Exception as exc:  # SafetensorError or OSError: the file changed since it was checked
+            problems.append(f"{path}: reading {key!r} failed: {exc}")
+            continue
+        new = nn.Parameter(data, requires_grad=old.requires_grad) if kind == "_parameters" else data
+        for module, kind, leaf, _, _ in group:
+            getattr(module, kind)[leaf] = new
+    return problems
+
+
+def _rebuild_unstored(stage: Stage, device) -> list[str]:
+    """Recompute buffers a checkpoint does not store (rotary `inv_freq`) by rebuilding their module."""
+    problems = []
+    roots = [stage.model] + ([stage.module] if stage.module is not stage.model else [])
+    for name, module in list(stage.model.named_modules()):
+        if not any(b is not None and b.is_meta for b in module._buffers.values()):
+            continue
+        config = getattr(module, "config", None)
+        if config is None or any(True for _ in module.parameters()) or not name:
+            problems.append(f"{name}: unstored buffers {list(module._buffers)} cannot be recomputed")
+            continue
+        fresh = type(module)(config).to(device)  # built on the real device: computes the buffers
+        parent, _, leaf = name.rpartition(".")
+        for root in roots:
+            try:
+                setattr(root.get_submodule(parent), leaf, fresh)
+            except AttributeError:
+                pass  # an fx stage module need not hold every path
+    return problems

@@ -1,0 +1,322 @@
+"""Saving a rewritten model as one standard Hugging Face checkpoint (config + safetensors).
+
+Each stage's tp_rank 0 gathers its stage's sharded tensors over the tp group and
+writes one safetensors file; rank 0 adds config.json and the index. Loading is in
+`hf_load`; the layout both share (who holds which slice of what) is here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..mesh import check_world
+from ..plan.schema import ParallelPlan, PlanError, load_plan
+from ..plan.resolve import ResolvedPlan, resolve
+from ..pipeline.stage import Stage
+
+__all__ = ["save_pretrained"]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One state-dict tensor on one rank: which full checkpoint tensor it is, and which slice."""
+
+    name: str  # the key in this rank's model.state_dict()
+    canonical: str  # the key in the checkpoint (tied weights: the first name sharing it)
+    full_shape: tuple[int, ...]
+    dim: int | None  # sharded along this dim, None when whole
+    start: int
+    length: int
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        if self.dim is not None:
+            shape[self.dim] = self.length
+        return tuple(shape)
+
+
+def shard_file(stage_idx: int, pp: int) -> str:
+    return SINGLE if pp == 1 else f"model-{stage_idx + 1:05d}-of-{pp:05d}.safetensors"
+
+
+def meta_model(config) -> nn.Module:
+    """The causal LM of `config` with no storage: enough to bind a plan to."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the first name sharing the same tensor (tied embeddings)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(param), name)
+    return out
+
+
+def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:
+    """Every state-dict tensor the ranks of stage `pp_rank` hold, with tp rank `tp_rank`'s slice."""
+    mods = [""] if resolved.pp == 1 else list(resolved.stages[pp_rank].modules)
+    shards = {s.fqn: s for s in resolved.shards}
+    canonical, tp = canonical_names(meta), resolved.tp
+    entries = []
+    for name, tensor in meta.state_dict(keep_vars=True).items():
+        if not any(not m or name == m or name.startswith(m + ".") for m in mods):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        spec, shape, dim = shards.get(owner), tuple(tensor.shape), None
+        if spec is not None and tp > 1:
+            if spec.style in ("column", "column_gather") and leaf in ("weight", "bias"):
+                dim = 0
+            elif spec.style in ("row", "row_split") and leaf == "weight":
+                dim = 1
+        length = shape[dim] // tp if dim is not None else 0
+        entries.append(Entry(name, canonical.get(name, name), shape, dim, tp_rank * length, length))
+    return entries
+
+
+def written_by_stage(entries_per_stage: list[list[Entry]]) -> list[list[Entry]]:
+    """Per stage, the entries it writes: each checkpoint tensor once, by the first stage holding it."""
+    seen: set[str] = set()
+    out = []
+    for entries in entries_per_stage:
+        mine = []
+        for entry in entries:
+            if entry.canonical not in seen:
+                seen.add(entry.canonical)
+                mine.append(entry)
+        out.append(mine)
+    return out
+
+
+def agree(problems: list[str], what: str, *, extra=None) -> list:
+    """Share every rank's problems (one collective); raise the same error on every rank.
+
+    Returns every rank's `extra`, in rank order, when no rank had a problem.
+    """
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (problems, extra))
+    by_text: dict[str, list[int]] = {}
+    for rank, (found, _) in enumerate(gathered):
+        for problem in found:
+            by_text.setdefault(problem, []).append(rank)
+    if by_text:
+        count = f"{len(by_text)} problem" + ("s" if len(by_text) != 1 else "")
+        lines = [f"  rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}" for p, r in by_text.items()]
+        raise ValueError(f"{what}: {count}\n" + "\n".join(line.replace("\n", "\n    ") for line in lines))
+    return [x for _, x in gathered]
+
+
+def _summary(head: str, items: list[str], shown: int = 3) -> list[str]:
+    """One problem for many alike: the count and the first few."""
+    if not items:
+        return []
+    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
+    return [head.format(n=len(items)) + " " + "; ".join(items[:shown]) + more]
+
+
+def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
+    """Why the module holding `entry` is not the parallel layer the plan says, or None."""
+    if entry.dim is None:
+        return None
+    owner = model.get_submodule(entry.name.rpartition(".")[0])
+    cls = ColumnParallelLinear if entry.dim == 0 else RowParallelLinear
+    if not isinstance(owner, cls):
+        return f"{entry.name}: the plan shards it as {cls.__name__}, the model holds {type(owner).__name__}"
+    if owner.tp_rank != tp_rank:
+        return f"{entry.name}: the layer is tp rank {owner.tp_rank}, this rank is tp rank {tp_rank} of the plan"
+    return None
+
+
+def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int) -> tuple[list[str], list[Entry]]:
+    """Check this rank's model against the plan; returns (problems, the entries this rank writes)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return [f"{type(model).__name__} has no .config: only Hugging Face models can be saved"], []
+    meta = meta_model(config)
+    try:
+        resolved = resolve(plan, meta)
+    except PlanError as exc:
+        return [f"the model's config does not fit the plan: {exc}"], []
+    tp, pp = plan.mesh.tp, plan.mesh.pp
+    pp_rank, tp_rank = divmod(rank, tp)
+    mine = stage_entries(meta, resolved, pp_rank, tp_rank)
+    have = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    want = {e.name: e.local_shape for e in mine}
+    where = f"pp_rank {pp_rank}, tp_rank {tp_rank}"
+    problems = _summary(
+        f"{where}: {{n}} tensors have other shapes than the plan gives this rank, e.g.",
+        [f"{n}: {list(have[n])} here, {list(s)} in the plan" for n, s in want.items() if n in have and have[n] != s],
+    )
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    if missing or extra:
+        problems.append(
+            f"{where}: should hold {len(want)} tensors but holds {len(have)}: missing {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}"
+        )
+    if not problems:
+        problems = _summary(f"{where}: {{n}} layers are not what the plan makes of them:",
+                            [p for e in mine if (p := _expected_layer(model, e, tp_rank))])
+    if problems:
+        problems[-1] += "; pass the plan the model was rewritten with"
+    every = [stage_entries(meta, resolved, s, 0) for s in range(pp)]
+    written = {e.name for e in written_by_stage(every)[pp_rank]}
+    return problems, [e for e in mine if e.name in written and e.name in have]
+
+
+def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | dict, directory: str | Path) -> Path:
+    """Write this rank's part of a rewritten model into one Hugging Face checkpoint directory.
+
+    Collective: every rank calls it with its rewritten model (or `Stage`) and the plan
+    it was rewritten with. Each stage's tp_rank 0 gathers the stage's shards and writes
+    `model-0000{s+1}-of-0000{pp}.safetensors` (`model.safetensors` when pp == 1);
+    rank 0 writes `config.json` and the index. Tied embeddings are written once, as
+    `model.embed_tokens.weight`. Files are written under a temporary sibling directory
+    and renamed into `directory` only once every rank has succeeded; other files in
+    `directory` (a tokenizer) are kept, stale weight files removed.
+    `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads the result.
+
+    Args:
+        model: this rank's rewritten model, or the `Stage` `apply_plan` returned.
+        plan: the plan the model was rewritten with (a `ParallelPlan`, path or dict).
+        directory: where the checkpoint goes; must be visible to every rank.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: on every rank, before anything is written, when any rank's model
+            does not match the plan. RuntimeError: on every rank when writing failed
+            on some rank; `directory` is then left as it was.
+
+    Example:
+        >>> stage = rewrite.apply_plan(model, "plans/llama-tp2-pp2.yaml")
+        >>> rewrite.run_afab(stage, ids, targets); optimizer.step()
+        >>> rewrite.save_pretrained(stage, "plans/llama-tp2-pp2.yaml", "ckpt/")
+    """
+    plan = load_plan(plan)
+    check_world(plan.mesh.pp, plan.mesh.tp)
+    stage = model if isinstance(model, Stage) else None
+    model = stage.model if stage is not None else model
+    directory, rank, tp, pp = Path(directory), dist.get_rank(), plan.mesh.tp, plan.mesh.pp
+    if not isinstance(model, nn.Module):
+        problems, entries = [f"save_pretrained needs a model or Stage, got {type(model).__name__}"], []
+    elif stage is not None and (stage.mesh.pp, stage.mesh.tp) != (plan.mesh.pp, plan.mesh.tp):
+        problems, entries = [
+            f"the stage was built with mesh pp={stage.mesh.pp} x tp={stage.mesh.tp}, the plan says "
+            f"pp={plan.mesh.pp} x tp={plan.mesh.tp}; pass the plan the model was rewritten with"
+        ], []
+    else:
+        try:
+            problems, entries = _local_problems(model, plan, rank)
+        except Exception as exc:  # a rank that raised alone would leave the others waiting
+            problems, entries = [f"checking the model against the plan: {type(exc).__name__}: {exc}"], []
+    if directory.exists() and not directory.is_dir():
+        problems.append(f"{directory} exists and is not a directory; pass a directory path")
+    tokens = agree(problems, f"save_pretrained({str(directory)!r})", extra=uuid.uuid4().hex)  # first collective
+    tmp = directory.parent / f".{directory.name}.tmp-{tokens[0]}"
+    pp_rank, tp_rank = divmod(rank, tp)
+    local = model.state_dict()
+    error, sizes = None, {}
+    try:
+        tensors = {e.canonical: _gather(model, local[e.name], e, stage, pp_rank * tp) for e in entries}
+        if tp_rank == 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+            tensors = {k: _own_storage(t) for k, t in tensors.items()}
+            save_file(tensors, str(tmp / shard_file(pp_rank, pp)), metadata={"format": "pt"})
+            sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+        del tensors
+    except Exception as exc:  # any rank's failure must reach every rank, or they would wait
+        error = f"writing stage {pp_rank}: {type(exc).__name__}: {exc}"
+    results = _share(error, sizes)
+    errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(results) if e]
+    if errors:
+        errors.append(f"nothing in {directory} was changed")
+    elif rank == 0:
+        try:
+            stored = {k: (r // tp, n) for r, (_, s) in enumerate(results) for k, n in s.items()}  # name: (stage, bytes)
+            _finish(model, tmp, directory, pp, stored)
+        except Exception as exc:
+            errors = [f"rank 0: moving the files into place: {type(exc).__name__}: {exc}; "
+                      f"{directory} may now mix old and new files: save again"]
+    final = _share("\n  ".join(errors) if errors and rank == 0 else None, {})
+    errors = errors or [e for e, _ in final if e]
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    if errors:
+        raise RuntimeError(f"save_pretrained({str(directory)!r}) failed:\n  " + "\n  ".join(errors))
+    return directory
+
+
+def _share(error: str | None, sizes: dict) -> list:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (error, sizes))
+    return gathered
+
+
+def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | None, dst: int) -> torch.Tensor | None:
+    """The full tensor on the stage's tp_rank 0 (None elsewhere): shards gathered over the tp group."""
+    local = local.detach()
+    if entry.dim is None:
+        return local
+    owner = model.get_submodule(entry.name.rpartition(".")[0])
+    group = stage.mesh.tp_group if stage is not None else owner.group
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(owner.tp_size)] if dist.get_rank() == dst else None
+    dist.gather(local, parts, dst=dst, group=group)
+    return torch.cat(parts, dim=entry.dim) if parts is not None else None
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor that shares storage with nothing (safetensors refuses shared ones)."""
+    t = t.detach().to("cpu").contiguous()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
+def _finish(model: nn.Module, tmp: Path, directory: Path, pp: int, sizes: dict[str, tuple[int, int]]) -> None:
+    """Rank 0: add config and index, then rename everything into `directory`."""
+    config = copy.deepcopy(model.config)
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if dtypes:
+        config.dtype = dtypes[0]
+    config.architectures = [type(model).__name__]
+    config.to_json_file(str(tmp / "config.json"), use_diff=True)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(str(tmp))
+    names = [shard_file(s, pp) for s in range(pp) if (tmp / shard_file(s, pp)).exists()]
+    if pp > 1:
+        index = {
+            "metadata": {"total_size": sum(n for _, n in sizes.values())},
+            "weight_map": {k: shard_file(s, pp) for k, (s, _) in sorted(sizes.items())},
+        }
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    directory.mkdir(parents=True, exist_ok=True)
+    new = [*names, *(p.name for p in tmp.iterdir() if p.name not in names and p.name != INDEX)]
+    new += [INDEX] if pp > 1 else []  # the index last: it names files that must already be there
+    stale = [p for p in directory.iterdir() if p.name not in new and _is_weight_file(p.name)]
+    for name in new:
+        (tmp / name).replace(directory / name)
+    for path in stale:
+        path.unlink()
+
+
+def _is_weight_file(name: str) -> bool:
+    return name == INDEX or (name.startswith("model") and name.endswith(".safetensors"))

@@ -1,0 +1,205 @@
+"""Binding a plan to a model: expand patterns, check shapes, heads and cut points.
+
+Pure: it reads the model (a meta-device model will do) and never changes it, and
+it needs no process group. Every problem is collected and raised once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from ..models import fx_graph
+from ..models.hf_llama import Backbone, find_backbone
+from .schema import ParallelPlan, PlanError, load_plan
+from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
+
+__all__ = ["ResolvedPlan", "ShardSpec", "StageSpec", "resolve", "balanced_split", "match_pattern"]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: the modules it runs, in order, and its parameters per rank."""
+
+    stage_idx: int
+    modules: tuple[str, ...]
+    layers: tuple[str, ...]
+    param_count: int  # on each rank of the stage, after tensor-parallel sharding
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan bound to a model: what the rewriter applies and `rewrite show` prints."""
+
+    plan: ParallelPlan
+    model_name: str
+    kind: str  # "hf": the LLaMA-family walker; "fx": torch.fx tracing
+    backbone: Backbone | None
+    shards: tuple[ShardSpec, ...]
+    stages: tuple[StageSpec, ...]
+    cut_points: tuple[str, ...]
+    total_params: int
+    total_bytes: int
+    layer_indices: tuple[tuple[int, ...], ...] = field(default=())  # per stage, "hf" only
+
+    @property
+    def tp(self) -> int:
+        return self.plan.mesh.tp
+
+    @property
+    def pp(self) -> int:
+        return self.plan.mesh.pp
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.mesh.world_size
+
+
+def balanced_split(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage, differing by at most one; the first `num_layers % pp` stages get the extra.
+
+    The last stage also runs the norm and the (often large) LM head, so the
+    remainder goes to the front.
+    """
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def _hf_stages(plan: ParallelPlan, model: nn.Module, bb: Backbone) -> tuple[list[list[int]], list[str], list[str]]:
+    n, pp, cuts = len(model.get_submodule(bb.path("layers"))), plan.mesh.pp, plan.pipeline.cut_points
+    names = [bb.layer(i) for i in range(n)]
+    if pp > n:
+        return [], [], [f"mesh.pp={pp} stages but the model has {n} layers; each stage needs at least one layer"]
+    if cuts is None:
+        starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
+    else:
+        problems = []
+        for k, cut in enumerate(cuts):
+            if cut not in names:
+                problems.append(
+                    f"pipeline.cut_points[{k}] {cut!r} is not a layer of the model's layer sequence "
+                    f"({names[0]} .. {names[-1]}){closest(cut, names)}"
+                )
+        if problems:
+            return [], [], problems
+        starts = [0] + [names.index(c) for c in cuts]
+        if starts != sorted(starts):
+            return [], [], [f"pipeline.cut_points {cuts} are out of order; list them as the layers run: {sorted(cuts, key=names.index)}"]
+        if starts[1] == 0:
+            return [], [], [f"pipeline.cut_points[0] {cuts[0]!r} leaves stage 0 without a layer; cut after {names[0]}"]
+    bounds = starts + [n]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(pp)], [names[i] for i in starts[1:]], []
+
+
+def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], list[str], list[str]]:
+    pp, seq = plan.mesh.pp, fx_graph.layer_sequence(model)
+    if pp == 1:
+        return [[name for name, _ in model.named_children()]], [], []
+    try:
+        traced = fx_graph.trace(model)
+    except ValueError as exc:
+        return [], [], [str(exc)]
+    cuts = plan.pipeline.cut_points
+    if cuts is None:
+        if len(seq) < pp:
+            return [], [], [
+                f"mesh.pp={pp} needs a layer sequence of at least {pp} modules for a balanced split, found "
+                f"{len(seq)} in {type(model).__name__}; list pipeline.cut_points instead"
+            ]
+        cuts = [seq[sum(balanced_split(len(seq), pp)[:s])] for s in range(1, pp)]
+    problems = fx_graph.split_problems(traced, list(cuts))
+    if problems:
+        return [], list(cuts), problems
+    stages = []
+    for s in range(pp):
+        graph = fx_graph.stage_graph(traced, list(cuts), s)
+        used = [n.target for n in graph.nodes if n.op in ("call_module", "get_attr")]
+        collapsed = [next((e for e in seq if t == e or t.startswith(e + ".")), t) for t in used]
+        stages.append(list(dict.fromkeys(collapsed)))
+    return stages, list(cuts), []
+
+
+def _param_footprint(model: nn.Module, modules: list[str], shards: dict[str, ShardSpec], tp: int) -> tuple[int, int]:
+    """Parameters (count, bytes) one rank holds for `modules`, after sharding."""
+    seen, count, size = set(), 0, 0
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen or not any(name == m or name.startswith(m + ".") or not m for m in modules):
+            continue
+        seen.add(id(param))
+        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        numel, shard = param.numel(), shards.get(owner)
+        if shard and shard.style != "grad_allreduce" and (leaf == "weight" or shard.style.startswith("column")):
+            numel //= tp
+        count, size = count + numel, size + numel * param.element_size()
+    return count, size
+
+
+def resolve(
+    plan: ParallelPlan | str | Path | dict, model: nn.Module, *, world_size: int | None = None
+) -> ResolvedPlan:
+    """Bind a plan to a model, checking everything that needs the model.
+
+    Args:
+        plan: a `ParallelPlan`, or anything `load_plan` takes.
+        model: the model to bind to (it is not changed; a meta-device model works).
+        world_size: when given, must equal `mesh.pp * mesh.tp`.
+
+    Returns:
+        A `ResolvedPlan`: per module its style and per-rank shapes, per stage its modules.
+
+    Raises:
+        PlanError (a ValueError): every problem found, each with the fix.
+
+    Example:
+        >>> resolved = resolve("plans/llama-tp2.yaml", model)
+        >>> resolved.shards[0].weight_shape
+        (32, 64)
+    """
+    plan = load_plan(plan)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"resolve() needs an nn.Module, got {type(model).__name__}")
+    tp, pp, problems = plan.mesh.tp, plan.mesh.pp, []
+    if world_size is not None and world_size != plan.mesh.world_size:
+        problems.append(
+            f"mesh: pp={pp} x tp={tp} = {plan.mesh.world_size} ranks, but the world size is {world_size}; "
+            f"launch {plan.mesh.world_size} processes or change the mesh"
+        )
+    modules = dict(model.named_modules())
+    # Parallel layers expose `shard_of` (the slicing rule of tensor_parallel.layers).
+    done = [f for f, m in modules.items() if callable(getattr(m, "shard_of", None))]
+    if done:
+        raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
+    shards, tp_problems = shard_problems(plan, model, modules)
+    problems += tp_problems
+    bb = find_backbone(model)
+    if bb is not None:
+        layer_sets, cuts, stage_problems = _hf_stages(plan, model, bb)
+        module_sets = [bb.stage_modules(ls, first=s == 0, last=s == pp - 1) for s, ls in enumerate(layer_sets)]
+        layer_names = [[bb.layer(i) for i in ls] for ls in layer_sets]
+    else:
+        module_sets, cuts, stage_problems = _fx_stages(plan, model)
+        layer_sets, layer_names = [], module_sets
+    problems += stage_problems
+    if problems:
+        raise PlanError(plan.source, collapse_repeats(problems))
+    by_fqn = {s.fqn: s for s in shards}
+    stages = []
+    for s, mods in enumerate(module_sets):
+        count, size = _param_footprint(model, mods if pp > 1 else [""], by_fqn, tp)
+        stages.append(StageSpec(s, tuple(mods), tuple(layer_names[s]), count, size))
+    total, total_bytes = _param_footprint(model, [""], {}, 1)
+    return ResolvedPlan(
+        plan=plan,
+        model_name=type(model).__name__,
+        kind="hf" if bb is not None else "fx",
+        backbone=bb,
+        shards=tuple(shards),
+        stages=tuple(stages),
+        cut_points=tuple(cuts),
+        total_params=total,
+        total_bytes=total_bytes,
+        layer_indices=tuple(tuple(ls) for ls in layer_sets),
+    )

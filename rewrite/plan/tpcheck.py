@@ -1,0 +1,200 @@
+"""Tensor-parallel rules bound to a model: expansion, shapes, and the checks they need.
+
+Pure; used by `resolve`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from .schema import ParallelPlan
+
+__all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats"]
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One module to rewrite: its path, style, the rule that chose it, per-rank shapes."""
+
+    fqn: str
+    style: str
+    pattern: str  # the plan's rule, or "(implied)" for per-head modules of a sharded attention
+    in_features: int | None  # None for grad_allreduce modules
+    out_features: int | None
+    bias: bool
+    weight_shape: tuple[int, ...] | None  # on each rank
+    bias_shape: tuple[int, ...] | None  # on each rank
+
+
+def match_pattern(pattern: str, fqn: str) -> bool:
+    """`*` matches within one dotted segment; segment counts must agree."""
+    pat, parts = pattern.split("."), fqn.split(".")
+    return len(pat) == len(parts) and all(fnmatchcase(p, q) for q, p in zip(pat, parts))
+
+
+def closest(name: str, candidates: list[str]) -> str:
+    general = {re.sub(r"(?<=\.)\d+(?=\.|$)", "*", c) for c in candidates}
+    pool = sorted(general | set(candidates)) if "*" in name else candidates
+    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _output_sharded(style: str | None) -> bool:
+    return style == "column"
+
+
+def _input_sharded(style: str | None) -> bool:
+    return style == "row"
+
+
+_BLOCKS = ((("q_proj", "k_proj", "v_proj"), "o_proj"), (("gate_proj", "up_proj"), "down_proj"))
+
+
+def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[list, list[str]]:
+    tp, problems, chosen = plan.mesh.tp, [], {}
+    names = list(modules)
+    tied = _tied_names(model)
+    for pattern, style in plan.tensor_parallel.items():
+        hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
+        if not hits:
+            problems.append(f"tensor_parallel[{pattern!r}] matches no module{closest(pattern, names)}")
+        for fqn in hits:
+            module = modules[fqn]
+            if style == "grad_allreduce":
+                if not any(True for _ in module.parameters()):
+                    problems.append(f"tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters")
+                    continue
+            elif not isinstance(module, nn.Linear):
+                linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n]
+                hint = f"; its linears: {', '.join(linears[:4])}" if linears else ""
+                problems.append(
+                    f"tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, not an "
+                    f"nn.Linear; only linears can be sharded{hint}"
+                )
+            elif fqn in chosen and chosen[fqn][1] != style:
+                other, other_style = chosen[fqn]
+                problems.append(
+                    f"{fqn!r} is matched by tensor_parallel[{other!r}] as {other_style!r} and by "
+                    f"tensor_parallel[{pattern!r}] as {style!r}; keep one style per module"
+                )
+            else:
+                chosen.setdefault(fqn, (pattern, style))
+    if tp > 1:
+        for fqn in _per_head_modules(modules, {f: s for f, (_, s) in chosen.items()}):
+            chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
+    shards, order = [], {name: i for i, name in enumerate(names)}
+    for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
+        lin = modules[fqn]
+        if style == "grad_allreduce":
+            weight = getattr(lin, "weight", None)
+            shape = tuple(weight.shape) if isinstance(weight, nn.Parameter) else None
+            shards.append(ShardSpec(fqn, style, pattern, None, None, False, shape, None))
+            continue
+        split_out = style in ("column", "column_gather")
+        dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
+        if size % tp:
+            problems.append(
+                f"{fqn} ({style}): {dim}={size} is not divisible by mesh.tp={tp}; "
+                f"use a tp that divides {size}"
+            )
+        if fqn in tied and tp > 1:
+            problems.append(
+                f"{fqn}.weight is tied to {tied[fqn]}; sharding it would untie them. Remove "
+                f"tensor_parallel[{pattern!r}] or build the model with tie_word_embeddings=False"
+            )
+        weight = (lin.out_features // tp, lin.in_features) if split_out else (lin.out_features, lin.in_features // tp)
+        bias = None
+        if lin.bias is not None:
+            bias = (lin.out_features // tp,) if split_out else (lin.out_features,)
+        shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias))
+    if tp > 1:
+        problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp)
+    return shards, problems
+
+
+def collapse_repeats(problems: list[str]) -> list[str]:
+    """One line for problems that differ only in a layer index, not one per layer.
+
+    'model.layers.0.mlp: ...' .. 'model.layers.31.mlp: ...' becomes
+    'model.layers.*.mlp: ... [* = 0, 1, ..., 31]'.
+    """
+    groups: dict[str, list[str]] = {}
+    for problem in problems:
+        match = _INDEX.search(problem)
+        key = _INDEX.sub("\0", problem, count=1) if match else problem
+        groups.setdefault(key, []).append(match.group(0) if match else "")
+    out = []
+    for key, indices in groups.items():
+        if len(indices) == 1:
+            out.append(key.replace("\0", indices[0]))
+        else:
+            out.append(key.replace("\0", "*") + f" [* = {', '.join(indices)}]")
+    return out
+
+
+def _per_head_modules(modules: dict[str, nn.Module], styles: dict[str, str]) -> list[str]:
+    """Children with parameters of an attention whose heads are split (Qwen3's q_norm, k_norm).
+
+    They run whole on each rank but see only its heads, so their gradients are
+    partial sums: the rewriter must add them over the group.
+    """
+    found = []
+    for fqn, style in styles.items():
+        if not fqn.endswith(".q_proj") or not _output_sharded(style):
+            continue
+        parent = fqn.rsplit(".", 1)[0]
+        for name, child in modules[parent].named_children():
+            if name not in ("q_proj", "k_proj", "v_proj", "o_proj") and any(True for _ in child.parameters()):
+                found.append(f"{parent}.{name}")
+    return found
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Module path -> the parameter its weight is shared with, for shared weights."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name.rsplit(".", 1)[0]] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def _block_problems(model: nn.Module, styles: dict[str, str], tp: int) -> list[str]:
+    """Attention and MLP blocks must be sharded as a whole, heads intact."""
+    problems, config = [], getattr(model, "config", None)
+    parents = sorted({fqn.rsplit(".", 1)[0] for fqn in styles if "." in fqn})
+    for parent in parents:
+        for inputs, output in _BLOCKS:
+            members = [*inputs, output]
+            got = {m: styles.get(f"{parent}.{m}") for m in members}
+            if not any(got.values()):
+                continue
+            if not all(hasattr(model.get_submodule(parent), m) for m in members):
+                continue
+            if len({_output_sharded(got[m]) for m in inputs} | {_input_sharded(got[output])}) > 1:
+                found = ", ".join(f"{m}={got[m] or 'unsharded'}" for m in members)
+                problems.append(
+                    f"{parent}: {found}; shard {', '.join(inputs)} as column and {output} as row together "
+                    "(the column outputs are the row layer's sharded input)"
+                )
+            if output == "o_proj" and config is not None and _output_sharded(got["q_proj"]):
+                heads = getattr(config, "num_attention_heads", None)
+                kv = getattr(config, "num_key_value_heads", None) or heads
+                if heads and heads % tp:
+                    problems.append(
+                        f"mesh.tp={tp} does not divide num_attention_heads={heads} (q_proj, o_proj would split a head)"
+                    )
+                if kv and kv % tp:
+                    problems.append(
+                        f"mesh.tp={tp} does not divide num_key_value_heads={kv} (k_proj, v_proj would split a head)"
+                    )
+    return list(dict.fromkeys(problems))  # each config problem once, not once per layer

@@ -1,0 +1,5 @@
+"""Tensor parallelism: Column/Row parallel linears, their autograd collectives, and
+`apply_tensor_parallel`, which swaps a bound plan's modules in place.
+
+Knows nothing of pipelines: a tensor-parallel group is all it is given.
+"""

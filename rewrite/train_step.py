@@ -1,0 +1,57 @@
+"""One call per training step on a model nobody rewrote by hand: `train_step_pipeline_afab`.
+
+Built from the toolkit: the first call applies a balanced pipeline plan, every call
+runs the AFAB runner. No hooks are registered.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .pipeline.runner import run_afab
+from .plan.schema import Mesh as MeshSpec
+from .plan.schema import ParallelPlan, Pipeline
+from .rewriter import apply_plan
+
+__all__ = ["train_step_pipeline_afab"]
+
+
+_STAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> torch.Tensor:
+    """One AFAB pipeline step of a full `LlamaForCausalLM` present on every rank.
+
+    The first call splits the model in place into a balanced pipeline with one
+    stage per rank (`apply_plan` with `mesh.pp = world size`) and moves this rank's
+    stage to `device` and `dtype`; later calls reuse that stage.
+
+    Args:
+        model: the same full model on every rank (same weights); the process group
+            is already initialised.
+        inputs: token ids, one `[mb, seq]` tensor per microbatch, the same list on every rank.
+        targets: one `[mb, seq]` tensor of target ids per microbatch (aligned with the logits).
+        device: where this rank's stage, inputs, hidden states and gradients live.
+        dtype: the stage's parameter dtype and the dtype of hidden states and gradients.
+
+    Returns:
+        The step loss: mean cross-entropy over microbatches, the same on every rank.
+
+    Example:
+        >>> loss = train_step_pipeline_afab(model, ids_chunks, target_chunks, "cpu", torch.float32)
+    """
+    stage = _STAGES.get(model)
+    if stage is None:
+        world = dist.get_world_size() if dist.is_initialized() else None
+        plan = ParallelPlan(
+            mesh=MeshSpec(pp=world or 1),
+            pipeline=Pipeline(microbatches=max(1, len(inputs) if isinstance(inputs, Sequence) else 1)),
+        )
+        stage = apply_plan(model, plan)
+        _STAGES[model] = stage
+    stage.module.to(device=device, dtype=dtype)
+    return run_afab(stage, inputs, targets)

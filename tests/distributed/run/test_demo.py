@@ -1,0 +1,61 @@
+"""`make demo`'s run, shortened: `rewrite train` under torchrun on 4 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from tests.paths import ROOT
+
+PARITY = re.compile(
+    r"^parity vs single process \(step 1\): max \|dloss\| = (?P<dloss>\S+), "
+    r"max \|dgrad\| = (?P<dgrad>\S+) over (?P<n>\d+) parameters$",
+    re.MULTILINE,
+)
+
+
+def torchrun(nprocs: int, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*cmd, "-m", "rewrite", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env
+    )
+
+
+def test_demo_parity_line_pictures_and_metrics(tmp_path):
+    out_dir = tmp_path / "demo"
+    run = torchrun(4, "train", "plans/llama-tp2-pp2.yaml", "--model", "tiny-llama", "--steps", "3", "--out", str(out_dir))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # One parity line, printed once (by rank 0).
+    found = PARITY.findall(run.stdout + run.stderr)
+    assert len(found) == 1, run.stdout + run.stderr
+    match = PARITY.search(run.stdout + run.stderr)
+    assert float(match["dloss"]) <= 1e-5 and float(match["dgrad"]) <= 1e-5, match[0]
+    assert int(match["n"]) == 39  # tiny-llama: every parameter was compared somewhere
+    for name in ("timeline.png", "loss.png"):
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert len(metrics["losses"]) == 3
+    assert metrics["losses"][-1] < metrics["losses"][0], metrics["losses"]  # AdamW moves it down already
+    assert metrics["parity"]["num_params"] == metrics["parity"]["total_params"] == 39
+    events = metrics["timeline"]
+    # 4 ranks x 4 microbatches x (forward, backward), AFAB on each rank.
+    assert len(events) == 32
+    for rank in range(4):
+        mine = [e for e in events if e["rank"] == rank]
+        forwards = [e for e in mine if e["kind"] == "forward"]
+        backwards = [e for e in mine if e["kind"] == "backward"]
+        assert [e["mb_idx"] for e in forwards] == [0, 1, 2, 3]
+        assert max(e["end"] for e in forwards) <= min(e["start"] for e in backwards)
+    assert "loss " in run.stdout and " -> " in run.stdout
+
+
+def test_wrong_process_count_says_how_many(tmp_path):
+    run = torchrun(2, "train", "plans/llama-tp2-pp2.yaml", "--steps", "1", "--out", str(tmp_path), timeout_s=120)
+    assert run.returncode != 0
+    assert "needs 4 processes, but 2 were started; run `torchrun --nproc-per-node 4" in run.stderr
+    assert run.stderr.count("cannot start:") == 1  # rank 0 speaks for every rank

@@ -1,0 +1,104 @@
+"""The `rewrite` command, run as a subprocess the way a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.paths import ROOT
+
+PLAN = "plans/llama-tp2-pp2.yaml"
+
+
+def rewrite_cmd(*args: str, script: bool = False) -> subprocess.CompletedProcess:
+    """`python -m rewrite ARGS` (or the installed console script) from the repository root."""
+    exe = [str(Path(sys.executable).parent / "rewrite")] if script else [sys.executable, "-m", "rewrite"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*exe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_show_prints_the_three_tables():
+    out = rewrite_cmd("show", PLAN, "--model", "tiny-llama")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "plans/llama-tp2-pp2.yaml on LlamaForCausalLM (tiny-llama)" in text
+    assert "mesh: pp=2 x tp=2 = 4 ranks" in text
+    # module path -> style -> per-rank shapes, layer by layer (q_proj: 8 heads x 8 dims, split in 2)
+    rows = [line.split() for line in text.splitlines()]
+    assert ["model.layers.0.self_attn.q_proj", "column", "model.layers.*.self_attn.q_proj", "[32,", "64]", "-"] in rows
+    assert ["model.layers.3.mlp.down_proj", "row", "model.layers.*.mlp.down_proj", "[64,", "64]", "-"] in rows
+    # stages -> modules, with their global ranks
+    assert "model.embed_tokens, model.rotary_emb, model.layers.0, model.layers.1" in text
+    assert "model.rotary_emb, model.layers.2, model.layers.3, model.norm, lm_head" in text
+    # parameters per rank: 4 rows, which add up to the whole model once tp halves are counted once
+    ranks = [r for r in rows if len(r) >= 4 and r[0] in "0123" and r[1] in "01" and r[2] in "01"]
+    assert [r[0] for r in ranks] == ["0", "1", "2", "3"], ranks
+    assert "whole model: 180,800 parameters" in text
+
+
+def test_show_reads_a_config_json_and_a_model_directory(tmp_path):
+    from rewrite.run.presets import build_config
+
+    build_config("tiny-qwen3").save_pretrained(tmp_path)  # writes config.json only
+    for model in (tmp_path / "config.json", tmp_path):
+        out = rewrite_cmd("show", "plans/llama-tp2.yaml", "--model", str(model))
+        assert out.returncode == 0, out.stderr
+        assert "Qwen3ForCausalLM" in out.stdout
+        assert "model.layers.0.self_attn.q_norm  grad_allreduce  (implied)" in out.stdout
+
+
+def test_validate_ok_and_every_problem_with_exit_1(tmp_path):
+    ok = rewrite_cmd("validate", PLAN, "--model", "tiny-mistral")
+    assert ok.returncode == 0, ok.stderr
+    assert "OK for MistralForCausalLM" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "mesh: {pp: 2, tp: 2}\n"
+        "tensor_parallel:\n"
+        '  "model.layers.*.self_attn.q_projj": column\n'
+        "pipeline:\n"
+        '  cut_points: ["model.layers.7"]\n'
+    )
+    out = rewrite_cmd("validate", str(bad), "--model", "tiny-llama")
+    assert out.returncode == 1
+    assert out.stdout == ""
+    assert f"{bad}: 2 problems" in out.stderr
+    assert "did you mean 'model.layers.*.self_attn.q_proj'?" in out.stderr
+    assert "pipeline.cut_points[0] 'model.layers.7' is not a layer" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_validate_schema_problems_without_a_model(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mesh: {pp: 2, tpp: 2}\npipeline: {microbatches: 0}\n")
+    out = rewrite_cmd("validate", str(bad))
+    assert out.returncode == 1
+    assert "2 problems" in out.stderr
+    assert "unknown key 'tpp'; did you mean 'tp'?" in out.stderr
+    assert "pipeline.microbatches" in out.stderr
+
+
+def test_unknown_model_names_the_presets():
+    out = rewrite_cmd("show", PLAN, "--model", "tiny-lama")
+    assert out.returncode == 1
+    assert "tiny-llama" in out.stderr and "config.json" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_schema_is_the_shipped_file_byte_for_byte():
+    out = rewrite_cmd("schema", script=True)  # also: the console script is installed
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (ROOT / "plans" / "plan.schema.json").read_text()
+    assert json.loads(out.stdout)["title"] == "rewrite parallel plan"
+
+
+@pytest.mark.parametrize("args", [[], ["show", PLAN]])
+def test_usage_errors_exit_2(args):
+    out = rewrite_cmd(*args)
+    assert out.returncode == 2
+    assert "usage: rewrite" in out.stderr
