@@ -1,8 +1,9 @@
 """Applying a plan: in-place module surgery on every rank.
 
-`apply_plan` binds the plan (identically on every rank, before any collective),
-builds the mesh, swaps sharded linears for their parallel versions at the same
-dotted paths, and carves out this rank's pipeline stage.
+`apply_plan` binds the plan on every rank, lets the ranks agree on what they were
+given (one collective, before any group is made), builds the mesh, swaps sharded
+linears for their parallel versions at the same dotted paths, and carves out this
+rank's pipeline stage.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import describe_ranks, raise_problems, ranks_by_value, share
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.stage import Stage
-from .plan.resolve import ResolvedPlan, resolve
+from .plan.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan, load_plan
 from .tensor_parallel.apply import apply_tensor_parallel
 
@@ -27,11 +30,11 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
     """Rewrite `model` in place for this rank and return its `Stage`.
 
     Collective: every rank of the default process group calls it with the same
-    model and plan. Global rank = pp_rank * tp + tp_rank.
+    model (same weights) and plan. Global rank = pp_rank * tp + tp_rank.
 
     Args:
         model: a Hugging Face LLaMA-family model, or any module torch.fx can trace
-            (the fx path is only needed when pp > 1).
+            (the fx path is only needed when pp > 1). Not yet rewritten.
         plan: a `ParallelPlan`, or a path / dict for `load_plan`.
 
     Returns:
@@ -39,34 +42,86 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
         (`model(input_ids=...)`, `model.generate(...)` work on every rank).
 
     Raises:
-        ValueError: no process group, a world size other than pp * tp, or any
-            problem `resolve` finds; raised on every rank before any collective,
-            and the model is left untouched.
+        ValueError: no process group, a world size other than pp * tp, any problem
+            `resolve` finds, a model already rewritten, or ranks that were given
+            different plans, models or weights. Raised on every rank alike, after one
+            collective on the default group and before any other; the model is left
+            untouched.
 
     Example:
         >>> dist.init_process_group("gloo")          # under torchrun, 2 processes
         >>> stage = apply_plan(model, "plans/llama-tp2.yaml")
         >>> logits = model(input_ids=ids).logits     # same as before, on every rank
     """
-    plan = load_plan(plan)
-    check_world(plan.mesh.pp, plan.mesh.tp)
-    resolved = resolve(plan, model, world_size=dist.get_world_size())
-    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp)  # the first collective
-    _check_ranks_agree(resolved, model)
+    resolved, error = None, None
+    try:
+        plan = load_plan(plan)
+        check_world(plan.mesh.pp, plan.mesh.tp)
+        resolved = resolve(plan, model, world_size=dist.get_world_size())
+    except (ValueError, TypeError) as exc:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise  # no group: no peer is waiting
+        error = exc
+    _agree_on_binding(model, resolved, error)  # the first collective
+    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp)
     if mesh.tp > 1:
         apply_tensor_parallel(model, resolved, mesh.tp_group)
-    return carve_stage(model, resolved, mesh)
+    stage = carve_stage(model, resolved, mesh)
+    setattr(model, APPLIED, f"a stage of {plan.source}")
+    return stage
 
 
-def _check_ranks_agree(resolved: ResolvedPlan, model: nn.Module) -> None:
-    """Every rank must bind the same plan to the same model, or stages would not fit."""
-    text = resolved.plan.model_dump_json() + f"|{resolved.model_name}|{resolved.total_params}"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, digest)
-    if len(set(seen)) > 1:
-        groups = {d: [r for r, x in enumerate(seen) if x == d] for d in set(seen)}
+def _agree_on_binding(model: nn.Module, resolved: ResolvedPlan | None, error: BaseException | None) -> None:
+    """Every rank must bind the same plan to the same model and weights, or stages would not fit.
+
+    One collective on the default group carries each rank's error or its view; every
+    rank then raises the same error, naming which ranks differ and in what.
+    """
+    view = None if resolved is None else _binding_view(resolved, model)
+    gathered = share((None if error is None else str(error), view))
+    errors = [e for e, _ in gathered]
+    if error is not None and len(set(errors)) == 1:
+        raise error  # every rank found the same problems
+    raise_problems([[e] if e else [] for e in errors], "apply_plan")
+    views = [v for _, v in gathered]
+    differ = []
+    for key in views[0]:
+        groups = ranks_by_value([v[key] for v in views])
+        if len(groups) > 1:
+            differ.append(f"{key}: " + "; ".join(f"{describe_ranks(r)}: {v}" for v, r in groups.items()))
+    if differ:
         raise ValueError(
-            f"ranks were given different plans or models (ranks grouped by what they got: "
-            f"{sorted(groups.values())}); pass the same plan and model on every rank"
+            "apply_plan: ranks were given different plans, models or weights\n  "
+            + "\n  ".join(differ)
+            + "\n  pass the same plan and the same model (same seed or checkpoint) on every rank"
         )
+
+
+def _binding_view(resolved: ResolvedPlan, model: nn.Module) -> dict[str, str]:
+    """What must be equal on every rank, in words a user can compare."""
+    plan = resolved.plan
+    digest = hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:12]
+    return {
+        "plan": f"{plan.source} (pp={plan.mesh.pp} x tp={plan.mesh.tp}, digest {digest})",
+        "world": f"{dist.get_world_size()} ranks, {dist.get_backend()} backend",
+        "model": f"{resolved.model_name}, {resolved.total_params:,} parameters",
+        "weights": weights_checksum(model),
+    }
+
+
+def weights_checksum(model: nn.Module, *, samples: int = 256) -> str:
+    """A cheap fingerprint of the weights: up to `samples` evenly spaced values of each parameter.
+
+    Exact bytes, so it is the same on ranks holding the same weights in the same
+    dtype. Meta tensors (no values yet) are skipped.
+    """
+    h, skipped = hashlib.sha256(), 0
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            skipped += 1
+            continue
+        flat = param.detach().reshape(-1)
+        picked = flat[:: max(1, flat.numel() // samples)][:samples].contiguous()
+        h.update(name.encode())
+        h.update(picked.view(torch.uint8).cpu().numpy().tobytes())
+    return f"checksum {h.hexdigest()[:12]}" + (f" ({skipped} meta tensors not compared)" if skipped else "")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from . import p2p
+from .inputs import check_step_inputs
 from .stage import Stage, TimelineEvent
 
 __all__ = ["run_afab", "causal_lm_loss"]
@@ -25,40 +26,6 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     Computed in float32 whatever the logits' dtype.
     """
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100)
-
-
-def _local_problems(stage: Stage, inputs, targets) -> list[str]:
-    if not isinstance(stage, Stage):
-        return [f"run_afab needs the Stage returned by apply_plan, got {type(stage).__name__}"]
-    if not isinstance(inputs, Sequence) or not inputs or not all(isinstance(x, torch.Tensor) for x in inputs):
-        return ["inputs must be a non-empty list of tensors, one per microbatch (on every rank)"]
-    problems = []
-    if stage.is_last:
-        if not isinstance(targets, Sequence) or len(targets) != len(inputs):
-            got = len(targets) if isinstance(targets, Sequence) else type(targets).__name__
-            problems.append(f"targets must be a list with one tensor per microbatch ({len(inputs)}), got {got}")
-    shapes = {tuple(x.shape) for x in inputs}
-    if stage.resolved.backbone is not None and any(len(s) != 2 for s in shapes):
-        problems.append(f"inputs must be token ids [mb, seq] per microbatch, got shapes {sorted(shapes)}")
-    return problems
-
-
-def _agree(stage: Stage, count: int, problems: list[str]) -> None:
-    """Raise on every rank if any rank's inputs are bad or ranks disagree on the microbatch count."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    flags = torch.zeros(world + 2, dtype=torch.int64)
-    flags[rank] = 1 if problems else 0
-    flags[world], flags[world + 1] = count, -count
-    dist.all_reduce(flags[:world])
-    dist.all_reduce(flags[world:], op=dist.ReduceOp.MAX)
-    if problems:
-        raise ValueError(f"run_afab on rank {rank}: " + "; ".join(problems))
-    bad = [r for r in range(world) if flags[r]]
-    if bad:
-        raise ValueError(f"run_afab: rank(s) {bad} rejected their inputs (see their errors); no step was run")
-    most, fewest = int(flags[world]), -int(flags[world + 1])
-    if most != fewest:
-        raise ValueError(f"run_afab: ranks disagree on the number of microbatches ({fewest} to {most})")
 
 
 def run_afab(
@@ -83,13 +50,15 @@ def run_afab(
         The step loss (float32 scalar), the same on every rank.
 
     Raises:
-        ValueError: on every rank, before any transfer, if any rank's arguments are bad.
+        ValueError: the same on every rank, before any transfer, if any rank's arguments are
+            bad (token ids outside the vocabulary, targets the default loss cannot take, ...)
+            or ranks were given different microbatches (count, shapes, dtypes).
 
     Example:
         >>> loss = run_afab(stage, input_chunks, target_chunks)
         >>> optimizer.step(); optimizer.zero_grad()
     """
-    _agree(stage, len(inputs) if isinstance(inputs, Sequence) else 0, _local_problems(stage, inputs, targets))
+    check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None)
     loss_fn = loss_fn or causal_lm_loss
     m, mesh, device, dtype = len(inputs), stage.mesh, stage.device, stage.dtype
     shapes = [stage.boundary_shapes(tuple(x.shape)) for x in inputs]

@@ -99,6 +99,22 @@ class Stage:
                 return param.dtype
         return torch.get_default_dtype()
 
+    @property
+    def takes_token_ids(self) -> bool:
+        """True for LLaMA-family stages: the model's input is `[mb, seq]` token ids."""
+        return self.resolved.backbone is not None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids the model's embedding accepts, `[0, vocab_size)`; None for traced models."""
+        return self.model.config.vocab_size if self.takes_token_ids else None
+
+    @property
+    def num_classes(self) -> int | None:
+        """Size of the output's last dimension when known before running (the LM head's vocabulary)."""
+        bb = self.resolved.backbone
+        return self.model.config.vocab_size if bb is not None and bb.has_head else None
+
     def boundary_shapes(self, input_shape: tuple[int, ...]) -> dict[str, tuple[int, ...] | None]:
         """Shapes a microbatch has entering and leaving this stage.
 

@@ -16,7 +16,10 @@ from ..models.hf_llama import Backbone, find_backbone
 from .schema import ParallelPlan, PlanError, load_plan
 from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 
-__all__ = ["ResolvedPlan", "ShardSpec", "StageSpec", "resolve", "balanced_split", "match_pattern"]
+__all__ = ["ResolvedPlan", "ShardSpec", "StageSpec", "resolve", "balanced_split", "match_pattern", "APPLIED"]
+
+# Set on a model by apply_plan: which stage of which plan it now holds.
+APPLIED = "_rewrite_applied"
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,12 @@ def resolve(
             f"mesh: pp={pp} x tp={tp} = {plan.mesh.world_size} ranks, but the world size is {world_size}; "
             f"launch {plan.mesh.world_size} processes or change the mesh"
         )
+    applied = getattr(model, APPLIED, None)
+    if applied:
+        raise PlanError(plan.source, [
+            f"the model was already rewritten by apply_plan (it holds {applied}); "
+            "apply a plan to a model that has not been rewritten (build or load it again)"
+        ])
     modules = dict(model.named_modules())
     # Parallel layers expose `shard_of` (the slicing rule of tensor_parallel.layers).
     done = [f for f, m in modules.items() if callable(getattr(m, "shard_of", None))]

@@ -21,6 +21,7 @@ LEVELS = {
     "models": 0,  # model families: the HF LLaMA walker, fx graphs
     "plan": 1,  # schema, plan files, binding, `show` tables
     "mesh": 1,  # the only place process groups are made
+    "agreement": 1,  # ranks share what they found before they talk
     "tensor_parallel": 2,
     "pipeline": 3,
     "rewriter": 4,  # apply_plan: bind, then tp, then stages
