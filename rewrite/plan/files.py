@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import json
+import reprlib
+import weakref
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["PlanError", "read_plan_file", "line_of", "dotted"]
+from .limits import MAX_PLAN_DEPTH, MAX_PLAN_VALUES, expansion_problem, read_plan_bytes, too_deep, too_many_values
+
+__all__ = ["PlanError", "read_plan_file", "line_of", "dotted", "short"]
+
+# Values quoted in messages come from the file and may be any size: show their start only.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 80
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = 8
+_SHORT.maxlevel = 3
+_SHOWN = 50  # problems printed in a message; `PlanError.problems` keeps them all
+_TOO_DEEP = "the plan nests too deeply to read; a plan nests a few levels (mesh, tensor_parallel, pipeline)"
 
 
 class PlanError(ValueError):
@@ -17,46 +30,119 @@ class PlanError(ValueError):
     def __init__(self, source: str, problems: list[str]):
         self.source, self.problems = source, list(problems)
         count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
-        super().__init__(f"{source}: {count}\n" + "\n".join("  " + p.replace("\n", "\n    ") for p in problems))
+        shown = ["  " + p.replace("\n", "\n    ") for p in self.problems[:_SHOWN]]
+        if len(problems) > _SHOWN:
+            shown.append(f"  ... and {len(problems) - _SHOWN:,} more (all in PlanError.problems)")
+        super().__init__(f"{source}: {count}\n" + "\n".join(shown))
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """Valid YAML that is no plan (too many values, a list as a key); `problem` is the whole message."""
+
+
+def _refuse(mark: Any, problem: str) -> _Refused:
+    return _Refused(problem=f"line {mark.line + 1}, column {mark.column + 1}: {problem}")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses duplicate keys instead of keeping the last silently."""
+    """safe_load that refuses duplicate keys instead of keeping the last silently, and stops
+    composing past MAX_PLAN_VALUES nodes or MAX_PLAN_DEPTH levels, so a huge or deep file
+    costs no more than a small one."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.composed, self.depth = 0, 0
+
+    def compose_node(self, parent, index):
+        self.composed += 1  # aliases too: each use expands to one value or more
+        if self.composed > MAX_PLAN_VALUES:
+            raise _Refused(problem=too_many_values(self.peek_event().start_mark, "by here the plan holds"))
+        if self.depth >= MAX_PLAN_DEPTH and self.check_event(yaml.SequenceStartEvent, yaml.MappingStartEvent):
+            raise _Refused(problem=too_deep(self.peek_event().start_mark))
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):  # `? [a, b]`: a list or mapping as a key
+                kind = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
+                raise _refuse(
+                    key_node.start_mark, f"a {kind} used as a key: plan keys are strings (quote it if it is text)"
+                )
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {seen[key]})", key_node.start_mark
+                    None, None, f"duplicate key {short(key)} (first on line {seen[key]})", key_node.start_mark
                 )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
 
 def read_plan_file(path: Path) -> tuple[Any, Any]:
-    """Parse a plan file; returns (data, YAML node tree for line numbers or None)."""
+    """Parse a plan file; returns (data, YAML node tree for line numbers or None).
+
+    Only a regular file of at most 1 MiB of UTF-8 is read, and YAML may hold at most
+    10,000 values once aliases are followed (see `limits`); anything else is a PlanError.
+    """
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise PlanError(str(path), [f"unknown plan file type {path.suffix!r}: use .yaml, .yml or .json"])
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = read_plan_bytes(path)
     except OSError as exc:
         raise PlanError(str(path), [f"cannot read the plan file: {exc.strerror or exc}"]) from None
+    except ValueError as exc:
+        raise PlanError(str(path), [str(exc)]) from None
+    text = _decode(path, raw)
     if path.suffix == ".json":
         return _read_json(path, text), _compose(text)
+    return _read_yaml(path, text)
+
+
+def _decode(path: Path, raw: bytes) -> str:
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader), _compose(text)
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        start = raw.rfind(b"\n", 0, exc.start) + 1
+        line, column = raw.count(b"\n", 0, exc.start) + 1, len(raw[start : exc.start].decode("utf-8")) + 1
+        raise PlanError(
+            str(path),
+            [
+                f"line {line}, column {column}: not UTF-8 text (byte {exc.start:,} is 0x{raw[exc.start]:02x}: "
+                f"{exc.reason}); plans are UTF-8: save the file as UTF-8"
+            ],
+        ) from None
+
+
+def _read_yaml(path: Path, text: str) -> tuple[Any, Any]:
+    # Compose first: aliases share nodes there, so the cost of the data can be counted
+    # before it is built.
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        problem = expansion_problem(node)
+        data = None if problem or node is None else loader.construct_document(node)
     except yaml.YAMLError as exc:
-        raise PlanError(str(path), [_yaml_problem(exc)]) from None
+        problem = _yaml_problem(exc)
+    except RecursionError:  # depth is capped above; this is for a caller already deep in the stack
+        problem = _TOO_DEEP
+    except ValueError as exc:  # e.g. an integer past Python's digit limit
+        problem = f"malformed YAML: {_clip(str(exc))}"
+    finally:
+        loader.dispose()
+    if problem:
+        raise PlanError(str(path), [problem])
+    return data, node
 
 
 def _read_json(path: Path, text: str) -> Any:
     def unique(pairs):
-        keys = [k for k, _ in pairs]
-        dupes = sorted({k for k in keys if keys.count(k) > 1})
+        dupes = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
         if dupes:
-            raise ValueError(f"duplicate key(s) {dupes}")
+            raise ValueError(f"duplicate key(s) {short(dupes)}")
         return dict(pairs)
 
     try:
@@ -64,27 +150,41 @@ def _read_json(path: Path, text: str) -> Any:
     except json.JSONDecodeError as exc:
         raise PlanError(str(path), [f"line {exc.lineno}, column {exc.colno}: malformed JSON: {exc.msg}"]) from None
     except ValueError as exc:
-        raise PlanError(str(path), [f"malformed JSON: {exc}"]) from None
+        raise PlanError(str(path), [f"malformed JSON: {_clip(str(exc))}"]) from None
+    except RecursionError:
+        raise PlanError(str(path), [_TOO_DEEP]) from None
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, _Refused):
+        return exc.problem
     mark = getattr(exc, "problem_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     problem = getattr(exc, "problem", None) or str(exc)
     if isinstance(exc, yaml.constructor.ConstructorError) and "could not determine a constructor" in problem:
         tag = problem.split("tag", 1)[-1].strip(" '").replace("tag:yaml.org,2002:", "!!")
         return (
-            f"{where}YAML tag {tag!r} is refused: plans are plain data "
+            f"{where}YAML tag {short(tag)} is refused: plans are plain data "
             "(mappings, lists, strings, numbers), never Python objects"
         )
-    return f"{where}malformed YAML: {problem}"
+    return f"{where}malformed YAML: {_clip(problem)}"
 
 
 def _compose(text: str) -> Any:
+    # Line numbers for JSON messages; libyaml's composer, where installed, is several times faster.
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
+        return yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except (yaml.YAMLError, RecursionError):
         return None  # JSON that YAML cannot read: no line numbers, nothing else lost
+
+
+def short(value: Any) -> str:
+    """repr(value), cut to a few lines however large the value is."""
+    return _SHORT.repr(value)
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 20] + " ... " + text[-15:]
 
 
 def line_of(node: Any, loc: tuple) -> int | None:
@@ -92,7 +192,7 @@ def line_of(node: Any, loc: tuple) -> int | None:
     line = None
     for part in loc:
         if isinstance(node, yaml.MappingNode):
-            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            match = _keys_of(node).get(str(part))
             if match is None:
                 break
             line, node = match[0].start_mark.line + 1, match[1]
@@ -104,13 +204,29 @@ def line_of(node: Any, loc: tuple) -> int | None:
     return line
 
 
+# Per mapping node, key -> (key node, value node): one dict lookup per step of `line_of`,
+# so a message for each of thousands of keys stays linear. Weak: it dies with the tree.
+_KEY_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _keys_of(node: yaml.MappingNode) -> dict[str, tuple[Any, Any]]:
+    index = _KEY_INDEX.get(node)
+    if index is None:
+        index = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                index.setdefault(key.value, (key, value))  # the first of equal keys, as before
+        _KEY_INDEX[node] = index
+    return index
+
+
 def dotted(loc: tuple) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "." in str(part) or "*" in str(part):
-            out += f"[{part!r}]"
+        elif "." in str(part) or "*" in str(part) or len(str(part)) > 60:
+            out += f"[{short(part)}]"
         else:
             out += ("." if out else "") + str(part)
     return out

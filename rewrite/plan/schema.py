@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from .files import PlanError, dotted, line_of, read_plan_file
+from .files import PlanError, dotted, line_of, read_plan_file, short
 
 __all__ = ["ParallelPlan", "Mesh", "Pipeline", "PlanError", "load_plan", "STYLES", "STYLE_ALIASES"]
 
@@ -56,7 +57,7 @@ def _style(value: Any) -> Any:
     close = difflib.get_close_matches(value, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ValueError(
-        f"unknown style {value!r}: use one of {', '.join(STYLES)} "
+        f"unknown style {short(value)}: use one of {', '.join(STYLES)} "
         f"(Hugging Face names {', '.join(STYLE_ALIASES)} are accepted too){hint}"
     )
 
@@ -70,7 +71,7 @@ Style = Annotated[
 def _pattern(value: Any) -> Any:
     if isinstance(value, str) and not _PATTERN.match(value):
         raise ValueError(
-            f"{value!r} is not a module-path pattern: dotted names or indices, `*` matching "
+            f"{short(value)} is not a module-path pattern: dotted names or indices, `*` matching "
             "within one segment (e.g. 'model.layers.*.mlp.up_proj')"
         )
     return value
@@ -166,13 +167,15 @@ def _cut_point_problems(cuts: Any, pp: Any) -> list[str]:
     problems = []
     if len(cuts) != pp - 1:
         problems.append(
-            f"pipeline.cut_points: {len(cuts)} cut point(s) {cuts} for mesh.pp={pp}; "
+            f"pipeline.cut_points: {len(cuts)} cut point(s) {short(cuts)} for mesh.pp={pp}; "
             f"need exactly pp - 1 = {pp - 1} (or omit cut_points for a balanced split)"
         )
-    hashable = [c for c in cuts if isinstance(c, str)]
-    dupes = sorted({c for c in hashable if hashable.count(c) > 1})
+    counts = Counter(c for c in cuts if isinstance(c, str))  # a Counter: a list of any length stays linear
+    dupes = sorted(c for c, n in counts.items() if n > 1)
     if dupes:
-        problems.append(f"pipeline.cut_points: {dupes} listed more than once; each stage needs its own start")
+        problems.append(
+            f"pipeline.cut_points: {short(dupes)} listed more than once; each stage needs its own start"
+        )
     return problems
 
 
@@ -186,9 +189,9 @@ def _problems(exc: ValidationError, nodes: Any) -> list[str]:
         where = (f"line {line}: " if line else "") + (dotted(loc) + ": " if loc else "")
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = f"unknown key {loc[-1]!r}" + _suggest_key(exc, loc)
+            msg = f"unknown key {short(loc[-1])}" + _suggest_key(exc, loc)
         elif err["type"] not in ("value_error", "missing") and "input" in err:
-            msg += f" (found {err['input']!r})"
+            msg += f" (found {short(err['input'])})"
         problems.append((line or 10**9, where + msg))
     return [p for _, p in sorted(problems, key=lambda item: item[0])]
 
