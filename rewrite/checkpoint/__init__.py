@@ -1,3 +1,7 @@
-"""Checkpoints: one standard Hugging Face checkpoint written from any plan
-(`hf_save`), and loaded under any plan, each rank reading only its slices (`hf_load`).
+"""Checkpoints: one standard Hugging Face checkpoint written from any plan (`hf_save`)
+and loaded under any plan, each rank reading only its slices (`hf_load`).
+
+`layout`: which rank holds which slice of which tensor; `headers`: what a checkpoint's
+index and safetensors headers say (save ids, dtypes) before any tensor is read;
+`swap`: replacing a checkpoint directory all at once.
 """

@@ -6,7 +6,7 @@ from the safetensors files only the slices of its own stage and tp rank.
 
 from __future__ import annotations
 
-import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -14,12 +14,15 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from .hf_save import INDEX, SINGLE, Entry, agree, meta_model, stage_entries
+from ..agreement import agree
 from ..mesh import check_world
-from ..plan.schema import ParallelPlan, PlanError, load_plan
-from ..plan.resolve import ResolvedPlan, resolve
-from ..rewriter import apply_plan
 from ..pipeline.stage import Stage
+from ..plan.resolve import ResolvedPlan, resolve
+from ..plan.schema import ParallelPlan, PlanError, load_plan
+from ..rewriter import apply_plan
+from . import swap
+from .headers import load_dtype, model_keys, read_headers, save_id_problems, weight_map_of
+from .layout import INDEX, Entry, meta_model, stage_entries
 
 __all__ = ["from_pretrained"]
 
@@ -41,13 +44,22 @@ def from_pretrained(
     its tensor-parallel slices from the safetensors files (`get_slice`). Rotary
     frequencies (not stored) are recomputed from the config.
 
+    Before reading, every rank reads every shard's header, so that all decide alike:
+    shards whose save ids (written by `save_pretrained`; transformers writes none)
+    differ from each other or from the index's are refused. dtypes: with `dtype=None`
+    a checkpoint stored in one floating dtype keeps it; one whose floating tensors have
+    several (an fp16 tensor among fp32) is cast whole, on every rank, to the config's
+    `dtype` (else the dtype holding most elements), as transformers does, and rank 0
+    warns naming the tensors cast. A `directory` missing because a save was killed
+    mid-swap is read from the complete old checkpoint beside it (see `swap`).
+
     Args:
         directory: a checkpoint directory (`config.json` plus `model.safetensors` or
             `model.safetensors.index.json` and its shards), e.g. from `save_pretrained`
             or `transformers`' own `save_pretrained`.
         plan: a `ParallelPlan`, or a path / dict for `load_plan`.
         device: where this rank's tensors go.
-        dtype: cast floating tensors to it; None keeps the stored dtype.
+        dtype: cast floating tensors to it; None keeps the stored dtype when there is one.
 
     Returns:
         This rank's `Stage`, as `apply_plan` returns it.
@@ -55,7 +67,8 @@ def from_pretrained(
     Raises:
         ValueError: on every rank, before any tensor is read, when the config does not
             fit the plan, the world size is not pp * tp, or a file or tensor this rank
-            needs is missing, unreadable or of the wrong shape (each named).
+            needs is missing, unreadable or of the wrong shape, or shards come from
+            different saves (each named).
 
     Example:
         >>> dist.init_process_group("gloo")                  # under torchrun, 4 processes
@@ -67,18 +80,25 @@ def from_pretrained(
     directory = Path(directory)
     pp_rank, tp_rank = divmod(dist.get_rank(), plan.mesh.tp)
     what = f"from_pretrained({str(directory)!r}, {plan.source})"
-    problems, sources, entries, meta, generation = [], {}, [], None, None
+    problems, sources, entries, meta, generation, note = [], {}, [], None, None, None
     try:
+        directory = swap.current(directory)  # the old checkpoint, if a save was killed mid-swap
         config, generation = _read_configs(directory)
         meta = meta_model(config)
         resolved = _resolve(plan, meta, directory, config)
         entries = stage_entries(meta, resolved, pp_rank, tp_rank)
-        sources, problems = _check_sources(directory, _weight_map(directory), entries)
+        weight_map, index_id = weight_map_of(directory)
+        sources, problems = _check_sources(directory, weight_map, entries)
+        headers = read_headers(directory, weight_map.values())  # every file: all ranks decide alike
+        problems += save_id_problems(directory, headers, index_id)
+        dtype, note = load_dtype(headers, model_keys(meta, weight_map), config, dtype)
     except ValueError as exc:
         problems.append(str(exc))
     except Exception as exc:  # anything else too: a rank that raised alone would leave the others waiting
         problems.append(f"{type(exc).__name__}: {exc}")
     agree(problems, what)  # the first collective: every rank raises, or none does
+    if note is not None and dist.get_rank() == 0:
+        warnings.warn(f"{what}: {note}", stacklevel=2)
 
     by_name = {e.name: e for e in entries}
     # Tied weights first, whole (a plan never shards them): apply_plan broadcasts the
@@ -128,29 +148,6 @@ def _resolve(plan: ParallelPlan, meta: nn.Module, directory: Path, config) -> Re
             f"{directory / 'config.json'} ({type(meta).__name__}: {desc}) does not fit the plan; "
             f"change the plan or load another checkpoint:\n{exc}"
         ) from None
-
-
-def _weight_map(directory: Path) -> dict[str, str]:
-    """Tensor name -> file name, from the index or the single `model.safetensors`."""
-    index = directory / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(
-                f"{index}: not a safetensors index ({type(exc).__name__}: {exc}); re-save the checkpoint"
-            ) from None
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: 'weight_map' is not a mapping of tensor names to files; re-save the checkpoint")
-        return weight_map
-    single = directory / SINGLE
-    if not single.is_file():
-        raise ValueError(f"{directory}: neither {SINGLE} nor {INDEX} found; pass a safetensors checkpoint directory")
-    try:
-        with safe_open(str(single), framework="pt") as f:
-            return dict.fromkeys(f.keys(), SINGLE)
-    except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
-        raise ValueError(f"{single}: unreadable ({exc}); the file is corrupted or truncated, re-save it") from None
 
 
 def _check_sources(

@@ -1,17 +1,17 @@
 """Saving a rewritten model as one standard Hugging Face checkpoint (config + safetensors).
 
 Each stage's tp_rank 0 gathers its stage's sharded tensors over the tp group and
-writes one safetensors file; rank 0 adds config.json and the index. Loading is in
-`hf_load`; the layout both share (who holds which slice of what) is here.
+writes one safetensors file; rank 0 adds config.json and the index and swaps the new
+directory in (`swap`). Loading is in `hf_load`; the layout both share is in `layout`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,110 +19,16 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..agreement import agree, share
 from ..mesh import check_world
-from ..plan.schema import ParallelPlan, PlanError, load_plan
-from ..plan.resolve import ResolvedPlan, resolve
 from ..pipeline.stage import Stage
+from ..plan.resolve import resolve
+from ..plan.schema import ParallelPlan, PlanError, load_plan
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from . import swap
+from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
 
 __all__ = ["save_pretrained"]
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One state-dict tensor on one rank: which full checkpoint tensor it is, and which slice."""
-
-    name: str  # the key in this rank's model.state_dict()
-    canonical: str  # the key in the checkpoint (tied weights: the first name sharing it)
-    full_shape: tuple[int, ...]
-    dim: int | None  # sharded along this dim, None when whole
-    start: int
-    length: int
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        shape = list(self.full_shape)
-        if self.dim is not None:
-            shape[self.dim] = self.length
-        return tuple(shape)
-
-
-def shard_file(stage_idx: int, pp: int) -> str:
-    return SINGLE if pp == 1 else f"model-{stage_idx + 1:05d}-of-{pp:05d}.safetensors"
-
-
-def meta_model(config) -> nn.Module:
-    """The causal LM of `config` with no storage: enough to bind a plan to."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def canonical_names(model: nn.Module) -> dict[str, str]:
-    """Parameter name -> the first name sharing the same tensor (tied embeddings)."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        out[name] = first.setdefault(id(param), name)
-    return out
-
-
-def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:
-    """Every state-dict tensor the ranks of stage `pp_rank` hold, with tp rank `tp_rank`'s slice."""
-    mods = [""] if resolved.pp == 1 else list(resolved.stages[pp_rank].modules)
-    shards = {s.fqn: s for s in resolved.shards}
-    canonical, tp = canonical_names(meta), resolved.tp
-    entries = []
-    for name, tensor in meta.state_dict(keep_vars=True).items():
-        if not any(not m or name == m or name.startswith(m + ".") for m in mods):
-            continue
-        owner, _, leaf = name.rpartition(".")
-        spec, shape, dim = shards.get(owner), tuple(tensor.shape), None
-        if spec is not None and tp > 1:
-            if spec.style in ("column", "column_gather") and leaf in ("weight", "bias"):
-                dim = 0
-            elif spec.style in ("row", "row_split") and leaf == "weight":
-                dim = 1
-        length = shape[dim] // tp if dim is not None else 0
-        entries.append(Entry(name, canonical.get(name, name), shape, dim, tp_rank * length, length))
-    return entries
-
-
-def written_by_stage(entries_per_stage: list[list[Entry]]) -> list[list[Entry]]:
-    """Per stage, the entries it writes: each checkpoint tensor once, by the first stage holding it."""
-    seen: set[str] = set()
-    out = []
-    for entries in entries_per_stage:
-        mine = []
-        for entry in entries:
-            if entry.canonical not in seen:
-                seen.add(entry.canonical)
-                mine.append(entry)
-        out.append(mine)
-    return out
-
-
-def agree(problems: list[str], what: str, *, extra=None) -> list:
-    """Share every rank's problems (one collective); raise the same error on every rank.
-
-    Returns every rank's `extra`, in rank order, when no rank had a problem.
-    """
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (problems, extra))
-    by_text: dict[str, list[int]] = {}
-    for rank, (found, _) in enumerate(gathered):
-        for problem in found:
-            by_text.setdefault(problem, []).append(rank)
-    if by_text:
-        count = f"{len(by_text)} problem" + ("s" if len(by_text) != 1 else "")
-        lines = [f"  rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}" for p, r in by_text.items()]
-        raise ValueError(f"{what}: {count}\n" + "\n".join(line.replace("\n", "\n    ") for line in lines))
-    return [x for _, x in gathered]
-
 
 def _summary(head: str, items: list[str], shown: int = 3) -> list[str]:
     """One problem for many alike: the count and the first few."""
@@ -188,10 +94,18 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     it was rewritten with. Each stage's tp_rank 0 gathers the stage's shards and writes
     `model-0000{s+1}-of-0000{pp}.safetensors` (`model.safetensors` when pp == 1);
     rank 0 writes `config.json` and the index. Tied embeddings are written once, as
-    `model.embed_tokens.weight`. Files are written under a temporary sibling directory
-    and renamed into `directory` only once every rank has succeeded; other files in
-    `directory` (a tokenizer) are kept, stale weight files removed.
+    `model.embed_tokens.weight`. Every shard's metadata and the index carry this save's
+    id (`rewrite_save_id`), so that `from_pretrained` refuses shards of different saves.
     `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads the result.
+
+    All or nothing, even if killed at any instant: the complete new checkpoint is
+    written to a sibling `.<name>.tmp-<save id>`, the old checkpoint's other files (a
+    tokenizer; not its weight files) are hard-linked into it, and only once every rank
+    has succeeded is it swapped with `directory` in one step (Linux `renameat2`
+    exchange; elsewhere rename-aside then rename-in, an interrupted one being finished
+    by the next save and read by `from_pretrained` from `.<name>.old-<id>`). Any
+    intermediate state holds the old or the new checkpoint, never a mix. The old one
+    and temporaries left by killed saves are deleted afterwards (see `swap`).
 
     Args:
         model: this rank's rewritten model, or the `Stage` `apply_plan` returned.
@@ -203,8 +117,9 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
 
     Raises:
         ValueError: on every rank, before anything is written, when any rank's model
-            does not match the plan. RuntimeError: on every rank when writing failed
-            on some rank; `directory` is then left as it was.
+            does not match the plan. RuntimeError: on every rank when writing or the
+            swap failed on some rank; `directory` then holds the old checkpoint (or the
+            new one, complete, when only what follows the swap failed).
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-tp2-pp2.yaml")
@@ -230,8 +145,13 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
             problems, entries = [f"checking the model against the plan: {type(exc).__name__}: {exc}"], []
     if directory.exists() and not directory.is_dir():
         problems.append(f"{directory} exists and is not a directory; pass a directory path")
-    tokens = agree(problems, f"save_pretrained({str(directory)!r})", extra=uuid.uuid4().hex)  # first collective
-    tmp = directory.parent / f".{directory.name}.tmp-{tokens[0]}"
+    try:
+        swap.current(directory)
+    except ValueError as exc:
+        problems.append(str(exc))
+    tokens = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)  # first collective
+    save_id = tokens[0]
+    tmp = swap.temporary(directory, save_id)
     pp_rank, tp_rank = divmod(rank, tp)
     local = model.state_dict()
     error, sizes = None, {}
@@ -240,35 +160,29 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         if tp_rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
             tensors = {k: _own_storage(t) for k, t in tensors.items()}
-            save_file(tensors, str(tmp / shard_file(pp_rank, pp)), metadata={"format": "pt"})
+            save_file(tensors, str(tmp / shard_file(pp_rank, pp)), metadata={"format": "pt", SAVE_ID: save_id})
             sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
         del tensors
     except Exception as exc:  # any rank's failure must reach every rank, or they would wait
         error = f"writing stage {pp_rank}: {type(exc).__name__}: {exc}"
-    results = _share(error, sizes)
+    results = share((error, sizes))
     errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(results) if e]
     if errors:
         errors.append(f"nothing in {directory} was changed")
     elif rank == 0:
         try:
             stored = {k: (r // tp, n) for r, (_, s) in enumerate(results) for k, n in s.items()}  # name: (stage, bytes)
-            _finish(model, tmp, directory, pp, stored)
+            _finish(model, tmp, directory, pp, stored, save_id)
         except Exception as exc:
-            errors = [f"rank 0: moving the files into place: {type(exc).__name__}: {exc}; "
-                      f"{directory} may now mix old and new files: save again"]
-    final = _share("\n  ".join(errors) if errors and rank == 0 else None, {})
+            errors = [f"rank 0: putting the checkpoint in place: {type(exc).__name__}: {exc}; "
+                      f"{directory} holds the old checkpoint or the new one, never a mix: save again"]
+    final = share(("\n  ".join(errors) if errors and rank == 0 else None, {}))
     errors = errors or [e for e, _ in final if e]
-    if rank == 0 and tmp.exists():
+    if rank == 0 and os.path.lexists(tmp):  # holds nothing needed: the unused new files, or the old ones
         shutil.rmtree(tmp, ignore_errors=True)
     if errors:
         raise RuntimeError(f"save_pretrained({str(directory)!r}) failed:\n  " + "\n  ".join(errors))
     return directory
-
-
-def _share(error: str | None, sizes: dict) -> list:
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (error, sizes))
-    return gathered
 
 
 def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | None, dst: int) -> torch.Tensor | None:
@@ -290,8 +204,9 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
-def _finish(model: nn.Module, tmp: Path, directory: Path, pp: int, sizes: dict[str, tuple[int, int]]) -> None:
-    """Rank 0: add config and index, then rename everything into `directory`."""
+def _finish(model: nn.Module, tmp: Path, directory: Path, pp: int, sizes: dict[str, tuple[int, int]],
+            save_id: str) -> None:
+    """Rank 0: add config and index to the new checkpoint in `tmp`, then swap it in."""
     config = copy.deepcopy(model.config)
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
     if dtypes:
@@ -301,22 +216,10 @@ def _finish(model: nn.Module, tmp: Path, directory: Path, pp: int, sizes: dict[s
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(str(tmp))
-    names = [shard_file(s, pp) for s in range(pp) if (tmp / shard_file(s, pp)).exists()]
     if pp > 1:
         index = {
-            "metadata": {"total_size": sum(n for _, n in sizes.values())},
+            "metadata": {"total_size": sum(n for _, n in sizes.values()), SAVE_ID: save_id},
             "weight_map": {k: shard_file(s, pp) for k, (s, _) in sorted(sizes.items())},
         }
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    directory.mkdir(parents=True, exist_ok=True)
-    new = [*names, *(p.name for p in tmp.iterdir() if p.name not in names and p.name != INDEX)]
-    new += [INDEX] if pp > 1 else []  # the index last: it names files that must already be there
-    stale = [p for p in directory.iterdir() if p.name not in new and _is_weight_file(p.name)]
-    for name in new:
-        (tmp / name).replace(directory / name)
-    for path in stale:
-        path.unlink()
-
-
-def _is_weight_file(name: str) -> bool:
-    return name == INDEX or (name.startswith("model") and name.endswith(".safetensors"))
+    swap.install(tmp, directory, save_id)

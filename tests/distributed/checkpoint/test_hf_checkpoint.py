@@ -226,6 +226,7 @@ def _errors(rank: int, ws: int, root: str) -> dict:
         checkpoint.save_file = full_disk
     saves.append(_expect_error(lambda: rewrite.save_pretrained(stage, PP2, out), RuntimeError))
     intact = before == _digest(out)
+    dist.barrier()  # every rank has looked before rank 0 changes the directory
     if rank == 0:  # a tokenizer is kept, a stale weight file (an earlier pp1 save) removed
         (out / "tokenizer.json").write_text("{}")
         shutil.copy(root / "kv-heads" / "model.safetensors", out / "model.safetensors")

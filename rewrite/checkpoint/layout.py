@@ -1,0 +1,96 @@
+"""The layout save and load share: file names, and which rank holds which slice of
+which checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..plan.resolve import ResolvedPlan
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+SAVE_ID = "rewrite_save_id"  # key, in every shard's safetensors metadata and the index's, of the save that wrote it
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One state-dict tensor on one rank: which full checkpoint tensor it is, and which slice."""
+
+    name: str  # the key in this rank's model.state_dict()
+    canonical: str  # the key in the checkpoint (tied weights: the first name sharing it)
+    full_shape: tuple[int, ...]
+    dim: int | None  # sharded along this dim, None when whole
+    start: int
+    length: int
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        if self.dim is not None:
+            shape[self.dim] = self.length
+        return tuple(shape)
+
+
+def shard_file(stage_idx: int, pp: int) -> str:
+    return SINGLE if pp == 1 else f"model-{stage_idx + 1:05d}-of-{pp:05d}.safetensors"
+
+
+def is_weight_file(name: str) -> bool:
+    """A file a save replaces (the index and `model*.safetensors`), as opposed to one it keeps (a tokenizer)."""
+    return name == INDEX or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def meta_model(config) -> nn.Module:
+    """The causal LM of `config` with no storage: enough to bind a plan to."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> the first name sharing the same tensor (tied embeddings)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(param), name)
+    return out
+
+
+def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:
+    """Every state-dict tensor the ranks of stage `pp_rank` hold, with tp rank `tp_rank`'s slice."""
+    mods = [""] if resolved.pp == 1 else list(resolved.stages[pp_rank].modules)
+    shards = {s.fqn: s for s in resolved.shards}
+    canonical, tp = canonical_names(meta), resolved.tp
+    entries = []
+    for name, tensor in meta.state_dict(keep_vars=True).items():
+        if not any(not m or name == m or name.startswith(m + ".") for m in mods):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        spec, shape, dim = shards.get(owner), tuple(tensor.shape), None
+        if spec is not None and tp > 1:
+            if spec.style in ("column", "column_gather") and leaf in ("weight", "bias"):
+                dim = 0
+            elif spec.style in ("row", "row_split") and leaf == "weight":
+                dim = 1
+        length = shape[dim] // tp if dim is not None else 0
+        entries.append(Entry(name, canonical.get(name, name), shape, dim, tp_rank * length, length))
+    return entries
+
+
+def written_by_stage(entries_per_stage: list[list[Entry]]) -> list[list[Entry]]:
+    """Per stage, the entries it writes: each checkpoint tensor once, by the first stage holding it."""
+    seen: set[str] = set()
+    out = []
+    for entries in entries_per_stage:
+        mine = []
+        for entry in entries:
+            if entry.canonical not in seen:
+                seen.add(entry.canonical)
+                mine.append(entry)
+        out.append(mine)
+    return out
