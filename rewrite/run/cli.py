@@ -80,6 +80,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         out_dir=args.out,
         parity=args.parity,
         progress=not args.no_progress,
+        timeout_s=args.timeout,
     )
     train_main(config)
     return 0
@@ -132,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", default=d["out_dir"].default, help="where rank 0 writes timeline.png, loss.png, metrics.json (default %(default)s)")
     train.add_argument("--no-parity", dest="parity", action="store_false", help="skip the single-process check of step 1")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (a line per step instead)")
+    train.add_argument(
+        "--timeout",
+        type=float,
+        default=d["timeout_s"].default,
+        metavar="SECONDS",
+        help="process-group timeout, > 0: a rank waiting longer than this in a collective (a peer stuck or "
+        "gone) fails the run instead of holding every rank for torch's default 30 minutes (default "
+        "%(default)g). Applies to the group `train` creates; a group the caller already initialised "
+        "keeps its own timeout",
+    )
     train.set_defaults(func=_cmd_train)
     return parser
 

@@ -6,11 +6,14 @@ cannot send them to spawned processes. Each worker gets torchrun's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), joins a gloo group
 itself, and returns `fn`'s value. A failing rank fails the launch with its
 traceback; a rank still running at the deadline fails it too. Either way every
-rank is killed: nothing is left waiting in a collective.
+rank is killed: nothing is left waiting in a collective. Neither a worker nor a
+file outlives the launching process, however that process ends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import pickle
 import selectors
@@ -18,10 +21,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 __all__ = ["launch", "LaunchError"]
 
@@ -46,22 +49,65 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# What each worker runs: `python -c _BOOTSTRAP payload_dir`. Kept import-light until
-# sys.path is set, so functions pickled by reference resolve as in the parent.
-_BOOTSTRAP = "import sys; from rewrite.run.launch import _worker; _worker(sys.argv[1])"
+# What each worker runs: `python -c _BOOTSTRAP parent_pid payload_fd result_fd`. Its
+# first lines, standard library only, tie the worker to its parent before the slow
+# `import rewrite` (torch): on Linux the kernel SIGKILLs it when the parent ends, however
+# (PR_SET_PDEATHSIG = 1; it follows the thread that started the worker, which `launch`
+# keeps waiting for the workers). A parent already gone is no longer getppid().
+_BOOTSTRAP = """\
+import os, sys
+parent = int(sys.argv[1])
+if sys.platform.startswith("linux"):
+    try:
+        import ctypes, signal
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # the watchdog thread of _worker still stops us
+if os.getppid() != parent:
+    os._exit(1)
+from rewrite.run.launch import _worker
+_worker(parent, int(sys.argv[2]), int(sys.argv[3]))
+"""
 
 
-def _worker(payload_dir: str) -> None:
-    """Worker side: join the group, call the function, write its value or traceback."""
+def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """Exit this process once `parent_pid` is no longer its parent (it died; we were adopted).
+
+    The portable fallback for where PR_SET_PDEATHSIG does not exist: a daemon thread,
+    so it fires even while the main thread is blocked in a collective.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rewrite-launch-watchdog", daemon=True).start()
+
+
+def _put(fd: int, data: bytes) -> None:
+    """Make `data` the whole content of this rank's result file."""
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    with open(fd, "wb", closefd=False) as f:
+        f.write(data)
+
+
+def _worker(parent_pid: int, payload_fd: int, result_fd: int) -> None:
+    """Worker side: join the group, call the function, write its value or traceback.
+
+    The payload's descriptor (and so its file offset) is shared by every rank: read
+    it through a mapping of our own.
+    """
     import traceback
     from datetime import timedelta
 
-    rank = int(os.environ["RANK"])
-    folder = Path(payload_dir)
+    _watch_parent(parent_pid)
     try:
-        with open(folder / "payload.pkl", "rb") as f:
-            sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
-            fn, args, kwargs, init, timeout_s = pickle.load(f)  # cloudpickle output loads with pickle
+        with mmap.mmap(payload_fd, 0, access=mmap.ACCESS_READ) as payload:
+            sys.path[:0] = [p for p in pickle.load(payload) if p not in sys.path]
+            fn, args, kwargs, init, timeout_s = pickle.load(payload)  # cloudpickle output loads with pickle
+        os.close(payload_fd)
         import torch
         import torch.distributed as dist
 
@@ -73,11 +119,10 @@ def _worker(payload_dir: str) -> None:
             dist.destroy_process_group()  # only on success: a failed rank's peers may be mid-collective
         import cloudpickle
 
-        (folder / f"result{rank}.tmp").write_bytes(cloudpickle.dumps(result))
-        os.replace(folder / f"result{rank}.tmp", folder / f"result{rank}.pkl")
+        _put(result_fd, cloudpickle.dumps(result))  # read by the parent only after we exit with 0
     except BaseException:
         text = traceback.format_exc()
-        (folder / f"error{rank}.txt").write_text(text)
+        _put(result_fd, text.encode())
         sys.stderr.write(text)
         sys.stderr.flush()
         os._exit(1)  # skip interpreter teardown: a peer may be stuck in a collective with us
@@ -118,6 +163,9 @@ def launch(
     give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
     MASTER_PORT on a free port, OMP_NUM_THREADS=1). It sets one torch thread, calls
     `torch.distributed.init_process_group("gloo")`, runs `fn`, and leaves the group.
+    Ranks die with this process, even if it is SIGKILLed (Linux: at once; elsewhere
+    within a second), and `fn` and the results pass through unnamed temporary files,
+    so no process and no file outlives the launch.
 
     Args:
         fn: any function, including one defined in a notebook: it is serialised by
@@ -152,48 +200,55 @@ def launch(
         raise ValueError(f"launch needs nprocs >= 1 ranks, got {nprocs!r}")
     if not callable(fn):
         raise ValueError(f"launch needs a function to run on each rank, got {type(fn).__name__}")
-    with tempfile.TemporaryDirectory(prefix="rewrite-launch-") as tmp:
-        folder = Path(tmp)
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
-        if os.getcwd() not in paths:
-            paths.insert(0, os.getcwd())
-        try:
-            payload = cloudpickle.dumps((fn, args, kwargs, init_process_group, timeout_s))
-        except Exception as exc:  # cloudpickle raises many kinds
-            raise ValueError(
-                f"launch cannot serialise {getattr(fn, '__name__', fn)!r} or its arguments: {exc}; "
-                "pass plain data (numbers, strings, paths, tensors) and open files or sockets inside fn"
-            ) from None
-        with open(folder / "payload.pkl", "wb") as f:
-            pickle.dump(paths, f)
-            f.write(payload)
-        base = {
-            **os.environ,
-            "WORLD_SIZE": str(nprocs),
-            "LOCAL_WORLD_SIZE": str(nprocs),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "MPLBACKEND": "Agg",  # not the notebook's inline backend: workers have no display
-            **(env or {}),
-        }
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    if os.getcwd() not in paths:
+        paths.insert(0, os.getcwd())
+    try:
+        payload = cloudpickle.dumps((fn, args, kwargs, init_process_group, timeout_s))
+    except Exception as exc:  # cloudpickle raises many kinds
+        raise ValueError(
+            f"launch cannot serialise {getattr(fn, '__name__', fn)!r} or its arguments: {exc}; "
+            "pass plain data (numbers, strings, paths, tensors) and open files or sockets inside fn"
+        ) from None
+    base = {
+        **os.environ,
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "MPLBACKEND": "Agg",  # not the notebook's inline backend: workers have no display
+        **(env or {}),
+    }
+    # Unnamed files (O_TMPFILE on Linux, unlinked at once elsewhere), handed to the
+    # workers as open descriptors: the kernel frees them when the last holder ends, so
+    # nothing is left in the temp folder whoever dies first and however.
+    with contextlib.ExitStack() as files:
+        payload_file, *results = (
+            files.enter_context(tempfile.TemporaryFile(prefix="rewrite-launch-")) for _ in range(nprocs + 1)
+        )
+        pickle.dump(paths, payload_file)
+        payload_file.write(payload)
+        payload_file.flush()
         procs: list[subprocess.Popen] = []
         selector = selectors.DefaultSelector()
         tails = [deque(maxlen=40) for _ in range(nprocs)]
         try:
             for rank in range(nprocs):
+                fds = (payload_file.fileno(), results[rank].fileno())
                 proc = subprocess.Popen(
-                    [sys.executable, "-c", _BOOTSTRAP, tmp],
+                    [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), *map(str, fds)],
                     env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"},
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
+                    pass_fds=fds,
                 )
                 procs.append(proc)
                 selector.register(proc.stdout, selectors.EVENT_READ, (rank, bytearray()))
-            _wait(procs, selector, tails, folder, echo, time.monotonic() + timeout_s, timeout_s)
-            return [cloudpickle.loads((folder / f"result{r}.pkl").read_bytes()) for r in range(nprocs)]
+            _wait(procs, selector, tails, results, echo, time.monotonic() + timeout_s, timeout_s)
+            return [cloudpickle.loads(_contents(f)) for f in results]
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -204,7 +259,13 @@ def launch(
             selector.close()
 
 
-def _wait(procs, selector, tails, folder: Path, echo: bool, deadline: float, timeout_s: float) -> None:
+def _contents(f: BinaryIO) -> bytes:
+    """What an exited worker left in its result file."""
+    f.seek(0)
+    return f.read()
+
+
+def _wait(procs, selector, tails, results: list[BinaryIO], echo: bool, deadline: float, timeout_s: float) -> None:
     while True:
         _stream(selector, tails, echo, wait=0.1)
         codes = [p.poll() for p in procs]
@@ -212,10 +273,10 @@ def _wait(procs, selector, tails, folder: Path, echo: bool, deadline: float, tim
         if failed:
             # The rank that raised first wrote its traceback; peers may just have lost it.
             _drain(selector, tails, echo)
-            errors = {r: (folder / f"error{r}.txt") for r in range(len(procs))}
-            written = [r for r in failed if errors[r].exists()]
-            first = min(written, key=lambda r: errors[r].stat().st_mtime) if written else failed[0]
-            trace = errors[first].read_text() if errors[first].exists() else "\n".join(tails[first])
+            stats = {r: os.fstat(results[r].fileno()) for r in failed}
+            written = [r for r in failed if stats[r].st_size]
+            first = min(written, key=lambda r: stats[r].st_mtime_ns) if written else failed[0]
+            trace = _contents(results[first]).decode(errors="replace") if written else "\n".join(tails[first])
             alive = [r for r, p in enumerate(procs) if p.poll() is None]
             raise LaunchError(
                 f"rank {first} of {len(procs)} failed (exit code {codes[first]}); every rank was stopped.\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ __all__ = [
     "Parity",
     "train",
     "train_main",
+    "build_init_kwargs",
     "default_data_path",
     "load_bytes",
     "sample_batch",
@@ -62,13 +64,14 @@ class TrainConfig:
     out_dir: str = "out/demo"  # rank 0 writes timeline.png, loss.png and metrics.json here
     parity: bool = True  # check step 1 against a single-process run of the same step
     progress: bool = True  # progress bar on rank 0 (else one line per step)
+    timeout_s: float = 300.0  # process-group timeout: a collective stuck longer fails the run instead of holding it
 
 
 def default_data_path() -> Path:
     """`data/alice29.txt` in the working directory, else beside this package's source tree."""
     if Path("data/alice29.txt").is_file():
         return Path("data/alice29.txt")
-    path = Path(__file__).resolve().parents[1] / "data" / "alice29.txt"
+    path = Path(__file__).resolve().parents[2] / "data" / "alice29.txt"  # rewrite/run/train.py
     if path.is_file():
         return path
     raise TrainConfigError(
@@ -194,7 +197,7 @@ def train(config: TrainConfig) -> dict:
             before the first collective).
 
     Example:
-        >>> dist.init_process_group("gloo")   # under torchrun --nproc-per-node 4
+        >>> dist.init_process_group("gloo", timeout=timedelta(minutes=5))   # under torchrun --nproc-per-node 4
         >>> metrics = train(TrainConfig("plans/llama-tp2-pp2.yaml", steps=30))
     """
     plan = load_plan(config.plan)
@@ -275,19 +278,45 @@ def _write_outputs(config: TrainConfig, metrics: dict, events, plan) -> None:
     print(f"wrote {out / 'timeline.png'}, {out / 'loss.png'}, {out / 'metrics.json'}", flush=True)
 
 
+def build_init_kwargs(config: TrainConfig) -> dict:
+    """The keyword arguments `train_main` passes to `dist.init_process_group`.
+
+    Raises:
+        TrainConfigError: `config.timeout_s` is not a positive, finite number of seconds.
+
+    Example:
+        >>> build_init_kwargs(TrainConfig("plans/llama-tp2.yaml", timeout_s=60))
+        {'backend': 'gloo', 'timeout': datetime.timedelta(seconds=60)}
+    """
+    timeout_s = config.timeout_s
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise TrainConfigError(
+            f"rewrite train: --timeout is {timeout_s!r}; use a positive number of seconds, e.g. --timeout 300: "
+            "how long a rank may wait in a collective for a stuck or lost peer before the run fails"
+        )
+    return {"backend": "gloo", "timeout": timedelta(seconds=timeout_s)}
+
+
 def train_main(config: TrainConfig) -> dict:
     """`train` in a process of its own: sets one torch thread, joins the gloo group, leaves it.
 
     Under torchrun the rendezvous comes from its environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT); run directly, it is a world of one process.
+    MASTER_ADDR, MASTER_PORT); run directly, it is a world of one process. The group
+    it creates has `config.timeout_s` as its timeout, so a stuck rank fails the run
+    within that time instead of holding every rank for torch's default 30 minutes. A
+    group the caller already created is used as it is, with its own timeout.
+
+    Raises:
+        TrainConfigError: a bad `timeout_s`, on every rank, before any collective.
     """
+    init_kwargs = build_init_kwargs(config)  # before the rendezvous: no rank is left waiting
     torch.set_num_threads(1)  # the ranks share the machine's cores
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+        dist.init_process_group(**init_kwargs)
     try:
         return train(config)
     finally:

@@ -102,3 +102,49 @@ def test_usage_errors_exit_2(args):
     out = rewrite_cmd(*args)
     assert out.returncode == 2
     assert "usage: rewrite" in out.stderr
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_train_refuses_a_timeout_that_is_not_positive(value):
+    out = rewrite_cmd("train", "plans/llama-tp2.yaml", "--timeout", value)
+    assert out.returncode == 1, out.stderr
+    assert f"--timeout is {float(value)!r}; use a positive number of seconds, e.g. --timeout 300" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_train_timeout_reaches_init_process_group(monkeypatch):
+    """`--timeout` becomes the timeout of the group `train` creates; stopped right there."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from rewrite.run.cli import main
+    from rewrite.run.train import TrainConfig, build_init_kwargs
+
+    class Joined(Exception):
+        pass
+
+    calls = []
+
+    def fake_init(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise Joined
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "0" if name != "MASTER_ADDR" else "127.0.0.1")
+    with pytest.raises(Joined):
+        main(["train", "plans/llama-tp2.yaml", "--timeout", "42.5"])
+    assert calls == [((), {"backend": "gloo", "timeout": timedelta(seconds=42.5)})]
+    assert build_init_kwargs(TrainConfig("plans/llama-tp2.yaml"))["timeout"] == timedelta(minutes=5)
+
+
+def test_default_text_is_found_from_any_working_directory(tmp_path, monkeypatch):
+    from rewrite.run.train import default_data_path
+
+    monkeypatch.chdir(tmp_path)  # no data/ here: the copy beside the package is used
+    assert default_data_path() == ROOT / "data" / "alice29.txt"
