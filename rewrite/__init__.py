@@ -10,7 +10,7 @@ Write a plan, apply it, train:
 from .checkpoint.hf_load import from_pretrained
 from .checkpoint.hf_save import save_pretrained
 from .mesh import Mesh, build_mesh
-from .pipeline.runner import causal_lm_loss, run_afab
+from .pipeline.runner import causal_lm_loss, run_afab, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
 from .plan.from_hf import plan_from_hf
 from .plan.resolve import ResolvedPlan, ShardSpec, StageSpec, resolve
@@ -37,6 +37,7 @@ __all__ = [
     "Mesh",
     "build_mesh",
     "run_afab",
+    "run_schedule",
     "causal_lm_loss",
     "train_step_pipeline_afab",
     "save_pretrained",

@@ -35,6 +35,18 @@ class ToyNet(nn.Module):
         return self.head(x)
 
 
+def toy_step_setup(microbatches: int) -> tuple[ToyNet, ToyNet, list[torch.Tensor], list[torch.Tensor]]:
+    """A ToyNet, its untouched copy for the reference, and `microbatches` inputs and targets."""
+    import copy
+
+    torch.manual_seed(0)
+    model = ToyNet()
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 5, 16, generator=gen) for _ in range(microbatches)]
+    ys = [torch.randn(2, 5, 8, generator=gen) for _ in range(microbatches)]
+    return model, copy.deepcopy(model), xs, ys
+
+
 class SkipNet(ToyNet):
     """The input is reused after the blocks: no single tensor crosses a cut."""
 

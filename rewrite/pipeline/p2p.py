@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["send", "recv", "send_header", "recv_header"]
+__all__ = ["send", "recv", "send_header", "decode_header", "HEADER_SHAPE"]
 
 _DTYPES = [
     torch.float32,
@@ -25,6 +25,7 @@ _DTYPES = [
     torch.bool,
 ]
 _MAX_DIMS = 8
+HEADER_SHAPE = (2 + _MAX_DIMS,)  # ndim, dtype code, then the sizes, padded with -1
 
 
 def send(tensor: torch.Tensor, dst: int) -> list[dist.Work]:
@@ -51,11 +52,8 @@ def send_header(tensor: torch.Tensor, dst: int) -> list[dist.Work]:
     return [*send(header, dst), _Keep(header)]
 
 
-def recv_header(src: int, device: torch.device) -> tuple[tuple[int, ...], torch.dtype]:
-    """Block until the next header from `src` arrives; return (shape, dtype)."""
-    header, works = recv(src, (2 + _MAX_DIMS,), torch.int64, device)
-    for work in works:
-        work.wait()
+def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) from a header received into a `HEADER_SHAPE` int64 buffer."""
     values = header.tolist()
     ndim, code = values[0], values[1]
     return tuple(values[2 : 2 + ndim]), _DTYPES[code]

@@ -1,7 +1,10 @@
-"""The pipeline runner. AFAB: every microbatch's forward, then every backward.
+"""The pipeline runner: one rank's row of a schedule table, executed.
 
-The runner knows nothing of LLaMA or plans: it moves tensors between stages,
-scales the loss, accumulates gradients and records a timeline.
+A schedule is data (`rewrite.plan.schedules`): per rank, its forwards and backwards in
+order. The runner checks the whole table on paper, then runs this rank's row: it
+receives what each action needs from the neighbouring stage, computes, sends the
+result on, scales the loss, accumulates gradients and records a timeline. It knows
+nothing of LLaMA or plans.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from ..plan.schedules import Action, build_table, plan_table, table_problems
 from . import p2p
 from .inputs import check_step_inputs
 from .stage import Stage, TimelineEvent
 
-__all__ = ["run_afab", "causal_lm_loss"]
+__all__ = ["run_afab", "run_schedule", "causal_lm_loss"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -32,7 +38,7 @@ def run_afab(
     stage: Stage,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor] | None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
 ) -> torch.Tensor:
     """One training step, all-forward-all-backward; gradients accumulate in `.grad`.
 
@@ -59,70 +65,166 @@ def run_afab(
         >>> optimizer.step(); optimizer.zero_grad()
     """
     check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None)
-    loss_fn = loss_fn or causal_lm_loss
-    m, mesh, device, dtype = len(inputs), stage.mesh, stage.device, stage.dtype
-    shapes = [stage.boundary_shapes(tuple(x.shape)) for x in inputs]
-    stage.timeline = []
-    sends: list = []  # in-flight works and the tensors they read
-    stage_inputs, stage_outputs, losses = [], [], []
+    return _run(stage, build_table("afab", stage.num_stages, len(inputs)), inputs, targets, loss_fn)
 
-    def post_recv(i: int):
-        if stage.is_first or i >= m:
-            return None
-        shape = shapes[i]["input"]
-        if shape is None:  # traced stage: the sender announces the shape
-            shape, wire_dtype = p2p.recv_header(mesh.prev_rank, device)
-            return p2p.recv(mesh.prev_rank, shape, wire_dtype, device)
-        return p2p.recv(mesh.prev_rank, shape, dtype, device)
 
-    pending = post_recv(0)
-    for i in range(m):  # all forwards
-        if stage.is_first:
-            x = inputs[i].to(device)
-            if x.is_floating_point():
-                x = x.to(dtype)
+def run_schedule(
+    stage: Stage,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor] | None,
+    loss_fn: LossFn | None = None,
+) -> torch.Tensor:
+    """One training step under the plan's `pipeline.schedule`; same arguments and result as `run_afab`.
+
+    Named schedules run any number of microbatches; a custom table runs exactly the
+    plan's `pipeline.microbatches`.
+
+    Example:
+        >>> stage = apply_plan(model, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})
+        >>> loss = run_schedule(stage, input_chunks, target_chunks)
+    """
+    check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None, what="run_schedule")
+    pipeline, pp, m = stage.resolved.plan.pipeline, stage.num_stages, len(inputs)
+    if pipeline.schedule == "custom" and m != pipeline.microbatches:
+        # The same on every rank: the microbatch count was agreed on above.
+        raise ValueError(
+            f"run_schedule: the plan's custom table runs {pipeline.microbatches} microbatches, "
+            f"got {m}; split the batch into {pipeline.microbatches}"
+        )
+    return _run(stage, plan_table(pipeline.schedule, pipeline.table, pp, m), inputs, targets, loss_fn)
+
+
+def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
+    problems = table_problems(table, stage.num_stages, len(inputs))
+    if problems:  # every rank holds the same table, so every rank refuses it alike
+        raise ValueError("the schedule cannot run: " + "; ".join(problems))
+    step = _Step(stage, inputs, targets, loss_fn or causal_lm_loss, table[stage.stage_idx])
+    stash = _stash_tied_grads(stage)
+    for action in table[stage.stage_idx]:
+        if action.kind == "F":
+            step.forward(action.mb)
         else:
-            x, works = pending
+            step.backward(action.mb)
+    step.finish()
+    _sum_tied_grads(stage, stash)
+    return _broadcast_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
+
+
+class _Inbox:
+    """Receives from one neighbour, in the order this rank's row consumes them, posted one ahead.
+
+    Posting early overlaps the transfer with compute. Activations whose shape only the
+    sender knows (traced models) come after a header, itself posted early and waited on
+    only when needed; gradients take the shape of the forward output, so they are posted
+    once that forward has run.
+    """
+
+    def __init__(self, src: int | None, order: list[int], shape_of: Callable, device: torch.device, *, headers: bool):
+        self.src, self.order, self.shape_of, self.device, self.headers = src, order, shape_of, device, headers
+        self.posted: dict[int, tuple] = {}
+        self.next = 0
+        self._post(0)
+
+    def _post(self, index: int) -> None:
+        if self.src is None or index >= len(self.order) or index in self.posted:
+            return
+        known = self.shape_of(self.order[index])
+        if known is not None:
+            self.posted[index] = ("data", *p2p.recv(self.src, known[0], known[1], self.device))
+        elif self.headers:
+            self.posted[index] = ("header", *p2p.recv(self.src, p2p.HEADER_SHAPE, torch.int64, self.device))
+
+    def take(self, mb: int) -> torch.Tensor:
+        """Wait for microbatch `mb`'s tensor (the next one in row order) and post the one after."""
+        index = self.next
+        if self.order[index] != mb:
+            raise RuntimeError(f"expected microbatch {self.order[index]} next from rank {self.src}, not {mb}")
+        self._post(index)
+        kind, buffer, works = self.posted.pop(index)
+        for work in works:
+            work.wait()
+        if kind == "header":
+            shape, dtype = p2p.decode_header(buffer)
+            buffer, works = p2p.recv(self.src, shape, dtype, self.device)
             for work in works:
                 work.wait()
-            pending = post_recv(i + 1)  # overlap the next transfer with this compute
+        self.next += 1
+        self._post(self.next)
+        return buffer
+
+
+class _Step:
+    """One step's state on this rank: stage inputs and outputs held between F and B, losses, sends."""
+
+    def __init__(self, stage: Stage, inputs, targets, loss_fn: LossFn, row: tuple[Action, ...]):
+        self.stage, self.inputs, self.targets, self.loss_fn = stage, inputs, targets, loss_fn
+        self.m, self.mesh, self.device, self.dtype = len(inputs), stage.mesh, stage.device, stage.dtype
+        self.shapes = [stage.boundary_shapes(tuple(x.shape)) for x in inputs]
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # mb -> (stage input, output)
+        self.losses: dict[int, torch.Tensor] = {}
+        self.sends: list = []  # in-flight works and the tensors they read
+        stage.timeline = []
+        fwd = [a.mb for a in row if a.kind == "F"]
+        bwd = [a.mb for a in row if a.kind == "B"]
+        prev, nxt = self.mesh.prev_rank, self.mesh.next_rank
+        self.activations = _Inbox(prev, fwd, self._input_shape, self.device, headers=True)
+        self.gradients = _Inbox(nxt, bwd, self._output_shape, self.device, headers=False)
+
+    def _input_shape(self, mb: int):
+        shape = self.shapes[mb]["input"]
+        return None if shape is None else (shape, self.dtype)
+
+    def _output_shape(self, mb: int):
+        if mb in self.held:  # the forward ran: its output says
+            y = self.held[mb][1]
+            return tuple(y.shape), y.dtype
+        return None  # posted once the forward has run
+
+    def _record(self, mb: int, kind: str, start: float) -> None:
+        event = TimelineEvent(self.mesh.rank, self.stage.stage_idx, mb, kind, start, time.time())
+        self.stage.timeline.append(event)
+
+    def forward(self, mb: int) -> None:
+        if self.stage.is_first:
+            x = self.inputs[mb].to(self.device)
+            if x.is_floating_point():
+                x = x.to(self.dtype)
+        else:
+            x = self.activations.take(mb)
             x.requires_grad_(x.is_floating_point())
         start = time.time()
-        y = stage(x)
-        if stage.is_last:
-            losses.append(loss_fn(y, targets[i].to(y.device)) / m)
+        y = self.stage(x)
+        if self.stage.is_last:
+            self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
+            y = None
         else:
             out = y.detach()
-            if shapes[i]["output"] is None:
-                sends += p2p.send_header(out, mesh.next_rank)
-            sends += [*p2p.send(out, mesh.next_rank), out]
-        stage.timeline.append(TimelineEvent(mesh.rank, stage.stage_idx, i, "forward", start, time.time()))
-        stage_inputs.append(x)
-        stage_outputs.append(None if stage.is_last else y)
+            if self.shapes[mb]["output"] is None:
+                self.sends += p2p.send_header(out, self.mesh.next_rank)
+            self.sends += [*p2p.send(out, self.mesh.next_rank), out]
+        self.held[mb] = (x, y)
+        self._record(mb, "forward", start)
 
-    stash = _stash_tied_grads(stage)
-    for i in range(m):  # all backwards
-        if stage.is_last:
+    def backward(self, mb: int) -> None:
+        x, y = self.held[mb]
+        if self.stage.is_last:
             start = time.time()
-            losses[i].backward()
+            self.losses[mb].backward()
         else:
-            y = stage_outputs[i]
-            grad, works = p2p.recv(mesh.next_rank, tuple(y.shape), y.dtype, y.device)
-            for work in works:
-                work.wait()
+            grad = self.gradients.take(mb)
             start = time.time()
             torch.autograd.backward(y, grad)
-        x = stage_inputs[i]
-        if not stage.is_first and x.is_floating_point():
+        if not self.stage.is_first and x.is_floating_point():
             grad_x = x.grad if x.grad is not None else torch.zeros_like(x)  # (mb, seq, hidden)
-            sends += [*p2p.send(grad_x, mesh.prev_rank), grad_x]
-        stage.timeline.append(TimelineEvent(mesh.rank, stage.stage_idx, i, "backward", start, time.time()))
-        stage_inputs[i] = stage_outputs[i] = None  # free this microbatch's activations
-    for work in sends:
-        if not isinstance(work, torch.Tensor):
-            work.wait()
-    _sum_tied_grads(stage, stash)
-    return _broadcast_loss(stage, losses, device)
+            self.sends += [*p2p.send(grad_x, self.mesh.prev_rank), grad_x]
+        del self.held[mb]  # free this microbatch's activations
+        self._record(mb, "backward", start)
+
+    def finish(self) -> None:
+        for work in self.sends:
+            if not isinstance(work, torch.Tensor):
+                work.wait()
+        self.sends = []
 
 
 def _stash_tied_grads(stage: Stage) -> list:

@@ -43,7 +43,7 @@ class Stage:
         resolved: the plan bound to the model.
         mesh: this rank's coordinates and process groups.
         tied: parameters this stage shares with another stage (tied embeddings),
-            whose gradients `run_afab` sums over `mesh.tied_group`.
+            whose gradients the runner sums over `mesh.tied_group`.
         timeline: the last step's forward/backward events on this rank.
 
     Example:

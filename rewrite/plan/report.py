@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .resolve import ResolvedPlan
+from .schedules import peak_in_flight, plan_table, simulate
+from .schema import ParallelPlan
 
-__all__ = ["format_table", "format_bytes", "format_plan", "shard_rows", "stage_rows", "rank_rows"]
+__all__ = ["format_table", "format_bytes", "format_plan", "format_schedule", "shard_rows", "stage_rows", "rank_rows"]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, indent: str = "  ") -> str:
@@ -122,3 +124,32 @@ def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None) -> st
     out.append(format_table(["rank", "stage", "tp_rank", "params", "weights", "training"], rank_rows(resolved)))
     out.append(f"  whole model: {resolved.total_params:,} parameters, {format_bytes(resolved.total_bytes)}")
     return "\n".join(out)
+
+
+def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> str:
+    """The plan's schedule table, one row per rank, with what it predicts on paper.
+
+    The bubble is the share of the step each rank idles when a forward costs 1, a
+    backward 2 and transfers nothing: a lower bound on what a real run loses.
+
+    Example:
+        >>> print(format_schedule(load_plan({"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})))
+    """
+    pipe, pp = plan.pipeline, plan.mesh.pp
+    m = pipe.microbatches if pipe.schedule == "custom" or microbatches is None else microbatches
+    table = plan_table(pipe.schedule, pipe.table, pp, m)
+    times, _ = simulate(table)
+    span = max((end for _, end in times.values()), default=0.0)
+    rows = []
+    for rank, row in enumerate(table):
+        busy = sum(end - start for action, (start, end) in times.items() if action.stage == rank)
+        idle = 1 - busy / span if span else 0.0
+        rows.append([str(rank), " ".join(map(str, row)), str(peak_in_flight(row)), f"{idle:.0%}"])
+    busy_all = sum(end - start for start, end in times.values())
+    bubble = 1 - busy_all / (pp * span) if span else 0.0
+    return "\n".join([
+        f"Schedule {pipe.schedule}: {m} microbatch{'es' if m != 1 else ''} on {pp} stage{'s' if pp != 1 else ''} "
+        "(F = forward, B = backward of a microbatch)",
+        format_table(["rank", "actions, in order", "alive at most", "idle"], rows),
+        f"  predicted bubble: {bubble:.0%} of the step (F costs 1, B 2, transfers free)",
+    ])

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from .files import PlanError, dotted, line_of, read_plan_file, short
+from .schedules import read_table_file, schedule_problems
 
 __all__ = ["ParallelPlan", "Mesh", "Pipeline", "PlanError", "load_plan", "STYLES", "STYLE_ALIASES"]
 
@@ -104,8 +105,26 @@ class Pipeline(_Strict):
         int, Field(ge=1, strict=True, description="Microbatches per training step (>= 1); may be fewer than pp.")
     ] = 1
     schedule: Annotated[
-        Literal["afab"], Field(description="Schedule: 'afab' (all forward, then all backward).")
+        Literal["afab", "1f1b", "custom"],
+        Field(
+            description=(
+                "Schedule: 'afab' (all forward, then all backward: every microbatch's activations alive "
+                "at once), '1f1b' (after pp - s - 1 warm-up forwards, stage s alternates forward and "
+                "backward: at most pp - s microbatches alive), or 'custom' (your own `table`)."
+            )
+        ),
     ] = "afab"
+    table: Annotated[
+        list[str] | str | None,
+        Field(
+            description=(
+                "With schedule 'custom': one string per rank listing its actions in order, e.g. "
+                "'F0 F1 B0 B1' (F = forward, B = backward of that microbatch); or the path of a CSV "
+                "file beside the plan with one row per rank and one action per cell. Checked on paper "
+                "when the plan is loaded."
+            )
+        ),
+    ] = None
     cut_points: Annotated[
         list[Pattern] | None,
         Field(
@@ -151,6 +170,13 @@ class ParallelPlan(_Strict):
     @model_validator(mode="after")
     def _cut_points_fit_mesh(self) -> ParallelPlan:
         problems = _cut_point_problems(self.pipeline.cut_points, self.mesh.pp)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _table_runs_on_paper(self) -> ParallelPlan:
+        problems = schedule_problems(self.pipeline.schedule, self.pipeline.table, self.mesh.pp, self.pipeline.microbatches)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -239,6 +265,7 @@ def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
         data = {}  # an empty file is the default plan: one rank
     if not isinstance(data, dict):
         raise PlanError(name, [f"a plan is a mapping of keys (mesh, tensor_parallel, pipeline), got {type(data).__name__}"])
+    data = read_table_file(data, Path(name).parent if isinstance(source, (str, Path)) else Path.cwd(), name)
     try:
         plan = ParallelPlan.model_validate(data)
     except ValidationError as exc:

@@ -32,11 +32,14 @@ def _meta_model(model: str, dtype: str | None = None):
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from ..plan.report import format_plan
+    from ..plan.report import format_plan, format_schedule
     from ..plan.resolve import resolve
 
     resolved = resolve(args.plan, _meta_model(args.model, args.dtype), world_size=args.world_size)
     print(format_plan(resolved, model_label=args.model))
+    if args.schedule:
+        print()
+        print(format_schedule(resolved.plan))
     return 0
 
 
@@ -101,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--model", required=True, metavar="MODEL", help=model_help)
     show.add_argument("--world-size", type=int, default=None, help="check the mesh against this many ranks")
     show.add_argument("--dtype", choices=_DTYPES, default=None, help="parameter dtype for the memory table (default float32)")
+    show.add_argument("--schedule", action="store_true", help="also print the schedule table: each rank's actions and the predicted bubble")
     show.set_defaults(func=_cmd_show)
 
     validate = sub.add_parser("validate", help="check a plan (against a model); exit 1 listing every problem")

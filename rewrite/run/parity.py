@@ -47,7 +47,7 @@ def parity_check(
 ) -> Parity:
     """Compare this rank's gradients and the step loss with `reference` run on one process.
 
-    Collective: every rank calls it after `run_afab` and before the optimizer step.
+    Collective: every rank calls it after a step (`run_schedule`) and before the optimizer step.
     `reference` is a copy of the model taken before `apply_plan`; it is stepped here.
     """
     ref_loss = reference_step(reference, inputs, targets)

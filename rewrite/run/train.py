@@ -3,7 +3,7 @@
 Each rank builds the same randomly initialised model (same seed), rewrites it with
 the plan, and trains it with AdamW on random windows of a text file read as bytes
 (token id = byte, so vocab 256). Step 1 is checked against the same step run
-single-process; rank 0 draws the last step's AFAB timeline and the loss curve.
+single-process; rank 0 draws the last step's timeline (under the plan's schedule) and the loss curve.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .parity import Parity, parity_check
 from ..plan.schema import load_plan
 from .presets import build_model, load_config
 from ..rewriter import apply_plan
-from ..pipeline.runner import run_afab
+from ..pipeline.runner import run_schedule
 from ..pipeline.timeline import events_to_dicts, gather_timeline, plot_timeline
 
 __all__ = [
@@ -228,7 +228,7 @@ def train(config: TrainConfig) -> dict:
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
         inputs, targets = sample_batch(tokens, microbatches=m, batch_size=config.batch_size, seq_len=config.seq_len, generator=gen)
         t0 = time.perf_counter()
-        loss = run_afab(stage, inputs, targets)
+        loss = run_schedule(stage, inputs, targets)
         seconds = time.perf_counter() - t0
         if step == 1 and reference is not None:
             parity = parity_check(model, reference, inputs, targets, loss)
@@ -266,7 +266,7 @@ def _write_outputs(config: TrainConfig, metrics: dict, events, plan) -> None:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     losses = metrics["losses"]
-    title = f"AFAB timeline of step {len(losses)}: pp={plan.mesh.pp} x tp={plan.mesh.tp}, {plan.pipeline.microbatches} microbatches"
+    title = f"{plan.pipeline.schedule} timeline of step {len(losses)}: pp={plan.mesh.pp} x tp={plan.mesh.tp}, {plan.pipeline.microbatches} microbatches"
     plot_timeline(events, tp=plan.mesh.tp, title=title, path=out / "timeline.png")
     plot_loss(losses, title=f"{config.model} under {Path(plan.source).name}: loss per step", path=out / "loss.png")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 from torch.nn import functional as F
 
 import rewrite
 from tests.asserts import assert_close
 from tests.distributed.pipeline.test_pipeline import assert_afab_order
-from tests.models import ToyNet
+from tests.models import toy_step_setup
 from tests.multiproc import run
 from tests.reference import assert_grads_match
 
 
 def _fx(rank: int, ws: int, plan: dict) -> list[str]:
-    torch.manual_seed(0)
-    model = ToyNet()
-    reference = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(2, 5, 16, generator=gen) for _ in range(3)]
-    ys = [torch.randn(2, 5, 8, generator=gen) for _ in range(3)]
+    model, reference, xs, ys = toy_step_setup(3)
     stage = rewrite.apply_plan(model, plan)
     assert stage.boundary_shapes((2, 5, 16))["output"] is None  # shapes travel on the wire
     loss = rewrite.run_afab(stage, xs, ys, loss_fn=F.mse_loss)

@@ -74,7 +74,7 @@ tensor_parallel:
   "model.layers.*.mlp.up_proj": colum
 pipeline:
   microbatches: 0
-  schedule: 1f1b
+  schedule: zbv
   cut_points: ["model.layers.2", "model.layers.2"]
 """
     message = problems_of(write(tmp_path, text))
@@ -85,7 +85,7 @@ pipeline:
     assert "line 4: tensor_parallel['model.layers.*.mlp.up_proj']: unknown style 'colum'" in message
     assert "did you mean 'column'?" in message
     assert "line 6: pipeline.microbatches: Input should be greater than or equal to 1 (found 0)" in message
-    assert "line 7: pipeline.schedule: Input should be 'afab' (found '1f1b')" in message
+    assert "line 7: pipeline.schedule: Input should be 'afab', '1f1b' or 'custom' (found 'zbv')" in message
 
 
 def test_cut_point_rules():

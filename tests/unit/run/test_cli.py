@@ -148,3 +148,16 @@ def test_default_text_is_found_from_any_working_directory(tmp_path, monkeypatch)
 
     monkeypatch.chdir(tmp_path)  # no data/ here: the copy beside the package is used
     assert default_data_path() == ROOT / "data" / "alice29.txt"
+
+
+def test_show_schedule_prints_each_rank_and_the_bubble(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("mesh: {pp: 2}\npipeline: {schedule: 1f1b, microbatches: 3}\n")  # busy 9 of 12 units
+    out = rewrite_cmd("show", str(plan), "--model", "tiny-llama", "--schedule")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "Schedule 1f1b: 3 microbatches on 2 stages" in text
+    rows = [line.split() for line in text.splitlines()]
+    assert ["0", "F0", "F1", "B0", "F2", "B1", "B2", "2", "25%"] in rows, text
+    assert ["1", "F0", "B0", "F1", "B1", "F2", "B2", "1", "25%"] in rows, text
+    assert "predicted bubble: 25% of the step" in text

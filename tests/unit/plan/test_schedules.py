@@ -1,0 +1,98 @@
+"""Schedules as tables: the named ones, the paper check, and tables given in a plan."""
+
+from __future__ import annotations
+
+import pytest
+
+import rewrite
+from rewrite.plan.schedules import SCHEDULES, build_table, format_table, parse_row, peak_in_flight, simulate, table_problems
+
+
+def table(*rows: str):
+    return tuple(parse_row(text, r)[0] for r, text in enumerate(rows))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_named_schedules_pass_the_paper_check(name):
+    for pp in range(1, 6):
+        for m in range(1, 10):
+            built = build_table(name, pp, m)
+            assert table_problems(built, pp, m) == [], (name, pp, m)
+            assert all(len(row) == 2 * m for row in built)
+
+
+def test_one_f_one_b_rows_and_memory():
+    assert format_table(build_table("1f1b", 3, 4)) == (
+        "rank 0: F0 F1 F2 B0 F3 B1 B2 B3\n"
+        "rank 1: F0 F1 B0 F2 B1 F3 B2 B3\n"
+        "rank 2: F0 B0 F1 B1 F2 B2 F3 B3"
+    )
+    for pp, m in [(4, 8), (4, 2), (2, 9)]:
+        assert [peak_in_flight(row) for row in build_table("1f1b", pp, m)] == [min(pp - s, m) for s in range(pp)]
+        assert [peak_in_flight(row) for row in build_table("afab", pp, m)] == [m] * pp
+
+
+def test_paper_check_names_the_first_offending_cell():
+    assert table_problems(table("F0 F1 B0", "F0 F1 B0 B1"), 2, 2) == [
+        "rank 0: B1 missing; each microbatch needs one F and one B per stage"
+    ]
+    (dead,) = table_problems(table("F0 B0 F1 B1", "F0 F1 B0 B1"), 2, 2)
+    assert dead.startswith("the table deadlocks: rank 0, cell 1 (B0) waits forever for B0 of stage 1")
+    assert "rank 1, cell 1 (F1) waits forever for F1 of stage 0" in dead
+    (order,) = table_problems(table("F0 F1 B0 B1", "F1 F0 B0 B1"), 2, 2)
+    assert "rank 0 sends F of microbatches [0, 1] but rank 1 receives them as [1, 0]" in order
+    assert table_problems(table("F0 B0 B0", "F0 B0"), 2, 1) == ["rank 0, cell 2 (B0): listed twice"]
+    assert table_problems(table("B0 F0", "F0 B0"), 2, 1)[0] == (
+        "rank 0, cell 0 (B0): the backward comes before its forward F0"
+    )
+    assert table_problems(table("F0 F7 B0 B7", "F0 B0"), 2, 1)[0].endswith("microbatch 7 is not in 0..0")
+    assert table_problems(table("F0 B0"), 2, 1) == [
+        "the table has 1 rows but the pipeline has pp=2 ranks: give one row per rank"
+    ]
+
+
+def test_simulated_times_follow_dependencies():
+    times, stuck = simulate(build_table("1f1b", 2, 2))
+    assert stuck == []
+    stage0, stage1 = build_table("1f1b", 2, 2)
+    # Stage 1 starts F0 when stage 0 has finished it; stage 0's B0 waits for stage 1's.
+    assert times[stage1[0]][0] == times[stage0[0]][1]
+    assert times[stage0[2]][0] >= times[stage1[1]][1]
+
+
+def test_a_plan_carries_its_table_inline_or_in_a_csv_file(tmp_path):
+    inline = {"mesh": {"pp": 2}, "pipeline": {"schedule": "custom", "microbatches": 2, "table": ["F0 F1 B0 B1", "F0 B0 F1 B1"]}}
+    assert rewrite.load_plan(inline).pipeline.table == ["F0 F1 B0 B1", "F0 B0 F1 B1"]
+    (tmp_path / "sched").mkdir()
+    (tmp_path / "sched" / "mine.csv").write_text("# rank 0 then rank 1\nF0,F1,B0,B1\nF0,B0,F1,B1\n")
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text("mesh: {pp: 2}\npipeline:\n  schedule: custom\n  microbatches: 2\n  table: sched/mine.csv\n")
+    assert rewrite.load_plan(plan_file).pipeline.table == ["F0 F1 B0 B1", "F0 B0 F1 B1"]
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "expected"),
+    [
+        ({"schedule": "custom", "microbatches": 2}, "pipeline.schedule 'custom' needs pipeline.table"),
+        ({"schedule": "1f1b", "table": ["F0 B0", "F0 B0"]}, "pipeline.table is read only with schedule: custom"),
+        ({"schedule": "custom", "table": ["F0 X0", "F0 B0"]}, "rank 0: cannot read 'X0'; cells are F<mb> or B<mb>"),
+        ({"schedule": "custom", "microbatches": 2, "table": ["F0 B0 F1 B1", "F0 F1 B0 B1"]}, "the table deadlocks"),
+        ({"schedule": "custom", "table": "missing.csv"}, "cannot read the table file"),
+        ({"schedule": "zbv"}, "Input should be 'afab', '1f1b' or 'custom'"),
+    ],
+)
+def test_bad_schedules_are_refused_when_the_plan_loads(pipeline, expected):
+    with pytest.raises(rewrite.PlanError, match=None) as info:
+        rewrite.load_plan({"mesh": {"pp": 2}, "pipeline": pipeline})
+    assert expected in str(info.value)
+
+
+def test_format_schedule_predicts_the_bubble():
+    from rewrite.plan.report import format_schedule
+
+    plan = rewrite.load_plan({"mesh": {"pp": 4}, "pipeline": {"schedule": "afab", "microbatches": 4}})
+    text = format_schedule(plan)
+    assert "rank  actions, in order" in text and "F0 F1 F2 F3 B0 B1 B2 B3" in text
+    # pp 4, m 4, F 1, B 2: each rank busy 12 of a 21-unit step.
+    assert "predicted bubble: 43% of the step" in text
+    assert "predicted bubble: 27%" in format_schedule(plan, microbatches=8)
