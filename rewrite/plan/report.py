@@ -1,6 +1,6 @@
 """Plain-text tables of a resolved plan: what `rewrite show` prints.
 
-Three tables: module path -> style -> per-rank shapes; stages -> modules;
+Three tables: module path -> style -> per-rank shapes; stages -> share of compute, modules;
 parameters and memory per rank. Aligned columns, no dependency.
 """
 
@@ -63,9 +63,17 @@ def _ranks_of(resolved: ResolvedPlan, stage_idx: int) -> list[int]:
 
 
 def stage_rows(resolved: ResolvedPlan) -> list[list[str]]:
-    """One row per pipeline stage: its index, global ranks, and the modules it runs in order."""
+    """One row per pipeline stage: index, global ranks, share of the estimated compute, modules in order.
+
+    The share is `-` where there is no estimate (torch.fx stages).
+    """
     return [
-        [str(s.stage_idx), ",".join(map(str, _ranks_of(resolved, s.stage_idx))), ", ".join(s.modules)]
+        [
+            str(s.stage_idx),
+            ",".join(map(str, _ranks_of(resolved, s.stage_idx))),
+            "-" if s.est_compute is None else f"{s.est_compute:.0%}",
+            ", ".join(s.modules),
+        ]
         for s in resolved.stages
     ]
 
@@ -117,8 +125,15 @@ def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None) -> st
         out.append("Tensor parallel: no module is sharded")
     out.append("")
     cuts = f", cut at {', '.join(resolved.cut_points)}" if resolved.cut_points else ""
-    out.append(f"Pipeline: {pp} stage{'s' if pp != 1 else ''}{cuts}")
-    out.append(format_table(["stage", "ranks", "modules"], stage_rows(resolved)))
+    how = " (auto)" if pipe.cut_points == "auto" else ""
+    est = (
+        f"; est. compute: training FLOPs per rank for {resolved.costs.seq_len}-token sequences "
+        "(pipeline.seq_len)"
+        if resolved.costs
+        else ""
+    )
+    out.append(f"Pipeline: {pp} stage{'s' if pp != 1 else ''}{cuts}{how}{est}")
+    out.append(format_table(["stage", "ranks", "est. compute", "modules"], stage_rows(resolved)))
     out.append("")
     out.append("Parameters and memory per rank (training = weights + grads + AdamW moments in fp32)")
     out.append(format_table(["rank", "stage", "tp_rank", "params", "weights", "training"], rank_rows(resolved)))

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..models import fx_graph
 from ..models.hf_llama import Backbone, find_backbone
+from .costs import Costs, best_split, estimate_costs
 from .schema import ParallelPlan, PlanError, load_plan
 from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 
@@ -31,6 +32,7 @@ class StageSpec:
     layers: tuple[str, ...]
     param_count: int  # on each rank of the stage, after tensor-parallel sharding
     param_bytes: int
+    est_compute: float | None = None  # share of the step's estimated training FLOPs; "hf" only
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class ResolvedPlan:
     total_params: int
     total_bytes: int
     layer_indices: tuple[tuple[int, ...], ...] = field(default=())  # per stage, "hf" only
+    costs: Costs | None = None  # estimated compute per part, for pipeline.seq_len tokens; "hf" only
 
     @property
     def tp(self) -> int:
@@ -71,13 +74,23 @@ def balanced_split(num_layers: int, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def _hf_stages(plan: ParallelPlan, model: nn.Module, bb: Backbone) -> tuple[list[list[int]], list[str], list[str]]:
-    n, pp, cuts = len(model.get_submodule(bb.path("layers"))), plan.mesh.pp, plan.pipeline.cut_points
+def _hf_stages(
+    plan: ParallelPlan, n: int, bb: Backbone, costs: Costs | str
+) -> tuple[list[list[int]], list[str], list[str]]:
+    """Layer indices per stage, the cut layers, and problems. `costs` is a message when unknown."""
+    pp, cuts = plan.mesh.pp, plan.pipeline.cut_points
     names = [bb.layer(i) for i in range(n)]
     if pp > n:
         return [], [], [f"mesh.pp={pp} stages but the model has {n} layers; each stage needs at least one layer"]
     if cuts is None:
         starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
+    elif cuts == "auto":
+        if isinstance(costs, str):
+            return [], [], [
+                f"pipeline.cut_points: 'auto' cannot estimate this model's compute: {costs}; list the "
+                f"pp - 1 = {pp - 1} layers where stages start (e.g. {names[n // 2]!r}), or omit cut_points"
+            ]
+        starts = [sum(best_split(costs.folded(), pp)[:s]) for s in range(pp)]
     else:
         problems = []
         for k, cut in enumerate(cuts):
@@ -99,6 +112,16 @@ def _hf_stages(plan: ParallelPlan, model: nn.Module, bb: Backbone) -> tuple[list
 
 def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], list[str], list[str]]:
     pp, seq = plan.mesh.pp, fx_graph.layer_sequence(model)
+    if plan.pipeline.cut_points == "auto":
+        shown = ", ".join(seq[:4]) + (", ..." if len(seq) > 4 else "")
+        fix = "omit cut_points: one stage needs none" if pp == 1 else (
+            f"list the pp - 1 = {pp - 1} module paths where stages start (its layer sequence: {shown}), "
+            "or omit cut_points for a balanced split"
+        )
+        return [], [], [
+            "pipeline.cut_points: 'auto' balances the estimated compute of Hugging Face LLaMA-family layers, "
+            f"but {type(model).__name__} is split by torch.fx and its modules have no cost estimate; {fix}"
+        ]
     if pp == 1:
         return [[name for name, _ in model.named_children()]], [], []
     try:
@@ -123,6 +146,17 @@ def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], l
         collapsed = [next((e for e in seq if t == e or t.startswith(e + ".")), t) for t in used]
         stages.append(list(dict.fromkeys(collapsed)))
     return stages, list(cuts), []
+
+
+def _estimate(plan: ParallelPlan, model: nn.Module, bb: Backbone, n: int, shards: list[ShardSpec]) -> Costs | str:
+    """Estimated compute per part on one rank of its stage, or why there is none."""
+    sharded = [s.fqn for s in shards if s.style != "grad_allreduce"] if plan.mesh.tp > 1 else []
+    try:
+        return estimate_costs(
+            model.config, bb, num_layers=n, seq_len=plan.pipeline.seq_len, tp=plan.mesh.tp, sharded=sharded
+        )
+    except ValueError as exc:
+        return str(exc)
 
 
 def _param_footprint(model: nn.Module, modules: list[str], shards: dict[str, ShardSpec], tp: int) -> tuple[int, int]:
@@ -184,8 +218,11 @@ def resolve(
     shards, tp_problems = shard_problems(plan, model, modules)
     problems += tp_problems
     bb = find_backbone(model)
+    costs: Costs | str | None = None
     if bb is not None:
-        layer_sets, cuts, stage_problems = _hf_stages(plan, model, bb)
+        n = len(model.get_submodule(bb.path("layers")))
+        costs = _estimate(plan, model, bb, n, shards)
+        layer_sets, cuts, stage_problems = _hf_stages(plan, n, bb, costs)
         module_sets = [bb.stage_modules(ls, first=s == 0, last=s == pp - 1) for s, ls in enumerate(layer_sets)]
         layer_names = [[bb.layer(i) for i in ls] for ls in layer_sets]
     else:
@@ -195,10 +232,12 @@ def resolve(
     if problems:
         raise PlanError(plan.source, collapse_repeats(problems))
     by_fqn = {s.fqn: s for s in shards}
+    costs = costs if isinstance(costs, Costs) else None
+    shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)
     stages = []
     for s, mods in enumerate(module_sets):
         count, size = _param_footprint(model, mods if pp > 1 else [""], by_fqn, tp)
-        stages.append(StageSpec(s, tuple(mods), tuple(layer_names[s]), count, size))
+        stages.append(StageSpec(s, tuple(mods), tuple(layer_names[s]), count, size, shares[s]))
     total, total_bytes = _param_footprint(model, [""], {}, 1)
     return ResolvedPlan(
         plan=plan,
@@ -211,4 +250,5 @@ def resolve(
         total_params=total,
         total_bytes=total_bytes,
         layer_indices=tuple(tuple(ls) for ls in layer_sets),
+        costs=costs,
     )

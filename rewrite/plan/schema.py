@@ -10,10 +10,20 @@ import difflib
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from .files import PlanError, dotted, line_of, read_plan_file, short
 from .schedules import read_table_file, schedule_problems
@@ -81,6 +91,33 @@ def _pattern(value: Any) -> Any:
 Pattern = Annotated[str, BeforeValidator(_pattern)]
 
 
+def _auto(value: Any) -> Any:
+    if value != "auto":
+        one_cut = f"; for one cut write a list, cut_points: [{short(value)}]" if isinstance(value, str) else ""
+        raise ValueError(
+            f"{short(value)} is neither a list of module paths nor 'auto'{one_cut}; "
+            "or write 'auto' to balance estimated compute"
+        )
+    return value
+
+
+def _cut_points_kind(value: Any) -> str:
+    # Route every non-list to the 'auto' branch: one message, not one per branch of the union.
+    return "none" if value is None else "paths" if isinstance(value, (list, tuple)) else "auto"
+
+
+# The union's branch names; they appear in Pydantic's error locations and are left out of ours.
+_CUT_POINT_KINDS = ("paths", "auto", "none")
+CutPoints = Annotated[
+    Union[
+        Annotated[list[Pattern], Tag("paths")],
+        Annotated[Literal["auto"], BeforeValidator(_auto), Tag("auto")],
+        Annotated[None, Tag("none")],
+    ],
+    Discriminator(_cut_points_kind),
+]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -126,14 +163,30 @@ class Pipeline(_Strict):
         ),
     ] = None
     cut_points: Annotated[
-        list[Pattern] | None,
+        CutPoints,
         Field(
             description=(
                 "Module paths where a new stage starts, in model order; exactly pp - 1 of them. "
-                "Omit for a balanced split."
+                "Omit for a balanced split (stage sizes differ by at most one layer, the extra ones "
+                "on the earliest stages). 'auto' (Hugging Face LLaMA-family models only): the cuts that "
+                "make the most loaded stage's estimated training FLOPs smallest, counting each decoder "
+                "layer, the embeddings on the first stage and the final norm, LM head and loss on the last."
             )
         ),
     ] = None
+    seq_len: Annotated[
+        int,
+        Field(
+            ge=1,
+            strict=True,
+            description=(
+                "Tokens per sequence that the compute estimate assumes (>= 1): attention grows with its "
+                "square, the MLP and LM head linearly. Used only to weigh the parts against each other, by "
+                "`cut_points: auto` and the 'est. compute' column of `rewrite show`; the batches you run "
+                "may be any length."
+            ),
+        ),
+    ] = 2048
 
 
 class ParallelPlan(_Strict):
@@ -209,6 +262,8 @@ def _problems(exc: ValidationError, nodes: Any) -> list[str]:
     problems = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        if len(loc) > 2 and loc[:2] == ("pipeline", "cut_points") and loc[2] in _CUT_POINT_KINDS:
+            loc = loc[:2] + loc[3:]
         if loc and loc[-1] == "[key]":
             loc = loc[:-1]  # the key of a mapping failed: report it at the key itself
         line = line_of(nodes, loc) if nodes is not None else None

@@ -69,6 +69,8 @@ CASES = {
     "pp4-one-microbatch": (4, {"pp": 4}, 1, None, {}),
     "pp4-fewer-microbatches": (4, {"pp": 4}, 2, None, {}),
     "pp2-uneven-cut": (2, {"pp": 2}, 3, ["model.layers.1"], {}),
+    # A 16k vocabulary: the head weighs over three layers (at the default seq_len), so auto cuts 3 + 1.
+    "pp2-auto": (2, {"pp": 2}, 2, "auto", {"vocab_size": 16384}),
     "tp2xpp2": (4, {"pp": 2, "tp": 2}, 4, ["model.layers.2"], {}),
     "pp2-tied": (2, {"pp": 2}, 2, None, {"tie_word_embeddings": True}),
     "tp2xpp2-tied": (4, {"pp": 2, "tp": 2}, 2, None, {"tie_word_embeddings": True}),
@@ -89,6 +91,8 @@ def test_pipeline_matches_reference(case):
         assert [s["layers"] for s in stages] == [["0", "1"], ["2"], ["3"]]
     if case == "pp2-uneven-cut":
         assert [s["layers"] for s in stages] == [["0"], ["1", "2", "3"]]
+    if case == "pp2-auto":
+        assert [s["layers"] for s in stages] == [["0", "1", "2"], ["3"]]
     for s in stages:
         has_embed = "model.embed_tokens.weight" in s["params"]
         has_head = "lm_head.weight" in s["params"] or (overrides and s["last"] and "model.embed_tokens.weight" in s["params"])

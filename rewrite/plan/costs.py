@@ -1,0 +1,200 @@
+"""Estimated compute of a LLaMA-family model's parts, and the stage split that balances it.
+
+Counted from the config alone, in FLOPs for one sequence of `seq_len` tokens; only the
+ratios matter: they choose `cut_points: auto` and give the shares `rewrite show` prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from ..models.hf_llama import Backbone
+
+__all__ = ["Costs", "estimate_costs", "layer_flops", "head_flops", "embed_flops", "best_split"]
+
+# The backward computes two products for each forward one (input and weight gradients).
+TRAINING = 3
+# RMSNorm, per value: square, mean, scale by the reciprocal root, scale by the weight.
+NORM_FLOPS = 4
+# Log-softmax and the loss, per logit: max, subtract, exp, sum, log.
+LOSS_FLOPS = 5
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Training FLOPs (forward + backward) of one sequence, per part, on one rank of a stage."""
+
+    seq_len: int
+    embed: int  # on the first stage
+    layers: tuple[int, ...]  # one per decoder layer
+    head: int  # final norm, LM head and loss, on the last stage
+
+    def stage_costs(self, sizes: Sequence[int]) -> list[int]:
+        """Cost of each stage when stage s holds the next `sizes[s]` layers."""
+        starts = [sum(sizes[:s]) for s in range(len(sizes))]
+        out = [sum(self.layers[a : a + k]) for a, k in zip(starts, sizes)]
+        out[0] += self.embed
+        out[-1] += self.head
+        return out
+
+    def shares(self, sizes: Sequence[int]) -> list[float]:
+        """Each stage's fraction of the whole step's estimated compute."""
+        costs = self.stage_costs(sizes)
+        return [c / sum(costs) for c in costs]
+
+    def folded(self) -> list[int]:
+        """Per layer, with the embeddings added to the first and the head to the last.
+
+        Stage 0 always holds layer 0 and the last stage the last layer, so splitting
+        these weights is splitting the model.
+        """
+        weights = list(self.layers)
+        weights[0] += self.embed
+        weights[-1] += self.head
+        return weights
+
+
+def _field(config, name: str) -> int:
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"config.{name} is {value!r}; the compute estimate needs a positive integer "
+            f"({type(config).__name__} is not shaped like a LLaMA-family config)"
+        )
+    return value
+
+
+def layer_flops(config, *, seq_len: int) -> int:
+    """Forward FLOPs of one decoder layer over `seq_len` tokens (a multiply-add counts 2).
+
+    With h = hidden_size, a / kv = query / key-value heads of size d, i = intermediate_size,
+    s = seq_len:
+        q, k, v, o projections   2 s h d (2 a + 2 kv)        (GQA: k and v have kv heads)
+        scores and weighted sum  4 s s a d                   (dense s x s, as the eager and masked
+                                                              SDPA kernels compute it)
+        MLP gate, up, down       6 s h i
+        two RMSNorms             2 * NORM_FLOPS s h
+    Elementwise work (RoPE, SiLU, residuals, the score softmax) is left out: ~1% here.
+    """
+    h, a, i = _field(config, "hidden_size"), _field(config, "num_attention_heads"), _field(config, "intermediate_size")
+    kv = getattr(config, "num_key_value_heads", None) or a
+    d = getattr(config, "head_dim", None) or h // a  # Mistral's config may hold head_dim=None
+    s = seq_len
+    projections = 2 * s * h * d * (2 * a + 2 * kv)
+    attention = 4 * s * s * a * d
+    mlp = 6 * s * h * i
+    return projections + attention + mlp + 2 * NORM_FLOPS * s * h
+
+
+def head_flops(config, *, seq_len: int, has_head: bool = True) -> int:
+    """Forward FLOPs of the final norm, then (with a head) the LM head and the loss.
+
+    2 s h V for the head's product and LOSS_FLOPS s V for the log-softmax over V = vocab_size.
+    """
+    h, s = _field(config, "hidden_size"), seq_len
+    norm = NORM_FLOPS * s * h
+    if not has_head:
+        return norm
+    vocab = _field(config, "vocab_size")
+    return norm + 2 * s * h * vocab + LOSS_FLOPS * s * vocab
+
+
+def embed_flops(config, *, seq_len: int) -> int:
+    """The embedding lookup: no product, one operation per value gathered, s h.
+
+    Cheap but not free: its backward scatter-adds the same s h values into the table.
+    """
+    return seq_len * _field(config, "hidden_size")
+
+
+def estimate_costs(
+    config,
+    backbone: Backbone,
+    *,
+    num_layers: int,
+    seq_len: int,
+    tp: int = 1,
+    sharded: Collection[str] = (),
+) -> Costs:
+    """Training FLOPs per part of a LLaMA-family model, as one rank of its stage runs them.
+
+    A part whose linears the plan shards (`sharded`: module paths) is divided by `tp`,
+    so an unsharded LM head weighs its full size against tensor-parallel layers.
+
+    Raises:
+        ValueError: the config lacks a size the estimate needs (named in the message).
+
+    Example:
+        >>> costs = estimate_costs(config, find_backbone(model), num_layers=32, seq_len=2048)
+        >>> costs.head > costs.layers[0]  # a 128k vocabulary
+        True
+    """
+
+    def split(flops: int, prefix: str | None) -> int:
+        hit = prefix is not None and any(f == prefix or f.startswith(prefix + ".") for f in sharded)
+        return TRAINING * flops // (tp if hit else 1)
+
+    layer = layer_flops(config, seq_len=seq_len)
+    return Costs(
+        seq_len=seq_len,
+        embed=split(embed_flops(config, seq_len=seq_len), backbone.path("embed_tokens")),
+        layers=tuple(split(layer, backbone.layer(i)) for i in range(num_layers)),
+        head=split(head_flops(config, seq_len=seq_len, has_head=backbone.has_head), backbone.head),
+    )
+
+
+def _fewest_stages(weights: Sequence[int], bound: int) -> int:
+    """Stages needed when each holds as many layers as fit under `bound` (each weight fits)."""
+    stages, load = 1, 0
+    for w in weights:
+        if load + w > bound:
+            stages, load = stages + 1, 0
+        load += w
+    return stages
+
+
+def best_split(weights: Sequence[int], pp: int) -> list[int]:
+    """Layers per stage: `pp` contiguous non-empty stages whose most loaded is lightest.
+
+    Exact. Of the splits with the lightest most loaded stage, the one whose next most
+    loaded stage is lightest, and so on; of those still equal, the one giving the earliest
+    stages the most layers. Equal weights give `balanced_split`.
+
+    Args:
+        weights: non-negative integer cost per layer, in order (see `Costs.folded`).
+        pp: the number of stages, 1 <= pp <= len(weights).
+
+    Example:
+        >>> best_split([1, 1, 1, 1, 1, 3], 2)
+        [4, 2]
+    """
+    n = len(weights)
+    if not 1 <= pp <= n:
+        raise ValueError(f"best_split: {pp} stages for {n} layers; need 1 <= pp <= {n}")
+    # The lightest bound that pp stages can meet: binary search with the greedy packing.
+    low, high = max(weights), sum(weights)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if _fewest_stages(weights, mid) <= pp else (mid + 1, high)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[j]: (stage costs sorted heaviest first, minus the stage sizes) of the best split of
+    # the first j layers into k stages. Adding the same stage to two splits keeps their order,
+    # so the best split of j layers extends a best split of fewer.
+    best: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {0: ((), ())}
+    for k in range(1, pp + 1):
+        step = {}
+        for j in range(k, n - (pp - k) + 1):  # leave every later stage a layer
+            for i in range(j - 1, k - 2, -1):  # the k-th stage holds layers i .. j-1
+                cost = prefix[j] - prefix[i]
+                if cost > low:
+                    break  # only heavier further back
+                if i in best:
+                    loads, sizes = best[i]
+                    key = (tuple(sorted((*loads, cost), reverse=True)), (*sizes, i - j))
+                    if j not in step or key < step[j]:
+                        step[j] = key
+        best = step
+    return [-size for size in best[n][1]]
