@@ -41,7 +41,8 @@ def recv(
     return buffer, dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, src)])
 
 
-def send_header(tensor: torch.Tensor, dst: int) -> list[dist.Work]:
+def send_header(tensor: torch.Tensor, dst: int) -> tuple[list[dist.Work], torch.Tensor]:
+    """Start sending `tensor`'s dtype and shape to `dst`; returns the works and the header to keep alive."""
     if tensor.dtype not in _DTYPES or tensor.dim() > _MAX_DIMS:
         raise ValueError(
             f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dims between stages; "
@@ -49,7 +50,7 @@ def send_header(tensor: torch.Tensor, dst: int) -> list[dist.Work]:
         )
     values = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape]
     header = torch.tensor(values + [-1] * (2 + _MAX_DIMS - len(values)), dtype=torch.int64, device=tensor.device)
-    return [*send(header, dst), _Keep(header)]
+    return send(header, dst), header
 
 
 def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
@@ -57,13 +58,3 @@ def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     values = header.tolist()
     ndim, code = values[0], values[1]
     return tuple(values[2 : 2 + ndim]), _DTYPES[code]
-
-
-class _Keep:
-    """Holds a buffer alive alongside its works; `wait()` is a no-op."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def wait(self) -> bool:
-        return True

@@ -162,7 +162,7 @@ class _Step:
         self.shapes = [stage.boundary_shapes(tuple(x.shape)) for x in inputs]
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # mb -> (stage input, output)
         self.losses: dict[int, torch.Tensor] = {}
-        self.sends: list = []  # in-flight works and the tensors they read
+        self.sends: list[tuple[list, torch.Tensor]] = []  # in-flight works, with the tensor they read
         stage.timeline = []
         fwd = [a.mb for a in row if a.kind == "F"]
         bwd = [a.mb for a in row if a.kind == "B"]
@@ -200,8 +200,8 @@ class _Step:
         else:
             out = y.detach()
             if self.shapes[mb]["output"] is None:
-                self.sends += p2p.send_header(out, self.mesh.next_rank)
-            self.sends += [*p2p.send(out, self.mesh.next_rank), out]
+                self._send(*p2p.send_header(out, self.mesh.next_rank))
+            self._send(p2p.send(out, self.mesh.next_rank), out)
         self.held[mb] = (x, y)
         self._record(mb, "forward", start)
 
@@ -210,19 +210,26 @@ class _Step:
         if self.stage.is_last:
             start = time.time()
             self.losses[mb].backward()
+            self.losses[mb] = self.losses[mb].detach()  # its graph would keep the received input alive
         else:
             grad = self.gradients.take(mb)
             start = time.time()
             torch.autograd.backward(y, grad)
         if not self.stage.is_first and x.is_floating_point():
             grad_x = x.grad if x.grad is not None else torch.zeros_like(x)  # (mb, seq, hidden)
-            self.sends += [*p2p.send(grad_x, self.mesh.prev_rank), grad_x]
+            self._send(p2p.send(grad_x, self.mesh.prev_rank), grad_x)
         del self.held[mb]  # free this microbatch's activations
         self._record(mb, "backward", start)
 
+    def _send(self, works: list, tensor: torch.Tensor) -> None:
+        # Keep what is still in flight; let tensors whose sends completed go, so memory
+        # follows the schedule (1F1B: pp - s microbatches), not the step's length.
+        self.sends = [(w, t) for w, t in self.sends if not all(x.is_completed() for x in w)]
+        self.sends.append((works, tensor))
+
     def finish(self) -> None:
-        for work in self.sends:
-            if not isinstance(work, torch.Tensor):
+        for works, _ in self.sends:
+            for work in works:
                 work.wait()
         self.sends = []
 
