@@ -65,6 +65,79 @@ def param_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+class SavedTensors:
+    """Bytes of the activations autograd keeps for backward: live now, and the most at once.
+
+    Seen through `torch.autograd.graph.saved_tensors_hooks`, so it works for any runner
+    that calls the module's forward on this thread. A storage counts once, however many
+    saved tensors view it, from its first save until autograd drops the last of them;
+    `module`'s parameters (which every matmul saves) do not count.
+
+        >>> saved = SavedTensors(module)
+        >>> with saved.hooks():
+        ...     step()
+        >>> saved.peak  # bytes
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.refs: dict[int, int] = {}  # storage address -> saved tensors holding it
+        self.live = self.peak = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.params:
+            return tensor
+        if self.refs.get(ptr, 0) == 0:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        return _Saved(self, tensor, ptr, storage.nbytes())
+
+    def _drop(self, ptr: int, nbytes: int) -> None:
+        self.refs[ptr] -= 1
+        if self.refs[ptr] == 0:
+            del self.refs[ptr]
+            self.live -= nbytes
+
+
+class _Saved:
+    """What autograd stores instead of a saved tensor; its deletion is the tensor's release."""
+
+    def __init__(self, owner: SavedTensors, tensor: torch.Tensor, ptr: int, nbytes: int):
+        self.owner, self.tensor, self.ptr, self.nbytes = owner, tensor, ptr, nbytes
+
+    def __del__(self):
+        self.owner._drop(self.ptr, self.nbytes)
+
+
+def _unpack(packed):
+    return packed.tensor if isinstance(packed, _Saved) else packed
+
+
+def allocation_peak(fn) -> int:
+    """Most bytes that `fn()` allocates and holds at once, from the profiler's allocator events.
+
+    Counts every tensor the call allocates (activations, transfer buffers, gradients,
+    temporaries) until it is freed. Memory allocated before the call is not seen, nor is
+    its release during the call (the profiler drops frees of blocks it never saw allocated).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):  # stable: same-time events keep their order
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 def timed(fn, *, warmup: int, steps: int, barrier: bool = True) -> list[float]:
     """Seconds per call of `fn`, after `warmup` untimed calls; ranks start each call together."""
     times = []

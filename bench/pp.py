@@ -1,7 +1,8 @@
-"""PP = 2, AFAB: rewrite's run_afab vs torch.distributed.pipelining ScheduleGPipe vs one process.
+"""PP = 2, AFAB: rewrite's run_schedule vs torch.distributed.pipelining ScheduleGPipe vs one process.
 
 Both pipelines run in the same two processes and alternate step by step, so
-machine noise hits them alike.
+machine noise hits them alike. `_ours` and `_torch_pipeline` build either side under
+any of rewrite's named schedules (bench.schedules compares them schedule by schedule).
 """
 
 from __future__ import annotations
@@ -39,40 +40,46 @@ class _HandStage(nn.Module):
         return h
 
 
-def _gpipe(rank: int, world: int, cut: int):
-    """Two hand-carved stages: layers [0, cut) and [cut, n)."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+# rewrite's named schedules and their counterparts in torch.distributed.pipelining.
+TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
-    assert world == 2, "the hand-carved baseline has two stages"
+
+def _torch_pipeline(rank: int, world: int, cut: int, schedule: str = "afab"):
+    """Two hand-carved stages, layers [0, cut) and [cut, n), under torch's counterpart of `schedule`."""
+    from torch.distributed import pipelining
+
+    if world != 2:
+        raise ValueError(f"the hand-carved baseline has two stages, not {world}; run it with world=2")
     lm = common.model()
     n = lm.config.num_hidden_layers
     carved = _HandStage(lm, 0 if rank == 0 else cut, cut if rank == 0 else n, rank == 0, rank == 1)
     del lm
-    stage = PipelineStage(carved, rank, world, torch.device("cpu"))
-    schedule = ScheduleGPipe(stage, n_microbatches=common.MICROBATCHES, loss_fn=rewrite.causal_lm_loss)
+    stage = pipelining.PipelineStage(carved, rank, world, torch.device("cpu"))
+    schedule_cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    runner = schedule_cls(stage, n_microbatches=common.MICROBATCHES, loss_fn=rewrite.causal_lm_loss)
     ids, targets = common.batch()
     full_ids, full_targets = torch.cat(ids), torch.cat(targets)  # the schedule splits them again
 
     def step():
         if rank == 0:
-            schedule.step(full_ids)
+            runner.step(full_ids)
         else:
-            schedule.step(target=full_targets, losses=[], return_outputs=False)
+            runner.step(target=full_targets, losses=[], return_outputs=False)
         carved.zero_grad(set_to_none=True)
 
-    return carved, step
+    return carved, step, stage
 
 
-def _ours(rank: int, world: int, cut: int):
+def _ours(rank: int, world: int, cut: int, schedule: str = "afab"):
     lm = common.model()
-    pipeline = {"microbatches": common.MICROBATCHES, "cut_points": [f"model.layers.{cut}"]}
+    pipeline = {"microbatches": common.MICROBATCHES, "schedule": schedule, "cut_points": [f"model.layers.{cut}"]}
     stage = rewrite.apply_plan(lm, {"mesh": {"pp": world}, "pipeline": pipeline})
     ids, targets = common.batch()
     busy = []
 
     def step():
         start = time.time()
-        rewrite.run_afab(stage, ids, targets)
+        rewrite.run_schedule(stage, ids, targets)  # the plan's schedule
         wall = time.time() - start
         busy.append(sum(e.end - e.start for e in stage.timeline) / wall)
         stage.module.zero_grad(set_to_none=True)
@@ -82,7 +89,7 @@ def _ours(rank: int, world: int, cut: int):
 
 def timing(rank: int, world: int, warmup: int, steps: int, cut: int = 4) -> dict:
     ours_module, ours_step, busy = _ours(rank, world, cut)
-    gpipe_module, gpipe_step = _gpipe(rank, world, cut)
+    gpipe_module, gpipe_step, _ = _torch_pipeline(rank, world, cut)
     ours, gpipe = [], []
     for i in range(warmup + steps):  # alternate, so drift affects both alike
         t_ours = common.timed(ours_step, warmup=0, steps=1)[0]
@@ -95,7 +102,7 @@ def timing(rank: int, world: int, warmup: int, steps: int, cut: int = 4) -> dict
 
 def memory(rank: int, world: int, impl: str) -> dict:
     """Parameter bytes and peak RSS of one implementation alone in its processes."""
-    module, step = _gpipe(rank, world, 4) if impl == "gpipe" else _ours(rank, world, 4)[:2]
+    module, step = (_torch_pipeline(rank, world, 4) if impl == "gpipe" else _ours(rank, world, 4))[:2]
     for _ in range(2):
         step()
     dist.barrier()

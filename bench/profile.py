@@ -3,12 +3,14 @@
     .venv/bin/python -m bench.profile tp          # top operators, TP=2
     .venv/bin/python -m bench.profile pp          # top operators, PP=2
     .venv/bin/python -m bench.profile tp-sums     # TP: time in the sums, and the step without them
-    .venv/bin/python -m bench.profile pp-path     # PP: the AFAB critical path from the timeline
+    .venv/bin/python -m bench.profile pp-path     # PP: the critical path from the timeline
+    .venv/bin/python -m bench.profile pp-path --schedule 1f1b   # the same under 1F1B (also: pp)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -37,8 +39,8 @@ def _profile_tp(rank: int, world: int, rows: int) -> dict:
     return _summary(prof, rows)
 
 
-def _profile_pp(rank: int, world: int, rows: int) -> dict:
-    _, step, _ = pp._ours(rank, world, 4)
+def _profile_pp(rank: int, world: int, rows: int, schedule: str = "afab") -> dict:
+    _, step, _ = pp._ours(rank, world, 4, schedule)
     step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
@@ -71,9 +73,9 @@ def _tp_sums(rank: int, world: int, rows: int) -> dict:
             "max_ms": 1e3 * waits[-1]}
 
 
-def _pp_path(rank: int, world: int, rows: int) -> dict:
+def _pp_path(rank: int, world: int, rows: int, schedule: str = "afab") -> dict:
     """Forward and backward durations per microbatch, from one step's timeline."""
-    stage, step, _ = pp._ours(rank, world, 4)
+    stage, step, _ = pp._ours(rank, world, 4, schedule)
     step()
     start = time.time()
     step()
@@ -95,8 +97,10 @@ def _print_top(results: list[dict]) -> None:
 def _print_path(results: list[dict]) -> None:
     first, last = results[0], results[-1]
     busy_last = sum(last["forward_s"]) + sum(last["backward_s"])
-    # AFAB on 2 stages: stage 1 cannot start before stage 0's first forward, and
-    # stage 0's last backward cannot start before stage 1's last backward.
+    # 2 stages, AFAB or 1F1B: stage 1 cannot start before stage 0's first forward, and
+    # stage 0's last backward cannot start before stage 1's last backward. Under 1F1B
+    # stage 1 never waits in between either while it is the slower stage: stage 0's
+    # backward and next forward fit in stage 1's forward and backward.
     bound = first["forward_s"][0] + busy_last + first["backward_s"][-1]
     for rank, r in enumerate(results):
         print(f"rank {rank}: step {r['wall_s']:.3f} s, forward {sum(r['forward_s']):.3f} s, "
@@ -109,8 +113,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", choices=["tp", "pp", "tp-sums", "pp-path"])
     parser.add_argument("--rows", type=int, default=12)
+    parser.add_argument("--schedule", choices=["afab", "1f1b"], default="afab", help="for pp and pp-path")
     args = parser.parse_args()
     fn = {"tp": _profile_tp, "pp": _profile_pp, "tp-sums": _tp_sums, "pp-path": _pp_path}[args.which]
+    if args.which.startswith("pp"):
+        fn = functools.partial(fn, schedule=args.schedule)
     results = common.launch(fn, 2, args.rows)
     if args.which in ("tp", "pp"):
         _print_top(results)

@@ -1,9 +1,10 @@
 """Run every benchmark side by side and write bench/results.json.
 
-    .venv/bin/python -m bench.run            # about 10 minutes on 2 cores
+    .venv/bin/python -m bench.run            # about 4 minutes on 2 cores
     .venv/bin/python -m bench.run --steps 3  # a quick look
 
-Prints a markdown table of medians and ratios (the numbers in BENCHMARKS.md).
+Prints markdown tables of medians and ratios (the numbers in BENCHMARKS.md); the
+per-schedule pipeline comparison alone is `python -m bench.schedules`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench import common, pp, tp
+from bench import common, pp, schedules, tp
 
 
 def _machine() -> dict:
@@ -51,6 +52,8 @@ def main() -> None:
     pp_runs = common.launch(pp.timing, 2, args.warmup, args.steps)
     # The same comparison with the cut moved to balance the LM head's cost (5 + 3 layers).
     pp_cut5 = common.launch(pp.timing, 2, args.warmup, args.steps, 5)
+    # Each schedule against its torch.distributed.pipelining counterpart (afab, 1f1b).
+    sched_runs = common.launch(schedules.compare, 2, args.warmup, args.steps)
     tp_runs = common.launch(tp.timing, 2, args.warmup, args.steps)
     mem = {
         "pp_ours": common.launch(pp.memory, 2, "ours"),
@@ -82,11 +85,14 @@ def main() -> None:
             "collectives_ours": tp_runs[0]["collectives_ours"],
             "collectives_dtensor": tp_runs[0]["collectives_dtensor"], "raw": tp_runs},
         memory=mem,
+        schedules=schedules.summarize(sched_runs, one),
         ideal_param_bytes_per_rank=single["param_bytes"] / 2,
         wall_s=time.time() - start,
     )
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))
+    print()
+    print(schedules.table(res["schedules"]))
 
 
 def table(res: dict) -> str:
