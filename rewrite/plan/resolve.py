@@ -14,6 +14,7 @@ from torch import nn
 from ..models import fx_graph
 from ..models.hf_llama import Backbone, find_backbone
 from .costs import Costs, best_split, estimate_costs
+from .schedules import placement
 from .schema import ParallelPlan, PlanError, load_plan
 from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 
@@ -50,6 +51,21 @@ class ResolvedPlan:
     total_bytes: int
     layer_indices: tuple[tuple[int, ...], ...] = field(default=())  # per stage, "hf" only
     costs: Costs | None = None  # estimated compute per part, for pipeline.seq_len tokens; "hf" only
+    stage_rank: tuple[int, ...] = (0,)  # the pp rank holding each stage
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: pp * pipeline.virtual_stages."""
+        return len(self.stages)
+
+    def rank_stages(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages pp rank `pp_rank` holds, in model order."""
+        return tuple(s for s, r in enumerate(self.stage_rank) if r == pp_rank)
+
+    def rank_modules(self, pp_rank: int) -> tuple[str, ...]:
+        """Module paths the stages of `pp_rank` run, in model order, each once."""
+        mods = [m for s in self.rank_stages(pp_rank) for m in self.stages[s].modules]
+        return tuple(dict.fromkeys(mods))
 
     @property
     def tp(self) -> int:
@@ -78,10 +94,10 @@ def _hf_stages(
     plan: ParallelPlan, n: int, bb: Backbone, costs: Costs | str
 ) -> tuple[list[list[int]], list[str], list[str]]:
     """Layer indices per stage, the cut layers, and problems. `costs` is a message when unknown."""
-    pp, cuts = plan.mesh.pp, plan.pipeline.cut_points
+    pp, cuts = _stage_count(plan), plan.pipeline.cut_points
     names = [bb.layer(i) for i in range(n)]
     if pp > n:
-        return [], [], [f"mesh.pp={pp} stages but the model has {n} layers; each stage needs at least one layer"]
+        return [], [], [f"{_stages_words(plan)} but the model has {n} layers; each stage needs at least one layer"]
     if cuts is None:
         starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
     elif cuts == "auto":
@@ -110,8 +126,19 @@ def _hf_stages(
     return [list(range(bounds[s], bounds[s + 1])) for s in range(pp)], [names[i] for i in starts[1:]], []
 
 
+def _stage_count(plan: ParallelPlan) -> int:
+    return plan.mesh.pp * plan.pipeline.virtual_stages
+
+
+def _stages_words(plan: ParallelPlan) -> str:
+    k = plan.pipeline.virtual_stages
+    if k == 1:
+        return f"mesh.pp={plan.mesh.pp} stages"
+    return f"mesh.pp={plan.mesh.pp} x pipeline.virtual_stages={k} = {plan.mesh.pp * k} stages"
+
+
 def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], list[str], list[str]]:
-    pp, seq = plan.mesh.pp, fx_graph.layer_sequence(model)
+    pp, seq = _stage_count(plan), fx_graph.layer_sequence(model)
     if plan.pipeline.cut_points == "auto":
         shown = ", ".join(seq[:4]) + (", ..." if len(seq) > 4 else "")
         fix = "omit cut_points: one stage needs none" if pp == 1 else (
@@ -132,7 +159,7 @@ def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], l
     if cuts is None:
         if len(seq) < pp:
             return [], [], [
-                f"mesh.pp={pp} needs a layer sequence of at least {pp} modules for a balanced split, found "
+                f"{_stages_words(plan)}: a balanced split needs a layer sequence of at least {pp} modules, found "
                 f"{len(seq)} in {type(model).__name__}; list pipeline.cut_points instead"
             ]
         cuts = [seq[sum(balanced_split(len(seq), pp)[:s])] for s in range(1, pp)]
@@ -198,10 +225,10 @@ def resolve(
     plan = load_plan(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"resolve() needs an nn.Module, got {type(model).__name__}")
-    tp, pp, problems = plan.mesh.tp, plan.mesh.pp, []
+    tp, pp, problems = plan.mesh.tp, _stage_count(plan), []
     if world_size is not None and world_size != plan.mesh.world_size:
         problems.append(
-            f"mesh: pp={pp} x tp={tp} = {plan.mesh.world_size} ranks, but the world size is {world_size}; "
+            f"mesh: pp={plan.mesh.pp} x tp={tp} = {plan.mesh.world_size} ranks, but the world size is {world_size}; "
             f"launch {plan.mesh.world_size} processes or change the mesh"
         )
     applied = getattr(model, APPLIED, None)
@@ -251,4 +278,5 @@ def resolve(
         total_bytes=total_bytes,
         layer_indices=tuple(tuple(ls) for ls in layer_sets),
         costs=costs,
+        stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
     )

@@ -36,6 +36,7 @@ __all__ = [
     "simulate",
     "peak_in_flight",
     "plan_table",
+    "placement",
     "schedule_problems",
     "read_table_file",
 ]
@@ -78,6 +79,20 @@ def one_f_one_b(pp: int, microbatches: int) -> Table:
         row += [Action("B", i, s) for i in range(microbatches - warmup, microbatches)]
         rows.append(tuple(row))
     return tuple(rows)
+
+
+def placement(schedule: str, pp: int, k: int = 1) -> tuple[int, ...]:
+    """The pp rank holding each of the `pp * k` stages.
+
+    Looped (rank r holds stages r, r + pp, ...) for every schedule but 'zbv', whose V
+    places stages r and 2pp - 1 - r on rank r.
+
+        >>> placement("interleaved-1f1b", 2, 2), placement("zbv", 2, 2)
+        ((0, 1, 0, 1), (0, 1, 1, 0))
+    """
+    if schedule == "zbv":
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(pp * k))
+    return tuple(s % pp for s in range(pp * k))
 
 
 SCHEDULES = {"afab": afab, "1f1b": one_f_one_b}

@@ -162,6 +162,17 @@ class Pipeline(_Strict):
             )
         ),
     ] = None
+    virtual_stages: Annotated[
+        int,
+        Field(
+            ge=1,
+            strict=True,
+            description=(
+                "Stages each rank holds (>= 1): the model is cut into pp * virtual_stages stages. "
+                "Rank r holds stages r, r + pp, ... (looped), or r and 2pp - 1 - r for 'zbv' (V-shaped)."
+            ),
+        ),
+    ] = 1
     cut_points: Annotated[
         CutPoints,
         Field(
@@ -222,7 +233,7 @@ class ParallelPlan(_Strict):
 
     @model_validator(mode="after")
     def _cut_points_fit_mesh(self) -> ParallelPlan:
-        problems = _cut_point_problems(self.pipeline.cut_points, self.mesh.pp)
+        problems = _cut_point_problems(self.pipeline.cut_points, self.mesh.pp * self.pipeline.virtual_stages)
         if problems:
             raise ValueError("\n".join(problems))
         return self
