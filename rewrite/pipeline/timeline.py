@@ -1,8 +1,8 @@
 """The pipeline timeline: gather every rank's `Stage.timeline`, draw it as a Gantt chart.
 
-One row per rank, one bar per microbatch's forward (blue) and backward (orange),
-labelled with its microbatch index. Under AFAB every forward of a stage ends before
-its first backward, and stage s + 1 starts microbatch i after stage s sends it.
+One row per rank, one bar per action, labelled with its microbatch index: forward
+(blue), whole backward (orange), input-gradient backward B (light orange) and
+weight-gradient W (green) when a schedule splits the backward.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from .stage import Stage, TimelineEvent
 
 __all__ = ["gather_timeline", "plot_timeline", "events_to_dicts", "events_from_dicts"]
 
-COLORS = {"forward": "#4C72B0", "backward": "#DD8452"}
+# TimelineEvent.kind -> bar colour, and the legend's words for it.
+COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "backward-input": "#F2B880", "backward-weight": "#55A868"}
+LABELS = {
+    "forward": "forward (F)",
+    "backward": "backward (B)",
+    "backward-input": "backward, input grad (B)",
+    "backward-weight": "backward, weight grad (W)",
+}
 
 
 def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
@@ -56,7 +63,7 @@ def plot_timeline(
     ax=None,
     path: str | Path | None = None,
 ):
-    """A Gantt chart per rank: forward and backward bars per microbatch, index on each bar.
+    """A Gantt chart per rank: a bar per forward, backward (B) and weight gradient (W), microbatch index on each.
 
     Args:
         events: from `gather_timeline` (or any ranks' `stage.timeline`, concatenated).
@@ -94,16 +101,18 @@ def plot_timeline(
             ax.text(left + width / 2, y, str(e.mb_idx), ha="center", va="center", fontsize=8, color="white")
     labels = []
     for rank in ranks:
-        stage_idx = next(e.stage_idx for e in events if e.rank == rank)
-        where = f"stage {stage_idx}" + (f", tp {rank % tp}" if tp else "")
+        held = sorted({e.stage_idx for e in events if e.rank == rank})
+        where = f"stage{'s' if len(held) > 1 else ''} {','.join(map(str, held))}" + (f", tp {rank % tp}" if tp else "")
         labels.append(f"rank {rank}\n{where}")
     ax.set_yticks(range(len(ranks)), labels)
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("seconds since the step's first forward")
     microbatches = len({e.mb_idx for e in events})
-    ax.set_title(title or f"AFAB timeline: {microbatches} microbatches (numbers on bars), {len(ranks)} ranks")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(title or f"Pipeline timeline: {microbatches} microbatches (numbers on bars), {len(ranks)} ranks")
+    kinds = [k for k in COLORS if any(e.kind == k for e in events)] + sorted({e.kind for e in events} - set(COLORS))
+    handles = [Patch(color=COLORS.get(k, "gray"), label=LABELS.get(k, k)) for k in kinds]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     if path is not None:
         fig.savefig(path, dpi=120)

@@ -1,7 +1,7 @@
 """Plain-text tables of a resolved plan: what `rewrite show` prints.
 
-Three tables: module path -> style -> per-rank shapes; stages -> share of compute, modules;
-parameters and memory per rank. Aligned columns, no dependency.
+Three tables: module path -> style -> per-rank shapes; stages -> ranks, share of compute,
+modules; parameters and memory per rank (summed over the stages it holds). And the schedule. Aligned columns, no dependency.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .resolve import ResolvedPlan
-from .schedules import peak_in_flight, plan_table, simulate
+from .schedules import Table, peak_in_flight, placement, plan_table, simulate
 from .schema import ParallelPlan
 
 __all__ = ["format_table", "format_bytes", "format_plan", "format_schedule", "shard_rows", "stage_rows", "rank_rows"]
@@ -58,8 +58,9 @@ def shard_rows(resolved: ResolvedPlan) -> list[list[str]]:
 
 
 def _ranks_of(resolved: ResolvedPlan, stage_idx: int) -> list[int]:
-    # Global rank = pp_rank * tp + tp_rank (rewrite.mesh).
-    return [stage_idx * resolved.tp + t for t in range(resolved.tp)]
+    # Global rank = pp_rank * tp + tp_rank (rewrite.mesh); the pp rank holding the stage from its placement.
+    pp_rank = resolved.stage_rank[stage_idx]
+    return [pp_rank * resolved.tp + t for t in range(resolved.tp)]
 
 
 def stage_rows(resolved: ResolvedPlan) -> list[list[str]]:
@@ -79,16 +80,20 @@ def stage_rows(resolved: ResolvedPlan) -> list[list[str]]:
 
 
 def rank_rows(resolved: ResolvedPlan) -> list[list[str]]:
-    """One row per global rank: stage, tp rank, parameters and their memory.
+    """One row per global rank: the stages it holds, tp rank, parameters and their memory.
 
-    The training column counts weights + gradients (the parameters' dtype) + AdamW's
-    two moments kept in float32: 2 * bytes + 8 * count.
+    A rank holding several stages (pipeline.virtual_stages) adds them up. The training
+    column counts weights + gradients (the parameters' dtype) + AdamW's two moments
+    kept in float32: 2 * bytes + 8 * count.
     """
     rows = []
-    for s in resolved.stages:
-        training = 2 * s.param_bytes + 8 * s.param_count
-        for t, rank in enumerate(_ranks_of(resolved, s.stage_idx)):
-            rows.append([str(rank), str(s.stage_idx), str(t), f"{s.param_count:,}", format_bytes(s.param_bytes), format_bytes(training)])
+    for pp_rank in range(resolved.pp):
+        stages = [resolved.stages[s] for s in resolved.rank_stages(pp_rank)]
+        count, nbytes = sum(s.param_count for s in stages), sum(s.param_bytes for s in stages)
+        held = ",".join(str(s.stage_idx) for s in stages)
+        for t in range(resolved.tp):
+            rank = pp_rank * resolved.tp + t
+            rows.append([str(rank), held, str(t), f"{count:,}", format_bytes(nbytes), format_bytes(2 * nbytes + 8 * count)])
     return rows
 
 
@@ -127,44 +132,64 @@ def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None) -> st
     cuts = f", cut at {', '.join(resolved.cut_points)}" if resolved.cut_points else ""
     how = " (auto)" if pipe.cut_points == "auto" else ""
     est = (
-        f"; est. compute: training FLOPs per rank for {resolved.costs.seq_len}-token sequences "
+        f"; est. compute: training FLOPs per stage for {resolved.costs.seq_len}-token sequences "
         "(pipeline.seq_len)"
         if resolved.costs
         else ""
     )
-    out.append(f"Pipeline: {pp} stage{'s' if pp != 1 else ''}{cuts}{how}{est}")
+    n, k = resolved.num_stages, pipe.virtual_stages
+    per_rank = f" on {pp} rank{'s' if pp != 1 else ''} ({k} per rank, {'V' if pipe.schedule == 'zbv' else 'looped'})" if k > 1 else ""
+    out.append(f"Pipeline: {n} stage{'s' if n != 1 else ''}{per_rank}{cuts}{how}{est}")
     out.append(format_table(["stage", "ranks", "est. compute", "modules"], stage_rows(resolved)))
     out.append("")
     out.append("Parameters and memory per rank (training = weights + grads + AdamW moments in fp32)")
-    out.append(format_table(["rank", "stage", "tp_rank", "params", "weights", "training"], rank_rows(resolved)))
+    out.append(format_table(["rank", "stages", "tp_rank", "params", "weights", "training"], rank_rows(resolved)))
     out.append(f"  whole model: {resolved.total_params:,} parameters, {format_bytes(resolved.total_bytes)}")
     return "\n".join(out)
+
+
+def _costs(table: Table) -> str:
+    split = {(a.mb, a.stage) for row in table for a in row if a.kind == "W"}
+    backwards = {(a.mb, a.stage) for row in table for a in row if a.kind == "B"}
+    if not split:
+        return "F costs 1, B 2"
+    if split == backwards:
+        return "F costs 1, B 1 + W 1: the backward split into input and weight gradients"
+    return "F costs 1, a whole B 2, a split one B 1 + W 1"
 
 
 def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> str:
     """The plan's schedule table, one row per rank, with what it predicts on paper.
 
-    The bubble is the share of the step each rank idles when a forward costs 1, a
-    backward 2 and transfers nothing: a lower bound on what a real run loses.
+    Each row lists the rank's cells in order (`F3 B2 W2`; `F3@2` for stage 2 when ranks
+    hold several stages), the most (mb, stage) pairs whose activations it holds at once,
+    and its idle share. The bubble is the share of the step ranks idle when a forward
+    costs 1, a backward 2 (or, split, B 1 and W 1) and transfers nothing: a lower bound
+    on what a real run loses.
 
     Example:
         >>> print(format_schedule(load_plan({"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})))
     """
-    pipe, pp = plan.pipeline, plan.mesh.pp
+    pipe, pp, k = plan.pipeline, plan.mesh.pp, plan.pipeline.virtual_stages
     m = pipe.microbatches if pipe.schedule == "custom" or microbatches is None else microbatches
-    table = plan_table(pipe.schedule, pipe.table, pp, m)
-    times, _ = simulate(table)
+    stage_rank = placement(pipe.schedule, pp, k)
+    table = plan_table(pipe.schedule, pipe.table, pp, k, m)
+    times, _ = simulate(table, stage_rank)
     span = max((end for _, end in times.values()), default=0.0)
     rows = []
     for rank, row in enumerate(table):
-        busy = sum(end - start for action, (start, end) in times.items() if action.stage == rank)
+        busy = sum(times[a][1] - times[a][0] for a in row if a in times)
         idle = 1 - busy / span if span else 0.0
-        rows.append([str(rank), " ".join(map(str, row)), str(peak_in_flight(row)), f"{idle:.0%}"])
+        rows.append([str(rank), " ".join(a.cell(k > 1) for a in row), str(peak_in_flight(row)), f"{idle:.0%}"])
     busy_all = sum(end - start for start, end in times.values())
     bubble = 1 - busy_all / (pp * span) if span else 0.0
+    has_w = any(a.kind == "W" for row in table for a in row)
+    n = pp * k
+    ranks = f", {k} on each of {pp} rank{'s' if pp != 1 else ''}" if k > 1 else ""
+    words = f"F = forward, B = backward{', W = weight gradient' if has_w else ''} of a microbatch"
     return "\n".join([
-        f"Schedule {pipe.schedule}: {m} microbatch{'es' if m != 1 else ''} on {pp} stage{'s' if pp != 1 else ''} "
-        "(F = forward, B = backward of a microbatch)",
+        f"Schedule {pipe.schedule}: {m} microbatch{'es' if m != 1 else ''} on {n} stage{'s' if n != 1 else ''}{ranks} "
+        f"({words}{'; F3@2: on stage 2' if k > 1 else ''})",
         format_table(["rank", "actions, in order", "alive at most", "idle"], rows),
-        f"  predicted bubble: {bubble:.0%} of the step (F costs 1, B 2, transfers free)",
+        f"  predicted bubble: {bubble:.0%} of the step ({_costs(table)}; transfers free)",
     ])

@@ -7,26 +7,15 @@ plan to a model is `rewrite.resolve`.
 from __future__ import annotations
 
 import difflib
-import re
-from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Discriminator,
-    Field,
-    PrivateAttr,
-    Tag,
-    ValidationError,
-    model_validator,
-)
+from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from .files import PlanError, dotted, line_of, read_plan_file, short
-from .schedules import read_table_file, schedule_problems
+from .pipeline_schema import CUT_POINT_KINDS, Pattern, Pipeline, StrictModel, cut_point_problems
+from .schedules import SCHEDULES, read_table_file, schedule_problems, schedule_rules
 
 __all__ = ["ParallelPlan", "Mesh", "Pipeline", "PlanError", "load_plan", "STYLES", "STYLE_ALIASES"]
 
@@ -52,10 +41,6 @@ STYLE_ALIASES: dict[str, str] = {
     "replicated_with_grad_allreduce": "grad_allreduce",
 }
 
-# A segment is a name or index; `*` inside a segment matches any characters but '.'.
-_PATTERN = re.compile(r"^[A-Za-z0-9_*]+(\.[A-Za-z0-9_*]+)*$")
-
-
 def _style(value: Any) -> Any:
     """Map HF aliases onto our style names; reject unknown names with a suggestion."""
     if not isinstance(value, str):
@@ -79,53 +64,12 @@ Style = Annotated[
 ]
 
 
-def _pattern(value: Any) -> Any:
-    if isinstance(value, str) and not _PATTERN.match(value):
-        raise ValueError(
-            f"{short(value)} is not a module-path pattern: dotted names or indices, `*` matching "
-            "within one segment (e.g. 'model.layers.*.mlp.up_proj')"
-        )
-    return value
-
-
-Pattern = Annotated[str, BeforeValidator(_pattern)]
-
-
-def _auto(value: Any) -> Any:
-    if value != "auto":
-        one_cut = f"; for one cut write a list, cut_points: [{short(value)}]" if isinstance(value, str) else ""
-        raise ValueError(
-            f"{short(value)} is neither a list of module paths nor 'auto'{one_cut}; "
-            "or write 'auto' to balance estimated compute"
-        )
-    return value
-
-
-def _cut_points_kind(value: Any) -> str:
-    # Route every non-list to the 'auto' branch: one message, not one per branch of the union.
-    return "none" if value is None else "paths" if isinstance(value, (list, tuple)) else "auto"
-
-
-# The union's branch names; they appear in Pydantic's error locations and are left out of ours.
-_CUT_POINT_KINDS = ("paths", "auto", "none")
-CutPoints = Annotated[
-    Union[
-        Annotated[list[Pattern], Tag("paths")],
-        Annotated[Literal["auto"], BeforeValidator(_auto), Tag("auto")],
-        Annotated[None, Tag("none")],
-    ],
-    Discriminator(_cut_points_kind),
-]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Mesh(_Strict):
+class Mesh(StrictModel):
     """How the ranks are arranged: world size = pp * tp."""
 
-    pp: Annotated[int, Field(ge=1, strict=True, description="Pipeline stages (>= 1).")] = 1
+    pp: Annotated[
+        int, Field(ge=1, strict=True, description="Pipeline ranks (>= 1), each holding pipeline.virtual_stages stages.")
+    ] = 1
     tp: Annotated[
         int, Field(ge=1, strict=True, description="Tensor-parallel ranks per stage (>= 1); contiguous global ranks.")
     ] = 1
@@ -135,72 +79,7 @@ class Mesh(_Strict):
         return self.pp * self.tp
 
 
-class Pipeline(_Strict):
-    """How a batch flows through the stages."""
-
-    microbatches: Annotated[
-        int, Field(ge=1, strict=True, description="Microbatches per training step (>= 1); may be fewer than pp.")
-    ] = 1
-    schedule: Annotated[
-        Literal["afab", "1f1b", "custom"],
-        Field(
-            description=(
-                "Schedule: 'afab' (all forward, then all backward: every microbatch's activations alive "
-                "at once), '1f1b' (after pp - s - 1 warm-up forwards, stage s alternates forward and "
-                "backward: at most pp - s microbatches alive), or 'custom' (your own `table`)."
-            )
-        ),
-    ] = "afab"
-    table: Annotated[
-        list[str] | str | None,
-        Field(
-            description=(
-                "With schedule 'custom': one string per rank listing its actions in order, e.g. "
-                "'F0 F1 B0 B1' (F = forward, B = backward of that microbatch); or the path of a CSV "
-                "file beside the plan with one row per rank and one action per cell. Checked on paper "
-                "when the plan is loaded."
-            )
-        ),
-    ] = None
-    virtual_stages: Annotated[
-        int,
-        Field(
-            ge=1,
-            strict=True,
-            description=(
-                "Stages each rank holds (>= 1): the model is cut into pp * virtual_stages stages. "
-                "Rank r holds stages r, r + pp, ... (looped), or r and 2pp - 1 - r for 'zbv' (V-shaped)."
-            ),
-        ),
-    ] = 1
-    cut_points: Annotated[
-        CutPoints,
-        Field(
-            description=(
-                "Module paths where a new stage starts, in model order; exactly pp - 1 of them. "
-                "Omit for a balanced split (stage sizes differ by at most one layer, the extra ones "
-                "on the earliest stages). 'auto' (Hugging Face LLaMA-family models only): the cuts that "
-                "make the most loaded stage's estimated training FLOPs smallest, counting each decoder "
-                "layer, the embeddings on the first stage and the final norm, LM head and loss on the last."
-            )
-        ),
-    ] = None
-    seq_len: Annotated[
-        int,
-        Field(
-            ge=1,
-            strict=True,
-            description=(
-                "Tokens per sequence that the compute estimate assumes (>= 1): attention grows with its "
-                "square, the MLP and LM head linearly. Used only to weigh the parts against each other, by "
-                "`cut_points: auto` and the 'est. compute' column of `rewrite show`; the batches you run "
-                "may be any length."
-            ),
-        ),
-    ] = 2048
-
-
-class ParallelPlan(_Strict):
+class ParallelPlan(StrictModel):
     """A parallel plan: the mesh, which linears to shard, and the pipeline.
 
     Example:
@@ -223,7 +102,7 @@ class ParallelPlan(_Strict):
             )
         ),
     ] = {}
-    pipeline: Annotated[Pipeline, Field(description="Microbatches, schedule and stage cut points.")] = Pipeline()
+    pipeline: Annotated[Pipeline, Field(description="Microbatches, schedule, virtual stages and stage cut points.")] = Pipeline()
     _source: str = PrivateAttr(default="plan")  # file the plan was read from, for messages
 
     @property
@@ -232,15 +111,11 @@ class ParallelPlan(_Strict):
         return self._source
 
     @model_validator(mode="after")
-    def _cut_points_fit_mesh(self) -> ParallelPlan:
-        problems = _cut_point_problems(self.pipeline.cut_points, self.mesh.pp * self.pipeline.virtual_stages)
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
-
-    @model_validator(mode="after")
-    def _table_runs_on_paper(self) -> ParallelPlan:
-        problems = schedule_problems(self.pipeline.schedule, self.pipeline.table, self.mesh.pp, self.pipeline.microbatches)
+    def _pipeline_fits_mesh(self) -> ParallelPlan:
+        # Cut points for pp x virtual_stages stages; the schedule's rules; a custom table run on paper.
+        pipe, pp = self.pipeline, self.mesh.pp
+        problems = cut_point_problems(pipe.cut_points, pp, pipe.virtual_stages)
+        problems += schedule_problems(pipe.schedule, pipe.table, pp, pipe.virtual_stages, pipe.microbatches)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -250,30 +125,11 @@ class ParallelPlan(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
-def _cut_point_problems(cuts: Any, pp: Any) -> list[str]:
-    """Cut points against the mesh; also run on raw data when other fields failed."""
-    if not isinstance(cuts, list) or not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-        return []
-    problems = []
-    if len(cuts) != pp - 1:
-        problems.append(
-            f"pipeline.cut_points: {len(cuts)} cut point(s) {short(cuts)} for mesh.pp={pp}; "
-            f"need exactly pp - 1 = {pp - 1} (or omit cut_points for a balanced split)"
-        )
-    counts = Counter(c for c in cuts if isinstance(c, str))  # a Counter: a list of any length stays linear
-    dupes = sorted(c for c, n in counts.items() if n > 1)
-    if dupes:
-        problems.append(
-            f"pipeline.cut_points: {short(dupes)} listed more than once; each stage needs its own start"
-        )
-    return problems
-
-
 def _problems(exc: ValidationError, nodes: Any) -> list[str]:
     problems = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        if len(loc) > 2 and loc[:2] == ("pipeline", "cut_points") and loc[2] in _CUT_POINT_KINDS:
+        if len(loc) > 2 and loc[:2] == ("pipeline", "cut_points") and loc[2] in CUT_POINT_KINDS:
             loc = loc[:2] + loc[3:]
         if loc and loc[-1] == "[key]":
             loc = loc[:-1]  # the key of a mapping failed: report it at the key itself
@@ -284,8 +140,16 @@ def _problems(exc: ValidationError, nodes: Any) -> list[str]:
             msg = f"unknown key {short(loc[-1])}" + _suggest_key(exc, loc)
         elif err["type"] not in ("value_error", "missing") and "input" in err:
             msg += f" (found {short(err['input'])})"
-        problems.append((line or 10**9, where + msg))
+        # A cross-field check reports its problems one a line: count each.
+        problems += [(line or 10**9, where + part) for part in (msg.split("\n") if not loc else [msg])]
     return [p for _, p in sorted(problems, key=lambda item: item[0])]
+
+
+def _raw_schedule_rules(schedule: Any, pp: Any, k: Any) -> list[str]:
+    # The schedule's rules on raw data, when their values passed their own checks.
+    valid = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (pp, k))
+    known = isinstance(schedule, str) and (schedule in SCHEDULES or schedule == "custom")
+    return schedule_rules(schedule, pp, k, 1) if valid and known else []
 
 
 def _suggest_key(exc: ValidationError, loc: tuple) -> str:
@@ -340,7 +204,9 @@ def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
             # Field errors stop Pydantic before the cross-field check: run it on the raw data.
             mesh, pipe = data.get("mesh") or {}, data.get("pipeline") or {}
             if isinstance(mesh, dict) and isinstance(pipe, dict):
-                problems += _cut_point_problems(pipe.get("cut_points"), mesh.get("pp", 1))
+                pp, k = mesh.get("pp", 1), pipe.get("virtual_stages", 1)
+                problems += cut_point_problems(pipe.get("cut_points"), pp, k)
+                problems += _raw_schedule_rules(pipe.get("schedule", "afab"), pp, k)
         raise PlanError(name, problems) from None
     plan._source = name
     return plan

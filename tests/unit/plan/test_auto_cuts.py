@@ -186,14 +186,14 @@ def test_show_prints_each_stages_share(heavy_head):
     resolved = resolve(plan, heavy_head)
     text = format_plan(resolved)
     assert "Pipeline: 2 stages, cut at model.layers." in text
-    assert "(auto); est. compute: training FLOPs per rank for 256-token sequences (pipeline.seq_len)" in text
+    assert "(auto); est. compute: training FLOPs per stage for 256-token sequences (pipeline.seq_len)" in text
     rows = [line.split() for line in text.splitlines()]
     assert ["stage", "ranks", "est.", "compute", "modules"] in rows
     for stage in resolved.stages:
         row = next(r for r in rows if r[:2] == [str(stage.stage_idx), str(stage.stage_idx)] and r[2].endswith("%"))
         assert row[2] == f"{stage.est_compute:.0%}"
     balanced = format_plan(resolve({"mesh": {"pp": 2}}, heavy_head))
-    assert "est. compute: training FLOPs per rank for 2048-token sequences" in balanced
+    assert "est. compute: training FLOPs per stage for 2048-token sequences" in balanced
     assert "(auto)" not in balanced
     traced = format_plan(resolve({"mesh": {"pp": 2}}, ToyNet()))
     assert "est. compute" in traced and "training FLOPs" not in traced

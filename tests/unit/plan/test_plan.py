@@ -74,7 +74,7 @@ tensor_parallel:
   "model.layers.*.mlp.up_proj": colum
 pipeline:
   microbatches: 0
-  schedule: zbv
+  schedule: zb-h2
   cut_points: ["model.layers.2", "model.layers.2"]
 """
     message = problems_of(write(tmp_path, text))
@@ -85,7 +85,7 @@ pipeline:
     assert "line 4: tensor_parallel['model.layers.*.mlp.up_proj']: unknown style 'colum'" in message
     assert "did you mean 'column'?" in message
     assert "line 6: pipeline.microbatches: Input should be greater than or equal to 1 (found 0)" in message
-    assert "line 7: pipeline.schedule: Input should be 'afab', '1f1b' or 'custom' (found 'zbv')" in message
+    assert "line 7: pipeline.schedule: Input should be 'afab', '1f1b', 'interleaved-1f1b', 'zero-bubble', 'zbv' or 'custom' (found 'zb-h2')" in message
 
 
 def test_cut_point_rules():
@@ -93,6 +93,14 @@ def test_cut_point_rules():
     assert "pipeline.cut_points: 1 cut point(s) ['model.layers.2'] for mesh.pp=3; need exactly pp - 1 = 2" in message
     message = problems_of({"mesh": {"pp": 3}, "pipeline": {"cut_points": ["model.layers.2", "model.layers.2"]}})
     assert "['model.layers.2'] listed more than once" in message
+    # Two stages a rank: pp x virtual_stages - 1 cuts, checked on the raw data too when another field fails.
+    two = {"schedule": "interleaved-1f1b", "virtual_stages": 2, "cut_points": ["model.layers.2"]}
+    need = "for mesh.pp=2 x virtual_stages=2; need exactly pp x virtual_stages - 1 = 3"
+    assert need in problems_of({"mesh": {"pp": 2}, "pipeline": two})
+    message = problems_of({"mesh": {"pp": 2, "tp": 0}, "pipeline": {**two, "virtual_stages": 2, "schedule": "1f1b"}})
+    assert need in message and "pipeline.schedule '1f1b' runs one stage per rank" in message
+    three = ["model.layers.1", "model.layers.2", "model.layers.3"]
+    assert load_plan({"mesh": {"pp": 2}, "pipeline": {**two, "cut_points": three}}).pipeline.virtual_stages == 2
 
 
 def test_types_are_strict():

@@ -1,0 +1,240 @@
+"""The named pipeline schedules: pure functions `(pp, k, microbatches) -> table`.
+
+A table has one row per pp rank: the actions that rank runs, in order. Stages are
+global, 0 .. pp * k - 1, and `placement` says which rank holds each; `rewrite.plan.schedules`
+reads, checks and simulates tables.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Action", "Table", "placement", "needs", "SCHEDULES"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One cell of a table: kind "F" (forward), "B" (backward) or "W" (weight gradient) of
+    microbatch `mb` on global stage `stage`.
+
+    With a W listed for the same (mb, stage), B computes only the input gradient and W
+    the weight gradients; without, B is the whole backward.
+    """
+
+    kind: str
+    mb: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}"
+
+    def cell(self, at_stage: bool) -> str:
+        """`F3`, or `F3@2` (microbatch 3, stage 2) when `at_stage`."""
+        return f"{self}@{self.stage}" if at_stage else str(self)
+
+
+Table = tuple[tuple[Action, ...], ...]  # one row per pp rank
+
+
+def placement(schedule: str, pp: int, k: int = 1) -> tuple[int, ...]:
+    """The pp rank holding each of the `pp * k` stages.
+
+    Looped (rank r holds stages r, r + pp, ...) for every schedule but 'zbv', whose V
+    places stages r and 2pp - 1 - r on rank r.
+
+        >>> placement("interleaved-1f1b", 2, 2), placement("zbv", 2, 2)
+        ((0, 1, 0, 1), (0, 1, 1, 0))
+    """
+    if schedule == "zbv":
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(pp * k))
+    return tuple(s % pp for s in range(pp * k))
+
+
+def needs(action: Action, num_stages: int) -> Action:
+    """The action this one waits for: a forward for the previous stage's forward, a backward
+    for the next stage's backward (the last stage's for its own forward), a W for its B.
+
+    A first-stage forward waits for nothing and gets itself back.
+    """
+    mb, s = action.mb, action.stage
+    if action.kind == "F":
+        return Action("F", mb, s - 1) if s > 0 else action
+    if action.kind == "W":
+        return Action("B", mb, s)
+    return Action("B", mb, s + 1) if s < num_stages - 1 else Action("F", mb, s)
+
+
+def afab(pp: int, k: int, microbatches: int) -> Table:
+    """All forward, all backward (GPipe): every microbatch's activations stay alive until its backward.
+
+        rank 0: F0 F1 B0 B1    (pp 2, 2 microbatches)
+        rank 1: F0 F1 B0 B1
+    """
+    return tuple(
+        tuple(Action("F", i, s) for i in range(microbatches)) + tuple(Action("B", i, s) for i in range(microbatches))
+        for s in range(pp)
+    )
+
+
+def one_f_one_b(pp: int, k: int, microbatches: int) -> Table:
+    """1F1B: `pp - s - 1` warm-up forwards on stage s, then a forward and a backward in turn.
+
+    Stage s holds at most `pp - s` microbatches' activations, however many microbatches run.
+
+        rank 0: F0 F1 B0 F2 B1 B2    (pp 2, 3 microbatches)
+        rank 1: F0 B0 F1 B1 F2 B2
+    """
+    rows = []
+    for s in range(pp):
+        warmup = min(pp - s - 1, microbatches)
+        row = [Action("F", i, s) for i in range(warmup)]
+        for i in range(microbatches - warmup):
+            row += [Action("F", warmup + i, s), Action("B", i, s)]
+        row += [Action("B", i, s) for i in range(microbatches - warmup, microbatches)]
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def _groups(pp: int, microbatches: int) -> list[range]:
+    # Groups of pp microbatches; when pp does not divide them, as even as can be, each
+    # of pp to 2pp - 1 (one group when there are fewer than pp).
+    count = max(microbatches // pp, 1)
+    bounds = [microbatches * g // count for g in range(count + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _warmup(pp: int, k: int, microbatches: int, rank: int) -> int:
+    # Forwards before rank `rank`'s first backward under interleaved 1F1B.
+    return 2 * (pp - rank - 1) + (k - 1) * max(map(len, _groups(pp, microbatches)))
+
+
+def _looped_forwards(pp: int, k: int, microbatches: int, rank: int) -> list[Action]:
+    """Rank `rank`'s forwards in interleaved order: per group of pp microbatches, stage chunk by chunk."""
+    return [Action("F", i, c * pp + rank) for g in _groups(pp, microbatches) for c in range(k) for i in g]
+
+
+def interleaved_1f1b(pp: int, k: int, microbatches: int) -> Table:
+    """Interleaved 1F1B (Megatron-LM): rank r holds stages r, r + pp, ... (looped).
+
+    Forwards go through the microbatches in groups of pp, stage chunk by chunk; backwards
+    alike with the chunks reversed. Rank r runs `2 (pp - r - 1) + (k - 1) pp` warm-up
+    forwards (fewer when there are fewer), then a forward and a backward in turn, then the
+    remaining backwards. When pp does not divide the microbatches, the groups are as even
+    as can be (pp to 2pp - 1 each; one group when fewer than pp) and the warm-up counts the
+    largest group instead of pp: a short last group would deadlock. The bubble shrinks
+    about k times against 1F1B's, for k times the transfers and more warm-up memory.
+
+        rank 0: F0@0 F1@0 F0@2 F1@2 B0@2 B1@2 B0@0 B1@0    (pp 2, k 2, 2 microbatches)
+        rank 1: F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 B0@1 B1@1
+    """
+    rows = []
+    for r in range(pp):
+        forwards = _looped_forwards(pp, k, microbatches, r)
+        backwards = [
+            Action("B", i, c * pp + r) for g in _groups(pp, microbatches) for c in reversed(range(k)) for i in g
+        ]
+        warmup = min(_warmup(pp, k, microbatches, r), len(forwards))
+        row = forwards[:warmup]
+        for j, forward in enumerate(forwards[warmup:]):
+            row += [forward, backwards[j]]
+        row += backwards[len(forwards) - warmup :]
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], rank_forwards: list[list[Action]]) -> Table:
+    """Run a list scheduler on paper (F, B and W one unit each, transfers free) and return what each rank ran.
+
+    Whenever a rank is free it runs: a ready B (the oldest microbatch's, then the later
+    stage's); else the first ready forward in its `rank_forwards[r]` order, if fewer than
+    `limit[r]` of its (mb, stage) pairs are in flight (forward run, W not yet); else its
+    oldest pending W. Each step every rank runs at most one action, ready by the step before.
+    """
+    pp, num_stages = len(limit), len(stage_rank)
+    done: set[Action] = set()
+    rows: list[list[Action]] = [[] for _ in range(pp)]
+    live, pending_w = [0] * pp, [deque() for _ in range(pp)]
+    waiting_b: list[set[Action]] = [set() for _ in range(pp)]  # forward run, backward not yet
+    todo = [list(rank_forwards[r]) for r in range(pp)]
+    left = 3 * microbatches * num_stages
+    while left:
+        ran = []
+        for r in range(pp):
+            ready_b = [b for b in waiting_b[r] if needs(b, num_stages) in done]
+            forward = next((f for f in todo[r] if f.stage == 0 or needs(f, num_stages) in done), None)
+            if ready_b:
+                action = min(ready_b, key=lambda b: (b.mb, -b.stage))
+                waiting_b[r].discard(action)
+                pending_w[r].append(Action("W", action.mb, action.stage))
+            elif forward is not None and live[r] < limit[r]:
+                action = forward
+                todo[r].remove(forward)
+                waiting_b[r].add(Action("B", forward.mb, forward.stage))
+                live[r] += 1
+            elif pending_w[r]:
+                action = pending_w[r].popleft()
+                live[r] -= 1
+            else:
+                continue
+            rows[r].append(action)
+            ran.append(action)
+        if not ran:  # a bug in the limits, never a user's error: the named schedules are tested
+            raise RuntimeError(f"schedule generator stuck with {left} actions left; rows so far: {rows}")
+        done.update(ran)
+        left -= len(ran)
+    return tuple(tuple(row) for row in rows)
+
+
+def zero_bubble(pp: int, k: int, microbatches: int) -> Table:
+    """Zero bubble (ZB-H1 for k = 1; interleaved zero bubble for k >= 2, looped placement).
+
+    Every backward is split: B the input gradient, which the previous stage waits for,
+    and W the weight gradients, which nobody waits for and so fill the idle slots. Made
+    by a list scheduler on paper: a free rank runs a ready B, else its next forward in
+    1F1B / interleaved order if it holds fewer (mb, stage) pairs than that schedule's
+    warm-up + 1 (`pp - r` on rank r for k = 1), else its oldest pending W. So peak
+    activations match 1F1B's (interleaved 1F1B's for k >= 2) while the bubble shrinks.
+
+        rank 0: F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3    (pp 2, k 1, 4 microbatches)
+        rank 1: F0 B0 W0 F1 B1 W1 F2 B2 W2 F3 B3 W3
+    """
+    stage_rank = placement("zero-bubble", pp, k)
+    if k == 1:
+        limit = [pp - r for r in range(pp)]
+    else:
+        limit = [_warmup(pp, k, microbatches, r) + 1 for r in range(pp)]
+    forwards = [_looped_forwards(pp, k, microbatches, r) for r in range(pp)]
+    return _greedy(stage_rank, microbatches, limit, forwards)
+
+
+def zbv(pp: int, k: int, microbatches: int) -> Table:
+    """ZB-V: two stages per rank in a V (rank r holds stages r and 2pp - 1 - r), B/W split.
+
+    Rank 0 holds the first and the last stage, so a microbatch's forward goes down the
+    ranks and back up, and its backward the same way reversed. Made by the same list
+    scheduler as 'zero-bubble': a free rank runs a ready B, else a ready forward (the
+    later stage first, then the older microbatch) while it holds fewer than 2 pp
+    (mb, stage) pairs, else its oldest pending W. Each pair is half a 1F1B stage's
+    activations, so every rank's peak is that of 1F1B's first rank: pp microbatches'.
+
+        rank 0: F0@0 F1@0 F0@3 B0@3 F1@3 B1@3 B0@0 W0@3 B1@0 W1@3 W0@0 W1@0    (pp 2, 2 microbatches)
+        rank 1: F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 B1@2 B1@1 W0@2 W0@1 W1@2 W1@1
+    """
+    stage_rank = placement("zbv", pp, 2)
+    held = [[s for s in range(2 * pp) if stage_rank[s] == r] for r in range(pp)]
+    forwards = [
+        sorted((Action("F", i, s) for s in held[r] for i in range(microbatches)), key=lambda f: (-f.stage, f.mb))
+        for r in range(pp)
+    ]
+    return _greedy(stage_rank, microbatches, [2 * pp] * pp, forwards)
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], Table]] = {
+    "afab": afab,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zero-bubble": zero_bubble,
+    "zbv": zbv,
+}
