@@ -62,8 +62,8 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 
 def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:
-    """Every state-dict tensor the ranks of stage `pp_rank` hold, with tp rank `tp_rank`'s slice."""
-    mods = [""] if resolved.pp == 1 else list(resolved.stages[pp_rank].modules)
+    """Every state-dict tensor pipeline rank `pp_rank` holds (all its stages), with tp rank `tp_rank`'s slice."""
+    mods = [""] if resolved.pp == 1 else list(resolved.rank_modules(pp_rank))
     shards = {s.fqn: s for s in resolved.shards}
     canonical, tp = canonical_names(meta), resolved.tp
     entries = []

@@ -1,9 +1,10 @@
-"""Carving this rank's pipeline stage out of a model, in place.
+"""Carving this rank's pipeline stages out of a model, in place.
 
-HF LLaMA-family models keep their own module objects at their original paths (the
-layer list becomes a `ModuleDict` keyed by original index); other modules become an
-fx `GraphModule` over the model's own submodules. Everything this stage does not
-run is released.
+A rank holds one stage, or several with `pipeline.virtual_stages` (looped or V
+placement, from the resolved plan). HF LLaMA-family models keep their own module
+objects at their original paths (the layer list becomes a `ModuleDict` keyed by
+original index); other modules get one fx `GraphModule` per stage over the model's
+own submodules. Everything this rank's stages do not run is released.
 """
 
 from __future__ import annotations
@@ -24,23 +25,25 @@ __all__ = ["carve_stage", "carve_unused", "build_stage_module"]
 
 
 def carve_stage(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
-    """Keep only this rank's stage in `model` (in place) and wrap it in a `Stage`."""
-    bb = resolved.backbone
-    if bb is not None:
+    """Keep only this rank's stages in `model` (in place) and wrap them in a `Stage`."""
+    if resolved.backbone is not None:
         return _carve_hf(model, resolved, mesh)
-    if mesh.pp == 1:
-        return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fn=model)
+    ids = resolved.rank_stages(mesh.pp_rank)
+    if resolved.num_stages == 1:
+        return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fns={0: model})
     traced = fx_graph.trace(model, leaf_types=(ColumnParallelLinear, RowParallelLinear))
-    graph = fx_graph.stage_graph(traced, list(resolved.cut_points), mesh.pp_rank)
-    carve_unused(model, fx_graph.used_targets(graph))
-    module = build_stage_module(model, graph)
-    return Stage(model=model, module=module, resolved=resolved, mesh=mesh, forward_fn=module)
+    graphs = {s: fx_graph.stage_graph(traced, list(resolved.cut_points), s) for s in ids}
+    carve_unused(model, set().union(*(fx_graph.used_targets(g) for g in graphs.values())))
+    modules = {s: build_stage_module(model, g) for s, g in graphs.items()}
+    # One stage: its GraphModule holds exactly this rank's parameters; several: the carved model does.
+    module = modules[ids[0]] if len(ids) == 1 else model
+    return Stage(model=model, module=module, resolved=resolved, mesh=mesh, forward_fns=modules)
 
 
 def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
-    bb, s = resolved.backbone, mesh.pp_rank
-    first, last = s == 0, s == mesh.pp - 1
-    indices = list(resolved.layer_indices[s])
+    bb, ids, last_id = resolved.backbone, resolved.rank_stages(mesh.pp_rank), resolved.num_stages - 1
+    first, last = 0 in ids, last_id in ids
+    indices = sorted(i for s in ids for i in resolved.layer_indices[s])
     base = model.get_submodule(bb.base) if bb.base else model
     tied_weight = None
     if bb.head and model.lm_head.weight is base.embed_tokens.weight:
@@ -55,14 +58,17 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
             if bb.head:
                 model.lm_head = None
     tied = []
-    if tied_weight is not None and mesh.pp > 1 and (first or last):
+    if tied_weight is not None and first != last:
         # Each end holds a copy of the shared matrix: start them equal, sum their grads.
         # (A meta-device model has no values yet: whoever materialises it loads both.)
         if not tied_weight.is_meta:
             dist.broadcast(tied_weight.data, src=mesh.global_rank(0), group=mesh.tied_group)
         tied = [tied_weight]
-    forward = partial(run_backbone, model, bb, layer_indices=indices, first=first, last=last)
-    return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fn=forward, tied=tied)
+    forward_fns = {
+        s: partial(run_backbone, model, bb, layer_indices=list(resolved.layer_indices[s]), first=s == 0, last=s == last_id)
+        for s in ids
+    }
+    return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fns=forward_fns, tied=tied)
 
 
 def carve_unused(model: nn.Module, keep: set[str]) -> None:

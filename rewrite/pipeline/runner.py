@@ -1,8 +1,9 @@
 """The pipeline runner: one rank's row of a schedule table, executed.
 
-A schedule is data (`rewrite.plan.schedules`): per rank, its forwards and backwards in
-order. The runner checks the whole table on paper, then runs this rank's row: it
-receives what each action needs from the neighbouring stage, computes, sends the
+A schedule is data (`rewrite.plan.schedules`): per rank, the forwards (F), backwards
+(B) and weight-gradient passes (W) of its stages, in order. The runner checks the
+whole table on paper, then runs this rank's row: it receives what each action
+needs (from a peer rank, or from its own previous stage), computes, hands the
 result on, scales the loss, accumulates gradients and records a timeline. It knows
 nothing of LLaMA or plans.
 """
@@ -16,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from ..plan.schedules import Action, build_table, plan_table, table_problems
+from ..plan.schedules import Action, build_table, plan_table, schedule_rules, table_problems
 from . import p2p
+from .backward import Deferred, backward_input, backward_weight
+from .inbox import Inbox, messages_between
 from .inputs import check_step_inputs
 from .stage import Stage, TimelineEvent
 
@@ -43,7 +46,7 @@ def run_afab(
     """One training step, all-forward-all-backward; gradients accumulate in `.grad`.
 
     Args:
-        stage: this rank's `Stage` from `apply_plan`.
+        stage: this rank's `Stage` from `apply_plan` (one stage per rank).
         inputs: one tensor per microbatch. Pass the same list on every rank: the first
             stage feeds it to the model, later stages read only its length and shapes.
         targets: one tensor per microbatch, aligned with the model output; needed on
@@ -65,7 +68,12 @@ def run_afab(
         >>> optimizer.step(); optimizer.zero_grad()
     """
     check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None)
-    return _run(stage, build_table("afab", stage.num_stages, len(inputs)), inputs, targets, loss_fn)
+    if stage.num_stages != stage.mesh.pp:
+        raise ValueError(
+            f"run_afab runs one stage per rank, but this plan gives each rank {stage.num_stages // stage.mesh.pp} "
+            "(pipeline.virtual_stages); use rewrite.run_schedule"
+        )
+    return _run(stage, build_table("afab", stage.mesh.pp, len(inputs)), inputs, targets, loss_fn)
 
 
 def run_schedule(
@@ -76,150 +84,143 @@ def run_schedule(
 ) -> torch.Tensor:
     """One training step under the plan's `pipeline.schedule`; same arguments and result as `run_afab`.
 
-    Named schedules run any number of microbatches; a custom table runs exactly the
-    plan's `pipeline.microbatches`.
+    Named schedules run the microbatch counts their rules allow (see `rewrite show
+    PLAN --schedule`); a custom table runs exactly the plan's `pipeline.microbatches`.
 
     Example:
         >>> stage = apply_plan(model, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})
         >>> loss = run_schedule(stage, input_chunks, target_chunks)
     """
     check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None, what="run_schedule")
-    pipeline, pp, m = stage.resolved.plan.pipeline, stage.num_stages, len(inputs)
+    pipeline, pp, m = stage.resolved.plan.pipeline, stage.mesh.pp, len(inputs)
+    k = pipeline.virtual_stages
+    # The same on every rank: the microbatch count was agreed on above.
     if pipeline.schedule == "custom" and m != pipeline.microbatches:
-        # The same on every rank: the microbatch count was agreed on above.
         raise ValueError(
             f"run_schedule: the plan's custom table runs {pipeline.microbatches} microbatches, "
             f"got {m}; split the batch into {pipeline.microbatches}"
         )
-    return _run(stage, plan_table(pipeline.schedule, pipeline.table, pp, m), inputs, targets, loss_fn)
+    if pipeline.schedule != "custom" and (problems := schedule_rules(pipeline.schedule, pp, k, m)):
+        raise ValueError(f"run_schedule: {m} microbatches: " + "; ".join(problems))
+    return _run(stage, plan_table(pipeline.schedule, pipeline.table, pp, k, m), inputs, targets, loss_fn)
 
 
 def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
-    problems = table_problems(table, stage.num_stages, len(inputs))
+    problems = table_problems(table, stage.mesh.pp, len(inputs), stage.stage_rank)
     if problems:  # every rank holds the same table, so every rank refuses it alike
         raise ValueError("the schedule cannot run: " + "; ".join(problems))
-    step = _Step(stage, inputs, targets, loss_fn or causal_lm_loss, table[stage.stage_idx])
+    step = _Step(stage, table, inputs, targets, loss_fn or causal_lm_loss)
     stash = _stash_tied_grads(stage)
     for action in table[stage.stage_idx]:
-        if action.kind == "F":
-            step.forward(action.mb)
-        else:
-            step.backward(action.mb)
+        step.run(action)
     step.finish()
     _sum_tied_grads(stage, stash)
     return _broadcast_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
 
 
-class _Inbox:
-    """Receives from one neighbour, in the order this rank's row consumes them, posted one ahead.
-
-    Posting early overlaps the transfer with compute. Activations whose shape only the
-    sender knows (traced models) come after a header, itself posted early and waited on
-    only when needed; gradients take the shape of the forward output, so they are posted
-    once that forward has run.
-    """
-
-    def __init__(self, src: int | None, order: list[int], shape_of: Callable, device: torch.device, *, headers: bool):
-        self.src, self.order, self.shape_of, self.device, self.headers = src, order, shape_of, device, headers
-        self.posted: dict[int, tuple] = {}
-        self.next = 0
-        self._post(0)
-
-    def _post(self, index: int) -> None:
-        if self.src is None or index >= len(self.order) or index in self.posted:
-            return
-        known = self.shape_of(self.order[index])
-        if known is not None:
-            self.posted[index] = ("data", *p2p.recv(self.src, known[0], known[1], self.device))
-        elif self.headers:
-            self.posted[index] = ("header", *p2p.recv(self.src, p2p.HEADER_SHAPE, torch.int64, self.device))
-
-    def take(self, mb: int) -> torch.Tensor:
-        """Wait for microbatch `mb`'s tensor (the next one in row order) and post the one after."""
-        index = self.next
-        if self.order[index] != mb:
-            raise RuntimeError(f"expected microbatch {self.order[index]} next from rank {self.src}, not {mb}")
-        self._post(index)
-        kind, buffer, works = self.posted.pop(index)
-        for work in works:
-            work.wait()
-        if kind == "header":
-            shape, dtype = p2p.decode_header(buffer)
-            buffer, works = p2p.recv(self.src, shape, dtype, self.device)
-            for work in works:
-                work.wait()
-        self.next += 1
-        self._post(self.next)
-        return buffer
+_EVENT = {"F": "forward", "B": "backward", "W": "backward-weight"}
 
 
 class _Step:
-    """One step's state on this rank: stage inputs and outputs held between F and B, losses, sends."""
+    """One step's state on this rank: stage inputs and outputs held between F and B/W, losses, sends."""
 
-    def __init__(self, stage: Stage, inputs, targets, loss_fn: LossFn, row: tuple[Action, ...]):
+    def __init__(self, stage: Stage, table, inputs, targets, loss_fn: LossFn):
         self.stage, self.inputs, self.targets, self.loss_fn = stage, inputs, targets, loss_fn
         self.m, self.mesh, self.device, self.dtype = len(inputs), stage.mesh, stage.device, stage.dtype
-        self.shapes = [stage.boundary_shapes(tuple(x.shape)) for x in inputs]
-        self.held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # mb -> (stage input, output)
+        self.place, self.last = stage.stage_rank, stage.num_stages - 1
+        me = stage.stage_idx
+        self.split = {(a.mb, a.stage) for a in table[me] if a.kind == "W"}  # B is input-only, W the rest
+        self.params = [p for p in stage.parameters() if p.requires_grad]
+        self.held: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (stage input, output or loss)
+        self.deferred: dict[tuple[int, int], Deferred] = {}
+        self.local: dict[tuple, torch.Tensor] = {}  # handed between two stages of this rank
         self.losses: dict[int, torch.Tensor] = {}
         self.sends: list[tuple[list, torch.Tensor]] = []  # in-flight works, with the tensor they read
         stage.timeline = []
-        fwd = [a.mb for a in row if a.kind == "F"]
-        bwd = [a.mb for a in row if a.kind == "B"]
-        prev, nxt = self.mesh.prev_rank, self.mesh.next_rank
-        self.activations = _Inbox(prev, fwd, self._input_shape, self.device, headers=True)
-        self.gradients = _Inbox(nxt, bwd, self._output_shape, self.device, headers=False)
+        self.inboxes = {}
+        for peer in range(self.mesh.pp):
+            order = messages_between(table[peer], self.place, peer, me) if peer != me else []
+            if order:
+                src = self.mesh.global_rank(peer)
+                self.inboxes[peer] = Inbox(src, order, self._shape_of, self.device)
 
-    def _input_shape(self, mb: int):
-        shape = self.shapes[mb]["input"]
+    def _shapes(self, mb: int, s: int) -> dict:
+        return self.stage.boundary_shapes(tuple(self.inputs[mb].shape), s)
+
+    def _shape_of(self, key):
+        kind, mb, s = key
+        if kind == "F":
+            shape = self._shapes(mb, s)["input"]
+            return None if shape is None else (shape, self.dtype)
+        if (mb, s) in self.held:  # the forward ran: its output says
+            y = self.held[mb, s][1]
+            return tuple(y.shape), y.dtype
+        shape = self._shapes(mb, s)["output"]
         return None if shape is None else (shape, self.dtype)
 
-    def _output_shape(self, mb: int):
-        if mb in self.held:  # the forward ran: its output says
-            y = self.held[mb][1]
-            return tuple(y.shape), y.dtype
-        return None  # posted once the forward has run
+    def run(self, action: Action) -> None:
+        start = time.time()
+        kind, mb, s = action.kind, action.mb, action.stage
+        if kind == "F":
+            start = self.forward(mb, s)
+        elif kind == "B":
+            start = self.backward(mb, s)
+        else:
+            backward_weight(self.deferred.pop((mb, s)), self.params)
+            del self.held[mb, s]
+        name = "backward-input" if kind == "B" and (mb, s) in self.split else _EVENT[kind]
+        self.stage.timeline.append(TimelineEvent(self.mesh.rank, s, mb, name, start, time.time()))
 
-    def _record(self, mb: int, kind: str, start: float) -> None:
-        event = TimelineEvent(self.mesh.rank, self.stage.stage_idx, mb, kind, start, time.time())
-        self.stage.timeline.append(event)
+    def _take(self, kind: str, mb: int, s: int) -> torch.Tensor:
+        """The activation entering stage `s` ("F") or the gradient of its output ("B")."""
+        peer = self.place[s - 1] if kind == "F" else self.place[s + 1]
+        if peer == self.stage.stage_idx:
+            return self.local.pop((kind, mb, s))
+        return self.inboxes[peer].take((kind, mb, s))
 
-    def forward(self, mb: int) -> None:
-        if self.stage.is_first:
+    def _hand_on(self, kind: str, mb: int, s: int, tensor: torch.Tensor) -> None:
+        """Give stage `s` its input ("F") or its output's gradient ("B"), here or on its rank."""
+        peer = self.place[s]
+        if peer == self.stage.stage_idx:
+            self.local[kind, mb, s] = tensor
+            return
+        dst = self.mesh.global_rank(peer)
+        if kind == "F" and self._shapes(mb, s)["input"] is None:
+            self._send(*p2p.send_header(tensor, dst))
+        self._send(p2p.send(tensor, dst), tensor)
+
+    def forward(self, mb: int, s: int) -> float:
+        if s == 0:
             x = self.inputs[mb].to(self.device)
             if x.is_floating_point():
                 x = x.to(self.dtype)
         else:
-            x = self.activations.take(mb)
+            x = self._take("F", mb, s)
             x.requires_grad_(x.is_floating_point())
         start = time.time()
-        y = self.stage(x)
-        if self.stage.is_last:
-            self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
-            y = None
+        y = self.stage.run(s, x)
+        if s == self.last:
+            y = self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
         else:
-            out = y.detach()
-            if self.shapes[mb]["output"] is None:
-                self._send(*p2p.send_header(out, self.mesh.next_rank))
-            self._send(p2p.send(out, self.mesh.next_rank), out)
-        self.held[mb] = (x, y)
-        self._record(mb, "forward", start)
+            self._hand_on("F", mb, s + 1, y.detach())
+        self.held[mb, s] = (x, y)
+        return start
 
-    def backward(self, mb: int) -> None:
-        x, y = self.held[mb]
-        if self.stage.is_last:
-            start = time.time()
-            self.losses[mb].backward()
-            self.losses[mb] = self.losses[mb].detach()  # its graph would keep the received input alive
+    def backward(self, mb: int, s: int) -> float:
+        x, y = self.held[mb, s]
+        grad = None if s == self.last else self._take("B", mb, s)
+        start = time.time()
+        if (mb, s) in self.split:
+            dx, self.deferred[mb, s] = backward_input(y, grad, x, self.params)
         else:
-            grad = self.gradients.take(mb)
-            start = time.time()
             torch.autograd.backward(y, grad)
-        if not self.stage.is_first and x.is_floating_point():
-            grad_x = x.grad if x.grad is not None else torch.zeros_like(x)  # (mb, seq, hidden)
-            self._send(p2p.send(grad_x, self.mesh.prev_rank), grad_x)
-        del self.held[mb]  # free this microbatch's activations
-        self._record(mb, "backward", start)
+            dx = x.grad if x.is_floating_point() else None
+            del self.held[mb, s]  # free this microbatch's activations
+        if s == self.last:
+            self.losses[mb] = self.losses[mb].detach()  # its graph would keep the received input alive
+        if s > 0:
+            self._hand_on("B", mb, s - 1, dx if dx is not None else torch.zeros_like(x))
+        return start
 
     def _send(self, works: list, tensor: torch.Tensor) -> None:
         # Keep what is still in flight; let tensors whose sends completed go, so memory
@@ -252,5 +253,5 @@ def _sum_tied_grads(stage: Stage, stash: list) -> None:
 def _broadcast_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     total = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=device)
     total = total.to(device=device, dtype=torch.float32)
-    dist.broadcast(total, src=stage.mesh.global_rank(stage.num_stages - 1, 0))
+    dist.broadcast(total, src=stage.mesh.global_rank(stage.stage_rank[-1], 0))
     return total

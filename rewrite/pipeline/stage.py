@@ -1,8 +1,9 @@
 """Stage: one rank's callable piece of a rewritten model.
 
-A stage knows where it sits in the mesh, what it receives and sends per
-microbatch, which parameters it shares with another stage, and keeps the
-timeline of the last step run through it.
+A rank holds one pipeline stage, or several with `pipeline.virtual_stages` (stage
+ids are global: 0 .. pp * virtual_stages - 1). The `Stage` knows where it sits in
+the mesh, what each of its stages receives and sends per microbatch, which
+parameters it shares with another rank, and keeps the timeline of the last step.
 """
 
 from __future__ import annotations
@@ -21,30 +22,32 @@ __all__ = ["Stage", "TimelineEvent"]
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One microbatch's forward or backward on one rank (wall-clock seconds)."""
+    """One action of one microbatch on one rank (wall-clock seconds)."""
 
     rank: int
     stage_idx: int
     mb_idx: int
-    kind: str  # "forward" or "backward"
+    kind: str  # "forward", "backward" (whole), "backward-input" or "backward-weight"
     start: float
     end: float
 
 
 @dataclass
 class Stage:
-    """This rank's stage of a model rewritten by `apply_plan`.
+    """This rank's stage(s) of a model rewritten by `apply_plan`.
 
     Attributes:
         model: the user's model, rewritten in place: on this rank it holds only
-            this stage's modules, at their original paths.
-        module: what runs the stage (the model itself, or an fx GraphModule over its
-            submodules); `stage.parameters()` are this rank's trainable parameters.
+            the modules of this rank's stages, at their original paths.
+        module: holds this rank's parameters (the model itself, or an fx
+            GraphModule over its submodules); `stage.parameters()` are this rank's
+            trainable parameters.
         resolved: the plan bound to the model.
         mesh: this rank's coordinates and process groups.
-        tied: parameters this stage shares with another stage (tied embeddings),
+        forward_fns: stage id -> what runs that stage on one microbatch.
+        tied: parameters this rank shares with another rank (tied embeddings),
             whose gradients the runner sums over `mesh.tied_group`.
-        timeline: the last step's forward/backward events on this rank.
+        timeline: the last step's events on this rank.
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-pp2.yaml")
@@ -56,29 +59,53 @@ class Stage:
     module: nn.Module
     resolved: ResolvedPlan
     mesh: Mesh
-    forward_fn: Callable[[torch.Tensor], torch.Tensor]
+    forward_fns: dict[int, Callable[[torch.Tensor], torch.Tensor]]
     tied: list[nn.Parameter] = field(default_factory=list)
     timeline: list[TimelineEvent] = field(default_factory=list)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Run this stage on one microbatch: model input on the first stage, else hidden states."""
-        return self.forward_fn(x)
+        """Run this rank's stage on one microbatch: model input on the first stage, else hidden states."""
+        if len(self.forward_fns) != 1:
+            raise TypeError(
+                f"this rank holds stages {list(self.stage_ids)}: run one with stage.run(stage_id, x)"
+            )
+        return next(iter(self.forward_fns.values()))(x)
+
+    def run(self, stage_id: int, x: torch.Tensor) -> torch.Tensor:
+        """Run stage `stage_id` (one this rank holds) on one microbatch."""
+        if stage_id not in self.forward_fns:
+            raise ValueError(f"stage {stage_id} is not on this rank; it holds stages {list(self.stage_ids)}")
+        return self.forward_fns[stage_id](x)
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """The stages this rank holds, in model order (one unless pipeline.virtual_stages > 1)."""
+        return tuple(sorted(self.forward_fns))
 
     @property
     def stage_idx(self) -> int:
+        """This rank's place in the pipeline (its pp rank); its stages are `stage_ids`."""
         return self.mesh.pp_rank
 
     @property
     def num_stages(self) -> int:
-        return self.mesh.pp
+        """Stages of the whole pipeline: pp * pipeline.virtual_stages."""
+        return self.resolved.num_stages
+
+    @property
+    def stage_rank(self) -> tuple[int, ...]:
+        """The pp rank holding each stage."""
+        return self.resolved.stage_rank
 
     @property
     def is_first(self) -> bool:
-        return self.stage_idx == 0
+        """This rank runs the model's first stage (it reads the model input)."""
+        return 0 in self.forward_fns
 
     @property
     def is_last(self) -> bool:
-        return self.stage_idx == self.num_stages - 1
+        """This rank runs the model's last stage (it computes the loss)."""
+        return self.num_stages - 1 in self.forward_fns
 
     def parameters(self):
         return self.module.parameters()
@@ -115,30 +142,34 @@ class Stage:
         bb = self.resolved.backbone
         return self.model.config.vocab_size if bb is not None and bb.has_head else None
 
-    def boundary_shapes(self, input_shape: tuple[int, ...]) -> dict[str, tuple[int, ...] | None]:
-        """Shapes a microbatch has entering and leaving this stage.
+    def boundary_shapes(self, input_shape: tuple[int, ...], stage_id: int | None = None) -> dict[str, tuple[int, ...] | None]:
+        """Shapes a microbatch has entering and leaving a stage of this rank.
 
         Args:
             input_shape: the model input's shape for one microbatch, e.g. `(mb, seq)`.
+            stage_id: which stage; default this rank's only one.
 
         Returns:
             `{"input": ..., "output": ...}`; None where only running the stage tells
             (traced models: their stages announce shapes on the wire instead).
         """
+        s = self.stage_ids[0] if stage_id is None else stage_id
+        first, last = s == 0, s == self.num_stages - 1
         bb = self.resolved.backbone
         if bb is None:
-            return {"input": tuple(input_shape) if self.is_first else None, "output": None}
+            return {"input": tuple(input_shape) if first else None, "output": None}
         config = self.model.config
         hidden = (*input_shape, config.hidden_size)  # (mb, seq, hidden)
         out = (*input_shape, config.vocab_size) if bb.has_head else hidden
         return {
-            "input": tuple(input_shape) if self.is_first else hidden,
-            "output": out if self.is_last else hidden,
+            "input": tuple(input_shape) if first else hidden,
+            "output": out if last else hidden,
         }
 
     def __repr__(self) -> str:
-        spec = self.resolved.stages[self.stage_idx]
+        mods = list(self.resolved.rank_modules(self.stage_idx))
+        held = f"stages {list(self.stage_ids)}" if len(self.stage_ids) > 1 else f"{self.stage_ids[0]}"
         return (
-            f"Stage({self.stage_idx}/{self.num_stages}, tp_rank={self.mesh.tp_rank}/{self.mesh.tp}, "
-            f"rank={self.mesh.rank}, modules={list(spec.modules)})"
+            f"Stage({held}/{self.num_stages}, tp_rank={self.mesh.tp_rank}/{self.mesh.tp}, "
+            f"rank={self.mesh.rank}, modules={mods})"
         )

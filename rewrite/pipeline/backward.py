@@ -1,0 +1,54 @@
+"""A stage's backward in two halves, for zero-bubble schedules: B now, W later.
+
+B computes the gradient of the stage input only, which the previous stage is
+waiting for; W computes the parameters' gradients, which nobody waits for, so a
+schedule can put it in what would otherwise be a bubble. torch.distributed.pipelining
+already splits the autograd graph this way (it keeps the gradients at the nodes
+where the weight paths leave the input path, and W resumes from them), so this
+module only adapts its two functions to the runner and keeps the one place that
+names them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import _backward as _split
+
+__all__ = ["Deferred", "backward_input", "backward_weight"]
+
+
+@dataclass
+class Deferred:
+    """What W needs: the saved split of one microbatch's backward on one stage."""
+
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    whole: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (output, its gradient): W runs it all
+
+
+def backward_input(
+    out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params: Sequence[nn.Parameter]
+) -> tuple[torch.Tensor | None, Deferred]:
+    """Gradient of `x` (None when `x` needs none) from `out` (a loss when `grad` is None).
+
+    When `x` takes no gradient (token ids on the first stage) nothing runs now and W
+    runs the whole backward.
+    """
+    if not (x.is_floating_point() and x.requires_grad):
+        return None, Deferred(whole=(out, grad))
+    grads = None if grad is None else [grad]
+    (dx,), groups = _split.stage_backward_input([out], grads, [x], iter(params))
+    return dx, Deferred(groups=groups)
+
+
+def backward_weight(deferred: Deferred, params: Sequence[nn.Parameter]) -> None:
+    """Accumulate the parameters' gradients into `.grad`, completing `backward_input`."""
+    if deferred.whole is not None:
+        out, grad = deferred.whole
+        torch.autograd.backward(out, grad)
+    elif deferred.groups:
+        _split.stage_backward_weight(iter(params), deferred.groups)
