@@ -113,15 +113,16 @@ def weights_checksum(model: nn.Module, *, samples: int = 256) -> str:
     """A cheap fingerprint of the weights: up to `samples` evenly spaced values of each parameter.
 
     Exact bytes, so it is the same on ranks holding the same weights in the same
-    dtype. Meta tensors (no values yet) are skipped.
+    dtype. A model with tensors on the meta device (being loaded from a checkpoint:
+    each rank fills in only what it will hold) is not compared.
     """
-    h, skipped = hashlib.sha256(), 0
-    for name, param in model.named_parameters():
-        if param.is_meta:
-            skipped += 1
-            continue
+    params = list(model.named_parameters())
+    if any(param.is_meta for _, param in params):
+        return "not compared: tensors on the meta device (values come from a checkpoint)"
+    h = hashlib.sha256()
+    for name, param in params:
         flat = param.detach().reshape(-1)
         picked = flat[:: max(1, flat.numel() // samples)][:samples].contiguous()
         h.update(name.encode())
         h.update(picked.view(torch.uint8).cpu().numpy().tobytes())
-    return f"checksum {h.hexdigest()[:12]}" + (f" ({skipped} meta tensors not compared)" if skipped else "")
+    return f"checksum {h.hexdigest()[:12]}"

@@ -97,7 +97,10 @@ def _hf_stages(
     pp, cuts = _stage_count(plan), plan.pipeline.cut_points
     names = [bb.layer(i) for i in range(n)]
     if pp > n:
-        return [], [], [f"{_stages_words(plan)} but the model has {n} layers; each stage needs at least one layer"]
+        fix = "" if plan.pipeline.virtual_stages == 1 else (
+            f"; lower pipeline.virtual_stages (or mesh.pp) so that pp x virtual_stages <= {n}"
+        )
+        return [], [], [f"{_stages_words(plan)} but the model has {n} layers; each stage needs at least one layer{fix}"]
     if cuts is None:
         starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
     elif cuts == "auto":
