@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from ..plan.schedules import Action, build_table, plan_table, schedule_rules, table_problems
+from ..plan.schedules import Action, placement, plan_table, schedule_rules, table_problems
 from . import p2p
 from .backward import Deferred, backward_input, backward_weight
 from .inbox import Inbox, messages_between
@@ -73,7 +74,7 @@ def run_afab(
             f"run_afab runs one stage per rank, but this plan gives each rank {stage.num_stages // stage.mesh.pp} "
             "(pipeline.virtual_stages); use rewrite.run_schedule"
         )
-    return _run(stage, build_table("afab", stage.mesh.pp, len(inputs)), inputs, targets, loss_fn)
+    return _run(stage, _table("afab", None, stage.mesh.pp, 1, len(inputs)), inputs, targets, loss_fn)
 
 
 def run_schedule(
@@ -102,13 +103,21 @@ def run_schedule(
         )
     if pipeline.schedule != "custom" and (problems := schedule_rules(pipeline.schedule, pp, k, m)):
         raise ValueError(f"run_schedule: {m} microbatches: " + "; ".join(problems))
-    return _run(stage, plan_table(pipeline.schedule, pipeline.table, pp, k, m), inputs, targets, loss_fn)
+    rows = None if pipeline.table is None else tuple(pipeline.table)
+    return _run(stage, _table(pipeline.schedule, rows, pp, k, m), inputs, targets, loss_fn)
+
+
+@lru_cache(maxsize=64)
+def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int):
+    """The table a step runs, built and checked once per shape (a pure function of its arguments)."""
+    table = plan_table(schedule, None if rows is None else list(rows), pp, k, m)
+    problems = table_problems(table, pp, m, placement(schedule, pp, k))
+    if problems:  # every rank holds the same table, so every rank refuses it alike
+        raise ValueError("the schedule cannot run: " + "; ".join(problems))
+    return table
 
 
 def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
-    problems = table_problems(table, stage.mesh.pp, len(inputs), stage.stage_rank)
-    if problems:  # every rank holds the same table, so every rank refuses it alike
-        raise ValueError("the schedule cannot run: " + "; ".join(problems))
     step = _Step(stage, table, inputs, targets, loss_fn or causal_lm_loss)
     stash = _stash_tied_grads(stage)
     for action in table[stage.stage_idx]:

@@ -59,3 +59,13 @@ def test_wrong_process_count_says_how_many(tmp_path):
     assert run.returncode != 0
     assert "needs 4 processes, but 2 were started; run `torchrun --nproc-per-node 4" in run.stderr
     assert run.stderr.count("cannot start:") == 1  # rank 0 speaks for every rank
+
+
+def test_train_under_a_zero_bubble_v_plan(tmp_path):
+    run = torchrun(2, "train", "plans/llama-pp2-zbv.yaml", "--steps", "2", "--no-progress", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    match = PARITY.search(run.stdout + run.stderr)
+    assert match and float(match["dloss"]) <= 1e-5 and float(match["dgrad"]) <= 1e-5, run.stdout[-2000:]
+    events = json.loads((tmp_path / "metrics.json").read_text())["timeline"]
+    assert {e["kind"] for e in events} == {"forward", "backward-input", "backward-weight"}
+    assert {e["stage_idx"] for e in events if e["rank"] == 0} == {0, 3}  # the V: first and last stage on rank 0

@@ -125,11 +125,11 @@ def test_bad_files(tmp_path):
     assert "is not a module-path pattern" in problems_of({"tensor_parallel": {"model..x": "row"}})
 
 
-@pytest.mark.parametrize("name", ["llama-tp2", "llama-tp4", "llama-pp2", "llama-tp2-pp2"])
+@pytest.mark.parametrize("name", ["llama-tp2", "llama-tp4", "llama-pp2", "llama-tp2-pp2", "llama-pp2-zbv"])
 def test_shipped_plans_load(name):
     plan = load_plan(PLANS / f"{name}.yaml")
     assert plan.description
-    assert plan.mesh.world_size == {"llama-tp2": 2, "llama-tp4": 4, "llama-pp2": 2, "llama-tp2-pp2": 4}[name]
+    assert plan.mesh.world_size == {"llama-tp2": 2, "llama-tp4": 4, "llama-pp2": 2, "llama-tp2-pp2": 4, "llama-pp2-zbv": 2}[name]
 
 
 def test_schema_file_in_sync():
