@@ -8,7 +8,7 @@ import pytest
 from torch.nn import functional as F
 
 import rewrite
-from rewrite.plan.schedules import build_table, peak_in_flight, placement
+from rewrite.plan.schedules import peak_in_flight, placement, plan_table
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
@@ -16,6 +16,9 @@ from tests.distributed.pipeline.test_pipeline import _batch
 from tests.models import toy_step_setup
 from tests.multiproc import run
 from tests.reference import assert_grads_match
+
+# A hand-written table with two stages per rank: rank 0 splits its backwards (B, then W), rank 1 does not.
+CUSTOM_K2 = ["F0@0 F1@0 F0@2 F1@2 B0@2 W0@2 B1@2 W1@2 B0@0 B1@0 W0@0 W1@0", "F0@1 F1@1 F0@3 F1@3 B0@3 B1@3 B0@1 B1@1"]
 
 _KIND = {"forward": "F", "backward": "B", "backward-input": "B", "backward-weight": "W"}
 
@@ -57,8 +60,10 @@ def _schedules(rank: int, ws: int, mesh: dict, overrides: dict, schedules: list,
     tp_rules = rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel if mesh.get("tp", 1) > 1 else {}
     results = []
     for schedule, k in schedules:
-        for m in counts:
+        for m in counts if schedule != "custom" else [2]:
             pipeline = {"schedule": schedule, "virtual_stages": k, "microbatches": m}
+            if schedule == "custom":
+                pipeline["table"] = CUSTOM_K2
             plan = {"mesh": mesh, "tensor_parallel": tp_rules, "pipeline": pipeline}
             results.append((schedule, k, m, _step(rank, config, plan, m)))
     return results
@@ -67,7 +72,7 @@ def _schedules(rank: int, ws: int, mesh: dict, overrides: dict, schedules: list,
 VIRTUAL = [("interleaved-1f1b", 2), ("zero-bubble", 1), ("zero-bubble", 2), ("zbv", 2)]
 CASES = {
     # name: (world, mesh, config overrides, (schedule, virtual stages) pairs, microbatch counts)
-    "pp2": (2, {"pp": 2}, {}, VIRTUAL, [2, 4, 3]),
+    "pp2": (2, {"pp": 2}, {}, [*VIRTUAL, ("custom", 2)], [2, 4, 3]),
     "pp4": (4, {"pp": 4}, {"num_hidden_layers": 8}, VIRTUAL, [4, 8, 5]),
     "tp2xpp2-tied": (4, {"pp": 2, "tp": 2}, {"tie_word_embeddings": True},
                      [("1f1b", 1), ("zbv", 2), ("interleaved-1f1b", 2)], [2, 3]),
@@ -84,7 +89,7 @@ def test_virtual_stage_schedules_match_reference(case):
             r = got["pp_rank"]
             # The rank holds the stages its placement gives it, and ran its row of the table.
             assert got["stages"] == [s for s, p in enumerate(placement(schedule, pp, k)) if p == r]
-            row = build_table(schedule, pp, m, k)[r]
+            row = plan_table(schedule, CUSTOM_K2 if schedule == "custom" else None, pp, k, m)[r]
             assert got["order"] == [(a.kind, a.mb, a.stage) for a in row], (schedule, k, m, r)
             assert got["peak"] == peak_in_flight(row)
             if schedule == "zero-bubble" and k == 1:
@@ -110,3 +115,26 @@ def _fx(rank: int, ws: int) -> list[float]:
 def test_traced_module_under_virtual_stages():
     first, second = run(_fx, 2, timeout_s=180)
     assert first == second
+
+
+def _misuse(rank: int, ws: int) -> list[str]:
+    config = build_config("tiny-llama")
+    stage = rewrite.apply_plan(build_model(config, seed=3), "plans/llama-pp2-zbv.yaml")
+    ids, targets = _batch(config, 2)
+    messages = []
+    for call in (lambda: rewrite.run_afab(stage, ids, targets), lambda: stage(ids[0]), lambda: stage.run(5, ids[0])):
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            messages.append(str(exc))
+    # After refusing, the stage still trains.
+    assert_close("loss after the refusals", rewrite.run_schedule(stage, ids, targets),
+                 reference_step(build_model(config, seed=3), ids, targets))
+    return messages
+
+
+def test_several_stages_per_rank_refuse_one_stage_calls():
+    first, second = run(_misuse, 2, timeout_s=120)
+    assert "run_afab runs one stage per rank, but this plan gives each rank 2" in first[0] and first[0] == second[0]
+    assert "this rank holds stages [0, 3]: run one with stage.run(stage_id, x)" in first[1]
+    assert "stage 5 is not on this rank; it holds stages [1, 2]" in second[2]
