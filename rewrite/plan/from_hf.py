@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .schema import STYLE_ALIASES, STYLES, Mesh, ParallelPlan, Pipeline
+from .schema import STYLE_ALIASES, STYLES, ParallelPlan, load_plan
 
 __all__ = ["plan_from_hf"]
 
@@ -25,14 +25,17 @@ def plan_from_hf(
     tp: int = 1,
     pp: int = 1,
     microbatches: int = 1,
-    cut_points: list[str] | None = None,
+    cut_points: list[str] | str | None = None,
+    schedule: str = "afab",
+    virtual_stages: int = 1,
 ) -> ParallelPlan:
     """A plan from the model's `base_model_tp_plan` (and its `lm_head` rule when untied).
 
     Args:
         model_or_config: a transformers model (a causal LM or its base model) or config.
         tp, pp: the mesh.
-        microbatches, cut_points: the pipeline (cut_points None: balanced).
+        microbatches, cut_points, schedule, virtual_stages: the pipeline
+            (cut_points None: balanced; "auto": by estimated compute).
 
     Returns:
         A `ParallelPlan` whose module paths are relative to the model, e.g.
@@ -71,8 +74,8 @@ def plan_from_hf(
             f"{type(config).__name__}'s tensor-parallel plan uses styles this toolkit does not implement ({listed}); "
             f"supported: {', '.join(sorted(known))}"
         )
-    return ParallelPlan(
-        mesh=Mesh(pp=pp, tp=tp),
-        tensor_parallel=rules,
-        pipeline=Pipeline(microbatches=microbatches, cut_points=cut_points),
-    )
+    pipeline = {"microbatches": microbatches, "schedule": schedule, "virtual_stages": virtual_stages}
+    if cut_points is not None:
+        pipeline["cut_points"] = cut_points
+    # Through load_plan, so a bad argument reads like a bad plan file: each problem with its fix.
+    return load_plan({"mesh": {"pp": pp, "tp": tp}, "tensor_parallel": rules, "pipeline": pipeline})

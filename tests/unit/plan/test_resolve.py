@@ -165,6 +165,10 @@ def test_plan_from_hf():
     tied = build_config("tiny-llama", tie_word_embeddings=True)
     assert "lm_head" not in rewrite.plan_from_hf(tied, tp=2).tensor_parallel
     assert "layers.*.mlp.up_proj" in rewrite.plan_from_hf(model.model, tp=2).tensor_parallel
+    zbv = rewrite.plan_from_hf(model, pp=2, schedule="zbv", virtual_stages=2, cut_points="auto")
+    assert len(resolve(zbv, model).stages) == 4 and zbv.pipeline.cut_points == "auto"
+    with pytest.raises(rewrite.PlanError, match="'zbv' needs virtual_stages: 2, exactly"):
+        rewrite.plan_from_hf(model, pp=2, schedule="zbv")
 
 
 def test_already_rewritten_model_is_refused():
