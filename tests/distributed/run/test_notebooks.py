@@ -34,7 +34,7 @@ def pngs(nb) -> list[str]:
     return [o["data"]["image/png"] for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
 
 
-@pytest.mark.parametrize("name", ["01-write-a-plan.ipynb", "02-run-parallel.ipynb"])
+@pytest.mark.parametrize("name", ["01-write-a-plan.ipynb", "02-run-parallel.ipynb", "03-schedules.ipynb"])
 def test_notebooks_are_committed_without_outputs(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -70,6 +70,34 @@ def test_run_parallel_notebook():
         assert f"[rank {rank}] rank {rank}: Stage(" in text  # worker output streamed into the cell
     assert len(pngs(nb)) == 2  # the timeline and the loss curve, inline
     assert "LaunchError from rank 1: ValueError: rank 1 could not read its shard" in text
+
+
+SCHEDULE_LABELS = ["afab", "1f1b", "interleaved-1f1b", "zero-bubble (k 1)", "zero-bubble (k 2)", "zbv"]
+
+
+def test_schedules_notebook():
+    nb = execute("03-schedules.ipynb")
+    text = texts(nb)
+    # The six tables on paper, each with its predicted bubble.
+    assert text.count("predicted bubble: ") == 6, text[:4000]
+    zbv = text[text.index("== zbv") :]
+    assert "Schedule zbv: 4 microbatches on 4 stages, 2 on each of 2 ranks" in zbv
+    rank0 = re.search(r"^\s+0\s+(F0@0 .*)$", zbv, re.M)[1].split()
+    assert "F0@3" in rank0 and "W0@3" in rank0, rank0  # the V: rank 0 holds the first and the last stage
+    # The side-by-side table: schedule, step ms, x afab, saved KiB on ranks 0 and 1, loss, grad norm.
+    rows, numbers = {}, r"\s+([\d.]+)\s+([\d.]+)\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)$"
+    for label in SCHEDULE_LABELS:
+        row = re.search(rf"^\s+{re.escape(label)}{numbers}", text, re.M)
+        assert row, f"{label} missing from the side-by-side table:\n{text[-1500:]}"
+        rows[label] = [float(x.replace(",", "")) for x in row.groups()]
+    assert rows["afab"][1] == 1.0
+    assert "all schedules give the same loss: True" in text
+    assert "all schedules give the same gradient norm: True" in text
+    # Saved activations do not depend on the machine: afab holds the most, ZB-H1 holds 1F1B's.
+    for rank in (2, 3):
+        assert rows["afab"][rank] > rows["1f1b"][rank] > 0
+        assert rows["zero-bubble (k 1)"][rank] == rows["1f1b"][rank]
+    assert len(pngs(nb)) == 1  # the six timelines, one figure
 
 
 # The launcher itself, on 2 ranks.
