@@ -1,29 +1,36 @@
-"""The pp x tp process mesh: this rank's coordinates and its process groups.
+"""The dp x pp x tp process mesh: this rank's coordinates and its process groups.
 
-Global rank = pp_rank * tp + tp_rank: a stage's tensor-parallel ranks are
-contiguous (on one machine under torchrun), and pipeline neighbours share a tp_rank.
-This module is the only caller of `torch.distributed.new_group`.
+Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: a stage's tensor-parallel
+ranks are contiguous (on one machine under torchrun), pipeline neighbours share a
+tp_rank, and data-parallel replicas are the outermost dimension (across machines).
+The groups come from a torch `DeviceMesh` with dimensions ("dp", "pp", "tp"); this
+module is the only one that creates groups.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["Mesh", "build_mesh", "check_world"]
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in a pp x tp mesh, with the groups it communicates in."""
+    """This rank's place in a dp x pp x tp mesh, with the groups it communicates in."""
 
     pp: int
     tp: int
     rank: int  # global rank
     tp_group: ProcessGroup  # this stage's tensor-parallel ranks
-    tied_group: ProcessGroup | None  # first and last stage at this tp_rank (pp > 1)
+    tied_group: ProcessGroup | None  # first and last pipeline rank of this replica at this tp_rank (pp > 1)
+    dp: int = 1
+    dp_group: ProcessGroup | None = None  # the ranks holding the same part in every replica
+    device_mesh: DeviceMesh | None = None  # dims ("dp", "pp", "tp")
 
     @property
     def tp_rank(self) -> int:
@@ -31,50 +38,75 @@ class Mesh:
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // self.tp
+        return (self.rank // self.tp) % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp * self.pp)
 
     def global_rank(self, pp_rank: int, tp_rank: int | None = None) -> int:
-        """Global rank of stage `pp_rank` at `tp_rank` (default: this rank's tp_rank)."""
-        return pp_rank * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
+        """Global rank of pipeline rank `pp_rank` at `tp_rank` (default: this rank's), in this replica."""
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        return (self.dp_rank * self.pp + pp_rank) * self.tp + tp_rank
 
     @property
     def prev_rank(self) -> int | None:
-        """Same tp_rank, previous stage; None on the first stage."""
+        """Same tp_rank, previous pipeline rank; None on the first."""
         return self.global_rank(self.pp_rank - 1) if self.pp_rank > 0 else None
 
     @property
     def next_rank(self) -> int | None:
-        """Same tp_rank, next stage; None on the last stage."""
+        """Same tp_rank, next pipeline rank; None on the last."""
         return self.global_rank(self.pp_rank + 1) if self.pp_rank < self.pp - 1 else None
 
 
-def check_world(pp: int, tp: int) -> None:
-    """Raise ValueError unless the default group exists and has pp * tp ranks."""
+def _shape(dp: int, pp: int, tp: int) -> str:
+    return (f"dp={dp} x " if dp > 1 else "") + f"pp={pp} x tp={tp}"
+
+
+def check_world(pp: int, tp: int, dp: int = 1) -> None:
+    """Raise ValueError unless the default group exists and has dp * pp * tp ranks."""
+    n = dp * pp * tp
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             f"torch.distributed is not initialised: call torch.distributed.init_process_group() "
-            f"on each of the {pp * tp} ranks (pp={pp} x tp={tp}) first, e.g. under torchrun"
+            f"on each of the {n} ranks ({_shape(dp, pp, tp)}) first, e.g. under torchrun"
         )
     world = dist.get_world_size()
-    if world != pp * tp:
+    if world != n:
         raise ValueError(
-            f"the plan's mesh needs pp={pp} x tp={tp} = {pp * tp} ranks, but the world size is {world}; "
-            f"launch {pp * tp} processes (torchrun --nproc-per-node {pp * tp}) or change the mesh"
+            f"the plan's mesh needs {_shape(dp, pp, tp)} = {n} ranks, but the world size is {world}; "
+            f"launch {n} processes (torchrun --nproc-per-node {n}, or --nnodes N with {n} in all) or change the mesh"
         )
 
 
-def build_mesh(pp: int, tp: int) -> Mesh:
+def _device_type() -> str:
+    backend = str(dist.get_backend()).lower()
+    return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+
+
+def build_mesh(pp: int, tp: int, dp: int = 1) -> Mesh:
     """Create the mesh's groups. Collective: every rank must call it, with the same sizes."""
-    check_world(pp, tp)
-    rank, tp_group, tied_group = dist.get_rank(), None, None
-    # new_group is collective over the whole world: every rank creates every group.
-    for p in range(pp):
-        group = dist.new_group([p * tp + t for t in range(tp)])
-        if rank // tp == p:
-            tp_group = group
-    if pp > 1:
-        for t in range(tp):
-            group = dist.new_group([t, (pp - 1) * tp + t])
-            if rank % tp == t and rank // tp in (0, pp - 1):
-                tied_group = group
-    return Mesh(pp=pp, tp=tp, rank=rank, tp_group=tp_group, tied_group=tied_group)
+    check_world(pp, tp, dp)
+    rank = dist.get_rank()
+    device_mesh = init_device_mesh(_device_type(), (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    tied_group = None
+    if pp == 2:
+        tied_group = device_mesh.get_group("pp")  # the first and last pipeline rank are all of it
+    elif pp > 2:
+        # new_group is collective over the whole world: every rank creates every group, in order.
+        for d in range(dp):
+            for t in range(tp):
+                group = dist.new_group([(d * pp) * tp + t, (d * pp + pp - 1) * tp + t])
+                if rank % tp == t and rank // (tp * pp) == d and (rank // tp) % pp in (0, pp - 1):
+                    tied_group = group
+    return Mesh(
+        pp=pp,
+        tp=tp,
+        rank=rank,
+        tp_group=device_mesh.get_group("tp"),
+        tied_group=tied_group,
+        dp=dp,
+        dp_group=device_mesh.get_group("dp"),
+        device_mesh=device_mesh,
+    )

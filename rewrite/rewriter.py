@@ -16,10 +16,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .agreement import describe_ranks, raise_problems, ranks_by_value, share
+from .data_parallel import apply_data_parallel
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.stage import Stage
 from .plan.resolve import APPLIED, ResolvedPlan, resolve
+from .plan.schedules import splits_backward
 from .plan.schema import ParallelPlan, load_plan
 from .tensor_parallel.apply import apply_tensor_parallel
 
@@ -30,7 +32,9 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
     """Rewrite `model` in place for this rank and return its `Stage`.
 
     Collective: every rank of the default process group calls it with the same
-    model (same weights) and plan. Global rank = pp_rank * tp + tp_rank.
+    model (same weights) and plan. Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
+    With mesh.dp > 1 each replica's modules are then sharded (or replicated) over dp
+    with torch FSDP2 (`data_parallel.sharding`); with dp = 1 nothing is installed.
 
     Args:
         model: a Hugging Face LLaMA-family model, or any module torch.fx can trace
@@ -42,7 +46,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
         (`model(input_ids=...)`, `model.generate(...)` work on every rank).
 
     Raises:
-        ValueError: no process group, a world size other than pp * tp, any problem
+        ValueError: no process group, a world size other than dp * pp * tp, any problem
             `resolve` finds, a model already rewritten, or ranks that were given
             different plans, models or weights. Raised on every rank alike, after one
             collective on the default group and before any other; the model is left
@@ -56,17 +60,18 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
     resolved, error = None, None
     try:
         plan = load_plan(plan)
-        check_world(plan.mesh.pp, plan.mesh.tp)
+        check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
         resolved = resolve(plan, model, world_size=dist.get_world_size())
     except (ValueError, TypeError) as exc:
         if not (dist.is_available() and dist.is_initialized()):
             raise  # no group: no peer is waiting
         error = exc
     _agree_on_binding(model, resolved, error)  # the first collective
-    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp)
+    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
     if mesh.tp > 1:
         apply_tensor_parallel(model, resolved, mesh.tp_group)
     stage = carve_stage(model, resolved, mesh)
+    stage.grad_sync = apply_data_parallel(stage, split_backward=splits_backward(plan.pipeline))
     setattr(model, APPLIED, f"a stage of {plan.source}")
     return stage
 
@@ -102,7 +107,7 @@ def _binding_view(resolved: ResolvedPlan, model: nn.Module) -> dict[str, str]:
     plan = resolved.plan
     digest = hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:12]
     return {
-        "plan": f"{plan.source} (pp={plan.mesh.pp} x tp={plan.mesh.tp}, digest {digest})",
+        "plan": f"{plan.source} ({plan.mesh.shape_text()}, digest {digest})",
         "world": f"{dist.get_world_size()} ranks, {dist.get_backend()} backend",
         "model": f"{resolved.model_name}, {resolved.total_params:,} parameters",
         "weights": weights_checksum(model),

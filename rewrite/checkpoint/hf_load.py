@@ -76,7 +76,12 @@ def from_pretrained(
         >>> loss = rewrite.run_afab(stage, ids, targets)
     """
     plan = load_plan(plan)
-    check_world(plan.mesh.pp, plan.mesh.tp)
+    check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
+    if plan.mesh.dp > 1:  # the same on every rank: all hold the same plan
+        raise ValueError(
+            f"from_pretrained under data parallelism (mesh.dp = {plan.mesh.dp}) is not supported yet: the FSDP2 "
+            "shards are not gathered or filled in; save or load under a plan with dp = 1"
+        )
     directory = Path(directory)
     pp_rank, tp_rank = divmod(dist.get_rank(), plan.mesh.tp)
     what = f"from_pretrained({str(directory)!r}, {plan.source})"

@@ -127,7 +127,12 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         >>> rewrite.save_pretrained(stage, "plans/llama-tp2-pp2.yaml", "ckpt/")
     """
     plan = load_plan(plan)
-    check_world(plan.mesh.pp, plan.mesh.tp)
+    check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
+    if plan.mesh.dp > 1:  # the same on every rank: all hold the same plan
+        raise ValueError(
+            f"save_pretrained under data parallelism (mesh.dp = {plan.mesh.dp}) is not supported yet: the FSDP2 "
+            "shards are not gathered or filled in; save or load under a plan with dp = 1"
+        )
     stage = model if isinstance(model, Stage) else None
     model = stage.model if stage is not None else model
     directory, rank, tp, pp = Path(directory), dist.get_rank(), plan.mesh.tp, plan.mesh.pp

@@ -41,6 +41,8 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what
         raise ValueError(
             f"{what}: ranks were given different microbatches ({seen}); pass the same microbatches "
             "(count, shapes, dtypes) on every rank: later stages size their transfers from them"
+            + ("; data-parallel replicas pass their own microbatches, all of the same count, shapes and dtypes"
+               if stage.mesh.dp > 1 else "")
         )
 
 

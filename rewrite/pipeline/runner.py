@@ -120,11 +120,15 @@ def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int)
 def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
     step = _Step(stage, table, inputs, targets, loss_fn or causal_lm_loss)
     stash = _stash_tied_grads(stage)
+    if stage.grad_sync is not None:
+        stage.grad_sync.begin()  # backwards only accumulate until the step's end
     for action in table[stage.stage_idx]:
         step.run(action)
     step.finish()
+    if stage.grad_sync is not None:
+        stage.grad_sync.finish()  # once per step: gradients averaged over the replicas
     _sum_tied_grads(stage, stash)
-    return _broadcast_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
+    return _step_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
 
 
 _EVENT = {"F": "forward", "B": "backward", "W": "backward-weight"}
@@ -139,7 +143,6 @@ class _Step:
         self.place, self.last = stage.stage_rank, stage.num_stages - 1
         me = stage.stage_idx
         self.split = {(a.mb, a.stage) for a in table[me] if a.kind == "W"}  # B is input-only, W the rest
-        self.params = [p for p in stage.parameters() if p.requires_grad]
         self.held: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (stage input, output or loss)
         self.deferred: dict[tuple[int, int], Deferred] = {}
         self.local: dict[tuple, torch.Tensor] = {}  # handed between two stages of this rank
@@ -152,6 +155,11 @@ class _Step:
             if order:
                 src = self.mesh.global_rank(peer)
                 self.inboxes[peer] = Inbox(src, order, self._shape_of, self.device)
+
+    def _params(self) -> list:
+        # Asked at each B and W: a data-parallel unit swaps in its gathered parameters, the
+        # ones the autograd graph holds, while it is gathered.
+        return [p for p in self.stage.parameters() if p.requires_grad]
 
     def _shapes(self, mb: int, s: int) -> dict:
         return self.stage.boundary_shapes(tuple(self.inputs[mb].shape), s)
@@ -175,7 +183,7 @@ class _Step:
         elif kind == "B":
             start = self.backward(mb, s)
         else:
-            backward_weight(self.deferred.pop((mb, s)), self.params)
+            backward_weight(self.deferred.pop((mb, s)), self._params())
             del self.held[mb, s]
         name = "backward-input" if kind == "B" and (mb, s) in self.split else _EVENT[kind]
         self.stage.timeline.append(TimelineEvent(self.mesh.rank, s, mb, name, start, time.time()))
@@ -220,7 +228,7 @@ class _Step:
         grad = None if s == self.last else self._take("B", mb, s)
         start = time.time()
         if (mb, s) in self.split:
-            dx, self.deferred[mb, s] = backward_input(y, grad, x, self.params)
+            dx, self.deferred[mb, s] = backward_input(y, grad, x, self._params())
         else:
             torch.autograd.backward(y, grad)
             dx = x.grad if x.is_floating_point() else None
@@ -255,12 +263,16 @@ def _stash_tied_grads(stage: Stage) -> list:
 def _sum_tied_grads(stage: Stage, stash: list) -> None:
     for param, before in zip(stage.tied, stash):
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        dist.all_reduce(grad, group=stage.mesh.tied_group)
+        # Under data parallelism both ends hold the same shard of the matrix: sum the shards.
+        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=stage.mesh.tied_group)
         param.grad = grad if before is None else before.add_(grad)
 
 
-def _broadcast_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    total = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=device)
-    total = total.to(device=device, dtype=torch.float32)
-    dist.broadcast(total, src=stage.mesh.global_rank(stage.stage_rank[-1], 0))
-    return total
+def _step_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The step's loss on every rank: from the last stage of its replica, averaged over the replicas."""
+    mesh = stage.mesh
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    if mesh.rank == mesh.global_rank(stage.stage_rank[-1], 0) and losses:  # one contribution per replica
+        total += torch.stack([l.detach() for l in losses]).sum().to(device=device, dtype=torch.float32)
+    dist.all_reduce(total)  # one collective on the whole world, every replica at once
+    return total / mesh.dp if mesh.dp > 1 else total

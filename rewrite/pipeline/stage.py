@@ -9,7 +9,7 @@ parameters it shares with another rank, and keeps the timeline of the last step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ class Stage:
         tied: parameters this rank shares with another rank (tied embeddings),
             whose gradients the runner sums over `mesh.tied_group`.
         timeline: the last step's events on this rank.
+        grad_sync: with data parallelism (mesh.dp > 1), what the runner calls before a
+            step (`begin`: backwards only accumulate) and after it (`finish`: gradients
+            averaged over the replicas once); None otherwise.
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-pp2.yaml")
@@ -62,6 +65,7 @@ class Stage:
     forward_fns: dict[int, Callable[[torch.Tensor], torch.Tensor]]
     tied: list[nn.Parameter] = field(default_factory=list)
     timeline: list[TimelineEvent] = field(default_factory=list)
+    grad_sync: Any = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Run this rank's stage on one microbatch: model input on the first stage, else hidden states."""
@@ -86,6 +90,16 @@ class Stage:
     def stage_idx(self) -> int:
         """This rank's place in the pipeline (its pp rank); its stages are `stage_ids`."""
         return self.mesh.pp_rank
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas (mesh.dp)."""
+        return self.mesh.dp
+
+    @property
+    def dp_rank(self) -> int:
+        """Which replica this rank belongs to: it passes that replica's microbatches."""
+        return self.mesh.dp_rank
 
     @property
     def num_stages(self) -> int:

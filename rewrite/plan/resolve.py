@@ -212,7 +212,7 @@ def resolve(
     Args:
         plan: a `ParallelPlan`, or anything `load_plan` takes.
         model: the model to bind to (it is not changed; a meta-device model works).
-        world_size: when given, must equal `mesh.pp * mesh.tp`.
+        world_size: when given, must equal `mesh.dp * mesh.pp * mesh.tp`.
 
     Returns:
         A `ResolvedPlan`: per module its style and per-rank shapes, per stage its modules.
@@ -231,7 +231,7 @@ def resolve(
     tp, pp, problems = plan.mesh.tp, _stage_count(plan), []
     if world_size is not None and world_size != plan.mesh.world_size:
         problems.append(
-            f"mesh: pp={plan.mesh.pp} x tp={tp} = {plan.mesh.world_size} ranks, but the world size is {world_size}; "
+            f"mesh: {plan.mesh.shape_text()} = {plan.mesh.world_size} ranks, but the world size is {world_size}; "
             f"launch {plan.mesh.world_size} processes or change the mesh"
         )
     applied = getattr(model, APPLIED, None)

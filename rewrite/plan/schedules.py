@@ -32,6 +32,7 @@ from .named_schedules import SCHEDULES, Action, Table, needs, placement
 __all__ = [
     "Action", "Table", "SCHEDULES", "build_table", "parse_row", "format_table", "table_problems", "simulate",
     "peak_in_flight", "plan_table", "placement", "schedule_rules", "schedule_problems", "read_table_file",
+    "splits_backward",
 ]
 
 _NAMES = (*SCHEDULES, "custom")
@@ -274,6 +275,13 @@ def plan_table(schedule: str, table: list[str] | None, pp: int, k: int, microbat
     if schedule == "custom":
         return _custom_table(table or [], placement("custom", pp, k))[0]
     return build_table(schedule, pp, microbatches, k)
+
+
+def splits_backward(pipeline) -> bool:
+    """Whether the plan's schedule splits backwards into B and W (zero-bubble, zbv, a custom table with W)."""
+    if pipeline.schedule in ("zero-bubble", "zbv"):
+        return True
+    return pipeline.schedule == "custom" and any("W" in row for row in pipeline.table or [])
 
 
 def read_table_file(data: dict, base: Path, source: str) -> dict:

@@ -17,7 +17,7 @@ from .files import PlanError, dotted, line_of, read_plan_file, short
 from .pipeline_schema import CUT_POINT_KINDS, Pattern, Pipeline, StrictModel, cut_point_problems
 from .schedules import SCHEDULES, read_table_file, schedule_problems, schedule_rules
 
-__all__ = ["ParallelPlan", "Mesh", "Pipeline", "PlanError", "load_plan", "STYLES", "STYLE_ALIASES"]
+__all__ = ["ParallelPlan", "Mesh", "DataParallel", "Pipeline", "PlanError", "load_plan", "STYLES", "STYLE_ALIASES"]
 
 STYLES: dict[str, str] = {
     "column": "output features split; output stays sharded, to feed a `row` layer",
@@ -65,8 +65,23 @@ Style = Annotated[
 
 
 class Mesh(StrictModel):
-    """How the ranks are arranged: world size = pp * tp."""
+    """How the ranks are arranged: world size = dp * pp * tp.
 
+    Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: tensor-parallel ranks are
+    neighbours (one machine), data-parallel replicas the outermost (across machines).
+    """
+
+    dp: Annotated[
+        int,
+        Field(
+            ge=1,
+            strict=True,
+            description=(
+                "Data-parallel replicas (>= 1): each runs the whole pipeline on its own slice of the "
+                "global batch; see data_parallel for how parameters are shared out."
+            ),
+        ),
+    ] = 1
     pp: Annotated[
         int, Field(ge=1, strict=True, description="Pipeline ranks (>= 1), each holding pipeline.virtual_stages stages.")
     ] = 1
@@ -76,7 +91,27 @@ class Mesh(StrictModel):
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.tp
+        return self.dp * self.pp * self.tp
+
+    def shape_text(self) -> str:
+        """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas."""
+        return (f"dp={self.dp} x " if self.dp > 1 else "") + f"pp={self.pp} x tp={self.tp}"
+
+
+class DataParallel(StrictModel):
+    """How data-parallel replicas hold parameters, gradients and optimizer state (mesh.dp > 1)."""
+
+    sharding: Annotated[
+        Literal["full", "grad_op", "replicate"],
+        Field(
+            description=(
+                "'full' (default): torch FSDP2 `fully_shard` per decoder layer: parameters, gradients and "
+                "optimizer state divided by dp, parameters gathered for each use (ZeRO-3); 'grad_op': the "
+                "same, parameters kept gathered from forward to backward (ZeRO-2-like); 'replicate': whole "
+                "parameters on every replica, gradients averaged once per step. Ignored when mesh.dp = 1."
+            )
+        ),
+    ] = "full"
 
 
 class ParallelPlan(StrictModel):
@@ -92,7 +127,7 @@ class ParallelPlan(StrictModel):
     model_config = ConfigDict(extra="forbid", frozen=True, title="rewrite parallel plan")
 
     description: Annotated[str | None, Field(description="Free text: what the plan is for.")] = None
-    mesh: Annotated[Mesh, Field(description="World size = pp * tp.")] = Mesh()
+    mesh: Annotated[Mesh, Field(description="World size = dp * pp * tp.")] = Mesh()
     tensor_parallel: Annotated[
         dict[Pattern, Style],
         Field(
@@ -103,6 +138,9 @@ class ParallelPlan(StrictModel):
         ),
     ] = {}
     pipeline: Annotated[Pipeline, Field(description="Microbatches, schedule, virtual stages and stage cut points.")] = Pipeline()
+    data_parallel: Annotated[
+        DataParallel, Field(description="How the mesh.dp replicas share parameters (torch DDP-style or FSDP2).")
+    ] = DataParallel()
     _source: str = PrivateAttr(default="plan")  # file the plan was read from, for messages
 
     @property
@@ -157,6 +195,7 @@ def _suggest_key(exc: ValidationError, loc: tuple) -> str:
         (): ParallelPlan.model_fields,
         ("mesh",): Mesh.model_fields,
         ("pipeline",): Pipeline.model_fields,
+        ("data_parallel",): DataParallel.model_fields,
     }.get(tuple(loc[:-1]), {})
     close = difflib.get_close_matches(str(loc[-1]), list(fields), n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; allowed here: {', '.join(fields)}"

@@ -24,6 +24,7 @@ LEVELS = {
     "agreement": 1,  # ranks share what they found before they talk
     "tensor_parallel": 2,
     "pipeline": 3,
+    "data_parallel": 3.5,  # FSDP2 / replicate units and the once-per-step gradient sync
     "rewriter": 4,  # apply_plan: bind, then tp, then stages
     "checkpoint": 5,
     "train_step": 5,

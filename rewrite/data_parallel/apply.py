@@ -1,0 +1,116 @@
+"""Data parallelism: this rank's stages sharded or replicated over the dp dimension.
+
+Each decoder layer (each module of a traced model's layer sequence) becomes one torch
+FSDP2 unit, and the model itself the root unit holding the rest (embeddings, final
+norm, LM head): `fully_shard` for `full` and `grad_op`, torch's FSDP-based composable
+`replicate` for `replicate`. The pipeline runs a stage through a method of the model
+registered with FSDP (`register_fsdp_forward_method`), so the root gathers its
+parameters as `model(...)` would, and each layer's own hooks gather the layer's.
+
+Gradients are synchronised once per step, whatever the schedule: the runner calls
+`GradSync.begin` before a step's first action (every backward then only accumulates)
+and `GradSync.finish` after its last (one reduce-scatter, or all-reduce for
+`replicate`, per unit, as torch.distributed.pipelining does for its own stages).
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+from ..agreement import agree
+from ..pipeline.stage import Stage
+
+__all__ = ["GradSync", "apply_data_parallel", "data_parallel_units"]
+
+_RUN = "_rewrite_run_stage"  # the model method a stage runs through, registered with FSDP
+
+
+class GradSync:
+    """Switches a rank's data-parallel units between accumulating and synchronising gradients."""
+
+    def __init__(self, root: nn.Module, sharding: str):
+        self.root, self.sharding = root, sharding
+
+    def begin(self) -> None:
+        """Every backward of the step accumulates local gradients; nothing is reduced yet."""
+        self.root.set_is_last_backward(False)
+        self.root.set_reshard_after_backward(False)
+        self.root.set_requires_gradient_sync(False)
+
+    def finish(self) -> None:
+        """Reduce the step's gradients over dp (averaged), once, and reshard what was gathered."""
+        self.root.set_is_last_backward(True)
+        self.root.set_reshard_after_backward(True)
+        self.root.set_requires_gradient_sync(True)
+        state = replicate.state(self.root) if self.sharding == "replicate" else fully_shard.state(self.root)
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+def data_parallel_units(stage: Stage) -> list[nn.Module]:
+    """The modules that each become one FSDP2 unit on this rank, below the root (the model)."""
+    model, resolved = stage.model, stage.resolved
+    bb = resolved.backbone
+    if bb is None:
+        names = dict.fromkeys(m for s in stage.stage_ids for m in resolved.stages[s].modules)
+        modules = [model.get_submodule(n) for n in names]
+        return [m for m in modules if m is not model and any(True for _ in m.parameters())]
+    base = model.get_submodule(bb.base) if bb.base else model
+    layers = base.layers
+    held = sorted(i for s in stage.stage_ids for i in resolved.layer_indices[s])
+    return [layers[str(i)] if isinstance(layers, nn.ModuleDict) else layers[i] for i in held]
+
+
+def _loose_parameters(stage: Stage, units: list[nn.Module]) -> list[str]:
+    """Parameters of a traced stage outside every unit: its graph reads them directly."""
+    if stage.resolved.backbone is not None or stage.module is stage.model:
+        return []  # the root unit gathers them where the model's own modules read them
+    covered = {id(p) for unit in units for p in unit.parameters()}
+    return [n for n, p in stage.model.named_parameters() if id(p) not in covered]
+
+
+def apply_data_parallel(stage: Stage, *, split_backward: bool) -> GradSync | None:
+    """Shard (or replicate) this rank's modules over dp; None when dp is 1 (nothing installed).
+
+    `split_backward`: the schedule splits backwards into B and W, which need the
+    parameters the forward used until W: `full` then keeps them gathered from forward
+    to backward, as `grad_op` does.
+    """
+    mesh = stage.mesh
+    if mesh.dp == 1:
+        return None
+    sharding = stage.resolved.plan.data_parallel.sharding
+    units = data_parallel_units(stage)
+    loose = _loose_parameters(stage, units)
+    agree(
+        [f"data parallelism shards the modules of a traced model's layer sequence, but its forward reads "
+         f"parameters outside them ({', '.join(loose[:4])}); move them into a submodule the model calls"]
+        if loose else [],
+        "apply_plan",
+    )
+    dp_mesh, model = mesh.device_mesh["dp"], stage.model
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    tied = [names[id(p)] for p in stage.tied]
+    for module in [*units, model]:  # the root last
+        if sharding == "replicate":
+            replicate(module, mesh=dp_mesh)
+        else:
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=sharding == "full" and not split_backward)
+    if any(fn is not model for fn in stage.forward_fns.values()):
+        fns = dict(stage.forward_fns)
+        setattr(model, _RUN, types.MethodType(lambda self, s, x: fns[s](x), model))
+        register_fsdp_forward_method(model, _RUN)
+        run = getattr(model, _RUN)
+        stage.forward_fns = {s: (fn if fn is model else _bind(run, s)) for s, fn in fns.items()}
+    stage.tied = [model.get_parameter(n) for n in tied]  # FSDP2 put sharded parameters in their place
+    return GradSync(model, sharding)
+
+
+def _bind(run, s: int):
+    return lambda x: run(s, x)
