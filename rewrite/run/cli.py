@@ -35,12 +35,20 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from ..plan.report import format_plan, format_schedule
     from ..plan.resolve import resolve
 
-    resolved = resolve(args.plan, _meta_model(args.model, args.dtype), world_size=args.world_size)
-    print(format_plan(resolved, model_label=args.model))
+    model = _meta_model(args.model, args.dtype)
+    resolved = resolve(args.plan, model, world_size=args.world_size)
+    print(format_plan(resolved, model_label=args.model, model=model))
     if args.schedule:
         print()
         print(format_schedule(resolved.plan))
     return 0
+
+
+def _mesh_words(plan) -> str:
+    """`dp=2 x pp=2 x tp=2 = 8 ranks, data_parallel.sharding full` (the sharding only when dp > 1)."""
+    mesh = plan.mesh
+    words = f"{mesh.shape_text()} = {mesh.world_size} rank{'s' if mesh.world_size != 1 else ''}"
+    return words + (f", {mesh.dp} replicas with data_parallel.sharding {plan.data_parallel.sharding}" if mesh.dp > 1 else "")
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -49,14 +57,19 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     plan = load_plan(args.plan)
     if args.model is None:
-        print(f"{args.plan}: OK as a plan (mesh pp={plan.mesh.pp} x tp={plan.mesh.tp}); "
-              "pass --model to check it against a model too")
+        if args.world_size is not None and args.world_size != plan.mesh.world_size:
+            from ..plan.schema import PlanError
+
+            raise PlanError(args.plan, [
+                f"mesh: {plan.mesh.shape_text()} = {plan.mesh.world_size} ranks, but the world size is "
+                f"{args.world_size}; launch {plan.mesh.world_size} processes or change the mesh"
+            ])
+        print(f"{args.plan}: OK as a plan (mesh {_mesh_words(plan)}); pass --model to check it against a model too")
         return 0
     resolved = resolve(plan, _meta_model(args.model), world_size=args.world_size)
     print(
-        f"{args.plan}: OK for {resolved.model_name} ({args.model}): pp={resolved.pp} x tp={resolved.tp} = "
-        f"{resolved.world_size} ranks, {len(resolved.shards)} sharded modules, {len(resolved.stages)} stage"
-        f"{'s' if len(resolved.stages) != 1 else ''}"
+        f"{args.plan}: OK for {resolved.model_name} ({args.model}): {_mesh_words(plan)}, "
+        f"{len(resolved.shards)} sharded modules, {len(resolved.stages)} stage{'s' if len(resolved.stages) != 1 else ''}"
     )
     return 0
 

@@ -48,7 +48,8 @@ def parity_check(
     """Compare this rank's gradients and the step loss with `reference` run on one process.
 
     Collective: every rank calls it after a step (`run_schedule`) and before the optimizer step.
-    `reference` is a copy of the model taken before `apply_plan`; it is stepped here.
+    `reference` is a copy of the model taken before `apply_plan`; it is stepped here, on
+    `inputs` and `targets`: the global batch (every replica's microbatches) under data parallelism.
     """
     ref_loss = reference_step(reference, inputs, targets)
     ref = dict(reference.named_parameters(remove_duplicate=False))
@@ -60,6 +61,8 @@ def parity_check(
             dgrad = float("inf")
             continue
         got = param.grad if param.grad is not None else torch.zeros_like(param)
+        if hasattr(got, "full_tensor"):  # a data-parallel shard: gathered over the replicas (collective)
+            got = got.full_tensor()
         want = ref[name].grad if ref[name].grad is not None else torch.zeros_like(ref[name])
         dgrad = max(dgrad, (got - local_shard(model, name, want)).abs().max().item())
         compared.append(name)

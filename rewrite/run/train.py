@@ -12,7 +12,6 @@ import copy
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -21,7 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
 from .parity import Parity, parity_check
+from .progress import Progress, plot_loss
 from ..plan.schema import load_plan
 from .presets import build_model, load_config
 from ..rewriter import apply_plan
@@ -43,19 +44,15 @@ __all__ = [
 ]
 
 
-class TrainConfigError(ValueError):
-    """A setting `train` cannot use. Every rank raises the same one, before any collective."""
-
-
 @dataclass
 class TrainConfig:
     """What `rewrite train` runs. Every rank must get the same config."""
 
-    plan: str  # plan file; its mesh fixes the number of processes (pp * tp)
+    plan: str  # plan file; its mesh fixes the number of processes (dp * pp * tp)
     model: str = "tiny-llama"  # preset name, HF config.json, or a local model directory
     data: str | None = None  # text file read as bytes; None: the repository's data/alice29.txt
     steps: int = 30  # optimizer steps
-    batch_size: int = 8  # sequences per microbatch (the plan sets microbatches per step)
+    batch_size: int = 8  # sequences per microbatch (the plan sets microbatches per step and replica)
     seq_len: int = 128  # bytes per sequence; targets are the same window shifted by one
     lr: float = 3e-3  # AdamW learning rate, constant after a short warm-up
     warmup: int = 3  # steps of linear learning-rate warm-up
@@ -67,92 +64,6 @@ class TrainConfig:
     timeout_s: float = 300.0  # process-group timeout: a collective stuck longer fails the run instead of holding it
 
 
-def default_data_path() -> Path:
-    """`data/alice29.txt` in the working directory, else beside this package's source tree."""
-    if Path("data/alice29.txt").is_file():
-        return Path("data/alice29.txt")
-    path = Path(__file__).resolve().parents[2] / "data" / "alice29.txt"  # rewrite/run/train.py
-    if path.is_file():
-        return path
-    raise TrainConfigError(
-        "no text to train on: data/alice29.txt is neither in the working directory nor beside the "
-        "rewrite package; pass --data FILE (any text file, read as bytes)"
-    )
-
-
-def load_bytes(path: str | Path) -> torch.Tensor:
-    """The file's bytes as token ids, shape `(n,)`, int64 in 0..255."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as exc:
-        raise TrainConfigError(f"cannot read the training text {str(path)!r}: {exc.strerror or exc}; pass --data FILE") from None
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
-
-
-def sample_batch(
-    tokens: torch.Tensor, *, microbatches: int, batch_size: int, seq_len: int, generator: torch.Generator
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Random windows: input `tokens[i:i+seq]`, target `tokens[i+1:i+seq+1]`.
-
-    Returns `microbatches` inputs and targets, each `(batch_size, seq_len)`. The same
-    generator state gives the same batch on every rank.
-    """
-    starts = torch.randint(0, len(tokens) - seq_len, (microbatches, batch_size), generator=generator)
-    offsets = torch.arange(seq_len + 1)  # (seq + 1,)
-    windows = tokens[starts.unsqueeze(-1) + offsets]  # (m, b, seq + 1)
-    return list(windows[..., :-1].unbind(0)), list(windows[..., 1:].unbind(0))
-
-
-def plot_loss(losses: list[float], *, title: str = "training loss", path: str | Path | None = None):
-    """The loss per step as a line; returns the matplotlib Figure (saved as PNG to `path`)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6, 3.5), layout="constrained")
-    ax = fig.add_subplot()
-    steps = range(1, len(losses) + 1)
-    ax.plot(steps, losses, marker="o", markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if path is not None:
-        fig.savefig(path, dpi=120)
-    return fig
-
-
-class _Progress:
-    """tqdm on rank 0 when asked for; otherwise one plain line per step (or nothing)."""
-
-    def __init__(self, total: int, *, show: bool, bar: bool):
-        self.show, self.want_bar, self.bar, self.total = show, bar, None, total
-
-    def start(self) -> None:
-        """Open the bar (after the heading lines, so they print above it)."""
-        if self.show and self.want_bar:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-
-    def step(self, step: int, loss: float, seconds: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.3f}")
-            self.bar.update(1)
-        elif self.show:
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {seconds:.2f} s", flush=True)
-
-    def write(self, text: str) -> None:
-        if not self.show:
-            return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith("ch") else "s")
 
@@ -162,7 +73,7 @@ def _check(config: TrainConfig, plan, model_config, tokens: torch.Tensor) -> Non
     world = dist.get_world_size()
     if world != plan.mesh.world_size:
         problems.append(
-            f"{plan.source}: mesh pp={plan.mesh.pp} x tp={plan.mesh.tp} needs {plan.mesh.world_size} processes, "
+            f"{plan.source}: mesh {plan.mesh.shape_text()} needs {plan.mesh.world_size} processes, "
             f"but {world} were started; run `torchrun --nproc-per-node {plan.mesh.world_size} ...` or change the mesh"
         )
     for name in ("steps", "batch_size", "seq_len"):
@@ -204,10 +115,11 @@ def train(config: TrainConfig) -> dict:
     model_config = load_config(config.model)
     data = Path(config.data) if config.data else default_data_path()
     tokens = load_bytes(data)
-    m = plan.pipeline.microbatches
+    m, dp, data_parallel = plan.pipeline.microbatches, plan.mesh.dp, plan.data_parallel.sharding
     _check(config, plan, model_config, tokens)
     rank = dist.get_rank()
     model = build_model(model_config, seed=config.seed)
+    model_class = type(model).__name__  # before apply_plan: data parallelism swaps in FSDP's subclass
     total_params = sum(p.numel() for p in model.parameters())
     reference = copy.deepcopy(model) if config.parity else None
     stage = apply_plan(model, plan)
@@ -215,20 +127,25 @@ def train(config: TrainConfig) -> dict:
     warmup = max(1, config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
 
-    log = _Progress(config.steps, show=rank == 0, bar=config.progress)
+    log = Progress(config.steps, show=rank == 0, bar=config.progress)
     log.write(
-        f"training {config.model} ({type(model).__name__}, {total_params:,} parameters) under {plan.source}: "
-        f"pp={plan.mesh.pp} x tp={plan.mesh.tp} on {_n(dist.get_world_size(), 'rank')}; "
+        f"training {config.model} ({model_class}, {total_params:,} parameters) under {plan.source}: "
+        f"{plan.mesh.shape_text()} on {_n(dist.get_world_size(), 'rank')}; "
         f"{_n(m, 'microbatch')} x {config.batch_size} x {config.seq_len} bytes of {data} per step"
+        + (f" and replica ({dp} replicas, {data_parallel} sharding)" if dp > 1 else "")
     )
     log.start()
     losses, step_seconds, parity = [], [], None
     start = time.perf_counter()
     for step in range(1, config.steps + 1):
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        inputs, targets = sample_batch(tokens, microbatches=m, batch_size=config.batch_size, seq_len=config.seq_len, generator=gen)
+        # The global batch, the same on every rank; each replica runs its own m microbatches of it.
+        inputs, targets = sample_batch(
+            tokens, microbatches=m * dp, batch_size=config.batch_size, seq_len=config.seq_len, generator=gen
+        )
+        mine = slice(stage.dp_rank * m, (stage.dp_rank + 1) * m)
         t0 = time.perf_counter()
-        loss = run_schedule(stage, inputs, targets)
+        loss = run_schedule(stage, inputs[mine], targets[mine])
         seconds = time.perf_counter() - t0
         if step == 1 and reference is not None:
             parity = parity_check(model, reference, inputs, targets, loss)
@@ -248,12 +165,12 @@ def train(config: TrainConfig) -> dict:
         "plan": str(plan.source),
         "model": config.model,
         "data": str(data),
-        "mesh": {"pp": plan.mesh.pp, "tp": plan.mesh.tp, "world_size": dist.get_world_size()},
+        "mesh": {"dp": dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp, "world_size": dist.get_world_size()},
         "config": asdict(config),
         "losses": losses,
         "step_seconds": step_seconds,
         "train_seconds": wall,
-        "tokens_per_step": m * config.batch_size * config.seq_len,
+        "tokens_per_step": m * dp * config.batch_size * config.seq_len,
         "parity": asdict(parity) if parity is not None else None,
         "timeline": events_to_dicts(events),
     }
@@ -266,7 +183,10 @@ def _write_outputs(config: TrainConfig, metrics: dict, events, plan) -> None:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     losses = metrics["losses"]
-    title = f"{plan.pipeline.schedule} timeline of step {len(losses)}: pp={plan.mesh.pp} x tp={plan.mesh.tp}, {plan.pipeline.microbatches} microbatches"
+    title = (
+        f"{plan.pipeline.schedule} timeline of step {len(losses)}: {plan.mesh.shape_text()}, "
+        f"{plan.pipeline.microbatches} microbatches"
+    )
     plot_timeline(events, tp=plan.mesh.tp, title=title, path=out / "timeline.png")
     plot_loss(losses, title=f"{config.model} under {Path(plan.source).name}: loss per step", path=out / "loss.png")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

@@ -69,3 +69,18 @@ def test_train_under_a_zero_bubble_v_plan(tmp_path):
     events = json.loads((tmp_path / "metrics.json").read_text())["timeline"]
     assert {e["kind"] for e in events} == {"forward", "backward-input", "backward-weight"}
     assert {e["stage_idx"] for e in events if e["rank"] == 0} == {0, 3}  # the V: first and last stage on rank 0
+
+
+def test_train_with_data_parallel_replicas(tmp_path):
+    plan = tmp_path / "dp2-pp2.yaml"
+    plan.write_text("mesh: {dp: 2, pp: 2}\npipeline: {microbatches: 2, schedule: 1f1b}\n")
+    run = torchrun(4, "train", str(plan), "--steps", "2", "--batch-size", "4", "--no-progress", "--out", str(tmp_path / "out"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "dp=2 x pp=2 x tp=1 on 4 ranks" in run.stdout and "(2 replicas, full sharding)" in run.stdout, run.stdout
+    assert "(LlamaForCausalLM, 180,800 parameters)" in run.stdout
+    # Step 1 against one process on the whole global batch: both replicas' microbatches.
+    match = PARITY.search(run.stdout + run.stderr)
+    assert match and float(match["dloss"]) <= 1e-5 and float(match["dgrad"]) <= 1e-5 and int(match["n"]) == 39
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["mesh"] == {"dp": 2, "pp": 2, "tp": 1, "world_size": 4}
+    assert metrics["tokens_per_step"] == 2 * 2 * 4 * 128  # microbatches x replicas x batch size x sequence
