@@ -110,14 +110,7 @@ def load_dtype(headers: dict[str, dict], keys: dict[str, str], config, dtype: to
     """
     if dtype is not None:
         return dtype, None
-    stored: dict[str, torch.dtype] = {}
-    sizes: Counter = Counter()
-    for key, file in keys.items():
-        info = headers.get(file, {}).get(key)
-        kind = _FLOATS.get(info.get("dtype")) if isinstance(info, dict) else None
-        if kind is not None:
-            stored[key] = kind
-            sizes[kind] += math.prod(info.get("shape") or [1])
+    stored, sizes = _stored_floats(headers, keys)
     if len(sizes) <= 1:
         return None, None
     target = _config_dtype(config) or max(sizes, key=lambda d: (sizes[d], d.itemsize))
@@ -127,6 +120,28 @@ def load_dtype(headers: dict[str, dict], keys: dict[str, str], config, dtype: to
     more = f" and {len(off) - 3} more" if len(off) > 3 else ""
     return target, (f"the checkpoint's floating tensors have {len(sizes)} dtypes ({counts} tensors); "
                    f"all are cast to {target}, e.g. {', '.join(off[:3])}{more}")
+
+
+def model_dtype(headers: dict[str, dict], keys: dict[str, str], dtype: torch.dtype | None) -> torch.dtype | None:
+    """The one floating dtype the model holds once loaded: `dtype` from `load_dtype`, else the
+    one stored (None when the checkpoint stores no floating tensor)."""
+    if dtype is not None:
+        return dtype
+    _, sizes = _stored_floats(headers, keys)
+    return next(iter(sizes), None)
+
+
+def _stored_floats(headers: dict[str, dict], keys: dict[str, str]) -> tuple[dict[str, torch.dtype], Counter]:
+    """Checkpoint tensor name -> its stored floating dtype; elements stored in each floating dtype."""
+    stored: dict[str, torch.dtype] = {}
+    sizes: Counter = Counter()
+    for key, file in keys.items():
+        info = headers.get(file, {}).get(key)
+        kind = _FLOATS.get(info.get("dtype")) if isinstance(info, dict) else None
+        if kind is not None:
+            stored[key] = kind
+            sizes[kind] += math.prod(info.get("shape") or [1])
+    return stored, sizes
 
 
 def _config_dtype(config) -> torch.dtype | None:

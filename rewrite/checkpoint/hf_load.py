@@ -1,7 +1,8 @@
 """Loading a Hugging Face checkpoint straight into a parallel plan.
 
 The model is built on the meta device and rewritten there; each rank then reads
-from the safetensors files only the slices of its own stage and tp rank.
+from the safetensors files only the slices of its own stage and tp rank, and under
+data parallelism keeps of each slice only its FSDP2 shard.
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ from ..plan.resolve import ResolvedPlan, resolve
 from ..plan.schema import ParallelPlan, PlanError, load_plan
 from ..rewriter import apply_plan
 from . import swap
-from .headers import load_dtype, model_keys, read_headers, save_id_problems, weight_map_of
-from .layout import INDEX, Entry, meta_model, stage_entries
+from .headers import load_dtype, model_dtype, model_keys, read_headers, save_id_problems, weight_map_of
+from .layout import INDEX, Entry, coordinates, meta_model, stage_entries
+from .shards import Source, fill_dp_shards, read_slice, rebuild_unstored, unstored_modules
 
 __all__ = ["from_pretrained"]
-
-Source = tuple[Path, str]  # (safetensors file, tensor name in it)
-
 
 def from_pretrained(
     directory: str | Path,
@@ -41,8 +40,12 @@ def from_pretrained(
     Collective: every rank of the default process group calls it with the same
     arguments. The model is built on the meta device from `config.json`, the plan is
     applied there, and each rank materialises only its stage's tensors, reading only
-    its tensor-parallel slices from the safetensors files (`get_slice`). Rotary
-    frequencies (not stored) are recomputed from the config.
+    its tensor-parallel slices from the safetensors files (`get_slice`). Under data
+    parallelism (mesh.dp > 1) `apply_plan` has made the stage's FSDP2 (or replicate)
+    units on the meta device: they are given storage on `device` (`to_empty`), and each
+    rank copies into every parameter's local shard its dp rows of the slice it read
+    (DTensor's own split, the one FSDP2 made). Rotary frequencies (not stored) are
+    recomputed from the config.
 
     Before reading, every rank reads every shard's header, so that all decide alike:
     shards whose save ids (written by `save_pretrained`; transformers writes none)
@@ -66,7 +69,7 @@ def from_pretrained(
 
     Raises:
         ValueError: on every rank, before any tensor is read, when the config does not
-            fit the plan, the world size is not pp * tp, or a file or tensor this rank
+            fit the plan, the world size is not dp * pp * tp, or a file or tensor this rank
             needs is missing, unreadable or of the wrong shape, or shards come from
             different saves (each named).
 
@@ -77,15 +80,10 @@ def from_pretrained(
     """
     plan = load_plan(plan)
     check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
-    if plan.mesh.dp > 1:  # the same on every rank: all hold the same plan
-        raise ValueError(
-            f"from_pretrained under data parallelism (mesh.dp = {plan.mesh.dp}) is not supported yet: the FSDP2 "
-            "shards are not gathered or filled in; save or load under a plan with dp = 1"
-        )
     directory = Path(directory)
-    pp_rank, tp_rank = divmod(dist.get_rank(), plan.mesh.tp)
+    _, pp_rank, tp_rank = coordinates(dist.get_rank(), plan.mesh.pp, plan.mesh.tp)
     what = f"from_pretrained({str(directory)!r}, {plan.source})"
-    problems, sources, entries, meta, generation, note = [], {}, [], None, None, None
+    problems, sources, entries, meta, generation, note, floats = [], {}, [], None, None, None, None
     try:
         directory = swap.current(directory)  # the old checkpoint, if a save was killed mid-swap
         config, generation = _read_configs(directory)
@@ -96,7 +94,9 @@ def from_pretrained(
         sources, problems = _check_sources(directory, weight_map, entries)
         headers = read_headers(directory, weight_map.values())  # every file: all ranks decide alike
         problems += save_id_problems(directory, headers, index_id)
-        dtype, note = load_dtype(headers, model_keys(meta, weight_map), config, dtype)
+        keys = model_keys(meta, weight_map)
+        dtype, note = load_dtype(headers, keys, config, dtype)
+        floats = model_dtype(headers, keys, dtype)
     except ValueError as exc:
         problems.append(str(exc))
     except Exception as exc:  # anything else too: a rank that raised alone would leave the others waiting
@@ -106,12 +106,19 @@ def from_pretrained(
         warnings.warn(f"{what}: {note}", stacklevel=2)
 
     by_name = {e.name: e for e in entries}
-    # Tied weights first, whole (a plan never shards them): apply_plan broadcasts the
-    # first stage's copy to the last stage, so both need real storage by then.
-    agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what)
-    stage = apply_plan(meta, plan)
-    problems = _materialise(stage.model, by_name, sources, device, dtype, only_tied=False)
-    problems += _rebuild_unstored(stage, device)
+    if floats is not None:  # FSDP2 units keep the dtype their parameters had when made
+        meta.to(floats)
+    if plan.mesh.dp == 1:
+        # Tied weights first, whole (a plan never shards them): apply_plan broadcasts the
+        # first stage's copy to the last stage, and `stage.tied` must be the loaded tensor.
+        agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what)
+        stage = apply_plan(meta, plan)
+        problems = _materialise(stage.model, by_name, sources, device, dtype, only_tied=False)
+        problems += rebuild_unstored(stage, unstored_modules(stage.model), device)
+    else:
+        # All meta, tied weights too: both ends of a tied pair read it from the checkpoint.
+        stage = apply_plan(meta, plan)
+        problems = fill_dp_shards(stage, by_name, sources, device)
     left = [n for n, t in [*stage.model.named_parameters(), *stage.model.named_buffers()] if t.is_meta]
     if left:
         problems.append(f"tensors left without storage: {left[:5]}; the checkpoint does not cover this model")
@@ -200,15 +207,6 @@ def _check_sources(
     return sources, problems
 
 
-def _read(f, key: str, entry: Entry) -> torch.Tensor:
-    """Only this rank's slice of `key`."""
-    if entry.dim is None:
-        return f.get_tensor(key)
-    part = f.get_slice(key)
-    stop = entry.start + entry.length
-    return part[entry.start : stop] if entry.dim == 0 else part[:, entry.start : stop]
-
-
 def _owned(view: torch.Tensor, device, dtype) -> torch.Tensor:
     """A contiguous copy in memory of its own.
 
@@ -245,7 +243,7 @@ def _materialise(
             # A handle per tensor: safetensors maps the file, and the pages a read touched
             # stay resident until the mapping goes, so holding one open would keep them all.
             with safe_open(str(path), framework="pt") as f:
-                data = _read(f, key, entry)
+                data = read_slice(f, key, entry)
                 if tuple(data.shape) != tuple(old.shape):
                     problems.append(
                         f"{name}: read {list(data.shape)} from {path}, the rewritten model holds {list(old.shape)}"
@@ -258,25 +256,4 @@ def _materialise(
         new = nn.Parameter(data, requires_grad=old.requires_grad) if kind == "_parameters" else data
         for module, kind, leaf, _, _ in group:
             getattr(module, kind)[leaf] = new
-    return problems
-
-
-def _rebuild_unstored(stage: Stage, device) -> list[str]:
-    """Recompute buffers a checkpoint does not store (rotary `inv_freq`) by rebuilding their module."""
-    problems = []
-    roots = [stage.model] + ([stage.module] if stage.module is not stage.model else [])
-    for name, module in list(stage.model.named_modules()):
-        if not any(b is not None and b.is_meta for b in module._buffers.values()):
-            continue
-        config = getattr(module, "config", None)
-        if config is None or any(True for _ in module.parameters()) or not name:
-            problems.append(f"{name}: unstored buffers {list(module._buffers)} cannot be recomputed")
-            continue
-        fresh = type(module)(config).to(device)  # built on the real device: computes the buffers
-        parent, _, leaf = name.rpartition(".")
-        for root in roots:
-            try:
-                setattr(root.get_submodule(parent), leaf, fresh)
-            except AttributeError:
-                pass  # an fx stage module need not hold every path
     return problems

@@ -1,8 +1,10 @@
 """Saving a rewritten model as one standard Hugging Face checkpoint (config + safetensors).
 
-Each stage's tp_rank 0 gathers its stage's sharded tensors over the tp group and
-writes one safetensors file; rank 0 adds config.json and the index and swaps the new
-directory in (`swap`). Loading is in `hf_load`; the layout both share is in `layout`.
+Under data parallelism every replica first puts its FSDP2 shards back together (over
+the dp group); then, in replica 0 only, each stage's tp_rank 0 gathers its stage's
+sharded tensors over the tp group and writes one safetensors file; rank 0 adds
+config.json and the index and swaps the new directory in (`swap`). Loading is in
+`hf_load`; the layout both share is in `layout`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from ..agreement import agree, share
 from ..mesh import check_world
@@ -26,7 +30,7 @@ from ..plan.resolve import resolve
 from ..plan.schema import ParallelPlan, PlanError, load_plan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from . import swap
-from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
+from .layout import INDEX, SAVE_ID, Entry, coordinates, meta_model, shard_file, stage_entries, written_by_stage
 
 __all__ = ["save_pretrained"]
 
@@ -61,12 +65,12 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int) -> tuple[li
         resolved = resolve(plan, meta)
     except PlanError as exc:
         return [f"the model's config does not fit the plan: {exc}"], []
-    tp, pp = plan.mesh.tp, plan.mesh.pp
-    pp_rank, tp_rank = divmod(rank, tp)
+    dp, tp, pp = plan.mesh.dp, plan.mesh.tp, plan.mesh.pp
+    dp_rank, pp_rank, tp_rank = coordinates(rank, pp, tp)
     mine = stage_entries(meta, resolved, pp_rank, tp_rank)
-    have = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
     want = {e.name: e.local_shape for e in mine}
-    where = f"pp_rank {pp_rank}, tp_rank {tp_rank}"
+    where = (f"dp_rank {dp_rank}, " if dp > 1 else "") + f"pp_rank {pp_rank}, tp_rank {tp_rank}"
     problems = _summary(
         f"{where}: {{n}} tensors have other shapes than the plan gives this rank, e.g.",
         [f"{n}: {list(have[n])} here, {list(s)} in the plan" for n, s in want.items() if n in have and have[n] != s],
@@ -80,6 +84,11 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int) -> tuple[li
     if not problems:
         problems = _summary(f"{where}: {{n}} layers are not what the plan makes of them:",
                             [p for e in mine if (p := _expected_layer(model, e, tp_rank))])
+    split = f"not split over its {dp} data-parallel ranks" if dp > 1 else "split over data-parallel ranks"
+    problems += _summary(
+        f"{where}: the plan has mesh.dp={dp}, but {{n}} parameters are {split}, e.g.",
+        [f"{n}: {_dp_text(p)}" for n, p in model.named_parameters() if _dp_size(p) != dp],
+    )
     if problems:
         problems[-1] += "; pass the plan the model was rewritten with"
     every = [stage_entries(meta, resolved, s, 0) for s in range(pp)]
@@ -87,15 +96,28 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int) -> tuple[li
     return problems, [e for e in mine if e.name in written and e.name in have]
 
 
+def _dp_size(param: torch.Tensor) -> int:
+    """Over how many data-parallel ranks FSDP2 (or replicate) spread `param`: 1 for a plain tensor."""
+    return param.device_mesh.size() if isinstance(param, DTensor) else 1
+
+
+def _dp_text(param: torch.Tensor) -> str:
+    return f"a DTensor over {_dp_size(param)} ranks" if isinstance(param, DTensor) else "a plain tensor"
+
+
 def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | dict, directory: str | Path) -> Path:
     """Write this rank's part of a rewritten model into one Hugging Face checkpoint directory.
 
     Collective: every rank calls it with its rewritten model (or `Stage`) and the plan
-    it was rewritten with. Each stage's tp_rank 0 gathers the stage's shards and writes
-    `model-0000{s+1}-of-0000{pp}.safetensors` (`model.safetensors` when pp == 1);
-    rank 0 writes `config.json` and the index. Tied embeddings are written once, as
-    `model.embed_tokens.weight`. Every shard's metadata and the index carry this save's
-    id (`rewrite_save_id`), so that `from_pretrained` refuses shards of different saves.
+    it was rewritten with. Under data parallelism (mesh.dp > 1) each parameter's FSDP2
+    shards are first gathered over the dp group (`DTensor.full_tensor`, on every replica,
+    in the same order); the checkpoint is then written by replica 0 alone (dp_rank 0),
+    so it is the same whatever dp and sharding. Each stage's tp_rank 0 gathers the
+    stage's tp shards and writes `model-0000{s+1}-of-0000{pp}.safetensors`
+    (`model.safetensors` when pp == 1); rank 0 writes `config.json` and the index.
+    Tied embeddings are written once, as `model.embed_tokens.weight`. Every shard's
+    metadata and the index carry this save's id (`rewrite_save_id`), so that
+    `from_pretrained` refuses shards of different saves.
     `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads the result.
 
     All or nothing, even if killed at any instant: the complete new checkpoint is
@@ -128,20 +150,15 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     """
     plan = load_plan(plan)
     check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
-    if plan.mesh.dp > 1:  # the same on every rank: all hold the same plan
-        raise ValueError(
-            f"save_pretrained under data parallelism (mesh.dp = {plan.mesh.dp}) is not supported yet: the FSDP2 "
-            "shards are not gathered or filled in; save or load under a plan with dp = 1"
-        )
     stage = model if isinstance(model, Stage) else None
     model = stage.model if stage is not None else model
     directory, rank, tp, pp = Path(directory), dist.get_rank(), plan.mesh.tp, plan.mesh.pp
     if not isinstance(model, nn.Module):
         problems, entries = [f"save_pretrained needs a model or Stage, got {type(model).__name__}"], []
-    elif stage is not None and (stage.mesh.pp, stage.mesh.tp) != (plan.mesh.pp, plan.mesh.tp):
+    elif stage is not None and (stage.mesh.dp, stage.mesh.pp, stage.mesh.tp) != (plan.mesh.dp, pp, tp):
         problems, entries = [
-            f"the stage was built with mesh pp={stage.mesh.pp} x tp={stage.mesh.tp}, the plan says "
-            f"pp={plan.mesh.pp} x tp={plan.mesh.tp}; pass the plan the model was rewritten with"
+            f"the stage was built with mesh {_mesh_text(stage.mesh.dp, stage.mesh.pp, stage.mesh.tp)}, the plan "
+            f"says {_mesh_text(plan.mesh.dp, pp, tp)}; pass the plan the model was rewritten with"
         ], []
     else:
         try:
@@ -157,12 +174,16 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     tokens = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)  # first collective
     save_id = tokens[0]
     tmp = swap.temporary(directory, save_id)
-    pp_rank, tp_rank = divmod(rank, tp)
-    local = model.state_dict()
+    dp_rank, pp_rank, tp_rank = coordinates(rank, pp, tp)
+    local = model.state_dict()  # FSDP2 registers its sharded parameters first: DTensors under dp
     error, sizes = None, {}
     try:
-        tensors = {e.canonical: _gather(model, local[e.name], e, stage, pp_rank * tp) for e in entries}
-        if tp_rank == 0:
+        tensors = {}
+        for e in entries:  # the same entries, in the same order, on every rank of a dp group
+            whole = _gather_dp(local[e.name])
+            if dp_rank == 0:  # one replica writes; the others only took part in the dp gathers
+                tensors[e.canonical] = _gather(model, whole, e, stage, pp_rank * tp)
+        if dp_rank == 0 and tp_rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
             tensors = {k: _own_storage(t) for k, t in tensors.items()}
             save_file(tensors, str(tmp / shard_file(pp_rank, pp)), metadata={"format": "pt", SAVE_ID: save_id})
@@ -176,7 +197,8 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         errors.append(f"nothing in {directory} was changed")
     elif rank == 0:
         try:
-            stored = {k: (r // tp, n) for r, (_, s) in enumerate(results) for k, n in s.items()}  # name: (stage, bytes)
+            stored = {k: (coordinates(r, pp, tp)[1], n)  # name: (stage, bytes)
+                      for r, (_, s) in enumerate(results) for k, n in s.items()}
             _finish(model, tmp, directory, pp, stored, save_id)
         except Exception as exc:
             errors = [f"rank 0: putting the checkpoint in place: {type(exc).__name__}: {exc}; "
@@ -190,8 +212,26 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     return directory
 
 
+def _mesh_text(dp: int, pp: int, tp: int) -> str:
+    return (f"dp={dp} x " if dp > 1 else "") + f"pp={pp} x tp={tp}"
+
+
+def _gather_dp(local: torch.Tensor) -> torch.Tensor:
+    """This rank's whole tp slice: a data-parallel DTensor's shards gathered over the dp group.
+
+    Collective over the dp group for a sharded DTensor (FSDP2's padding is torch's own
+    business: `full_tensor` returns the unpadded tensor); a replicated one or a plain
+    tensor is returned as it is.
+    """
+    local = local.detach()
+    return local.full_tensor() if isinstance(local, DTensor) else local
+
+
 def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | None, dst: int) -> torch.Tensor | None:
-    """The full tensor on the stage's tp_rank 0 (None elsewhere): shards gathered over the tp group."""
+    """The full tensor on the stage's tp_rank 0 of replica 0 (None elsewhere): shards gathered over the tp group.
+
+    Called in replica 0 only: `dst`, its global rank, is `pp_rank * tp`.
+    """
     local = local.detach()
     if entry.dim is None:
         return local
@@ -201,6 +241,11 @@ def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | 
     parts = [torch.empty_like(local) for _ in range(owner.tp_size)] if dist.get_rank() == dst else None
     dist.gather(local, parts, dst=dst, group=group)
     return torch.cat(parts, dim=entry.dim) if parts is not None else None
+
+
+def _model_class(model: nn.Module) -> type:
+    """The model's own class: FSDP2 (and replicate) swap a unit's class for a subclass of theirs."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -216,7 +261,7 @@ def _finish(model: nn.Module, tmp: Path, directory: Path, pp: int, sizes: dict[s
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
     if dtypes:
         config.dtype = dtypes[0]
-    config.architectures = [type(model).__name__]
+    config.architectures = [_model_class(model).__name__]
     config.to_json_file(str(tmp / "config.json"), use_diff=True)
     generation = getattr(model, "generation_config", None)
     if generation is not None:

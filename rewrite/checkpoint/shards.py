@@ -1,0 +1,102 @@
+"""Reading checkpoint tensors for this rank: its slice of a file's tensor, its data-parallel
+share of that slice, and the buffers a checkpoint does not store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..pipeline.stage import Stage
+from .layout import Entry
+
+__all__ = ["read_slice", "fill_dp_shards", "unstored_modules", "rebuild_unstored"]
+
+Source = tuple[Path, str]  # (safetensors file, tensor name in it)
+
+
+def read_slice(f, key: str, entry: Entry) -> torch.Tensor:
+    """Only this rank's slice of `key`."""
+    if entry.dim is None:
+        return f.get_tensor(key)
+    part = f.get_slice(key)
+    stop = entry.start + entry.length
+    return part[entry.start : stop] if entry.dim == 0 else part[:, entry.start : stop]
+
+
+def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, Source], device) -> list[str]:
+    """Data parallelism: give the stage's meta tensors storage, then each its share of the checkpoint.
+
+    `to_empty` allocates every tensor on `device`; FSDP2 re-registers each sharded
+    parameter, padded as it pads them, and keeps the parameter objects. Each rank reads
+    its tp slice of a tensor (as with dp = 1) and copies into the parameter's local shard
+    the part of it `distribute_tensor` places on this rank (with no communication:
+    `src_data_rank=None`): torch's split over dp, the same FSDP2 made (`Shard(0)`: its
+    dp rows; `Replicate`: all of it).
+    """
+    model = stage.model
+    unstored = unstored_modules(model)  # before to_empty gives their meta buffers storage (uninitialised)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    tied = [names[id(p)] for p in stage.tied]
+    model.to_empty(device=device)
+    stage.tied = [model.get_parameter(n) for n in tied]
+    slots: dict[int, list] = {}  # id(tensor) -> [(name, tensor)] for each of its names; tied ones share
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        slots.setdefault(id(t), []).append((name, t))
+    reads, left = [], []
+    for group in slots.values():
+        held = [(n, t) for n, t in group if n in by_name]
+        if held:
+            reads.append((sources[held[0][0]], *held[0]))
+        elif not any(n.startswith(m + ".") for n, _ in group for m in unstored):
+            left.append(group[0][0])
+    problems = []
+    for (path, key), name, target in sorted(reads, key=lambda r: r[:2]):  # file order
+        try:
+            with safe_open(str(path), framework="pt") as f:  # a handle per tensor: see `hf_load._materialise`
+                data = read_slice(f, key, by_name[name])  # this rank's tp slice
+                mine, local = data, target
+                if isinstance(target, DTensor):
+                    mine = distribute_tensor(data, target.device_mesh, target.placements, src_data_rank=None)
+                    mine, local = mine.to_local(), target.to_local()  # this dp rank's rows of the slice
+                if tuple(mine.shape) != tuple(local.shape):
+                    problems.append(f"{name}: this rank's share of the {list(data.shape)} read from {path} is "
+                                    f"{list(mine.shape)}, the rewritten model holds {list(local.shape)}")
+                    continue
+                with torch.no_grad():
+                    local.copy_(mine)  # casts to the model's dtype
+        except Exception as exc:  # SafetensorError or OSError: the file changed since it was checked
+            problems.append(f"{path}: reading {key!r} failed: {exc}")
+    if left:
+        problems.append(f"tensors the checkpoint does not hold: {left[:5]}; the checkpoint does not cover this model")
+    return problems + rebuild_unstored(stage, unstored, device)
+
+
+def unstored_modules(model: nn.Module) -> list[str]:
+    """Modules holding buffers on the meta device: the checkpoint does not store them (rotary `inv_freq`)."""
+    return [name for name, module in model.named_modules()
+            if any(b is not None and b.is_meta for b in module._buffers.values())]
+
+
+def rebuild_unstored(stage: Stage, unstored: list[str], device) -> list[str]:
+    """Recompute buffers a checkpoint does not store (rotary `inv_freq`) by rebuilding their module."""
+    problems = []
+    roots = [stage.model] + ([stage.module] if stage.module is not stage.model else [])
+    for name in unstored:
+        module = stage.model.get_submodule(name)
+        config = getattr(module, "config", None)
+        if config is None or any(True for _ in module.parameters()) or not name:
+            problems.append(f"{name}: unstored buffers {list(module._buffers)} cannot be recomputed")
+            continue
+        fresh = type(module)(config).to(device)  # built on the real device: computes the buffers
+        parent, _, leaf = name.rpartition(".")
+        for root in roots:
+            try:
+                setattr(root.get_submodule(parent), leaf, fresh)
+            except AttributeError:
+                pass  # an fx stage module need not hold every path
+    return problems
