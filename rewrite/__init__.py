@@ -10,6 +10,7 @@ Write a plan, apply it, train:
 from .checkpoint.hf_load import from_pretrained
 from .checkpoint.hf_save import save_pretrained
 from .mesh import Mesh, build_mesh
+from .pipeline.batches import microbatches
 from .pipeline.runner import causal_lm_loss, run_afab, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
 from .plan.from_hf import plan_from_hf
@@ -39,6 +40,7 @@ __all__ = [
     "run_afab",
     "run_schedule",
     "causal_lm_loss",
+    "microbatches",
     "train_step_pipeline_afab",
     "save_pretrained",
     "from_pretrained",

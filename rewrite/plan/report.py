@@ -1,18 +1,25 @@
 """Plain-text tables of a resolved plan: what `rewrite show` prints.
 
 Three tables: module path -> style -> per-rank shapes; stages -> ranks, share of compute,
-modules; parameters and memory per rank (summed over the stages it holds). And the schedule. Aligned columns, no dependency.
+modules; parameters and memory per rank (summed over the stages it holds, divided over dp
+as `rewrite.plan.memory` works out). And the schedule. Aligned columns, no dependency.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import nn
+
+from .memory import MEMORY_HEADER, SHARDINGS, format_bytes, memory_rows, rank_footprints
 from .resolve import ResolvedPlan
 from .schedules import Table, peak_in_flight, placement, plan_table, simulate
 from .schema import ParallelPlan
 
-__all__ = ["format_table", "format_bytes", "format_plan", "format_schedule", "shard_rows", "stage_rows", "rank_rows"]
+__all__ = [
+    "format_table", "format_bytes", "format_plan", "format_schedule", "shard_rows", "stage_rows", "rank_rows",
+    "memory_rows", "MEMORY_HEADER",
+]
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, indent: str = "  ") -> str:
@@ -31,16 +38,6 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, ind
     return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def format_bytes(n: int) -> str:
-    """`1536` -> `'1.5 KiB'`."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 def _shape(shape: tuple[int, ...] | None) -> str:
     return "-" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
 
@@ -57,14 +54,19 @@ def shard_rows(resolved: ResolvedPlan) -> list[list[str]]:
     return [[s.fqn, s.style, s.pattern, _shape(s.weight_shape), _shape(s.bias_shape)] for s in shards]
 
 
+def _global_rank(resolved: ResolvedPlan, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> int:
+    # rewrite.mesh: tp innermost (neighbours on one machine), dp outermost (across machines).
+    return (dp_rank * resolved.pp + pp_rank) * resolved.tp + tp_rank
+
+
 def _ranks_of(resolved: ResolvedPlan, stage_idx: int) -> list[int]:
-    # Global rank = pp_rank * tp + tp_rank (rewrite.mesh); the pp rank holding the stage from its placement.
+    # The tp ranks of replica 0 holding the stage; the pp rank from its placement.
     pp_rank = resolved.stage_rank[stage_idx]
-    return [pp_rank * resolved.tp + t for t in range(resolved.tp)]
+    return [_global_rank(resolved, pp_rank, t) for t in range(resolved.tp)]
 
 
 def stage_rows(resolved: ResolvedPlan) -> list[list[str]]:
-    """One row per pipeline stage: index, global ranks, share of the estimated compute, modules in order.
+    """One row per pipeline stage: index, global ranks (replica 0's), share of the estimated compute, modules.
 
     The share is `-` where there is no estimate (torch.fx stages).
     """
@@ -79,45 +81,119 @@ def stage_rows(resolved: ResolvedPlan) -> list[list[str]]:
     ]
 
 
-def rank_rows(resolved: ResolvedPlan) -> list[list[str]]:
+def _held(resolved: ResolvedPlan, pp_rank: int) -> str:
+    return ",".join(str(s) for s in resolved.rank_stages(pp_rank))
+
+
+def rank_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[list[str]]:
     """One row per global rank: the stages it holds, tp rank, parameters and their memory.
 
     A rank holding several stages (pipeline.virtual_stages) adds them up. The training
-    column counts weights + gradients (the parameters' dtype) + AdamW's two moments
-    kept in float32: 2 * bytes + 8 * count.
+    column counts weights + gradients (the parameters' dtype) + AdamW's two moments in
+    float32, between steps, under the plan's data-parallel sharding (mesh.dp > 1 needs
+    `model`: see `rewrite.plan.memory.rank_footprints`).
     """
-    rows = []
-    for pp_rank in range(resolved.pp):
-        stages = [resolved.stages[s] for s in resolved.rank_stages(pp_rank)]
-        count, nbytes = sum(s.param_count for s in stages), sum(s.param_bytes for s in stages)
-        held = ",".join(str(s.stage_idx) for s in stages)
-        for t in range(resolved.tp):
-            rank = pp_rank * resolved.tp + t
-            rows.append([str(rank), held, str(t), f"{count:,}", format_bytes(nbytes), format_bytes(2 * nbytes + 8 * count)])
+    feet, rows = rank_footprints(resolved, model), []
+    for d in range(resolved.plan.mesh.dp):
+        for pp_rank, foot in enumerate(feet):
+            for t in range(resolved.tp):
+                rank = _global_rank(resolved, pp_rank, t, d)
+                rows.append([str(rank), _held(resolved, pp_rank), str(t), f"{foot.params:,}",
+                             format_bytes(foot.weights), format_bytes(foot.at_rest)])
     return rows
 
 
-def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None) -> str:
-    """The three tables of `rewrite show`, with a heading line.
+def _span(lo: int, hi: int, word: str = "rank") -> str:
+    return f"{word} {lo}" if lo == hi else f"{word}s {lo}-{hi}"
+
+
+_MODES = {
+    "full": "each rank holds 1/dp of every parameter, gradient and AdamW moment (ZeRO-3; dim 0 padded "
+    "to a multiple of dp), a layer gathered for each use",
+    "grad_op": "each rank holds 1/dp of every parameter, gradient and AdamW moment (dim 0 padded to a "
+    "multiple of dp), a layer gathered from its first forward to the step's end",
+    "replicate": "whole parameters, gradients and AdamW moments on every replica",
+}
+_SPLIT = ("zero-bubble", "zbv")  # schedules whose backwards split into B and W
+
+
+def _layout_lines(resolved: ResolvedPlan) -> list[str]:
+    """The rank layout, and for dp > 1 the replicas and the sharding mode."""
+    mesh, per = resolved.plan.mesh, resolved.pp * resolved.tp
+    if mesh.dp == 1:
+        return ["ranks: rank = pp_rank * tp + tp_rank (tp innermost: a stage's tp ranks are neighbours, on one machine)"]
+    shown = list(range(mesh.dp)) if mesh.dp <= 4 else [0, 1, None, mesh.dp - 1]
+    replicas = ", ".join("..." if d is None else f"{d}: {_span(d * per, d * per + per - 1)}" for d in shown)
+    sharding, schedule = resolved.plan.data_parallel.sharding, resolved.plan.pipeline.schedule
+    split = sharding == "full" and schedule in _SPLIT
+    return [
+        "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank (tp innermost: neighbours on one machine; "
+        "dp outermost: replicas across machines)",
+        f"replicas: {mesh.dp}, each a whole pipeline on its own microbatches ({replicas})",
+        f"data parallel: sharding {sharding}: {_MODES[sharding]}"
+        + (f"; schedule {schedule} splits backwards, so as under grad_op a layer stays gathered from forward "
+           "to backward" if split else "")
+        + "; gradients reduced once per step",
+    ]
+
+
+def _memory_lines(resolved: ResolvedPlan, model: nn.Module | None) -> list[str]:
+    mesh = resolved.plan.mesh
+    first = next(iter(model.parameters()), None) if model is not None else None
+    dtype = "the parameters' dtype" if first is None else str(first.dtype).removeprefix("torch.")
+    out = [
+        f"Parameters and memory per rank: params held between steps; weights and grads in {dtype}, "
+        "AdamW's 2 moments in float32",
+        format_table(MEMORY_HEADER, memory_rows(resolved, model)),
+    ]
+    per = resolved.pp * resolved.tp
+    if mesh.dp == 2:
+        out.append(f"  {_span(per, 2 * per - 1)} (replica 1) hold the same as {_span(0, per - 1)}, rank for rank")
+    elif mesh.dp > 2:
+        out.append(f"  {_span(1, mesh.dp - 1, 'replica')} ({_span(per, mesh.dp * per - 1)}) hold the same as "
+                   "replica 0, rank for rank")
+    if mesh.dp == 1:
+        out.append("  peak in step = weights + grads + AdamW (activations not counted)")
+        return out
+    out.append(
+        "  peak in step = weights + AdamW held + this rank's parameters gathered whole (after a backward a layer "
+        "stays gathered, under full until its next forward) + its gradients accumulated whole until the step's "
+        "one reduce; activations not counted"
+    )
+    feet = {m: max(rank_footprints(resolved, model, sharding=m), key=lambda f: f.peak) for m in SHARDINGS}
+    rest = ", ".join(f"{m} {format_bytes(f.at_rest)}" for m, f in feet.items())
+    peak = ", ".join(f"{m} {format_bytes(f.peak)}" for m, f in feet.items())
+    out.append(f"  the fullest rank under each sharding, params + grads + AdamW: {rest}; peak in step: {peak}")
+    return out
+
+
+def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None, model: nn.Module | None = None) -> str:
+    """The three tables of `rewrite show`, with a heading, the rank layout and the sharding mode.
 
     Args:
         resolved: `rewrite.resolve(plan, model)`; a meta-device model is enough.
         model_label: how to name the model in the heading (e.g. the preset or path).
+        model: the model it was resolved against; needed when mesh.dp > 1 (FSDP2 pads
+            each parameter's dim 0 to a multiple of dp, which takes the shapes).
 
     Returns:
         Multi-line text, no trailing newline.
 
+    Raises:
+        ValueError: mesh.dp > 1 and no model.
+
     Example:
-        >>> print(format_plan(rewrite.resolve("plans/llama-tp2.yaml", model)))
+        >>> print(format_plan(rewrite.resolve("plans/llama-tp2.yaml", model), model=model))
     """
     plan, tp, pp = resolved.plan, resolved.tp, resolved.pp
-    model = resolved.model_name + (f" ({model_label})" if model_label else "")
+    name = resolved.model_name + (f" ({model_label})" if model_label else "")
     pipe = plan.pipeline
     out = [
-        f"{plan.source} on {model}",
-        f"mesh: pp={pp} x tp={tp} = {resolved.world_size} ranks; {pipe.microbatches} microbatch"
-        f"{'es' if pipe.microbatches != 1 else ''} per step, schedule {pipe.schedule}; "
-        f"{'module walker (hf)' if resolved.kind == 'hf' else 'torch.fx stages'}",
+        f"{plan.source} on {name}",
+        f"mesh: {plan.mesh.shape_text()} = {resolved.world_size} ranks; {pipe.microbatches} microbatch"
+        f"{'es' if pipe.microbatches != 1 else ''} per step{' per replica' if plan.mesh.dp > 1 else ''}, "
+        f"schedule {pipe.schedule}; {'module walker (hf)' if resolved.kind == 'hf' else 'torch.fx stages'}",
+        *_layout_lines(resolved),
         "",
     ]
     if resolved.shards:
@@ -140,10 +216,10 @@ def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None) -> st
     n, k = resolved.num_stages, pipe.virtual_stages
     per_rank = f" on {pp} rank{'s' if pp != 1 else ''} ({k} per rank, {'V' if pipe.schedule == 'zbv' else 'looped'})" if k > 1 else ""
     out.append(f"Pipeline: {n} stage{'s' if n != 1 else ''}{per_rank}{cuts}{how}{est}")
-    out.append(format_table(["stage", "ranks", "est. compute", "modules"], stage_rows(resolved)))
+    ranks = "ranks (replica 0)" if plan.mesh.dp > 1 else "ranks"
+    out.append(format_table(["stage", ranks, "est. compute", "modules"], stage_rows(resolved)))
     out.append("")
-    out.append("Parameters and memory per rank (training = weights + grads + AdamW moments in fp32)")
-    out.append(format_table(["rank", "stages", "tp_rank", "params", "weights", "training"], rank_rows(resolved)))
+    out += _memory_lines(resolved, model)
     out.append(f"  whole model: {resolved.total_params:,} parameters, {format_bytes(resolved.total_bytes)}")
     return "\n".join(out)
 

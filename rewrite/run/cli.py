@@ -45,7 +45,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _mesh_words(plan) -> str:
-    """`dp=2 x pp=2 x tp=2 = 8 ranks, data_parallel.sharding full` (the sharding only when dp > 1)."""
+    """`dp=2 x pp=2 x tp=2 = 8 ranks, 2 replicas with data_parallel.sharding full` (replicas only when dp > 1)."""
     mesh = plan.mesh
     words = f"{mesh.shape_text()} = {mesh.world_size} rank{'s' if mesh.world_size != 1 else ''}"
     return words + (f", {mesh.dp} replicas with data_parallel.sharding {plan.data_parallel.sharding}" if mesh.dp > 1 else "")

@@ -125,11 +125,31 @@ def test_bad_files(tmp_path):
     assert "is not a module-path pattern" in problems_of({"tensor_parallel": {"model..x": "row"}})
 
 
-@pytest.mark.parametrize("name", ["llama-tp2", "llama-tp4", "llama-pp2", "llama-tp2-pp2", "llama-pp2-zbv"])
+SHIPPED_WORLD = {
+    "llama-tp2": 2, "llama-tp4": 4, "llama-pp2": 2, "llama-tp2-pp2": 4, "llama-pp2-zbv": 2,
+    "llama-fsdp4": 4, "llama-dp2-tp2": 4, "llama-dp2-tp2-pp2": 8,
+}
+
+
+@pytest.mark.parametrize("name", list(SHIPPED_WORLD))
 def test_shipped_plans_load(name):
     plan = load_plan(PLANS / f"{name}.yaml")
     assert plan.description
-    assert plan.mesh.world_size == {"llama-tp2": 2, "llama-tp4": 4, "llama-pp2": 2, "llama-tp2-pp2": 4, "llama-pp2-zbv": 2}[name]
+    assert plan.mesh.world_size == SHIPPED_WORLD[name]
+
+
+def test_every_shipped_plan_is_listed():
+    assert sorted(p.stem for p in PLANS.glob("*.yaml")) == sorted(SHIPPED_WORLD)
+
+
+def test_shipped_data_parallel_plans():
+    fsdp4, dp2_tp2, three = (load_plan(PLANS / f"{n}.yaml") for n in ("llama-fsdp4", "llama-dp2-tp2", "llama-dp2-tp2-pp2"))
+    assert (fsdp4.mesh.dp, fsdp4.mesh.pp, fsdp4.mesh.tp, fsdp4.data_parallel.sharding) == (4, 1, 1, "full")
+    tp_rules = load_plan(PLANS / "llama-tp2.yaml").tensor_parallel
+    assert (dp2_tp2.mesh.dp, dp2_tp2.mesh.pp, dp2_tp2.mesh.tp) == (2, 1, 2) and dp2_tp2.tensor_parallel == tp_rules
+    assert (three.mesh.dp, three.mesh.pp, three.mesh.tp) == (2, 2, 2) and three.tensor_parallel == tp_rules
+    assert (three.pipeline.schedule, three.pipeline.microbatches) == ("1f1b", 4)
+    assert three.mesh.shape_text() == "dp=2 x pp=2 x tp=2"
 
 
 def test_schema_file_in_sync():

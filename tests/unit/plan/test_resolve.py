@@ -24,12 +24,19 @@ def problems(plan, model, **kwargs) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("name", ["llama-tp2", "llama-tp4", "llama-pp2", "llama-tp2-pp2", "llama-pp2-zbv"])
+SHIPPED = [
+    "llama-tp2", "llama-tp4", "llama-pp2", "llama-tp2-pp2", "llama-pp2-zbv",
+    "llama-fsdp4", "llama-dp2-tp2", "llama-dp2-tp2-pp2",
+]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
 def test_shipped_plans_resolve(name, preset):
     model = build_model(preset, device="meta")
-    resolved = resolve(PLANS / f"{name}.yaml", model)
-    plan = resolved.plan
+    plan = rewrite.load_plan(PLANS / f"{name}.yaml")
+    resolved = resolve(plan, model, world_size=plan.mesh.world_size)
+    # Stages come from pp alone: each data-parallel replica runs the same pp x virtual_stages stages.
     assert resolved.kind == "hf" and len(resolved.stages) == plan.mesh.pp * plan.pipeline.virtual_stages
     layers = [l for s in resolved.stages for l in s.layers]
     assert layers == [f"model.layers.{i}" for i in range(4)]

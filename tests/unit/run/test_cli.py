@@ -41,6 +41,34 @@ def test_show_prints_the_three_tables():
     assert "whole model: 180,800 parameters" in text
 
 
+def test_show_data_parallel_in_the_plans_dtype():
+    out = rewrite_cmd("show", "plans/llama-dp2-tp2-pp2.yaml", "--model", "tiny-llama", "--dtype", "bfloat16")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "mesh: dp=2 x pp=2 x tp=2 = 8 ranks" in text
+    assert "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank" in text
+    assert "(0: ranks 0-3, 1: ranks 4-7)" in text and "data parallel: sharding full" in text
+    assert "weights and grads in bfloat16, AdamW's 2 moments in float32" in text
+    # Rank 0: stage 0's 53,504 tp-local parameters halved by dp; 2 bytes each, AdamW 8.
+    rows = [line.split() for line in text.splitlines()]
+    assert ["0", "0", "0", "26,752", "52.2", "KiB", "52.2", "KiB", "209.0", "KiB"] == next(r for r in rows if len(r) == 12 and r[0] == "0")[:10]
+    assert "ranks 4-7 (replica 1) hold the same as ranks 0-3, rank for rank" in text
+    assert "the fullest rank under each sharding, params + grads + AdamW: full " in text
+
+
+def test_validate_names_the_data_parallel_mesh():
+    plan = "plans/llama-dp2-tp2-pp2.yaml"
+    words = "dp=2 x pp=2 x tp=2 = 8 ranks, 2 replicas with data_parallel.sharding full"
+    ok = rewrite_cmd("validate", plan, "--model", "tiny-llama")
+    assert ok.returncode == 0, ok.stderr
+    assert f"OK for LlamaForCausalLM (tiny-llama): {words}, 28 sharded modules, 2 stages" in ok.stdout
+    assert f"OK as a plan (mesh {words})" in rewrite_cmd("validate", plan).stdout
+    for model in ([], ["--model", "tiny-llama"]):
+        out = rewrite_cmd("validate", plan, "--world-size", "4", *model)
+        assert out.returncode == 1
+        assert "mesh: dp=2 x pp=2 x tp=2 = 8 ranks, but the world size is 4; launch 8 processes" in out.stderr
+
+
 def test_show_reads_a_config_json_and_a_model_directory(tmp_path):
     from rewrite.run.presets import build_config
 

@@ -1,0 +1,162 @@
+"""Parameter memory per rank under a plan: tensor-parallel shards, then data-parallel sharding.
+
+What `rewrite show` prints in its per-rank table. Pure arithmetic on the parameters'
+shapes (a meta-device model will do); activations are not counted.
+
+With data parallelism each rank's parameters become torch FSDP2 units
+(`rewrite.data_parallel`). FSDP2 splits every parameter along dim 0, padded up to a
+multiple of dp, so a rank holds `ceil(d0 / dp) * d1 * ...` elements of a `[d0, d1, ...]`
+parameter. Gradients are synchronised once per step, so during a step each unit
+accumulates whole gradients and stays gathered from its first backward to the step's
+one reduce (`replicate` too: its gathered copy is a second buffer beside the parameter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from .resolve import ResolvedPlan
+
+__all__ = ["Footprint", "SHARDINGS", "MEMORY_HEADER", "footprint", "format_bytes", "memory_rows", "rank_footprints", "rank_parameters"]
+
+SHARDINGS = ("full", "grad_op", "replicate")
+ADAMW_BYTES = 8  # AdamW's two moments (exp_avg, exp_avg_sq) per element, kept in float32
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one rank holds for its parameters: a count, then bytes."""
+
+    params: int  # elements held between steps (FSDP2's padded shard, or whole)
+    weights: int  # bytes, the parameters' dtype
+    grads: int  # bytes after the step's reduce, the parameters' dtype
+    adamw: int  # bytes, float32
+    peak: int  # bytes at the step's worst moment: see `footprint`
+
+    @property
+    def at_rest(self) -> int:
+        """Weights + gradients + AdamW state, between steps."""
+        return self.weights + self.grads + self.adamw
+
+
+def _held(shape: tuple[int, ...], dp: int) -> int:
+    # FSDP2's shard of a parameter: dim 0 padded to a multiple of dp, then split (a scalar as [1]).
+    shape = shape or (1,)
+    return math.ceil(shape[0] / dp) * math.prod(shape[1:])
+
+
+def footprint(params: list[tuple[tuple[int, ...], int]], *, dp: int = 1, sharding: str = "full") -> Footprint:
+    """One rank's parameter memory for one data-parallel sharding.
+
+    Args:
+        params: (shape on this rank after tensor parallelism, bytes per element) of each
+            parameter the rank holds, each once.
+        dp: data-parallel replicas; 1 shares nothing (the sharding is then ignored).
+        sharding: `full`, `grad_op` or `replicate` (`data_parallel.sharding`).
+
+    Returns:
+        A `Footprint`. The peak, with dp = 1: weights + gradients + AdamW. With dp > 1:
+        weights + AdamW held + this rank's parameters gathered whole (padded) + its whole
+        gradients, accumulated until the one reduce per step (`full` and `grad_op` alike,
+        since every unit stays gathered from its first backward to the step's end). Sharded
+        gradients of the previous step are assumed freed (`optimizer.zero_grad()`).
+
+    Example:
+        >>> footprint([((3, 4), 4)], dp=2).params   # 3 rows padded to 4, 2 per rank
+        8
+    """
+    if sharding not in SHARDINGS:
+        raise ValueError(f"data_parallel.sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
+    whole = sum(math.prod(shape) for shape, _ in params)
+    whole_bytes = sum(math.prod(shape) * size for shape, size in params)
+    if dp == 1 or sharding == "replicate":
+        gathered = whole_bytes if dp > 1 else 0  # replicate's second, gathered copy during the step
+        return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
+                         2 * whole_bytes + ADAMW_BYTES * whole + gathered)
+    held = sum(_held(shape, dp) for shape, _ in params)
+    held_bytes = sum(_held(shape, dp) * size for shape, size in params)
+    gathered = dp * held_bytes  # the all-gather output, padding included
+    return Footprint(held, held_bytes, held_bytes, ADAMW_BYTES * held,
+                     held_bytes + ADAMW_BYTES * held + gathered + whole_bytes)
+
+
+def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> list[tuple[tuple[int, ...], int]]:
+    """(shape on the rank, bytes per element) of every parameter pp rank `pp_rank` holds, each once.
+
+    Every tp rank of a stage holds the same shapes; a parameter shared by two modules
+    the rank holds (tied embeddings on one rank) counts once.
+    """
+    modules = resolved.rank_modules(pp_rank) if resolved.pp > 1 else ("",)
+    shards = {s.fqn: s for s in resolved.shards if s.style != "grad_allreduce"}
+    seen, out = set(), []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen or not any(not m or name == m or name.startswith(m + ".") for m in modules):
+            continue
+        seen.add(id(param))
+        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        shard = shards.get(owner)
+        shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
+        out.append((tuple(shape or param.shape), param.element_size()))
+    return out
+
+
+def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, sharding: str | None = None) -> list[Footprint]:
+    """Each pp rank's footprint, in pp-rank order; every tp rank and every replica alike.
+
+    Args:
+        resolved: `rewrite.resolve(plan, model)`.
+        model: the model it was resolved against (a meta-device one will do); needed
+            when mesh.dp > 1, for FSDP2's padding. Without it (dp = 1) the stages'
+            totals are used.
+        sharding: another mode than the plan's `data_parallel.sharding`, to compare.
+
+    Raises:
+        ValueError: mesh.dp > 1 and no model.
+    """
+    dp, sharding = resolved.plan.mesh.dp, sharding or resolved.plan.data_parallel.sharding
+    if model is not None:
+        return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding) for r in range(resolved.pp)]
+    if dp > 1:
+        raise ValueError(
+            f"memory per rank under mesh.dp={dp} needs the parameters' shapes (FSDP2 pads each one's dim 0 "
+            "to a multiple of dp): pass the model the plan was resolved against, e.g. format_plan(resolved, model=model)"
+        )
+    out = []
+    for r in range(resolved.pp):
+        stages = [resolved.stages[s] for s in resolved.rank_stages(r)]
+        count, nbytes = sum(s.param_count for s in stages), sum(s.param_bytes for s in stages)
+        out.append(Footprint(count, nbytes, nbytes, ADAMW_BYTES * count, 2 * nbytes + ADAMW_BYTES * count))
+    return out
+
+
+def format_bytes(n: int) -> str:
+    """`1536` -> `'1.5 KiB'`."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+MEMORY_HEADER = ["rank", "stages", "tp_rank", "params", "weights", "grads", "AdamW", "peak in step"]
+
+
+def memory_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[list[str]]:
+    """The per-rank table of `rewrite show` (`MEMORY_HEADER`), for replica 0: the others hold the same.
+
+    params: elements held between steps; weights, grads, AdamW: their bytes; peak in step:
+    see `footprint`. mesh.dp > 1 needs `model` (FSDP2's padding).
+    """
+    rows = []
+    for pp_rank, foot in enumerate(rank_footprints(resolved, model)):
+        held = ",".join(str(s) for s in resolved.rank_stages(pp_rank))
+        for t in range(resolved.tp):
+            rows.append([
+                str(pp_rank * resolved.tp + t), held, str(t), f"{foot.params:,}",  # replica 0: dp_rank = 0
+                *(format_bytes(n) for n in (foot.weights, foot.grads, foot.adamw, foot.peak)),
+            ])
+    return rows

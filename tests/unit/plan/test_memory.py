@@ -1,0 +1,118 @@
+"""Memory per rank under data parallelism, and how `rewrite show` prints dp plans."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import rewrite
+from rewrite.plan.memory import footprint, rank_footprints
+from rewrite.plan.report import format_bytes, format_plan, rank_rows
+from rewrite.run.presets import build_model
+from tests.paths import PLANS
+
+TP_RULES = rewrite.load_plan(PLANS / "llama-tp2.yaml").tensor_parallel
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_model("tiny-llama", device="meta")
+
+
+def _plan(dp: int, sharding: str = "full", pp: int = 1, tp: int = 1, schedule: str = "afab", k: int = 1) -> dict:
+    return {
+        "mesh": {"dp": dp, "pp": pp, "tp": tp},
+        "tensor_parallel": TP_RULES if tp > 1 else {},
+        "pipeline": {"schedule": schedule, "virtual_stages": k, "microbatches": 4},
+        "data_parallel": {"sharding": sharding},
+    }
+
+
+def _rows(text: str, rank: str) -> list[str]:
+    # The per-rank memory row of `rank`: 8 columns (rank, stages, tp_rank, params, 4 sizes of 2 words each).
+    return next(r for r in (line.split() for line in text.splitlines()) if len(r) == 12 and r[0] == rank)
+
+
+def test_footprint_pads_dim_0_to_a_multiple_of_dp():
+    # [3, 4] float32 over dp=2: rows padded to 4, 2 rows of 4 per rank; a scalar counts as [1].
+    full = footprint([((3, 4), 4), ((), 4)], dp=2, sharding="full")
+    assert full.params == 2 * 4 + 1
+    assert (full.weights, full.grads, full.adamw) == (36, 36, 72)
+    # Peak: weights + AdamW held, the parameters gathered with their padding (2 x 9 x 4), whole gradients (13 x 4).
+    assert full.peak == 36 + 72 + 72 + 52
+    assert footprint([((3, 4), 4), ((), 4)], dp=2, sharding="grad_op") == full
+    rep = footprint([((3, 4), 4), ((), 4)], dp=2, sharding="replicate")
+    assert (rep.params, rep.weights, rep.grads, rep.adamw) == (13, 52, 52, 104)
+    assert rep.peak == 52 + 104 + 52 + 52  # replicate's gathered copy beside the parameters
+    alone = footprint([((3, 4), 2)], dp=1, sharding="full")
+    assert (alone.params, alone.weights, alone.adamw, alone.peak, alone.at_rest) == (12, 24, 96, 144, 144)
+    with pytest.raises(ValueError, match="use one of full, grad_op, replicate"):
+        footprint([((3, 4), 4)], dp=2, sharding="zero3")
+
+
+@pytest.mark.parametrize("sharding", ["full", "grad_op", "replicate"])
+def test_each_sharding_per_rank(llama, sharding):
+    dp = 3  # divides none of tiny-llama's dims: every parameter is padded
+    resolved = rewrite.resolve(_plan(dp, sharding), llama)
+    (foot,) = rank_footprints(resolved, llama)
+    shapes = [p.shape for p in llama.parameters()]
+    whole = sum(math.prod(s) for s in shapes)
+    held = sum(math.ceil(s[0] / dp) * math.prod(s[1:]) for s in shapes)
+    if sharding == "replicate":
+        assert (foot.params, foot.weights, foot.grads, foot.adamw) == (whole, 4 * whole, 4 * whole, 8 * whole)
+        assert foot.peak == 4 * whole * 3 + 8 * whole
+    else:
+        assert held > whole / dp and (foot.params, foot.weights, foot.adamw) == (held, 4 * held, 8 * held)
+        assert foot.peak == 4 * held + 8 * held + dp * 4 * held + 4 * whole
+    text = format_plan(resolved, model=llama)
+    assert "mesh: dp=3 x pp=1 x tp=1 = 3 ranks; 4 microbatches per step per replica" in text
+    assert "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank" in text
+    assert "replicas: 3, each a whole pipeline on its own microbatches (0: rank 0, 1: rank 1, 2: rank 2)" in text
+    assert f"data parallel: sharding {sharding}: " in text and "gradients reduced once per step" in text
+    assert ("dim 0 padded to a multiple of dp" in text) == (sharding != "replicate")
+    assert _rows(text, "0")[3] == f"{foot.params:,}"
+    assert "replicas 1-2 (ranks 1-2) hold the same as replica 0, rank for rank" in text
+    modes = {m: rank_footprints(resolved, llama, sharding=m)[0] for m in ("full", "grad_op", "replicate")}
+    assert (
+        "  the fullest rank under each sharding, params + grads + AdamW: "
+        + ", ".join(f"{m} {format_bytes(f.at_rest)}" for m, f in modes.items())
+    ) in text
+    assert modes["full"].at_rest < modes["replicate"].at_rest / 2
+
+
+def test_show_dp2_tp2_pp2(llama):
+    resolved = rewrite.resolve(PLANS / "llama-dp2-tp2-pp2.yaml", llama, world_size=8)
+    text = format_plan(resolved, model_label="tiny-llama", model=llama)
+    assert "mesh: dp=2 x pp=2 x tp=2 = 8 ranks; 4 microbatches per step per replica, schedule 1f1b" in text
+    assert "replicas: 2, each a whole pipeline on its own microbatches (0: ranks 0-3, 1: ranks 4-7)" in text
+    assert "data parallel: sharding full: each rank holds 1/dp of every parameter" in text
+    lines = [line.split() for line in text.splitlines()]
+    assert ["stage", "ranks", "(replica", "0)", "est.", "compute", "modules"] in lines
+    # Replica 0's ranks only; each holds half (dp=2) of what the same rank holds without dp.
+    without = rewrite.resolve(PLANS / "llama-tp2-pp2.yaml", llama)
+    for rank in range(4):
+        row, stage = _rows(text, str(rank)), without.stages[rank // 2]
+        assert row[1:3] == [str(rank // 2), str(rank % 2)]
+        assert int(row[3].replace(",", "")) == stage.param_count // 2
+    assert not any(len(r) == 12 and r[0] in {"4", "5", "6", "7"} for r in lines)
+    assert "  ranks 4-7 (replica 1) hold the same as ranks 0-3, rank for rank" in text
+    assert "whole model: 180,800 parameters" in text
+    # The compact table lists every global rank, in order, replica after replica.
+    rows = rank_rows(resolved, llama)
+    assert [r[0] for r in rows] == [str(r) for r in range(8)] and rows[4][1:] == rows[0][1:]
+
+
+def test_a_split_schedule_keeps_full_gathered(llama):
+    text = format_plan(rewrite.resolve(_plan(2, "full", pp=2, schedule="zbv", k=2), llama), model=llama)
+    assert "schedule zbv splits backwards, so as under grad_op a layer stays gathered from forward to backward" in text
+    text = format_plan(rewrite.resolve(_plan(2, "full", pp=2, schedule="1f1b"), llama), model=llama)
+    assert "splits backwards" not in text
+
+
+def test_dp_needs_the_model_for_padding(llama):
+    resolved = rewrite.resolve(_plan(2), llama)
+    with pytest.raises(ValueError, match=r"pads each one's dim 0 to a multiple of dp.*format_plan\(resolved, model=model\)"):
+        format_plan(resolved)
+    one = rewrite.resolve(PLANS / "llama-tp2-pp2.yaml", llama)
+    assert format_plan(one) == format_plan(one, model=llama).replace("in float32, AdamW", "in the parameters' dtype, AdamW")
