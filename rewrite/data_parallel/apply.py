@@ -32,13 +32,18 @@ _RUN = "_rewrite_run_stage"  # the model method a stage runs through, registered
 class GradSync:
     """Switches a rank's data-parallel units between accumulating and synchronising gradients."""
 
-    def __init__(self, root: nn.Module, sharding: str):
-        self.root, self.sharding = root, sharding
+    def __init__(self, root: nn.Module, sharding: str, *, reshard_after_backward: bool):
+        self.root, self.sharding, self.reshard = root, sharding, reshard_after_backward
 
     def begin(self) -> None:
-        """Every backward of the step accumulates local gradients; nothing is reduced yet."""
+        """Every backward of the step accumulates local gradients; nothing is reduced yet.
+
+        `full` (without split backwards) lets each unit's gathered parameters go after its
+        backward, as ZeRO-3 does; `grad_op`, `replicate` and split schedules keep them
+        until the step's end (no gathering again for the next microbatch, and W needs them).
+        """
         self.root.set_is_last_backward(False)
-        self.root.set_reshard_after_backward(False)
+        self.root.set_reshard_after_backward(self.reshard)
         self.root.set_requires_gradient_sync(False)
 
     def finish(self) -> None:
@@ -95,13 +100,14 @@ def apply_data_parallel(stage: Stage, *, split_backward: bool) -> GradSync | Non
         "apply_plan",
     )
     dp_mesh, model = mesh.device_mesh["dp"], stage.model
+    zero3 = sharding == "full" and not split_backward  # gathered for each use, let go after it
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     tied = [names[id(p)] for p in stage.tied]
     for module in [*units, model]:  # the root last
         if sharding == "replicate":
             replicate(module, mesh=dp_mesh)
         else:
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=sharding == "full" and not split_backward)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3)
     if any(fn is not model for fn in stage.forward_fns.values()):
         fns = dict(stage.forward_fns)
         setattr(model, _RUN, types.MethodType(lambda self, s, x: fns[s](x), model))
@@ -109,7 +115,7 @@ def apply_data_parallel(stage: Stage, *, split_backward: bool) -> GradSync | Non
         run = getattr(model, _RUN)
         stage.forward_fns = {s: (fn if fn is model else _bind(run, s)) for s, fn in fns.items()}
     stage.tied = [model.get_parameter(n) for n in tied]  # FSDP2 put sharded parameters in their place
-    return GradSync(model, sharding)
+    return GradSync(model, sharding, reshard_after_backward=zero3)
 
 
 def _bind(run, s: int):

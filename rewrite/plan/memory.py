@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .schedules import splits_backward
 from .resolve import ResolvedPlan
 
 __all__ = ["Footprint", "SHARDINGS", "MEMORY_HEADER", "footprint", "format_bytes", "memory_rows", "rank_footprints", "rank_parameters"]
@@ -48,21 +49,27 @@ def _held(shape: tuple[int, ...], dp: int) -> int:
     return math.ceil(shape[0] / dp) * math.prod(shape[1:])
 
 
-def footprint(params: list[tuple[tuple[int, ...], int]], *, dp: int = 1, sharding: str = "full") -> Footprint:
+def footprint(
+    params: list[tuple], *, dp: int = 1, sharding: str = "full", split: bool = False
+) -> Footprint:
     """One rank's parameter memory for one data-parallel sharding.
 
     Args:
-        params: (shape on this rank after tensor parallelism, bytes per element) of each
-            parameter the rank holds, each once.
+        params: (shape on this rank after tensor parallelism, bytes per element[, unit])
+            of each parameter the rank holds, each once; `unit` names the FSDP2 unit it
+            belongs to (a decoder layer, or the root), default one unit for all.
         dp: data-parallel replicas; 1 shares nothing (the sharding is then ignored).
         sharding: `full`, `grad_op` or `replicate` (`data_parallel.sharding`).
+        split: the schedule splits backwards (zero-bubble, zbv): `full` then keeps
+            parameters gathered through the step, as `grad_op` does.
 
     Returns:
         A `Footprint`. The peak, with dp = 1: weights + gradients + AdamW. With dp > 1:
-        weights + AdamW held + this rank's parameters gathered whole (padded) + its whole
-        gradients, accumulated until the one reduce per step (`full` and `grad_op` alike,
-        since every unit stays gathered from its first backward to the step's end). Sharded
-        gradients of the previous step are assumed freed (`optimizer.zero_grad()`).
+        weights + AdamW held + gathered parameters (padded) + the rank's whole gradients,
+        accumulated until the one reduce per step. Gathered: under `full` the largest unit
+        (each is let go after its forward and after its backward); under `grad_op` (or
+        `full` with split backwards) all of the rank's, kept from forward to the step's
+        end. Sharded gradients of the previous step are assumed freed (`zero_grad()`).
 
     Example:
         >>> footprint([((3, 4), 4)], dp=2).params   # 3 rows padded to 4, 2 per rank
@@ -70,25 +77,30 @@ def footprint(params: list[tuple[tuple[int, ...], int]], *, dp: int = 1, shardin
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"data_parallel.sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
-    whole = sum(math.prod(shape) for shape, _ in params)
-    whole_bytes = sum(math.prod(shape) * size for shape, size in params)
+    whole = sum(math.prod(p[0]) for p in params)
+    whole_bytes = sum(math.prod(p[0]) * p[1] for p in params)
     if dp == 1 or sharding == "replicate":
         gathered = whole_bytes if dp > 1 else 0  # replicate's second, gathered copy during the step
         return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
                          2 * whole_bytes + ADAMW_BYTES * whole + gathered)
-    held = sum(_held(shape, dp) for shape, _ in params)
-    held_bytes = sum(_held(shape, dp) * size for shape, size in params)
-    gathered = dp * held_bytes  # the all-gather output, padding included
+    held = sum(_held(p[0], dp) for p in params)
+    held_bytes = sum(_held(p[0], dp) * p[1] for p in params)
+    units: dict = {}
+    for p in params:
+        units[p[2] if len(p) > 2 else None] = units.get(p[2] if len(p) > 2 else None, 0) + _held(p[0], dp) * p[1]
+    gathered = dp * (max(units.values(), default=0) if sharding == "full" and not split else held_bytes)
     return Footprint(held, held_bytes, held_bytes, ADAMW_BYTES * held,
                      held_bytes + ADAMW_BYTES * held + gathered + whole_bytes)
 
 
-def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> list[tuple[tuple[int, ...], int]]:
-    """(shape on the rank, bytes per element) of every parameter pp rank `pp_rank` holds, each once.
+def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> list[tuple[tuple[int, ...], int, str]]:
+    """(shape on the rank, bytes per element, FSDP2 unit) of every parameter pp rank `pp_rank` holds, each once.
 
     Every tp rank of a stage holds the same shapes; a parameter shared by two modules
-    the rank holds (tied embeddings on one rank) counts once.
+    the rank holds (tied embeddings on one rank) counts once. The unit is the decoder
+    layer (a traced model: the module of its layer sequence) holding it, else "root".
     """
+    layers = {m for s in resolved.stages for m in s.layers}
     modules = resolved.rank_modules(pp_rank) if resolved.pp > 1 else ("",)
     shards = {s.fqn: s for s in resolved.shards if s.style != "grad_allreduce"}
     seen, out = set(), []
@@ -99,7 +111,8 @@ def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> l
         owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
         shard = shards.get(owner)
         shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
-        out.append((tuple(shape or param.shape), param.element_size()))
+        unit = next((m for m in layers if name.startswith(m + ".")), "root")
+        out.append((tuple(shape or param.shape), param.element_size(), unit))
     return out
 
 
@@ -118,7 +131,9 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
     """
     dp, sharding = resolved.plan.mesh.dp, sharding or resolved.plan.data_parallel.sharding
     if model is not None:
-        return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding) for r in range(resolved.pp)]
+        split = splits_backward(resolved.plan.pipeline)
+        return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split)
+                for r in range(resolved.pp)]
     if dp > 1:
         raise ValueError(
             f"memory per rank under mesh.dp={dp} needs the parameters' shapes (FSDP2 pads each one's dim 0 "

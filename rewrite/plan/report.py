@@ -13,7 +13,7 @@ from torch import nn
 
 from .memory import MEMORY_HEADER, SHARDINGS, format_bytes, memory_rows, rank_footprints
 from .resolve import ResolvedPlan
-from .schedules import Table, peak_in_flight, placement, plan_table, simulate
+from .schedules import Table, peak_in_flight, placement, plan_table, simulate, splits_backward
 from .schema import ParallelPlan
 
 __all__ = [
@@ -109,12 +109,11 @@ def _span(lo: int, hi: int, word: str = "rank") -> str:
 
 _MODES = {
     "full": "each rank holds 1/dp of every parameter, gradient and AdamW moment (ZeRO-3; dim 0 padded "
-    "to a multiple of dp), a layer gathered for each use",
+    "to a multiple of dp), a layer gathered for each use and let go after it",
     "grad_op": "each rank holds 1/dp of every parameter, gradient and AdamW moment (dim 0 padded to a "
     "multiple of dp), a layer gathered from its first forward to the step's end",
     "replicate": "whole parameters, gradients and AdamW moments on every replica",
 }
-_SPLIT = ("zero-bubble", "zbv")  # schedules whose backwards split into B and W
 
 
 def _layout_lines(resolved: ResolvedPlan) -> list[str]:
@@ -125,14 +124,14 @@ def _layout_lines(resolved: ResolvedPlan) -> list[str]:
     shown = list(range(mesh.dp)) if mesh.dp <= 4 else [0, 1, None, mesh.dp - 1]
     replicas = ", ".join("..." if d is None else f"{d}: {_span(d * per, d * per + per - 1)}" for d in shown)
     sharding, schedule = resolved.plan.data_parallel.sharding, resolved.plan.pipeline.schedule
-    split = sharding == "full" and schedule in _SPLIT
+    split = sharding == "full" and splits_backward(resolved.plan.pipeline)
     return [
         "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank (tp innermost: neighbours on one machine; "
         "dp outermost: replicas across machines)",
         f"replicas: {mesh.dp}, each a whole pipeline on its own microbatches ({replicas})",
         f"data parallel: sharding {sharding}: {_MODES[sharding]}"
-        + (f"; schedule {schedule} splits backwards, so as under grad_op a layer stays gathered from forward "
-           "to backward" if split else "")
+        + (f"; schedule {schedule} splits backwards, so as under grad_op the layers stay gathered from "
+           "forward to the step's end" if split else "")
         + "; gradients reduced once per step",
     ]
 
@@ -156,9 +155,10 @@ def _memory_lines(resolved: ResolvedPlan, model: nn.Module | None) -> list[str]:
         out.append("  peak in step = weights + grads + AdamW (activations not counted)")
         return out
     out.append(
-        "  peak in step = weights + AdamW held + this rank's parameters gathered whole (after a backward a layer "
-        "stays gathered, under full until its next forward) + its gradients accumulated whole until the step's "
-        "one reduce; activations not counted"
+        "  peak in step = weights + AdamW held + parameters gathered (full: the largest layer or the root's "
+        "embeddings/norm/head; grad_op, or full under a split schedule: all of the rank's, from forward to the "
+        "step's end; replicate: a second whole copy) + the gradients accumulated whole until the step's one "
+        "reduce; activations not counted"
     )
     feet = {m: max(rank_footprints(resolved, model, sharding=m), key=lambda f: f.peak) for m in SHARDINGS}
     rest = ", ".join(f"{m} {format_bytes(f.at_rest)}" for m, f in feet.items())

@@ -39,9 +39,14 @@ def test_footprint_pads_dim_0_to_a_multiple_of_dp():
     full = footprint([((3, 4), 4), ((), 4)], dp=2, sharding="full")
     assert full.params == 2 * 4 + 1
     assert (full.weights, full.grads, full.adamw) == (36, 36, 72)
-    # Peak: weights + AdamW held, the parameters gathered with their padding (2 x 9 x 4), whole gradients (13 x 4).
+    # Peak: weights + AdamW held, the parameters gathered with their padding (2 x 9 x 4), whole gradients (13 x 4):
+    # one unit here, so full (the largest unit gathered) and grad_op (all of them) gather alike.
     assert full.peak == 36 + 72 + 72 + 52
     assert footprint([((3, 4), 4), ((), 4)], dp=2, sharding="grad_op") == full
+    # Two units: full gathers the largest (2 x 8 x 4), grad_op or a split schedule all (2 x 9 x 4).
+    units = [((3, 4), 4, "layer"), ((), 4, "root")]
+    assert footprint(units, dp=2, sharding="full").peak == 36 + 72 + 64 + 52
+    assert footprint(units, dp=2, sharding="grad_op").peak == footprint(units, dp=2, split=True).peak == 36 + 72 + 72 + 52
     rep = footprint([((3, 4), 4), ((), 4)], dp=2, sharding="replicate")
     assert (rep.params, rep.weights, rep.grads, rep.adamw) == (13, 52, 52, 104)
     assert rep.peak == 52 + 104 + 52 + 52  # replicate's gathered copy beside the parameters
@@ -64,7 +69,13 @@ def test_each_sharding_per_rank(llama, sharding):
         assert foot.peak == 4 * whole * 3 + 8 * whole
     else:
         assert held > whole / dp and (foot.params, foot.weights, foot.adamw) == (held, 4 * held, 8 * held)
-        assert foot.peak == 4 * held + 8 * held + dp * 4 * held + 4 * whole
+        # Gathered: under full the largest unit (the root: embeddings, norm, head), under grad_op all.
+        units: dict[str, int] = {}
+        for name, p in llama.named_parameters():
+            unit = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "root"
+            units[unit] = units.get(unit, 0) + math.ceil(p.shape[0] / dp) * math.prod(p.shape[1:])
+        gathered = max(units.values()) if sharding == "full" else held
+        assert foot.peak == 4 * held + 8 * held + dp * 4 * gathered + 4 * whole
     text = format_plan(resolved, model=llama)
     assert "mesh: dp=3 x pp=1 x tp=1 = 3 ranks; 4 microbatches per step per replica" in text
     assert "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank" in text
@@ -105,7 +116,7 @@ def test_show_dp2_tp2_pp2(llama):
 
 def test_a_split_schedule_keeps_full_gathered(llama):
     text = format_plan(rewrite.resolve(_plan(2, "full", pp=2, schedule="zbv", k=2), llama), model=llama)
-    assert "schedule zbv splits backwards, so as under grad_op a layer stays gathered from forward to backward" in text
+    assert "schedule zbv splits backwards, so as under grad_op the layers stay gathered from forward to the step's end" in text
     text = format_plan(rewrite.resolve(_plan(2, "full", pp=2, schedule="1f1b"), llama), model=llama)
     assert "splits backwards" not in text
 
