@@ -41,48 +41,93 @@ class _HandStage(nn.Module):
 
 
 # rewrite's named schedules and their counterparts in torch.distributed.pipelining.
-TORCH_SCHEDULES = {"afab": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+TORCH_SCHEDULES = {
+    "afab": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+# Stages per rank (pipeline.virtual_stages); 1 where not listed.
+VIRTUAL_STAGES = {"interleaved-1f1b": 2, "zero-bubble": 2, "zbv": 2}
+
+
+def layer_cuts(schedule: str, world: int, cut: int, n_layers: int) -> list[int]:
+    """First layer of each stage after the first: `[cut]` with one stage per rank, else an even split."""
+    k = VIRTUAL_STAGES.get(schedule, 1)
+    if k == 1:
+        return [cut]
+    num_stages = world * k
+    if n_layers < num_stages:
+        raise ValueError(f"{schedule}: {num_stages} stages need at least {num_stages} layers, the model has {n_layers}")
+    return [n_layers * s // num_stages for s in range(1, num_stages)]
+
+
+def held_stages(schedule: str, rank: int, world: int) -> list[int]:
+    """Stages rank `rank` holds: looped (r, r + pp, ...), or V-shaped (r, 2pp - 1 - r) for zbv."""
+    k = VIRTUAL_STAGES.get(schedule, 1)
+    if schedule == "zbv":
+        return [rank, 2 * world - 1 - rank]
+    return [rank + v * world for v in range(k)]
 
 
 def _torch_pipeline(rank: int, world: int, cut: int, schedule: str = "afab"):
-    """Two hand-carved stages, layers [0, cut) and [cut, n), under torch's counterpart of `schedule`."""
+    """Hand-carved stages under torch's counterpart of `schedule`: returns (module, step, its PipelineStages).
+
+    One stage per rank, layers [0, cut) and [cut, n); or, for the virtual-stage schedules,
+    2 * world stages of n / (2 * world) layers placed as `held_stages` says. `step(keep_grads=False)`
+    runs one step and returns its loss (mean over microbatches) on the rank holding the last stage.
+    """
     from torch.distributed import pipelining
 
-    if world != 2:
-        raise ValueError(f"the hand-carved baseline has two stages, not {world}; run it with world=2")
     lm = common.model()
     n = lm.config.num_hidden_layers
-    carved = _HandStage(lm, 0 if rank == 0 else cut, cut if rank == 0 else n, rank == 0, rank == 1)
+    starts = [0, *layer_cuts(schedule, world, cut, n), n]
+    num_stages = len(starts) - 1
+    held = held_stages(schedule, rank, world)
+    carved = [_HandStage(lm, starts[s], starts[s + 1], s == 0, s == num_stages - 1) for s in held]
     del lm
-    stage = pipelining.PipelineStage(carved, rank, world, torch.device("cpu"))
+    stages = [pipelining.PipelineStage(c, s, num_stages, torch.device("cpu")) for c, s in zip(carved, held)]
     schedule_cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
-    runner = schedule_cls(stage, n_microbatches=common.MICROBATCHES, loss_fn=rewrite.causal_lm_loss)
+    runner = schedule_cls(stages if num_stages > world else stages[0], n_microbatches=common.MICROBATCHES,
+                          loss_fn=rewrite.causal_lm_loss)
+    module = carved[0] if len(carved) == 1 else nn.ModuleList(carved)
     ids, targets = common.batch()
     full_ids, full_targets = torch.cat(ids), torch.cat(targets)  # the schedule splits them again
+    args = (full_ids,) if 0 in held else ()
+    target = full_targets if num_stages - 1 in held else None
 
-    def step():
-        if rank == 0:
-            runner.step(full_ids)
-        else:
-            runner.step(target=full_targets, losses=[], return_outputs=False)
-        carved.zero_grad(set_to_none=True)
+    def step(keep_grads: bool = False):
+        losses: list[torch.Tensor] = []
+        runner.step(*args, target=target, losses=losses, return_outputs=False)
+        if not keep_grads:
+            module.zero_grad(set_to_none=True)
+        # Summed as rewrite's runner sums them (each microbatch's loss / m), for a like-for-like parity check.
+        return torch.stack([l.detach() / len(losses) for l in losses]).sum() if losses else None
 
-    return carved, step, stage
+    return module, step, stages
 
 
 def _ours(rank: int, world: int, cut: int, schedule: str = "afab"):
+    """rewrite's side under the plan's `schedule`, on the same layer split as `_torch_pipeline`."""
     lm = common.model()
-    pipeline = {"microbatches": common.MICROBATCHES, "schedule": schedule, "cut_points": [f"model.layers.{cut}"]}
+    cuts = layer_cuts(schedule, world, cut, lm.config.num_hidden_layers)
+    pipeline = {"microbatches": common.MICROBATCHES, "schedule": schedule,
+                "cut_points": [f"model.layers.{c}" for c in cuts]}
+    if schedule in VIRTUAL_STAGES:
+        pipeline["virtual_stages"] = VIRTUAL_STAGES[schedule]
     stage = rewrite.apply_plan(lm, {"mesh": {"pp": world}, "pipeline": pipeline})
     ids, targets = common.batch()
     busy = []
 
-    def step():
+    def step(keep_grads: bool = False):
         start = time.time()
-        rewrite.run_schedule(stage, ids, targets)  # the plan's schedule
+        loss = rewrite.run_schedule(stage, ids, targets)  # the plan's schedule
         wall = time.time() - start
         busy.append(sum(e.end - e.start for e in stage.timeline) / wall)
-        stage.module.zero_grad(set_to_none=True)
+        if not keep_grads:
+            stage.module.zero_grad(set_to_none=True)
+        return loss
 
     return stage, step, busy
 

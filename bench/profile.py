@@ -5,6 +5,7 @@
     .venv/bin/python -m bench.profile tp-sums     # TP: time in the sums, and the step without them
     .venv/bin/python -m bench.profile pp-path     # PP: the critical path from the timeline
     .venv/bin/python -m bench.profile pp-path --schedule 1f1b   # the same under 1F1B (also: pp)
+    .venv/bin/python -m bench.profile pp-path --schedule zbv    # virtual stages: busy time per rank
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def _pp_path(rank: int, world: int, rows: int, schedule: str = "afab") -> dict:
         "wall_s": wall,
         "forward_s": [e.end - e.start for e in stage.timeline if e.kind == "forward"],
         "backward_s": [e.end - e.start for e in stage.timeline if e.kind == "backward"],
+        "busy_s": sum(e.end - e.start for e in stage.timeline),  # every action, split backwards too
     }
 
 
@@ -94,7 +96,14 @@ def _print_top(results: list[dict]) -> None:
             print(f"  {ms:9.1f} ms  {count:6d}x  {key}")
 
 
-def _print_path(results: list[dict]) -> None:
+def _print_path(results: list[dict], schedule: str) -> None:
+    step = max(r["wall_s"] for r in results)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: step {r['wall_s']:.3f} s, busy {r['busy_s']:.3f} s ({r['busy_s'] / step:.3f} of the step)")
+    if schedule in pp.VIRTUAL_STAGES:
+        # No schedule runs a step faster than its busiest rank's compute.
+        print(f"step / busiest rank's compute = {step / max(r['busy_s'] for r in results):.3f}")
+        return
     first, last = results[0], results[-1]
     busy_last = sum(last["forward_s"]) + sum(last["backward_s"])
     # 2 stages, AFAB or 1F1B: stage 1 cannot start before stage 0's first forward, and
@@ -106,14 +115,14 @@ def _print_path(results: list[dict]) -> None:
         print(f"rank {rank}: step {r['wall_s']:.3f} s, forward {sum(r['forward_s']):.3f} s, "
               f"backward {sum(r['backward_s']):.3f} s over {len(r['forward_s'])} microbatches")
     print(f"critical path (stage 0 first forward + stage 1 busy + stage 0 last backward): {bound:.3f} s; "
-          f"step / bound = {max(r['wall_s'] for r in results) / bound:.3f}")
+          f"step / bound = {step / bound:.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", choices=["tp", "pp", "tp-sums", "pp-path"])
     parser.add_argument("--rows", type=int, default=12)
-    parser.add_argument("--schedule", choices=["afab", "1f1b"], default="afab", help="for pp and pp-path")
+    parser.add_argument("--schedule", choices=list(pp.TORCH_SCHEDULES), default="afab", help="for pp and pp-path")
     args = parser.parse_args()
     fn = {"tp": _profile_tp, "pp": _profile_pp, "tp-sums": _tp_sums, "pp-path": _pp_path}[args.which]
     if args.which.startswith("pp"):
@@ -122,7 +131,7 @@ def main() -> None:
     if args.which in ("tp", "pp"):
         _print_top(results)
     elif args.which == "pp-path":
-        _print_path(results)
+        _print_path(results, args.schedule)
     else:
         for rank, r in enumerate(results):
             print(f"rank {rank}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))

@@ -1,6 +1,6 @@
 """Run every benchmark side by side and write bench/results.json.
 
-    .venv/bin/python -m bench.run            # about 4 minutes on 2 cores
+    .venv/bin/python -m bench.run            # about 5 minutes on 2 cores
     .venv/bin/python -m bench.run --steps 3  # a quick look
 
 Prints markdown tables of medians and ratios (the numbers in BENCHMARKS.md); the
@@ -52,7 +52,7 @@ def main() -> None:
     pp_runs = common.launch(pp.timing, 2, args.warmup, args.steps)
     # The same comparison with the cut moved to balance the LM head's cost (5 + 3 layers).
     pp_cut5 = common.launch(pp.timing, 2, args.warmup, args.steps, 5)
-    # Each schedule against its torch.distributed.pipelining counterpart (afab, 1f1b).
+    # Each schedule against its torch.distributed.pipelining counterpart (bench.schedules).
     sched_runs = common.launch(schedules.compare, 2, args.warmup, args.steps)
     tp_runs = common.launch(tp.timing, 2, args.warmup, args.steps)
     mem = {
