@@ -1,10 +1,11 @@
 """Run every benchmark side by side and write bench/results.json.
 
-    .venv/bin/python -m bench.run            # about 5 minutes on 2 cores
+    .venv/bin/python -m bench.run            # about 6 minutes on 2 cores
     .venv/bin/python -m bench.run --steps 3  # a quick look
 
 Prints markdown tables of medians and ratios (the numbers in BENCHMARKS.md); the
-per-schedule pipeline comparison alone is `python -m bench.schedules`.
+per-schedule pipeline comparison alone is `python -m bench.schedules`, data parallelism alone
+`python -m bench.dp`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench import common, pp, schedules, tp
+from bench import common, dp, pp, schedules, tp
 
 
 def _machine() -> dict:
@@ -55,6 +56,7 @@ def main() -> None:
     # Each schedule against its torch.distributed.pipelining counterpart (bench.schedules).
     sched_runs = common.launch(schedules.compare, 2, args.warmup, args.steps)
     tp_runs = common.launch(tp.timing, 2, args.warmup, args.steps)
+    dp_runs = common.launch(dp.compare, 2, args.warmup, args.steps)  # bench.dp: DDP / FSDP2 side by side
     mem = {
         "pp_ours": common.launch(pp.memory, 2, "ours"),
         "pp_gpipe": common.launch(pp.memory, 2, "gpipe"),
@@ -86,6 +88,7 @@ def main() -> None:
             "collectives_dtensor": tp_runs[0]["collectives_dtensor"], "raw": tp_runs},
         memory=mem,
         schedules=schedules.summarize(sched_runs, one),
+        dp=dp.summarize(dp_runs, single["times"]),
         ideal_param_bytes_per_rank=single["param_bytes"] / 2,
         wall_s=time.time() - start,
     )
@@ -93,6 +96,8 @@ def main() -> None:
     print(table(res))
     print()
     print(schedules.table(res["schedules"]))
+    print()
+    print(dp.table(res["dp"]))
 
 
 def table(res: dict) -> str:
