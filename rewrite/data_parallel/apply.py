@@ -46,6 +46,14 @@ class GradSync:
         self.root.set_reshard_after_backward(self.reshard)
         self.root.set_requires_gradient_sync(False)
 
+    def sync_next_backward(self) -> None:
+        """The next backward is the rank's last: each unit reduces as its own backward ends,
+        overlapping the reduction with the rest of that backward (`finish` then reduces
+        only what that backward did not reach). Not for split backwards: their W comes later.
+        """
+        self.root.set_is_last_backward(True)
+        self.root.set_requires_gradient_sync(True)
+
     def finish(self) -> None:
         """Reduce the step's gradients over dp (averaged), once, and reshard what was gathered."""
         self.root.set_is_last_backward(True)

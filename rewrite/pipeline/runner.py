@@ -120,9 +120,15 @@ def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int)
 def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
     step = _Step(stage, table, inputs, targets, loss_fn or causal_lm_loss)
     stash = _stash_tied_grads(stage)
+    row = table[stage.stage_idx]
+    last_backward = None  # the row's last whole backward, when no W follows: it may sync in place
     if stage.grad_sync is not None:
         stage.grad_sync.begin()  # backwards only accumulate until the step's end
-    for action in table[stage.stage_idx]:
+        if not any(a.kind == "W" for a in row):
+            last_backward = max((i for i, a in enumerate(row) if a.kind == "B"), default=None)
+    for i, action in enumerate(row):
+        if i == last_backward:
+            stage.grad_sync.sync_next_backward()
         step.run(action)
     step.finish()
     if stage.grad_sync is not None:
