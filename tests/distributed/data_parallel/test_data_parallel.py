@@ -88,7 +88,15 @@ def _refusals(rank: int, ws: int) -> list[str]:
         rewrite.apply_plan(build_model(config, seed=3), {"mesh": {"dp": 2, "tp": 2}})
     except ValueError as exc:
         messages.append(str(exc))
+    # dp = 1: nothing of data parallelism is installed (no FSDP2 module, no hook, plain parameters).
+    from torch.distributed.fsdp import FSDPModule
+
+    plain = rewrite.apply_plan(build_model(config, seed=3), {"mesh": {"pp": 2}})
+    assert plain.grad_sync is None and plain.dp == 1 and plain.dp_rank == 0
+    assert not any(isinstance(m, FSDPModule) or m._forward_pre_hooks or m._forward_hooks for m in plain.model.modules())
+    assert not any(hasattr(p, "to_local") for p in plain.parameters())
     stage = rewrite.apply_plan(build_model(config, seed=3), {"mesh": {"dp": 2}, "pipeline": {"microbatches": 2}})
+    assert stage.grad_sync is not None and stage.dp == 2 and stage.dp_rank == rank
     ids, targets = _batch(config, 3)
     count = 2 if stage.dp_rank == 0 else 3  # the replicas disagree on the microbatch count
     try:
