@@ -148,7 +148,9 @@ class _Step:
         self.m, self.mesh, self.device, self.dtype = len(inputs), stage.mesh, stage.device, stage.dtype
         self.place, self.last = stage.stage_rank, stage.num_stages - 1
         me = stage.stage_idx
-        self.split = {(a.mb, a.stage) for a in table[me] if a.kind == "W"}  # B is input-only, W the rest
+        # B is input-only and W the rest, unless this rank recomputes activations: a split
+        # backward would recompute once per weight group, so B runs it whole and W is empty.
+        self.split = set() if stage.recomputed else {(a.mb, a.stage) for a in table[me] if a.kind == "W"}
         self.held: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (stage input, output or loss)
         self.deferred: dict[tuple[int, int], Deferred] = {}
         self.local: dict[tuple, torch.Tensor] = {}  # handed between two stages of this rank
@@ -188,7 +190,7 @@ class _Step:
             start = self.forward(mb, s)
         elif kind == "B":
             start = self.backward(mb, s)
-        else:
+        elif (mb, s) in self.split:
             backward_weight(self.deferred.pop((mb, s)), self._params())
             del self.held[mb, s]
         name = "backward-input" if kind == "B" and (mb, s) in self.split else _EVENT[kind]

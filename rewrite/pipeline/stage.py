@@ -51,6 +51,8 @@ class Stage:
         grad_sync: with data parallelism (mesh.dp > 1), what the runner calls before a
             step (`begin`: backwards only accumulate) and after it (`finish`: gradients
             averaged over the replicas once); None otherwise.
+        recomputed: this rank's modules whose activations are recomputed in the
+            backward (`activation_checkpointing`); their W passes run inside B.
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-pp2.yaml")
@@ -66,6 +68,7 @@ class Stage:
     tied: list[nn.Parameter] = field(default_factory=list)
     timeline: list[TimelineEvent] = field(default_factory=list)
     grad_sync: Any = None
+    recomputed: tuple[str, ...] = ()  # modules of this rank under activation checkpointing
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Run this rank's stage on one microbatch: model input on the first stage, else hidden states."""

@@ -52,6 +52,7 @@ class ResolvedPlan:
     layer_indices: tuple[tuple[int, ...], ...] = field(default=())  # per stage, "hf" only
     costs: Costs | None = None  # estimated compute per part, for pipeline.seq_len tokens; "hf" only
     stage_rank: tuple[int, ...] = (0,)  # the pp rank holding each stage
+    recomputed: tuple[str, ...] = ()  # modules whose activations are recomputed (activation_checkpointing)
 
     @property
     def num_stages(self) -> int:
@@ -178,6 +179,18 @@ def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], l
     return stages, list(cuts), []
 
 
+def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list[str], list[str]]:
+    """Modules `activation_checkpointing` matches (the outermost of nested matches), and problems."""
+    names, hits, problems = [n for n in modules if n], [], []
+    for pattern in plan.activation_checkpointing:
+        found = [n for n in names if match_pattern(pattern, n)]
+        if not found:
+            problems.append(f"activation_checkpointing[{pattern!r}] matches no module{closest(pattern, names)}")
+        hits += found
+    hits = list(dict.fromkeys(hits))
+    return [n for n in hits if not any(n.startswith(h + ".") for h in hits)], problems
+
+
 def _estimate(plan: ParallelPlan, model: nn.Module, bb: Backbone, n: int, shards: list[ShardSpec]) -> Costs | str:
     """Estimated compute per part on one rank of its stage, or why there is none."""
     sharded = [s.fqn for s in shards if s.style != "grad_allreduce"] if plan.mesh.tp > 1 else []
@@ -247,6 +260,8 @@ def resolve(
         raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
     shards, tp_problems = shard_problems(plan, model, modules)
     problems += tp_problems
+    recomputed, ac_problems = _recomputed(plan, modules)
+    problems += ac_problems
     bb = find_backbone(model)
     costs: Costs | str | None = None
     if bb is not None:
@@ -282,4 +297,5 @@ def resolve(
         layer_indices=tuple(tuple(ls) for ls in layer_sets),
         costs=costs,
         stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
+        recomputed=tuple(recomputed),
     )

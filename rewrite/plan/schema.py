@@ -141,6 +141,17 @@ class ParallelPlan(StrictModel):
     data_parallel: Annotated[
         DataParallel, Field(description="How the mesh.dp replicas share parameters (torch DDP-style or FSDP2).")
     ] = DataParallel()
+    activation_checkpointing: Annotated[
+        dict[Pattern, Literal["full"]],
+        Field(
+            description=(
+                "Module-path pattern -> mode. 'full': the matched modules keep only their inputs from the "
+                "forward and run it again in the backward (torch's non-reentrant torch.utils.checkpoint), "
+                "trading compute for activation memory; e.g. {'model.layers.*': full}. Works with tp, pp, "
+                "dp and every schedule."
+            )
+        ),
+    ] = {}
     _source: str = PrivateAttr(default="plan")  # file the plan was read from, for messages
 
     @property

@@ -25,6 +25,7 @@ LEVELS = {
     "tensor_parallel": 2,
     "pipeline": 3,
     "data_parallel": 3.5,  # FSDP2 / replicate units and the once-per-step gradient sync
+    "recompute": 3.5,  # activation checkpointing of matched modules
     "rewriter": 4,  # apply_plan: bind, then tp, then stages
     "checkpoint": 5,
     "train_step": 5,

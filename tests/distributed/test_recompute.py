@@ -1,0 +1,86 @@
+"""activation_checkpointing: the same loss and gradients, with the matched modules run again in the backward."""
+
+from __future__ import annotations
+
+import copy
+
+from torch.nn import functional as F
+
+import rewrite
+from rewrite.run.parity import reference_step
+from rewrite.run.presets import build_config, build_model
+from rewrite.tensor_parallel.layers import local_shard
+from tests.asserts import assert_close
+from tests.distributed.pipeline.test_pipeline import _batch
+from tests.models import toy_step_setup
+from tests.multiproc import run
+
+AC = {"model.layers.*": "full"}
+
+
+def _count_mlp_calls(model) -> dict:
+    calls: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if name.endswith(".mlp"):
+            # A pre-hook: the recomputation stops as soon as it has what the backward needs, inside the MLP.
+            module.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    return calls
+
+
+def _case(rank: int, plan: dict, m: int = 3) -> str:
+    config = build_config("tiny-llama")
+    model = build_model(config, seed=3)
+    reference = copy.deepcopy(model)
+    stage = rewrite.apply_plan(model, {**plan, "activation_checkpointing": AC})
+    calls = _count_mlp_calls(model)
+    dp = plan.get("mesh", {}).get("dp", 1)
+    ids, targets = _batch(config, m * dp)
+    mine = slice(stage.dp_rank * m, (stage.dp_rank + 1) * m)
+    loss = rewrite.run_schedule(stage, ids[mine], targets[mine])
+    name = f"rank {rank} {plan}"
+    assert_close(f"{name} loss", loss, reference_step(reference, ids, targets))
+    ref = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        assert_close(f"{name} {pname}.grad", grad, local_shard(model, pname, ref[pname].grad))
+    # Every decoder layer this rank holds ran its forward twice per microbatch: once, then again in the backward.
+    assert calls and all(n == 2 * m for n in calls.values()), (name, calls)
+    return f"{float(loss):.6f}"
+
+
+def _every(rank: int, ws: int) -> list[str]:
+    out = [_case(rank, plan) for plan in (
+        {"mesh": {"tp": 2}, "tensor_parallel": rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel},
+        {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 3}},
+        {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "virtual_stages": 2, "microbatches": 3}},
+        {"mesh": {"pp": 2}, "pipeline": {"schedule": "zero-bubble", "microbatches": 3}},
+        {"mesh": {"dp": 2}, "data_parallel": {"sharding": "full"}},
+        {"mesh": {"dp": 2}, "data_parallel": {"sharding": "replicate"}},
+    )]
+    # A traced module: its blocks recomputed under a pipeline split by torch.fx.
+    model, reference, xs, ys = toy_step_setup(3)
+    plan = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 3},
+            "activation_checkpointing": {"blocks.*": "full"}}
+    stage = rewrite.apply_plan(model, plan)
+    loss = rewrite.run_schedule(stage, xs, ys, loss_fn=F.mse_loss)
+    ref_loss = sum(F.mse_loss(reference(x), y) / 3 for x, y in zip(xs, ys))
+    ref_loss.backward()
+    assert_close("fx loss", loss, ref_loss.detach())
+    ref = dict(reference.named_parameters())
+    for pname, param in stage.module.named_parameters():
+        assert_close(f"fx {pname}.grad", param.grad, ref[pname].grad)
+    return out + [f"{float(loss):.6f}"]
+
+
+def test_recomputed_layers_give_the_same_step_under_tp_pp_dp_and_every_schedule():
+    first, second = run(_every, 2, timeout_s=240)
+    assert first == second
+
+
+def test_a_pattern_that_matches_nothing_is_refused():
+    import pytest
+
+    with pytest.raises(rewrite.PlanError, match=r"activation_checkpointing\['model.layer.\*'\] matches no module"):
+        rewrite.resolve({"activation_checkpointing": {"model.layer.*": "full"}}, build_model("tiny-llama", device="meta"))
+    with pytest.raises(rewrite.PlanError, match=r"activation_checkpointing\['model.layers.\*'\]: Input should be 'full' \(found 'selective'\)"):
+        rewrite.load_plan({"activation_checkpointing": {"model.layers.*": "selective"}})
