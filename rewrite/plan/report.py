@@ -204,6 +204,12 @@ def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None, model
         out.append(format_table(["module", "style", "rule", "weight", "bias"], shard_rows(resolved)))
     else:
         out.append("Tensor parallel: no module is sharded")
+    if resolved.recomputed:
+        shown = ", ".join(resolved.recomputed[:4]) + (", ..." if len(resolved.recomputed) > 4 else "")
+        out.append(
+            f"Activation checkpointing: {len(resolved.recomputed)} modules keep only their inputs and run their "
+            f"forward again in the backward ({shown})"
+        )
     out.append("")
     cuts = f", cut at {', '.join(resolved.cut_points)}" if resolved.cut_points else ""
     how = " (auto)" if pipe.cut_points == "auto" else ""
