@@ -1,0 +1,118 @@
+"""Cross-entropy over vocabulary-parallel logits: each rank holds a `[..., V/tp]` slice and
+the full `[tokens, V]` logits are never built (three small all-reduces over `[tokens]`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .comm import group_size
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean over non-ignored tokens `t` of `lse_t - z[t, y_t]`, with `lse_t = log sum_j exp z[t, j]`.
+
+    Rank `i` holds columns `[s_i, s_i + n)`. Forward: `m_t = max_i max_local z` (all-reduce
+    MAX), then `sum_j exp(z[t, j] - m_t)` and `z[t, y_t] - m_t` (nonzero only on the rank
+    owning `y_t`) summed in one all-reduce of a `[2, tokens]` tensor. Backward needs no
+    communication: `dL/dz[t, j] = (softmax(z_t)_j - 1[j = y_t]) * grad / count` for the
+    local columns `j`, recomputed from the saved logits and `lse_t` (no float32 softmax is
+    kept between forward and backward).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_start, ignore_index):
+        n = logits.shape[-1]
+        z = logits.reshape(-1, n)  # (tokens, V / tp), logits' dtype
+        y = targets.reshape(-1)  # (tokens,)
+        distributed = group_size(group) > 1
+        m = z.detach().max(dim=-1).values.float()  # (tokens,)
+        if distributed:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        shifted = z.float() - m.unsqueeze(-1)  # (tokens, V / tp) float32, <= 0 everywhere
+        kept = y != ignore_index
+        local = y.long() - vocab_start  # gather and scatter take int64 indices
+        owned = kept & (local >= 0) & (local < n)
+        local = local.masked_fill(~owned, 0)
+        target_shifted = shifted.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(~owned, 0.0)
+        packed = torch.stack([shifted.exp_().sum(dim=-1), target_shifted])  # (2, tokens)
+        if distributed:
+            dist.all_reduce(packed, group=group)
+        sum_exp, target_shifted = packed.unbind(0)
+        log_sum_exp = sum_exp.log()  # (tokens,), of the shifted logits
+        lse = m + log_sum_exp  # log sum_j exp z[t, j]
+        per_token = (log_sum_exp - target_shifted).masked_fill_(~kept, 0.0)
+        count = kept.sum()
+        ctx.save_for_backward(logits, lse, local, owned, kept, count)
+        # 0 / 0 = nan when every token is ignored, as F.cross_entropy gives.
+        return per_token.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse, local, owned, kept, count = ctx.saved_tensors
+        n = logits.shape[-1]
+        p = (logits.reshape(-1, n).float() - lse.unsqueeze(-1)).exp_()  # (tokens, V / tp): softmax slice
+        p.scatter_add_(1, local.unsqueeze(-1), -owned.to(p.dtype).unsqueeze(-1))  # - one-hot
+        # Ignored rows get 0, also when all are (count = 0): F.cross_entropy's gradient then.
+        p.mul_(grad.float() / count).masked_fill_(~kept.unsqueeze(-1), 0.0)
+        return p.to(logits.dtype).reshape(logits.shape), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    vocab_start: int,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Mean cross-entropy when each rank of `group` holds a slice of the vocabulary.
+
+    Equal to `F.cross_entropy(full.flatten(0, -2).float(), targets.flatten(),
+    ignore_index=ignore_index)` where `full` concatenates every rank's slice along the
+    last dimension: computed in float32, averaged over the non-ignored tokens (nan when
+    all are ignored), the same value on every rank. Collective: every rank calls it.
+
+    Args:
+        logits: `[..., V/tp]`, this rank's columns `[vocab_start, vocab_start + V/tp)`
+            of the logits (e.g. a `ColumnParallelLinear(gather_output=False)` head).
+        targets: `[...]`, the full targets on every rank: class ids in `[0, V)` or
+            ignore_index. Other ids are owned by no rank and are not detected here (check
+            them before the step, as pipeline/inputs does).
+        group: the tensor-parallel group (default: the default group; world size 1
+            without an initialised process group, where this is F.cross_entropy).
+        vocab_start: the first vocabulary id of this rank's slice.
+        ignore_index: targets with this value add nothing to the loss or gradients.
+
+    Returns:
+        A float32 scalar; its gradient reaches `logits` in their dtype.
+
+    Raises:
+        TypeError: non-floating logits, non-integer targets, or a non-int vocab_start.
+        ValueError: targets whose shape is not `logits.shape[:-1]`, or a negative vocab_start.
+
+    Example:
+        >>> full, y = torch.randn(4, 10), torch.tensor([1, 9, -100, 3])
+        >>> loss = vocab_parallel_cross_entropy(full, y, vocab_start=0)  # world size 1
+        >>> torch.allclose(loss, torch.nn.functional.cross_entropy(full, y))
+        True
+    """
+    if not torch.is_floating_point(logits):
+        raise TypeError(f"vocab_parallel_cross_entropy: logits must be floating point, got {logits.dtype}")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"vocab_parallel_cross_entropy: targets must be int32/int64 class ids, got {targets.dtype}")
+    if logits.dim() < 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: targets have shape {tuple(targets.shape)}, expected logits.shape[:-1] "
+            f"= {tuple(logits.shape[:-1])} (logits {tuple(logits.shape)}); pass one target per row of logits"
+        )
+    for name, value in (("vocab_start", vocab_start), ("ignore_index", ignore_index)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"vocab_parallel_cross_entropy: {name} must be an int, got {type(value).__name__}")
+    if vocab_start < 0:
+        raise ValueError(f"vocab_parallel_cross_entropy: vocab_start must be >= 0, got {vocab_start}")
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, ignore_index)
