@@ -11,6 +11,7 @@ from .checkpoint.hf_load import from_pretrained
 from .checkpoint.hf_save import save_pretrained
 from .mesh import Mesh, build_mesh
 from .pipeline.batches import microbatches
+from .pipeline.loss import LogitShard, takes_logit_shards
 from .pipeline.runner import causal_lm_loss, run_afab, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
 from .plan.from_hf import plan_from_hf
@@ -19,11 +20,17 @@ from .plan.schema import ParallelPlan, PlanError, load_plan
 from .rewriter import apply_plan
 from .run.launch import LaunchError, launch
 from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from .tensor_parallel.loss import vocab_parallel_cross_entropy
+from .tensor_parallel.vocab import VocabParallelEmbedding
 from .train_step import train_step_pipeline_afab
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "takes_logit_shards",
+    "LogitShard",
     "ParallelPlan",
     "PlanError",
     "load_plan",

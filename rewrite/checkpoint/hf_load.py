@@ -109,11 +109,13 @@ def from_pretrained(
     if floats is not None:  # FSDP2 units keep the dtype their parameters had when made
         meta.to(floats)
     if plan.mesh.dp == 1:
-        # Tied weights first, whole (a plan never shards them): apply_plan broadcasts the
-        # first stage's copy to the last stage, and `stage.tied` must be the loaded tensor.
+        # Whole tied weights first: apply_plan broadcasts the first stage's copy to the last
+        # stage. Tied weights split along the vocabulary stay meta: each end reads its rows.
         agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what)
         stage = apply_plan(meta, plan)
+        tied = [_name_of(stage.model, p) for p in stage.tied]
         problems = _materialise(stage.model, by_name, sources, device, dtype, only_tied=False)
+        stage.tied = [stage.model.get_parameter(n) for n in tied]  # the loaded tensors, not the meta ones
         problems += rebuild_unstored(stage, unstored_modules(stage.model), device)
     else:
         # All meta, tied weights too: both ends of a tied pair read it from the checkpoint.
@@ -234,7 +236,7 @@ def _materialise(
     slots = {k: sorted(v, key=lambda s: s[3] not in by_name) for k, v in slots.items()
              if any(s[3] in by_name for s in v)}
     if only_tied:
-        slots = {k: v for k, v in slots.items() if len(v) > 1}
+        slots = {k: v for k, v in slots.items() if len(v) > 1 and by_name[v[0][3]].dim is None}
     problems = []
     for group in sorted(slots.values(), key=lambda g: sources[g[0][3]]):
         module, kind, leaf, name, old = group[0]
@@ -257,3 +259,7 @@ def _materialise(
         for module, kind, leaf, _, _ in group:
             getattr(module, kind)[leaf] = new
     return problems
+
+
+def _name_of(model: nn.Module, param: nn.Parameter) -> str:
+    return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)

@@ -29,6 +29,7 @@ from ..pipeline.stage import Stage
 from ..plan.resolve import resolve
 from ..plan.schema import ParallelPlan, PlanError, load_plan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import swap
 from .layout import INDEX, SAVE_ID, Entry, coordinates, meta_model, shard_file, stage_entries, written_by_stage
 
@@ -47,9 +48,10 @@ def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
     if entry.dim is None:
         return None
     owner = model.get_submodule(entry.name.rpartition(".")[0])
-    cls = ColumnParallelLinear if entry.dim == 0 else RowParallelLinear
-    if not isinstance(owner, cls):
-        return f"{entry.name}: the plan shards it as {cls.__name__}, the model holds {type(owner).__name__}"
+    classes = (ColumnParallelLinear, VocabParallelEmbedding) if entry.dim == 0 else (RowParallelLinear,)
+    if not isinstance(owner, classes):
+        wanted = " or ".join(c.__name__ for c in classes)
+        return f"{entry.name}: the plan shards it as {wanted}, the model holds {type(owner).__name__}"
     if owner.tp_rank != tp_rank:
         return f"{entry.name}: the layer is tp rank {owner.tp_rank}, this rank is tp rank {tp_rank} of the plan"
     return None

@@ -81,6 +81,8 @@ def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank
         if spec is not None and tp > 1:
             if spec.style in ("column", "column_gather") and leaf in ("weight", "bias"):
                 dim = 0
+            elif spec.style == "vocab" and leaf == "weight":
+                dim = 0  # rows of the vocabulary
             elif spec.style in ("row", "row_split") and leaf == "weight":
                 dim = 1
         length = shape[dim] // tp if dim is not None else 0

@@ -118,7 +118,7 @@ def apply_data_parallel(stage: Stage, *, split_backward: bool) -> GradSync | Non
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3)
     if any(fn is not model for fn in stage.forward_fns.values()):
         fns = dict(stage.forward_fns)
-        setattr(model, _RUN, types.MethodType(lambda self, s, x: fns[s](x), model))
+        setattr(model, _RUN, types.MethodType(lambda self, s, x, **kw: fns[s](x, **kw), model))
         register_fsdp_forward_method(model, _RUN)
         run = getattr(model, _RUN)
         stage.forward_fns = {s: (fn if fn is model else _bind(run, s)) for s, fn in fns.items()}
@@ -127,4 +127,4 @@ def apply_data_parallel(stage: Stage, *, split_backward: bool) -> GradSync | Non
 
 
 def _bind(run, s: int):
-    return lambda x: run(s, x)
+    return lambda x, **kw: run(s, x, **kw)

@@ -9,6 +9,7 @@ boundary. Llama, Mistral, Qwen2 and Qwen3 share this shape.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -105,25 +106,37 @@ def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Te
 
 
 def run_backbone(
-    model: nn.Module, backbone: Backbone, x: torch.Tensor, layer_indices: list[int], *, first: bool, last: bool
+    model: nn.Module,
+    backbone: Backbone,
+    x: torch.Tensor,
+    layer_indices: list[int],
+    *,
+    first: bool,
+    last: bool,
+    seq_len: int | None = None,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run one stage of the backbone: embeddings (first), the given layers, norm and head (last).
 
-    `x` is `input_ids` `(b, s)` on the first stage, hidden states `(b, s, h)` otherwise.
-    Returns hidden states `(b, s, h)`, or logits `(b, s, vocab)` from the last stage.
+    `x` is `input_ids` `(b, s)` on the first stage, hidden states `(b, s, h)` otherwise
+    (`(b, s / tp, h)` under sequence parallelism: then `seq_len` gives s). `head`
+    replaces `model.lm_head` (e.g. to keep vocabulary shards). Returns hidden states,
+    or logits `(b, s, vocab)` from the last stage.
     """
     base = model.get_submodule(backbone.base) if backbone.base else model
     config = model.config
     hidden = base.embed_tokens(x) if first else x  # (b, s, h)
-    seq = hidden.shape[1]
+    seq = hidden.shape[1] if seq_len is None else seq_len
     position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)  # (1, s)
     # Rebuilt on every stage from the hidden states: only they cross the boundary.
     position_embeddings = base.rotary_emb(hidden, position_ids)
+    # The masks read batch, length and dtype from it: the whole sequence's, even when a shard arrived.
+    like = hidden if hidden.shape[1] == seq else hidden.new_empty((hidden.shape[0], seq, 0))
     masks: dict[str, torch.Tensor | None] = {}
     for index in layer_indices:
         kind = _attention_kind(config, index)
         if kind not in masks:
-            masks[kind] = _causal_mask(config, kind, hidden, position_ids)
+            masks[kind] = _causal_mask(config, kind, like, position_ids)
         out = base.layers[str(index) if isinstance(base.layers, nn.ModuleDict) else index](
             hidden,
             attention_mask=masks[kind],
@@ -134,5 +147,5 @@ def run_backbone(
     if last:
         hidden = base.norm(hidden)
         if backbone.head:
-            hidden = model.lm_head(hidden)  # (b, s, vocab)
+            hidden = (head or model.lm_head)(hidden)  # (b, s, vocab)
     return hidden

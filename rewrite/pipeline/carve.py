@@ -9,8 +9,6 @@ own submodules. Everything this rank's stages do not run is released.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch.distributed as dist
 from torch import fx, nn
 
@@ -19,6 +17,8 @@ from ..models import fx_graph
 from ..models.hf_llama import run_backbone
 from ..plan.resolve import ResolvedPlan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.sequence_model import sequence_state
+from .loss import LogitShard
 from .stage import Stage
 
 __all__ = ["carve_stage", "carve_unused", "build_stage_module"]
@@ -64,11 +64,38 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
         if not tied_weight.is_meta:
             dist.broadcast(tied_weight.data, src=mesh.global_rank(0), group=mesh.tied_group)
         tied = [tied_weight]
-    forward_fns = {
-        s: partial(run_backbone, model, bb, layer_indices=list(resolved.layer_indices[s]), first=s == 0, last=s == last_id)
-        for s in ids
-    }
-    return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fns=forward_fns, tied=tied)
+    head = None
+    if last and resolved.plan.loss_parallel and isinstance(getattr(model, "lm_head", None), ColumnParallelLinear):
+        head = model.lm_head  # the runner's loss takes this rank's vocabulary shard of the logits
+    forward_fns = {s: _StageForward(model, resolved, s, head) for s in ids}
+    stage = Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fns=forward_fns, tied=tied)
+    if head is not None:
+        start = head.tp_rank * head.per_rank
+        stage.logit_shard = LogitShard(start, start + head.per_rank, head.out_features, head.group)
+    return stage
+
+
+class _StageForward:
+    """Runs one stage of an HF backbone on a microbatch: `fn(x, seq_len=None)`."""
+
+    def __init__(self, model: nn.Module, resolved: ResolvedPlan, stage_id: int, head: ColumnParallelLinear | None):
+        self.model, self.bb, self.stage_id = model, resolved.backbone, stage_id
+        self.layers = list(resolved.layer_indices[stage_id])
+        self.first, self.last = stage_id == 0, stage_id == resolved.num_stages - 1
+        self.head = head.forward_shard if head is not None and self.last else None
+        self.sequence = sequence_state(model)
+
+    def __call__(self, x, *, seq_len: int | None = None):
+        if self.sequence is not None:
+            if not self.first and seq_len is None:
+                raise ValueError(
+                    f"stage {self.stage_id} receives sequence shards (sequence_parallel): pass the full "
+                    "sequence length, stage.run(stage_id, x, seq_len=...)"
+                )
+            self.sequence.length = x.shape[1] if self.first else seq_len
+        return run_backbone(
+            self.model, self.bb, x, self.layers, first=self.first, last=self.last, seq_len=seq_len, head=self.head
+        )
 
 
 def carve_unused(model: nn.Module, keep: set[str]) -> None:

@@ -16,26 +16,18 @@ from functools import lru_cache
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 
 from ..plan.schedules import Action, placement, plan_table, schedule_rules, table_problems
 from . import p2p
 from .backward import Deferred, backward_input, backward_weight
 from .inbox import Inbox, messages_between
 from .inputs import check_step_inputs
+from .loss import causal_lm_loss, loss_for
 from .stage import Stage, TimelineEvent
 
 __all__ = ["run_afab", "run_schedule", "causal_lm_loss"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the vocabulary, targets already aligned, -100 ignored.
-
-    Computed in float32 whatever the logits' dtype.
-    """
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100)
 
 
 def run_afab(
@@ -55,6 +47,8 @@ def run_afab(
         loss_fn: `loss_fn(output, target)`; default: cross-entropy over the last
             dimension with ignore_index=-100. Each microbatch's loss is divided by
             the number of microbatches, so the gradients are those of the batch mean.
+            Under `loss_parallel` the default works on vocabulary shards; a loss_fn
+            gets full logits unless declared with `rewrite.takes_logit_shards`.
 
     Returns:
         The step loss (float32 scalar), the same on every rank.
@@ -118,7 +112,7 @@ def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int)
 
 
 def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
-    step = _Step(stage, table, inputs, targets, loss_fn or causal_lm_loss)
+    step = _Step(stage, table, inputs, targets, loss_for(stage.logit_shard, loss_fn))
     stash = _stash_tied_grads(stage)
     row = table[stage.stage_idx]
     last_backward = None  # the row's last whole backward, when no W follows: it may sync in place
@@ -223,7 +217,8 @@ class _Step:
             x = self._take("F", mb, s)
             x.requires_grad_(x.is_floating_point())
         start = time.time()
-        y = self.stage.run(s, x)
+        # Token models: stages past a sequence-parallel split need the whole length.
+        y = self.stage.run(s, x, seq_len=self.inputs[mb].shape[-1]) if self.stage.takes_token_ids else self.stage.run(s, x)
         if s == self.last:
             y = self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
         else:

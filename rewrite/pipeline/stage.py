@@ -69,20 +69,26 @@ class Stage:
     timeline: list[TimelineEvent] = field(default_factory=list)
     grad_sync: Any = None
     recomputed: tuple[str, ...] = ()  # modules of this rank under activation checkpointing
+    logit_shard: Any = None  # pipeline.loss.LogitShard: the last stage's vocabulary slice (loss_parallel)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
         """Run this rank's stage on one microbatch: model input on the first stage, else hidden states."""
         if len(self.forward_fns) != 1:
             raise TypeError(
                 f"this rank holds stages {list(self.stage_ids)}: run one with stage.run(stage_id, x)"
             )
-        return next(iter(self.forward_fns.values()))(x)
+        return self.run(self.stage_ids[0], x, seq_len=seq_len)
 
-    def run(self, stage_id: int, x: torch.Tensor) -> torch.Tensor:
-        """Run stage `stage_id` (one this rank holds) on one microbatch."""
+    def run(self, stage_id: int, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
+        """Run stage `stage_id` (one this rank holds) on one microbatch.
+
+        `seq_len`: the microbatch's whole sequence length, needed by a stage that receives
+        sequence shards (`sequence_parallel`, any stage but the first).
+        """
         if stage_id not in self.forward_fns:
             raise ValueError(f"stage {stage_id} is not on this rank; it holds stages {list(self.stage_ids)}")
-        return self.forward_fns[stage_id](x)
+        fn = self.forward_fns[stage_id]
+        return fn(x) if seq_len is None else fn(x, seq_len=seq_len)
 
     @property
     def stage_ids(self) -> tuple[int, ...]:
@@ -175,9 +181,12 @@ class Stage:
         bb = self.resolved.backbone
         if bb is None:
             return {"input": tuple(input_shape) if first else None, "output": None}
-        config = self.model.config
+        config, plan, tp = self.model.config, self.resolved.plan, self.mesh.tp
         hidden = (*input_shape, config.hidden_size)  # (mb, seq, hidden)
-        out = (*input_shape, config.vocab_size) if bb.has_head else hidden
+        if plan.sequence_parallel and tp > 1:  # each tp rank passes on its ceil(seq / tp) tokens
+            hidden = (*input_shape[:-1], -(-input_shape[-1] // tp), config.hidden_size)
+        vocab = config.vocab_size // tp if self.logit_shard is not None else config.vocab_size
+        out = (*input_shape, vocab) if bb.has_head else hidden
         return {
             "input": tuple(input_shape) if first else hidden,
             "output": out if last else hidden,

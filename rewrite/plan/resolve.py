@@ -16,6 +16,7 @@ from ..models.hf_llama import Backbone, find_backbone
 from .costs import Costs, best_split, estimate_costs
 from .schedules import placement
 from .schema import ParallelPlan, PlanError, load_plan
+from .tp_options import option_problems
 from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 
 __all__ = ["ResolvedPlan", "ShardSpec", "StageSpec", "resolve", "balanced_split", "match_pattern", "APPLIED"]
@@ -273,7 +274,7 @@ def resolve(
     else:
         module_sets, cuts, stage_problems = _fx_stages(plan, model)
         layer_sets, layer_names = [], module_sets
-    problems += stage_problems
+    problems += stage_problems + option_problems(plan, model, bb, shards)
     if problems:
         raise PlanError(plan.source, collapse_repeats(problems))
     by_fqn = {s.fqn: s for s in shards}

@@ -24,6 +24,8 @@ STYLES: dict[str, str] = {
     "row": "input features split; input arrives sharded, partial outputs are summed",
     "column_gather": "output features split; output all-gathered (the standalone layer's default)",
     "row_split": "input features split; the layer splits a full input itself, outputs summed",
+    "vocab": "nn.Embedding rows (the vocabulary) split: each rank embeds the ids in its range, "
+    "zeros elsewhere, and one all-reduce sums the result",
     "grad_allreduce": "any module kept whole whose input is sharded (e.g. per-head q/k norms): "
     "its parameter gradients are summed over the tensor-parallel group",
 }
@@ -39,6 +41,7 @@ STYLE_ALIASES: dict[str, str] = {
     "colwise_rep": "column_gather",
     "rowwise_split_input": "row_split",
     "replicated_with_grad_allreduce": "grad_allreduce",
+    "embedding_rowwise": "vocab",
 }
 
 def _style(value: Any) -> Any:
@@ -59,7 +62,7 @@ def _style(value: Any) -> Any:
 
 
 Style = Annotated[
-    Literal["column", "row", "column_gather", "row_split", "grad_allreduce"],
+    Literal["column", "row", "column_gather", "row_split", "vocab", "grad_allreduce"],
     BeforeValidator(_style, json_schema_input_type=Literal[tuple([*STYLES, *STYLE_ALIASES])]),
 ]
 
@@ -152,6 +155,26 @@ class ParallelPlan(StrictModel):
             )
         ),
     ] = {}
+    loss_parallel: Annotated[
+        bool,
+        Field(
+            description=(
+                "With the LM head sharded as 'column': the runner's cross-entropy works on vocabulary "
+                "shards (max, sum of exponentials and target logit reduced over tp), never building full "
+                "[tokens, vocab] logits. model(...) and generate still return full logits."
+            )
+        ),
+    ] = False
+    sequence_parallel: Annotated[
+        bool,
+        Field(
+            description=(
+                "Between the tensor-parallel attention and MLP blocks, split the hidden states along the "
+                "sequence over tp: norms and residual adds run on 1/tp of the tokens, each block "
+                "all-gathers its input and reduce-scatters its output (HF LLaMA-family models)."
+            )
+        ),
+    ] = False
     _source: str = PrivateAttr(default="plan")  # file the plan was read from, for messages
 
     @property

@@ -71,7 +71,17 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
                 if not any(True for _ in module.parameters()):
                     problems.append(f"tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters")
                     continue
-            elif not isinstance(module, nn.Linear):
+            elif style == "vocab" and not isinstance(module, nn.Embedding):
+                problems.append(
+                    f"tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}; style 'vocab' "
+                    "shards an nn.Embedding's rows"
+                )
+            elif isinstance(module, nn.Embedding) and style != "vocab":
+                problems.append(
+                    f"tensor_parallel[{pattern!r}] matches {fqn!r}, an nn.Embedding, as {style!r}; "
+                    "embeddings are sharded with style 'vocab' (HF: embedding_rowwise)"
+                )
+            elif style != "vocab" and not isinstance(module, nn.Linear):
                 linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n]
                 hint = f"; its linears: {', '.join(linears[:4])}" if linears else ""
                 problems.append(
@@ -97,6 +107,15 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
             shape = tuple(weight.shape) if isinstance(weight, nn.Parameter) else None
             shards.append(ShardSpec(fqn, style, pattern, None, None, False, shape, None))
             continue
+        if style == "vocab":
+            rows, dim = lin.num_embeddings, lin.embedding_dim
+            if rows % tp:
+                problems.append(
+                    f"{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
+                    f"use tp {_divisors(rows)} or leave the embedding whole"
+                )
+            shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, (rows // tp, dim), None))
+            continue
         split_out = style in ("column", "column_gather")
         dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
         if size % tp:
@@ -104,17 +123,13 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
                 f"{fqn} ({style}): {dim}={size} is not divisible by mesh.tp={tp}; "
                 f"use a tp that divides {size}"
             )
-        if fqn in tied and tp > 1:
-            problems.append(
-                f"{fqn}.weight is tied to {tied[fqn]}; sharding it would untie them. Remove "
-                f"tensor_parallel[{pattern!r}] or build the model with tie_word_embeddings=False"
-            )
         weight = (lin.out_features // tp, lin.in_features) if split_out else (lin.out_features, lin.in_features // tp)
         bias = None
         if lin.bias is not None:
             bias = (lin.out_features // tp,) if split_out else (lin.out_features,)
         shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias))
     if tp > 1:
+        problems += _tied_problems(tied, {s.fqn: s.style for s in shards})
         problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp)
     return shards, problems
 
@@ -154,6 +169,36 @@ def _per_head_modules(modules: dict[str, nn.Module], styles: dict[str, str]) -> 
             if name not in ("q_proj", "k_proj", "v_proj", "o_proj") and any(True for _ in child.parameters()):
                 found.append(f"{parent}.{name}")
     return found
+
+
+def _divisors(n: int, most: int = 8) -> str:
+    """'1, 2 or 4': the tp sizes up to `most` that divide `n`."""
+    sizes = [str(d) for d in range(1, most + 1) if n % d == 0]
+    return ", ".join(sizes[:-1]) + f" or {sizes[-1]}" if len(sizes) > 1 else sizes[0]
+
+
+def _tied_problems(tied: dict[str, str], styles: dict[str, str]) -> list[str]:
+    """A shared matrix stays one matrix: both ends whole, or both split along the vocabulary alike.
+
+    An embedding sharded as 'vocab' and a head as 'column' keep the same rows of the
+    shared `[vocab, hidden]` weight on each rank.
+    """
+    problems = []
+    for fqn, other in tied.items():
+        owner = other.rsplit(".", 1)[0]
+        ends = {fqn: styles.get(fqn), owner: styles.get(owner)}
+        if not any(ends.values()):
+            continue
+        kinds = {"vocab" if s == "vocab" else "rows" if s in ("column", "column_gather") else str(s) for s in ends.values()}
+        if kinds == {"rows", "vocab"}:
+            continue  # embedding by vocabulary rows, head by output rows: the same slices
+        found = ", ".join(f"{name}={style or 'unsharded'}" for name, style in ends.items())
+        problems.append(
+            f"{fqn}.weight is tied to {other} ({found}); sharding one end alone would untie them. Shard the "
+            f"embedding as 'vocab' and the head as 'column' together, leave both whole, or build the model "
+            "with tie_word_embeddings=False"
+        )
+    return problems
 
 
 def _tied_names(model: nn.Module) -> dict[str, str]:

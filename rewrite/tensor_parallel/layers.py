@@ -13,104 +13,16 @@ between them: one all-reduce closes the pair in forward, one opens it in backwar
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
-from .comm import (
-    SharedInputCopy,
-    gather_from_parallel,
-    group_rank,
-    group_size,
-    reduce_from_parallel,
-    scatter_to_parallel,
-)
+from .base import _ParallelLinear
+from .comm import SharedInputCopy, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from .sequence import reduce_scatter_to_sequence
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "local_shard"]
-
-
-def _check_features(cls: str, in_features: int, out_features: int) -> None:
-    for name, value in (("in_features", in_features), ("out_features", out_features)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{cls}: {name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{cls}: {name} must be >= 1, got {value}")
-
-
-def _check_divisible(cls: str, dim: str, size: int, world: int) -> None:
-    if size % world:
-        raise ValueError(
-            f"{cls}: {dim}={size} is not divisible by the tensor-parallel world size {world}; "
-            f"use a world size that divides {size}"
-        )
-
-
-def _master(
-    cls: str,
-    master_weight: torch.Tensor | None,
-    out_features: int,
-    in_features: int,
-    device: torch.device | str | None,
-    dtype: torch.dtype | None,
-) -> torch.Tensor:
-    """The full `[out, in]` weight: the one given, or nn.Linear's default init."""
-    if master_weight is None:
-        # Drawn in full so every rank, seeded alike, slices the same matrix.
-        weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
-        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-        return weight
-    if not isinstance(master_weight, torch.Tensor):
-        raise TypeError(f"{cls}: master_weight must be a torch.Tensor, got {type(master_weight).__name__}")
-    if tuple(master_weight.shape) != (out_features, in_features):
-        raise ValueError(
-            f"{cls}: master_weight has shape {tuple(master_weight.shape)}, expected "
-            f"[out_features, in_features] = [{out_features}, {in_features}]"
-        )
-    return master_weight.detach()
-
-
-class _ParallelLinear(nn.Module):
-    """What both layers share: group bookkeeping, slicing, building from nn.Linear."""
-
-    _split = ""  # "out_features" (column) or "in_features" (row)
-
-    def _build(self, in_features, out_features, bias, master_weight, group, device, dtype) -> None:
-        cls = type(self).__name__
-        _check_features(cls, in_features, out_features)
-        self.in_features, self.out_features = in_features, out_features
-        self.group = group
-        self.tp_size, self.tp_rank = group_size(group), group_rank(group)
-        split = getattr(self, self._split)
-        _check_divisible(cls, self._split, split, self.tp_size)
-        self.per_rank = split // self.tp_size
-        full = _master(cls, master_weight, out_features, in_features, device, dtype)
-        # clone(): this rank's storage holds only its slice, never the full matrix.
-        self.weight = nn.Parameter(self.shard_of("weight", full).clone())
-        if bias:
-            zeros = torch.zeros(out_features, device=full.device, dtype=full.dtype)
-            self.bias = nn.Parameter(self.shard_of("bias", zeros).clone())
-        else:
-            self.register_parameter("bias", None)
-
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """The part of the unsharded `full` tensor that this rank's parameter `name` holds (a view)."""
-        raise NotImplementedError
-
-    @classmethod
-    def _from(cls, linear: nn.Linear, **options):
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"{cls.__name__}.from_linear needs an nn.Linear, got {type(linear).__name__}")
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight, **options)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(layer.shard_of("bias", linear.bias.detach()).clone())
-        # A frozen source stays frozen once sharded.
-        layer.weight.requires_grad_(linear.weight.requires_grad)
-        if linear.bias is not None:
-            layer.bias.requires_grad_(linear.bias.requires_grad)
-        return layer
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -190,9 +102,13 @@ class ColumnParallelLinear(_ParallelLinear):
                 f"ColumnParallelLinear expects inputs with last dimension in_features={self.in_features}, "
                 f"got shape {tuple(x.shape)}"
             )
-        x = self.input_copy(x)  # f: identity here, all-reduce of dL/dx in backward
-        y = F.linear(x, self.weight, self.bias)  # (..., out / tp)
+        y = self.forward_shard(x)  # (..., out / tp)
         return gather_from_parallel(y, self.group) if self.gather_output else y
+
+    def forward_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's `(..., out / tp)` slice of the output, whatever `gather_output` says."""
+        x = self.input_copy(x)  # f: identity here, all-reduce of dL/dx in backward
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -218,6 +134,9 @@ class RowParallelLinear(_ParallelLinear):
         group: process group to split over (default: the default group). Without an
             initialised process group the layer runs as world size 1.
         device, dtype: only used to create the weight when master_weight is None.
+        sequence_parallel: reduce-scatter the `(b, s, out)` partial sums along the
+            sequence instead of all-reducing them: each rank returns its
+            `(b, ceil(s/ws), out)` rows of the sum (same bytes, 1/ws of the result).
 
     Raises:
         ValueError: in_features not divisible by the world size, or a master_weight
@@ -240,9 +159,11 @@ class RowParallelLinear(_ParallelLinear):
         group: ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         self._build(in_features, out_features, bias, master_weight, group, device, dtype)
         self.in_per_rank = self.per_rank
 
@@ -279,7 +200,11 @@ class RowParallelLinear(_ParallelLinear):
                 f"{self.in_per_rank} (in_features={self.in_features} / world size {self.tp_size}); "
                 f"got shape {tuple(x.shape)}. Pass input_is_parallel=False to split a full input."
             )
-        y = reduce_from_parallel(F.linear(x, self.weight), self.group, inplace=True)  # (..., out)
+        partial = F.linear(x, self.weight)  # (..., out), this rank's share of the sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(partial, self.group)  # (b, ceil(s / tp), out)
+        else:
+            y = reduce_from_parallel(partial, self.group, inplace=True)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -287,14 +212,16 @@ class RowParallelLinear(_ParallelLinear):
             f"in_features={self.in_features} ({self.in_per_rank} on rank {self.tp_rank} of {self.tp_size}), "
             f"out_features={self.out_features}, bias={self.bias is not None}, "
             f"input_is_parallel={self.input_is_parallel}"
+            + (", sequence_parallel=True" if self.sequence_parallel else "")
         )
 
 
 def local_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     """The part of the unsharded tensor `full` that parameter `name` of a rewritten `model` holds.
 
-    Sharded linears keep their slice (see `shard_of`); every other parameter is whole.
+    Sharded layers keep their slice (see their `shard_of`); every other parameter is whole.
     """
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
-    return owner.shard_of(leaf, full) if isinstance(owner, _ParallelLinear) else full
+    shard_of = getattr(owner, "shard_of", None)
+    return shard_of(leaf, full) if callable(shard_of) else full

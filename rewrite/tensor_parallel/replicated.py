@@ -11,10 +11,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from .comm import copy_to_parallel
+from .mixins import add_mixin
 
 __all__ = ["make_grad_allreduce", "GradAllReduce"]
-
-_SUBCLASSES: dict[type, type] = {}
 
 
 class GradAllReduce:
@@ -41,10 +40,6 @@ def make_grad_allreduce(module: nn.Module, group: ProcessGroup) -> nn.Module:
     The object, its class's behaviour and its parameter names are kept: only its
     class becomes a subclass of the original that adds the mixin.
     """
-    cls = type(module)
-    if not isinstance(module, GradAllReduce):
-        if cls not in _SUBCLASSES:
-            _SUBCLASSES[cls] = type(f"GradAllReduce{cls.__name__}", (GradAllReduce, cls), {"__module__": __name__})
-        module.__class__ = _SUBCLASSES[cls]
+    add_mixin(module, GradAllReduce)
     module.tp_group = group
     return module

@@ -112,7 +112,8 @@ def test_incomplete_blocks_and_tied_head(llama):
     assert message.rstrip().endswith("[* = 0, 1, 2, 3]")
     tied = build_model(build_config("tiny-llama", tie_word_embeddings=True), device="meta")
     message = problems({"mesh": {"tp": 2}, "tensor_parallel": {"lm_head": "column_gather"}}, tied)
-    assert "lm_head.weight is tied to model.embed_tokens.weight; sharding it would untie them" in message
+    assert ("lm_head.weight is tied to model.embed_tokens.weight (lm_head=column_gather, "
+            "model.embed_tokens=unsharded); sharding one end alone would untie them") in message
 
 
 def test_pipeline_mistakes(llama):

@@ -1,0 +1,71 @@
+"""The loss the runner computes on the last stage, with or without vocabulary shards.
+
+With `loss_parallel`, the last stage ends with this rank's `[..., vocab / tp]` slice of
+the logits. The default loss is then the vocabulary-parallel cross-entropy; a user
+loss declared with `takes_logit_shards` receives the slice and a `LogitShard`; any
+other user loss receives the full logits, gathered for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.nn import functional as F
+
+from ..tensor_parallel.comm import gather_from_parallel
+from ..tensor_parallel.loss import vocab_parallel_cross_entropy
+
+__all__ = ["LogitShard", "causal_lm_loss", "takes_logit_shards", "loss_for"]
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LogitShard:
+    """Which vocabulary columns `[start, stop)` of `vocab_size` this rank's logits hold, over `group`."""
+
+    start: int
+    stop: int
+    vocab_size: int
+    group: ProcessGroup
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the vocabulary, targets already aligned, -100 ignored.
+
+    Computed in float32 whatever the logits' dtype.
+    """
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100)
+
+
+def takes_logit_shards(loss_fn: LossFn) -> LossFn:
+    """Declare that `loss_fn(logits, targets, shard)` works on vocabulary shards (loss_parallel).
+
+    Under `loss_parallel: true` the runner then passes this rank's `[..., vocab / tp]`
+    slice of the logits and a `LogitShard`; the function must reduce over
+    `shard.group` itself and return the same loss on every rank. Undeclared losses get
+    full logits (gathered, which costs what loss parallelism saves).
+
+    Example:
+        >>> @rewrite.takes_logit_shards
+        ... def loss(logits, targets, shard):
+        ...     return rewrite.vocab_parallel_cross_entropy(logits, targets, shard.group, vocab_start=shard.start)
+    """
+    loss_fn.takes_logit_shards = True
+    return loss_fn
+
+
+def loss_for(shard: LogitShard | None, loss_fn: LossFn | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The `(output, targets) -> loss` the last stage runs, given its logit shard (or None)."""
+    if shard is None:
+        return loss_fn or causal_lm_loss
+    if loss_fn is None:
+        return lambda logits, targets: vocab_parallel_cross_entropy(
+            logits, targets, shard.group, vocab_start=shard.start
+        )
+    if getattr(loss_fn, "takes_logit_shards", False):
+        return lambda logits, targets: loss_fn(logits, targets, shard)
+    return lambda logits, targets: loss_fn(gather_from_parallel(logits, shard.group), targets)

@@ -1,0 +1,149 @@
+"""Sequence parallelism wired into a Hugging Face LLaMA-family model, in place.
+
+Between the tensor-parallel blocks each rank holds `c = ceil(s / tp)` rows of the
+hidden states `(b, s, h)`: norms and residual adds run on 1/tp of the tokens.
+
+    embed (full) -> layer 0 keeps its chunk -> [norm -> gather -> attention (column..row)
+    -> reduce-scatter -> + residual -> norm -> gather -> MLP -> reduce-scatter -> + residual]
+    x layers -> norm -> gather -> head
+
+A block's all-gather has a reduce-scatter as its adjoint (its column layers' input
+gradients are partial sums), so the column layers' own all-reduce is switched off;
+row layers reduce-scatter instead of all-reducing. Same bytes as the all-reduces
+they replace. Parameters that now see only this rank's tokens (the norms) get
+their gradients summed over tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..models.hf_llama import Backbone
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .mixins import add_mixin
+from .replicated import make_grad_allreduce
+from .sequence import gather_from_sequence, scatter_to_sequence
+
+__all__ = ["SequenceState", "apply_sequence_parallel", "sequence_state"]
+
+_STATE = "_rewrite_sequence_state"
+
+
+@dataclass
+class SequenceState:
+    """The full sequence length of the forward in flight, for the final gather to drop padding.
+
+    Set by the base model's forward (from its input) or by the pipeline stage that runs
+    a microbatch; one forward runs at a time on a rank.
+    """
+
+    group: ProcessGroup
+    length: int | None = None
+
+
+def sequence_state(model: nn.Module) -> SequenceState | None:
+    """The state `apply_sequence_parallel` attached to `model`, or None."""
+    return getattr(model, _STATE, None)
+
+
+def _hidden_arg(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
+    """Split off the hidden states, passed first or as `hidden_states=` (HF call styles)."""
+    if "hidden_states" in kwargs:
+        kwargs = dict(kwargs)
+        return kwargs.pop("hidden_states"), args, kwargs
+    return args[0], args[1:], kwargs
+
+
+class _RecordLength:
+    """The base model: the length of what it is called on is the sequence the final norm restores."""
+
+    sequence: SequenceState
+
+    def forward(self, *args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        source = ids if ids is not None else kwargs.get("inputs_embeds")
+        if source is not None:
+            self.sequence.length = source.shape[1]
+        return super().forward(*args, **kwargs)
+
+
+class _ScatterInput:
+    """The first decoder layer: keep this rank's chunk of the full (replicated) hidden states."""
+
+    sequence: SequenceState
+
+    def forward(self, *args, **kwargs):
+        hidden, args, kwargs = _hidden_arg(args, kwargs)
+        return super().forward(scatter_to_sequence(hidden, self.sequence.group), *args, **kwargs)  # (b, c, h)
+
+
+class _GatherInput:
+    """An attention or MLP block: all-gather the sequence chunks before the column layers.
+
+    Attention drops the padding rows (its rotary embeddings and mask are for s tokens,
+    read from `position_embeddings`); the MLP works row by row, padding included.
+    """
+
+    sequence: SequenceState
+
+    def forward(self, *args, **kwargs):
+        hidden, args, kwargs = _hidden_arg(args, kwargs)
+        rotary = kwargs.get("position_embeddings")
+        length = rotary[0].shape[-2] if rotary is not None else None
+        full = gather_from_sequence(hidden, self.sequence.group, length=length)  # (b, s or tp*c, h)
+        return super().forward(full, *args, **kwargs)
+
+
+class _GatherOutput:
+    """The final norm: its output is gathered back to the whole sequence for the head."""
+
+    sequence: SequenceState
+    gather_grad: str  # "reduce_scatter" when a sharded head consumes it, else "split"
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)  # (b, c, h)
+        return gather_from_sequence(out, self.sequence.group, length=self.sequence.length, grad=self.gather_grad)
+
+
+def _input_is_reduced(x: torch.Tensor) -> torch.Tensor:
+    # A column layer behind a sequence gather: the gather's backward already sums the
+    # input gradient over tp, so the layer's own all-reduce (f) must not run again.
+    return x
+
+
+def apply_sequence_parallel(model: nn.Module, bb: Backbone, group: ProcessGroup) -> SequenceState:
+    """Wire sequence parallelism into a model whose blocks are already tensor-parallel, in place.
+
+    Every decoder layer's `self_attn` and `mlp` must hold column layers in and a row
+    layer out (checked when the plan is bound). Returns the shared `SequenceState`.
+    """
+    base = model.get_submodule(bb.base) if bb.base else model
+    state = SequenceState(group)
+    setattr(model, _STATE, state)
+    add_mixin(base, _RecordLength).sequence = state
+    for i in range(bb.num_layers):
+        layer = base.layers[i]
+        if i == 0:
+            add_mixin(layer, _ScatterInput).sequence = state
+        for name, child in layer.named_children():
+            if name in ("self_attn", "mlp"):
+                add_mixin(child, _GatherInput).sequence = state
+                for sub in child.modules():
+                    if isinstance(sub, ColumnParallelLinear):
+                        sub.input_copy = _input_is_reduced
+                    elif isinstance(sub, RowParallelLinear):
+                        sub.sequence_parallel = True
+            elif any(True for _ in child.parameters()):
+                make_grad_allreduce(child, group)  # the layer norms: each rank sees its tokens only
+    make_grad_allreduce(base.norm, group)
+    norm = add_mixin(base.norm, _GatherOutput)
+    norm.sequence = state
+    head = getattr(model, "lm_head", None) if bb.head else None
+    norm.gather_grad = "reduce_scatter" if isinstance(head, ColumnParallelLinear) else "split"
+    if isinstance(head, ColumnParallelLinear):
+        head.input_copy = _input_is_reduced
+    return state
