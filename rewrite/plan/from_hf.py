@@ -28,27 +28,43 @@ def plan_from_hf(
     cut_points: list[str] | str | None = None,
     schedule: str = "afab",
     virtual_stages: int = 1,
+    loss_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> ParallelPlan:
     """A plan from the model's `base_model_tp_plan` (and its `lm_head` rule when untied).
+
+    Hugging Face style names map onto ours (`STYLE_ALIASES`): `colwise` -> column,
+    `embedding_rowwise` -> vocab (an embedding the model declares, split by vocabulary rows).
+    Tied embeddings (`tie_word_embeddings`) are one matrix: without loss_parallel the head and
+    the embedding stay whole (a `vocab` rule the model declares for its embedding is dropped);
+    with it both are split along the vocabulary alike.
 
     Args:
         model_or_config: a transformers model (a causal LM or its base model) or config.
         tp, pp: the mesh.
         microbatches, cut_points, schedule, virtual_stages: the pipeline
             (cut_points None: balanced; "auto": by estimated compute).
+        loss_parallel: the LM head becomes 'column' (vocabulary shards of the logits) and
+            the cross-entropy works on the shards; with tied embeddings the embedding
+            becomes 'vocab' too when the model declares no rule for it.
+        sequence_parallel: split the hidden states along the sequence between the blocks
+            (the plan's `sequence_parallel`).
 
     Returns:
         A `ParallelPlan` whose module paths are relative to the model, e.g.
         `model.layers.*.self_attn.q_proj` for `LlamaForCausalLM`.
 
     Raises:
-        ValueError: the model has no tensor-parallel plan, or uses styles this
-            toolkit does not implement (named, with the modules they apply to).
+        ValueError: the model has no tensor-parallel plan, uses styles this toolkit does
+            not implement (named, with the modules they apply to), or loss_parallel is asked
+            of a model without an LM head.
 
     Example:
         >>> plan = plan_from_hf(LlamaConfig(), tp=2)
         >>> plan.tensor_parallel["model.layers.*.mlp.down_proj"]
         'row'
+        >>> plan_from_hf(LlamaConfig(), tp=2, loss_parallel=True).tensor_parallel["lm_head"]
+        'column'
     """
     if isinstance(model_or_config, nn.Module):
         model, config = model_or_config, model_or_config.config
@@ -64,8 +80,23 @@ def plan_from_hf(
     if not base_rules:
         raise ValueError(f"{type(config).__name__} has no base_model_tp_plan to build a plan from")
     rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_rules.items()}
-    if not getattr(config, "tie_word_embeddings", False):
-        rules.update(head_rules)  # a tied LM head stays whole: sharding it would untie it
+    tied = getattr(config, "tie_word_embeddings", False)
+    if loss_parallel:
+        if not prefix:
+            raise ValueError(
+                f"loss_parallel=True needs a causal LM with an LM head; {type(model_or_config).__name__} is a bare "
+                "base model: pass the ...ForCausalLM (or its config), or leave loss_parallel False"
+            )
+        heads = list(head_rules) or ["lm_head"]
+        rules.update({head: "column" for head in heads})  # the logits stay split by vocabulary
+        embed = f"{prefix}.embed_tokens"
+        if tied and not any(_is_vocab(v) for v in rules.values()):
+            rules[embed] = "vocab"  # one matrix: the embedding keeps the same vocabulary rows as the head
+    elif tied:
+        # A tied head stays whole, and so does the embedding: sharding one end would untie them.
+        rules = {k: v for k, v in rules.items() if not _is_vocab(v)}
+    else:
+        rules.update(head_rules)
     known = {*STYLES, *STYLE_ALIASES}
     unsupported = {k: v for k, v in rules.items() if v not in known}
     if unsupported:
@@ -78,4 +109,14 @@ def plan_from_hf(
     if cut_points is not None:
         pipeline["cut_points"] = cut_points
     # Through load_plan, so a bad argument reads like a bad plan file: each problem with its fix.
-    return load_plan({"mesh": {"pp": pp, "tp": tp}, "tensor_parallel": rules, "pipeline": pipeline})
+    return load_plan({
+        "mesh": {"pp": pp, "tp": tp},
+        "tensor_parallel": rules,
+        "pipeline": pipeline,
+        "loss_parallel": loss_parallel,
+        "sequence_parallel": sequence_parallel,
+    })
+
+
+def _is_vocab(style: str) -> bool:
+    return style == "vocab" or STYLE_ALIASES.get(style) == "vocab"

@@ -2,7 +2,7 @@
 
 Three tables: module path -> style -> per-rank shapes; stages -> ranks, share of compute,
 modules; parameters and memory per rank (summed over the stages it holds, divided over dp
-as `rewrite.plan.memory` works out). And the schedule. Aligned columns, no dependency.
+as `rewrite.plan.memory` works out); and the schedule. Aligned columns, no dependency.
 """
 
 from __future__ import annotations

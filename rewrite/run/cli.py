@@ -32,12 +32,17 @@ def _meta_model(model: str, dtype: str | None = None):
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    from ..plan.options_report import format_options
     from ..plan.report import format_plan, format_schedule
     from ..plan.resolve import resolve
 
     model = _meta_model(args.model, args.dtype)
     resolved = resolve(args.plan, model, world_size=args.world_size)
     print(format_plan(resolved, model_label=args.model, model=model))
+    options = format_options(resolved, model)
+    if options:
+        print()
+        print(options)
     if args.schedule:
         print()
         print(format_schedule(resolved.plan))

@@ -1,0 +1,304 @@
+"""Estimated activation memory per rank: the bytes a microbatch keeps alive for its backward.
+
+Megatron's accounting (Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", 2022: about s b h (34 + 5 a s / h) bytes per layer in fp16) adapted to
+what Hugging Face LLaMA-family layers save with SDPA attention. Pure arithmetic on the config
+and the resolved plan; a meta-device model will do.
+
+Notation: s = pipeline.seq_len, b = sequences per microbatch (1 unless given), h = hidden_size,
+a / g = query / key-value heads of size d, i = intermediate_size, V = vocab_size, t = mesh.tp,
+B = bytes per element of the parameters' dtype. Tokens: T = b s. Under sequence_parallel a
+rank holds C = b ceil(s / t) tokens between the blocks and the MLP runs on R = b t ceil(s / t)
+rows (the padding rows too); without it C = R = T. A block whose first linear is split
+('column') divides its inner activations by t' = t; an unsplit block by t' = 1.
+
+Bytes one decoder layer keeps for its backward:
+
+    each RMSNorm (2)  C (4 h + B h + 4)    its input upcast to float32, the normalised values,
+                                           and 1 / rms (float32) per token
+    attention         T B h                its input, read by q/k/v (under sequence_parallel the
+                                           all-gathered input: the column layers keep it whole)
+                    + T (B (a + 2 g) d + 2 B a d + 4 a) / t'
+                                           q and k after RoPE and v (SDPA's inputs; GQA keeps g
+                                           heads), SDPA's output and its copy read by o_proj,
+                                           and SDPA's float32 logsumexp: the flash and
+                                           memory-efficient kernels keep no s x s matrix
+                    + T ((4 + B) (a + g) d + 4 (a + g)) / t'   with per-head q_norm / k_norm (Qwen3)
+    MLP               R B h + 4 R B i / t'  its input; gate, SiLU(gate), up and their product
+
+Residual adds keep nothing and LLaMA has no dropout. For LLaMA-7B shapes in bfloat16
+(B = 2, g = a, i ~ 2.7 h) that is about 48 s b h bytes per layer, no s^2 term, against
+Megatron's 34 s b h + 5 a s^2 b for GPT (GeLU MLP, dropout masks, eager attention).
+
+A module matched by activation_checkpointing (a decoder layer, or its input_layernorm,
+self_attn, post_attention_layernorm or mlp) keeps only its input, B h per token: C tokens
+(the model's first layer under sequence_parallel keeps T: it splits its own input). While
+its backward runs, its forward runs again and holds its full activations: the largest
+recomputed module of a rank counts once, not per microbatch.
+
+The last stage adds the final norm, C (4 h + B h + 4); the LM head's input, T B h; and the
+loss: without loss_parallel F.cross_entropy keeps float32 log-probabilities of the whole
+vocabulary, 4 T V, on every tp rank; with it, the vocabulary-parallel cross-entropy keeps the
+rank's logit shard and a float32 logsumexp, T (B V / t + 4). The embedding keeps only the
+token ids: its output is the first layer's input, counted there. A stage that is not the last
+holds its output, B h per token (C under sequence_parallel), until the backward.
+
+A rank's estimate: the bytes of its (microbatch, stage) pairs alive at once in the plan's
+schedule table (AFAB: every microbatch; 1F1B: at most pp - r on rank r), plus the recompute
+term. Left out: cos / sin and a causal mask (shared by the layers; SDPA's is_causal needs
+none), token ids and the loss's per-token indices, transient buffers (the float32 logits a loss
+builds in its forward, gradients, collectives' buffers, kernel workspaces), the input a
+non-first stage receives when the dtype is not float32 (the runner holds it beside the norm's
+float32 copy), allocator fragmentation, key/value repeated to a heads when a padding mask
+keeps SDPA from grouping them, and checkpointed modules other than those named above (counted
+as not checkpointed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from torch import nn
+
+from .resolve import ResolvedPlan
+from .schedules import peak_in_flight, plan_table
+
+__all__ = [
+    "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations",
+]
+
+# The children of a decoder layer that activation checkpointing is estimated for.
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
+
+
+def _size(config, name: str) -> int:
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"config.{name} is {value!r}; the activation estimate needs a positive integer "
+            f"({type(config).__name__} is not shaped like a LLaMA-family config)"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the estimate reads: the model's sizes and the run's."""
+
+    hidden: int  # h
+    heads: int  # a
+    kv_heads: int  # g
+    head_dim: int  # d
+    intermediate: int  # i
+    vocab: int  # V
+    seq_len: int  # s
+    batch_size: int = 1  # b, sequences per microbatch
+    tp: int = 1  # t
+    dtype_bytes: int = 4  # B
+    sequence_parallel: bool = False
+    qk_norm: bool = False  # per-head q_norm / k_norm (Qwen3)
+
+    @classmethod
+    def of(cls, config, *, seq_len: int, **run) -> Sizes:
+        """From a transformers config; `run` sets batch_size, tp, dtype_bytes, sequence_parallel, qk_norm."""
+        h, a = _size(config, "hidden_size"), _size(config, "num_attention_heads")
+        return cls(
+            hidden=h,
+            heads=a,
+            kv_heads=getattr(config, "num_key_value_heads", None) or a,
+            head_dim=getattr(config, "head_dim", None) or h // a,  # Mistral's config may hold None
+            intermediate=_size(config, "intermediate_size"),
+            vocab=_size(config, "vocab_size"),
+            seq_len=seq_len,
+            **run,
+        )
+
+    @property
+    def tokens(self) -> int:
+        """T = b s: the whole sequence."""
+        return self.batch_size * self.seq_len
+
+    @property
+    def chunk(self) -> int:
+        """C: the tokens a rank holds between the blocks (b ceil(s / t) under sequence parallelism)."""
+        return self.batch_size * math.ceil(self.seq_len / self.tp) if self.split_sequence else self.tokens
+
+    @property
+    def mlp_rows(self) -> int:
+        """R: rows the MLP runs on; under sequence parallelism the gathered chunks, padding included."""
+        return self.tp * self.chunk if self.split_sequence else self.tokens
+
+    @property
+    def split_sequence(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+
+def _norm(z: Sizes, tokens: int) -> int:
+    # float32 input, normalised values in the dtype, float32 1/rms per token.
+    return tokens * (F32 * z.hidden + z.dtype_bytes * z.hidden + F32)
+
+
+def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int]:
+    """Bytes each part of one decoder layer keeps, not checkpointed."""
+    B, h, d, a, g = z.dtype_bytes, z.hidden, z.head_dim, z.heads, z.kv_heads
+    ta, tm, T, R = (z.tp if attention_split else 1), (z.tp if mlp_split else 1), z.tokens, z.mlp_rows
+    attention = T * B * h + T * (B * (a + 2 * g) * d + 2 * B * a * d + F32 * a) // ta
+    if z.qk_norm:
+        attention += T * ((F32 + B) * (a + g) * d + F32 * (a + g)) // ta
+    return {
+        "input_layernorm": _norm(z, z.chunk),
+        "self_attn": attention,
+        "post_attention_layernorm": _norm(z, z.chunk),
+        "mlp": R * B * h + 4 * R * B * z.intermediate // tm,
+    }
+
+
+def layer_bytes(
+    z: Sizes, *, attention_split: bool = True, mlp_split: bool = True, first: bool = False,
+    recomputed: Collection[str] = (),
+) -> tuple[int, int]:
+    """One decoder layer's activations for one microbatch: (bytes kept until its backward,
+    bytes its recomputed forward holds again during the backward).
+
+    Args:
+        z: the sizes.
+        attention_split, mlp_split: the block's linears are split over tp (t' = t).
+        first: the model's first layer (under sequence parallelism its input is whole).
+        recomputed: "" for the whole layer, or names in `LAYER_PARTS`, checkpointed.
+
+    Example:
+        >>> z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=256, seq_len=16)
+        >>> layer_bytes(z), layer_bytes(z, recomputed=[""])
+        ((74368, 0), (4096, 74368))
+    """
+    parts = _parts(z, attention_split=attention_split, mlp_split=mlp_split)
+    # A checkpointed module keeps its input: the layer's (whole for the first under sequence
+    # parallelism), or a part's, which under sequence parallelism is a rank's chunk.
+    layer_input = (z.tokens if first else z.chunk) * z.dtype_bytes * z.hidden
+    if "" in recomputed:
+        return layer_input, sum(parts.values())
+    kept = sum(z.chunk * z.dtype_bytes * z.hidden if name in recomputed else size for name, size in parts.items())
+    return kept, max((parts[name] for name in recomputed if name in parts), default=0)
+
+
+def end_bytes(z: Sizes, *, has_head: bool = True, loss_parallel: bool = False) -> int:
+    """The last stage's final norm, LM head input and loss, for one microbatch.
+
+    Example:
+        >>> z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=256, seq_len=16)
+        >>> end_bytes(z), end_bytes(dataclasses.replace(z, tp=2), loss_parallel=True)
+        (28736, 20608)
+    """
+    out = _norm(z, z.chunk) + z.tokens * z.dtype_bytes * z.hidden  # the head's input, or the model's output
+    if not has_head:
+        return out
+    if loss_parallel:
+        return out + z.tokens * (z.dtype_bytes * z.vocab // z.tp + F32)
+    return out + F32 * z.tokens * z.vocab
+
+
+@dataclass(frozen=True)
+class RankActivations:
+    """One pp rank's estimate (every tp rank of it, every replica alike)."""
+
+    pp_rank: int
+    stage_bytes: dict[int, int]  # per stage it holds: bytes one microbatch keeps until its backward
+    in_flight: int  # the most (microbatch, stage) pairs alive at once in the schedule
+    recompute: int  # bytes the largest recomputed module holds again during its backward (0: none)
+    peak: int  # the estimate: the most bytes alive at once, recompute included
+
+
+def _recomputed_parts(resolved: ResolvedPlan, index: int) -> set[str]:
+    """"" when layer `index` is checkpointed whole, else its checkpointed parts."""
+    layer = resolved.backbone.layer(index)
+    found = set()
+    for fqn in resolved.recomputed:
+        if fqn == layer:
+            found.add("")
+        elif fqn.startswith(layer + ".") and fqn[len(layer) + 1 :] in LAYER_PARTS:
+            found.add(fqn[len(layer) + 1 :])
+    return found
+
+
+def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1) -> list[RankActivations]:
+    """The estimated activation bytes of each pp rank, in pp-rank order.
+
+    Args:
+        resolved: `rewrite.resolve(plan, model)` of a Hugging Face LLaMA-family model.
+        model: the model it was resolved against (meta will do): its config, parameter
+            dtype, and whether its attention has per-head norms.
+        batch_size: sequences per microbatch, each `pipeline.seq_len` tokens.
+
+    Returns:
+        One `RankActivations` per pp rank; see the module docstring for the model.
+
+    Raises:
+        ValueError: a model split by torch.fx (no layer structure to estimate), or a config
+            without the sizes the estimate needs.
+
+    Example:
+        >>> acts = rank_activations(rewrite.resolve("plans/llama-tp2.yaml", model), model)
+        >>> acts[0].in_flight  # AFAB, 4 microbatches
+        4
+    """
+    bb, plan = resolved.backbone, resolved.plan
+    if resolved.kind != "hf" or bb is None:
+        raise ValueError(
+            f"activations are estimated for Hugging Face LLaMA-family models (the module walker); "
+            f"{resolved.model_name} is split by torch.fx"
+        )
+    first = next(iter(model.parameters()), None)
+    attention = model.get_submodule(f"{bb.layer(0)}.self_attn")
+    z = Sizes.of(
+        model.config,
+        seq_len=plan.pipeline.seq_len,
+        batch_size=batch_size,
+        tp=resolved.tp,
+        dtype_bytes=first.element_size() if first is not None else F32,
+        sequence_parallel=plan.sequence_parallel,
+        qk_norm=hasattr(attention, "q_norm"),
+    )
+    styles = {s.fqn: s.style for s in resolved.shards} if resolved.tp > 1 else {}
+    last = resolved.num_stages - 1
+    kept, rebuilt = {}, {}
+    for stage, layers in enumerate(resolved.layer_indices):
+        kept[stage], rebuilt[stage] = 0, 0
+        for i in layers:
+            layer = bb.layer(i)
+            k, r = layer_bytes(
+                z,
+                attention_split=styles.get(f"{layer}.self_attn.q_proj") == "column",
+                mlp_split=styles.get(f"{layer}.mlp.gate_proj") == "column",
+                first=i == 0,
+                recomputed=_recomputed_parts(resolved, i),
+            )
+            kept[stage], rebuilt[stage] = kept[stage] + k, max(rebuilt[stage], r)
+        if stage == last:
+            sharded = plan.loss_parallel and bb.head is not None and styles.get(bb.head) == "column"
+            kept[stage] += end_bytes(z, has_head=bb.has_head, loss_parallel=sharded)
+        else:
+            kept[stage] += z.chunk * z.dtype_bytes * z.hidden  # the output, held for its backward
+    pipe = plan.pipeline
+    table = plan_table(pipe.schedule, pipe.table, resolved.pp, pipe.virtual_stages, pipe.microbatches)
+    out = []
+    for pp_rank, row in enumerate(table):
+        held = {s: kept[s] for s in resolved.rank_stages(pp_rank)}
+        recompute = max((rebuilt[s] for s in held), default=0)
+        out.append(RankActivations(pp_rank, held, peak_in_flight(row), recompute, _peak(row, held) + recompute))
+    return out
+
+
+def _peak(row, stage_bytes: dict[int, int]) -> int:
+    """Most bytes alive at once: a (mb, stage) pair from its F to its last backward action (W, else B)."""
+    split = {(a.mb, a.stage) for a in row if a.kind == "W"}
+    live = peak = 0
+    for action in row:
+        if action.kind == "F":
+            live += stage_bytes[action.stage]
+        elif action.kind == "W" or (action.mb, action.stage) not in split:
+            live -= stage_bytes[action.stage]
+        peak = max(peak, live)
+    return peak
