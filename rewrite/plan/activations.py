@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .costs import config_size
 from .resolve import ResolvedPlan
 from .schedules import peak_in_flight, plan_table
 
@@ -75,13 +76,7 @@ F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the p
 
 
 def _size(config, name: str) -> int:
-    value = getattr(config, name, None)
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"config.{name} is {value!r}; the activation estimate needs a positive integer "
-            f"({type(config).__name__} is not shaped like a LLaMA-family config)"
-        )
-    return value
+    return config_size(config, name, purpose="the activation estimate")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..models.hf_llama import Backbone
 
-__all__ = ["Costs", "estimate_costs", "layer_flops", "head_flops", "embed_flops", "best_split"]
+__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "head_flops", "embed_flops", "best_split"]
 
 # The backward computes two products for each forward one (input and weight gradients).
 TRAINING = 3
@@ -55,11 +55,12 @@ class Costs:
         return weights
 
 
-def _field(config, name: str) -> int:
+def config_size(config, name: str, *, purpose: str = "the compute estimate") -> int:
+    """`config.<name>`, which `purpose` needs as a positive integer (ValueError otherwise)."""
     value = getattr(config, name, None)
     if not isinstance(value, int) or value < 1:
         raise ValueError(
-            f"config.{name} is {value!r}; the compute estimate needs a positive integer "
+            f"config.{name} is {value!r}; {purpose} needs a positive integer "
             f"({type(config).__name__} is not shaped like a LLaMA-family config)"
         )
     return value
@@ -77,7 +78,7 @@ def layer_flops(config, *, seq_len: int) -> int:
         two RMSNorms             2 * NORM_FLOPS s h
     Elementwise work (RoPE, SiLU, residuals, the score softmax) is left out: ~1% here.
     """
-    h, a, i = _field(config, "hidden_size"), _field(config, "num_attention_heads"), _field(config, "intermediate_size")
+    h, a, i = config_size(config, "hidden_size"), config_size(config, "num_attention_heads"), config_size(config, "intermediate_size")
     kv = getattr(config, "num_key_value_heads", None) or a
     d = getattr(config, "head_dim", None) or h // a  # Mistral's config may hold head_dim=None
     s = seq_len
@@ -92,11 +93,11 @@ def head_flops(config, *, seq_len: int, has_head: bool = True) -> int:
 
     2 s h V for the head's product and LOSS_FLOPS s V for the log-softmax over V = vocab_size.
     """
-    h, s = _field(config, "hidden_size"), seq_len
+    h, s = config_size(config, "hidden_size"), seq_len
     norm = NORM_FLOPS * s * h
     if not has_head:
         return norm
-    vocab = _field(config, "vocab_size")
+    vocab = config_size(config, "vocab_size")
     return norm + 2 * s * h * vocab + LOSS_FLOPS * s * vocab
 
 
@@ -105,7 +106,7 @@ def embed_flops(config, *, seq_len: int) -> int:
 
     Cheap but not free: its backward scatter-adds the same s h values into the table.
     """
-    return seq_len * _field(config, "hidden_size")
+    return seq_len * config_size(config, "hidden_size")
 
 
 def estimate_costs(
