@@ -63,9 +63,9 @@ def _whole_model(stage, model, reference, ids, name: str) -> None:
     assert torch.equal(tokens, expected), f"{name}: generated {tokens.tolist()} != {expected.tolist()}"
 
 
-def _case(tp: int, pp: int, option: str, tied: bool) -> float:
-    name = f"tp{tp} pp{pp} {option}{' tied' if tied else ''}"
-    config = build_config("tiny-llama", tie_word_embeddings=tied)
+def _case(tp: int, pp: int, option: str, tied: bool, preset: str = "tiny-llama") -> float:
+    name = f"{preset} tp{tp} pp{pp} {option}{' tied' if tied else ''}"
+    config = build_config(preset, tie_word_embeddings=tied)
     model = build_model(config, seed=4)
     reference = copy.deepcopy(model)
     stage = rewrite.apply_plan(model, _plan(tp, pp, option))
@@ -83,6 +83,8 @@ def _case(tp: int, pp: int, option: str, tied: bool) -> float:
 def _matrix(rank: int, ws: int, tp: int, pp: int) -> list[float]:
     torch.manual_seed(0)
     out = [_case(tp, pp, option, False) for option in OPTIONS]
+    if (tp, pp) == (2, 1):  # per-head q/k norms (Qwen3), attention biases (Qwen2)
+        out += [_case(tp, pp, "all", False, preset) for preset in ("tiny-qwen3", "tiny-qwen2")]
     return out + [_case(tp, pp, "all", True)]
 
 
