@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from rewrite.tensor_parallel.comm import group_rank, group_size
+from . import exchange
+from .comm import group_rank, group_size
 
 __all__ = [
     "sequence_chunk",
@@ -64,7 +64,7 @@ def _gather(x: torch.Tensor, group: ProcessGroup | None, length: int) -> torch.T
     # Collectives concatenate along dim 0, so the gathered buffer is chunk-major:
     # (tp * lead0, *lead[1:], c, h), viewed as (tp, *lead, c, h).
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)
+    exchange.all_gather_into(out, x, group)
     out = out.view(tp, *x.shape)
     if math.prod(x.shape[:-2]) == 1:  # no batch to interleave: chunk-major is sequence order
         return out.view(*x.shape[:-2], tp * c, x.shape[-1]).narrow(-2, 0, length)
@@ -80,7 +80,7 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     # Chunk-major input (tp, *lead, c, h) = (tp * lead0, ...) for dim-0 scatter; one copy.
     chunks = torch.stack([_chunk(x, i, c) for i in range(tp)])
     out = x.new_empty(chunks.shape[1:])
-    dist.reduce_scatter_single(out, chunks.flatten(0, 1), group=group)
+    exchange.reduce_scatter_into(out, chunks.flatten(0, 1), group)
     return out
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor.debug import CommDebugMode
 
 from rewrite.tensor_parallel.sequence import (
     gather_from_sequence,
@@ -18,6 +17,7 @@ from rewrite.tensor_parallel.sequence import (
     sequence_chunk,
 )
 from tests.asserts import assert_close
+from tests.collectives import CountCollectives
 from tests.multiproc import run
 
 H = 3
@@ -117,15 +117,14 @@ def _check_errors(ws: int) -> None:
 
 
 def _comm_counts(fn) -> dict[str, int]:
-    mode = CommDebugMode()
-    with mode:
+    with CountCollectives() as seen:
         fn()
-    return {str(op).removeprefix("c10d."): n for op, n in mode.get_comm_counts().items() if n}
+    return seen.made()
 
 
 def _check_comm_counts(ws: int) -> None:
     """One collective per call forward, at most one backward, never an all-reduce."""
-    gather, rs = ({"_allgather_base_": 1}, {"_reduce_scatter_base_": 1}) if ws > 1 else ({}, {})
+    gather, rs = ({"sequence_all_gather": 1}, {"sequence_reduce_scatter": 1}) if ws > 1 else ({}, {})
     x = torch.randn(2, 7, H, requires_grad=True)
     seen = {}
 

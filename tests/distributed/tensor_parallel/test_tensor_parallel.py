@@ -6,53 +6,16 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import rewrite
 from rewrite import ColumnParallelLinear, RowParallelLinear
-from rewrite.tensor_parallel import comm
 from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
+from tests.collectives import CountCollectives
 from tests.multiproc import run
 from tests.reference import assert_grads_match
 
 PLANS = {2: "plans/llama-tp2.yaml", 4: "plans/llama-tp4.yaml"}
-
-
-class _Counter:
-    """Counts collectives by patching them for the duration of a block.
-
-    All-reduces are counted at rewrite's `all_reduce_sum`, which every tensor-parallel
-    sum goes through (over P2P on gloo, else torch.distributed.all_reduce).
-    """
-
-    TARGETS = {
-        "all_reduce": (comm, "all_reduce_sum"),
-        "all_gather": (dist, "all_gather"),
-        "all_gather_into_tensor": (dist, "all_gather_into_tensor"),
-        "reduce_scatter_tensor": (dist, "reduce_scatter_tensor"),
-        "broadcast": (dist, "broadcast"),
-    }
-
-    def __enter__(self):
-        self.counts = dict.fromkeys(self.TARGETS, 0)
-        self.saved = {kind: getattr(module, name) for kind, (module, name) in self.TARGETS.items()}
-        for kind, (module, name) in self.TARGETS.items():
-            setattr(module, name, self._wrap(kind))
-        return self
-
-    def _wrap(self, kind):
-        original = self.saved[kind]
-
-        def counted(*args, **kwargs):
-            self.counts[kind] += 1
-            return original(*args, **kwargs)
-
-        return counted
-
-    def __exit__(self, *exc):
-        for kind, (module, name) in self.TARGETS.items():
-            setattr(module, name, self.saved[kind])
 
 
 def _check_model(rank: int, ws: int, preset: str, overrides: dict, count_collectives: bool) -> dict:
@@ -78,12 +41,12 @@ def _check_model(rank: int, ws: int, preset: str, overrides: dict, count_collect
     assert shard_bytes * ws == linear_bytes, f"{tag}: {shard_bytes} * {ws} != {linear_bytes}"
 
     # Forward: logits and loss; backward: every gradient.
-    with _Counter() as fwd:
+    with CountCollectives() as fwd:
         out = model(input_ids=ids, labels=labels)
     ref_out = reference(input_ids=ids, labels=labels)
     assert_close(f"{tag} logits", out.logits, ref_out.logits)
     assert_close(f"{tag} loss", out.loss, ref_out.loss)
-    with _Counter() as bwd:
+    with CountCollectives() as bwd:
         out.loss.backward()
     ref_out.loss.backward()
     assert assert_grads_match(model, reference, prefix=f"{tag} ") > 0
