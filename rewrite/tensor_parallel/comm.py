@@ -196,29 +196,26 @@ class SharedInputCopy:
     layer would all-reduce that activation's gradient three times in backward;
     sharing f lets autograd sum the local partial gradients first, so the block
     costs a single all-reduce, as in Megatron's fused QKV. The cache is keyed on
-    the input's identity and version and lives only as long as the input does,
-    so it can never hand out a stale value.
+    the input's identity and version and holds both tensors weakly: `out` is a
+    view of the input, so holding it would keep the input (and its autograd graph)
+    alive after the step; the entry lives only while the layers' graph holds `out`,
+    and can never hand out a stale value.
     """
 
     def __init__(self, group: ProcessGroup | None = None):
         self.group = group
         self._src: weakref.ref | None = None
-        self._out: torch.Tensor | None = None
+        self._out: weakref.ref | None = None
         self._version = -1
-
-    def _forget(self, ref: weakref.ref) -> None:
-        if ref is self._src:  # an older input dying must not clear a newer entry
-            self._src, self._out = None, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Without a gradient to reduce, f is the identity: nothing to share.
         if not (torch.is_grad_enabled() and x.requires_grad) or group_size(self.group) == 1:
             return x
         src = self._src() if self._src is not None else None
-        if src is x and self._out is not None and x._version == self._version:
-            return self._out
+        out = self._out() if self._out is not None else None
+        if src is x and out is not None and x._version == self._version:
+            return out
         out = _CopyToParallel.apply(x, self.group)
-        # `out` (a view of x) is held only while x's Python object lives: the
-        # weakref callback drops it as soon as the caller lets go of x.
-        self._src, self._out, self._version = weakref.ref(x, self._forget), out, x._version
+        self._src, self._out, self._version = weakref.ref(x), weakref.ref(out), x._version
         return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -159,6 +161,10 @@ def _check_shared_input_copy(rank: int, ws: int) -> None:
     loss = (a(x) * b(x)).sum()
     expected = 1 if ws > 1 else 0
     assert _count_all_reduces(loss.backward) == expected, "shared input copy must all-reduce once"
+    # Once the graph is gone, the cache keeps neither the input nor its copy alive.
+    probe = weakref.ref(x)
+    del loss, x
+    assert probe() is None, "the shared input copy keeps its input alive after the backward"
 
 
 def _check_sum(rank: int, ws: int) -> None:
