@@ -88,7 +88,8 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor keeps its local shard's storage
+        storage = local.untyped_storage()
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.params:
             return tensor

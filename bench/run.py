@@ -1,11 +1,11 @@
 """Run every benchmark side by side and write bench/results.json.
 
-    .venv/bin/python -m bench.run            # about 6 minutes on 2 cores
+    .venv/bin/python -m bench.run            # about 11 minutes on 2 cores
     .venv/bin/python -m bench.run --steps 3  # a quick look
 
 Prints markdown tables of medians and ratios (the numbers in BENCHMARKS.md); the
 per-schedule pipeline comparison alone is `python -m bench.schedules`, data parallelism alone
-`python -m bench.dp`.
+`python -m bench.dp`, the tensor-parallel options alone `python -m bench.tp_options`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench import common, dp, pp, schedules, tp
+from bench import common, dp, pp, schedules, tp, tp_options
 
 
 def _machine() -> dict:
@@ -57,6 +57,8 @@ def main() -> None:
     sched_runs = common.launch(schedules.compare, 2, args.warmup, args.steps)
     tp_runs = common.launch(tp.timing, 2, args.warmup, args.steps)
     dp_runs = common.launch(dp.compare, 2, args.warmup, args.steps)  # bench.dp: DDP / FSDP2 side by side
+    # bench.tp_options: vocab / loss_parallel / sequence_parallel / checkpointing, DTensor, one process.
+    tp_opt_runs = common.launch(tp_options.compare, 2, args.warmup, args.steps)
     mem = {
         "pp_ours": common.launch(pp.memory, 2, "ours"),
         "pp_gpipe": common.launch(pp.memory, 2, "gpipe"),
@@ -89,6 +91,7 @@ def main() -> None:
         memory=mem,
         schedules=schedules.summarize(sched_runs, one),
         dp=dp.summarize(dp_runs, single["times"]),
+        tp_options=tp_options.summarize(tp_opt_runs),
         ideal_param_bytes_per_rank=single["param_bytes"] / 2,
         wall_s=time.time() - start,
     )
@@ -98,6 +101,10 @@ def main() -> None:
     print(schedules.table(res["schedules"]))
     print()
     print(dp.table(res["dp"]))
+    print()
+    print(tp_options.table(res["tp_options"]))
+    print()
+    print(tp_options.targets(res["tp_options"]))
 
 
 def table(res: dict) -> str:

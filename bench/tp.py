@@ -3,7 +3,9 @@
 DTensor gets the model's own `base_model_tp_plan`, rewrite the same rules as a
 plan. Both run the same gradient-accumulation loop over the microbatches, in the
 same two processes, alternating step by step. Collectives are counted from the profiler's
-`gloo:*` events, so both implementations are counted the same way.
+`gloo:*` events, so both implementations are counted the same way. `bench.tp_options`
+measures the plan's tensor-parallel options (vocab, loss_parallel, sequence_parallel,
+activation checkpointing) against the same two and one process, side by side.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ _COLLECTIVES = ("gloo:all_reduce", "gloo:all_gather", "gloo:reduce_scatter", "gl
 def _ours(world: int):
     lm = common.model()
     rules = rewrite.plan_from_hf(lm.config, tp=world).tensor_parallel
-    rules = {k: v for k, v in rules.items() if k != "lm_head"}  # as DTensor below: layers only
+    # As DTensor below: the decoder layers only (plan_from_hf may also map embeddings and heads).
+    rules = {k: v for k, v in rules.items() if k.startswith("model.layers.")}
     stage = rewrite.apply_plan(lm, {"mesh": {"tp": world}, "tensor_parallel": rules,
                                     "pipeline": {"microbatches": common.MICROBATCHES}})
     assert stage.model is lm  # with pp == 1 the rewritten model is a complete HF model
