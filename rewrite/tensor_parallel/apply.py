@@ -6,11 +6,14 @@ is told to keep its vocabulary shards for the runner's loss.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
 
 from ..plan.resolve import ResolvedPlan
 from .comm import SharedInputCopy
 from .layers import ColumnParallelLinear, RowParallelLinear
+from .mixins import add_mixin
 from .replicated import make_grad_allreduce
 from .sequence_model import apply_sequence_parallel
 from .vocab import VocabParallelEmbedding
@@ -24,7 +27,9 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> No
     A weight shared by two modules (tied embeddings) stays shared: both ends are
     split along the vocabulary alike, so the second end reuses the first's shard.
     """
-    copies: dict[str, SharedInputCopy] = {}
+    columns = Counter(s.fqn.rpartition(".")[0] for s in resolved.shards if s.style in ("column", "column_gather"))
+    # Siblings reading one activation (q/k/v; gate/up) share one backward all-reduce.
+    copies = {p: SharedInputCopy(group) for p, n in columns.items() if n > 1 and p}
     sharded: dict[int, nn.Parameter] = {}  # id of a replaced weight -> the shard that replaced it
     for spec in resolved.shards:
         parent_name, _, name = spec.fqn.rpartition(".")
@@ -36,12 +41,10 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> No
         if spec.style == "vocab":
             new = VocabParallelEmbedding.from_embedding(module, group=group)
         elif spec.style in ("column", "column_gather"):
-            # Siblings reading one activation (q/k/v; gate/up) share one backward all-reduce.
-            shared = copies.setdefault(parent_name, SharedInputCopy(group))
             # The LM head under loss_parallel still gathers for model(...); the runner asks for shards.
             new = ColumnParallelLinear.from_linear(
                 module, group=group, gather_output=spec.style == "column_gather" or spec.fqn == _head(resolved),
-                input_copy=shared,
+                input_copy=copies.get(parent_name),
             )
         else:
             new = RowParallelLinear.from_linear(module, group=group, input_is_parallel=spec.style == "row")
@@ -49,8 +52,22 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> No
             new.weight = sharded[id(module.weight)]  # tied: the same rows of the same matrix
         sharded[id(module.weight)] = new.weight
         setattr(parent, name, new)
+    for parent_name, shared in copies.items():
+        add_mixin(model.get_submodule(parent_name), _ForgetsInputCopy).input_copy_cache = shared
     if resolved.plan.sequence_parallel:
         apply_sequence_parallel(model, resolved.backbone, group)
+
+
+class _ForgetsInputCopy:
+    """A block whose column layers share an input copy: the cache goes when its forward returns."""
+
+    input_copy_cache: SharedInputCopy
+
+    def forward(self, *args, **kwargs):
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.input_copy_cache.forget()
 
 
 def _head(resolved: ResolvedPlan) -> str | None:

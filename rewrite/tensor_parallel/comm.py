@@ -20,6 +20,7 @@ __all__ = [
     "reduce_from_parallel",
     "gather_from_parallel",
     "scatter_to_parallel",
+    "InputCopy",
     "SharedInputCopy",
 ]
 
@@ -189,6 +190,16 @@ def scatter_to_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> t
     return x if group_size(group) == 1 else _ScatterToParallel.apply(x, group)
 
 
+class InputCopy:
+    """f for one column layer: identity forward, all-reduce of the input's gradient in backward."""
+
+    def __init__(self, group: ProcessGroup | None = None):
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_parallel(x, self.group)
+
+
 class SharedInputCopy:
     """Applies f once per input tensor for every column layer that shares this object.
 
@@ -196,26 +207,29 @@ class SharedInputCopy:
     layer would all-reduce that activation's gradient three times in backward;
     sharing f lets autograd sum the local partial gradients first, so the block
     costs a single all-reduce, as in Megatron's fused QKV. The cache is keyed on
-    the input's identity and version and holds both tensors weakly: `out` is a
-    view of the input, so holding it would keep the input (and its autograd graph)
-    alive after the step; the entry lives only while the layers' graph holds `out`,
-    and can never hand out a stale value.
+    the input's identity and version, so it never hands out a stale value. The
+    cached copy is a view that keeps the input (and its graph) alive: whoever owns
+    the block calls `forget()` when its forward returns (`apply_tensor_parallel`
+    does), so nothing outlives the block's forward.
     """
 
     def __init__(self, group: ProcessGroup | None = None):
         self.group = group
         self._src: weakref.ref | None = None
-        self._out: weakref.ref | None = None
+        self._out: torch.Tensor | None = None
         self._version = -1
+
+    def forget(self) -> None:
+        """Drop the cached copy (and with it the input it keeps alive)."""
+        self._src, self._out, self._version = None, None, -1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Without a gradient to reduce, f is the identity: nothing to share.
         if not (torch.is_grad_enabled() and x.requires_grad) or group_size(self.group) == 1:
             return x
         src = self._src() if self._src is not None else None
-        out = self._out() if self._out is not None else None
-        if src is x and out is not None and x._version == self._version:
-            return out
+        if src is x and self._out is not None and x._version == self._version:
+            return self._out
         out = _CopyToParallel.apply(x, self.group)
-        self._src, self._out, self._version = weakref.ref(x), weakref.ref(out), x._version
+        self._src, self._out, self._version = weakref.ref(x), out, x._version
         return out

@@ -19,7 +19,7 @@ from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
 from .base import _ParallelLinear
-from .comm import SharedInputCopy, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from .comm import InputCopy, SharedInputCopy, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
 from .sequence import reduce_scatter_to_sequence
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "local_shard"]
@@ -69,7 +69,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self._build(in_features, out_features, bias, master_weight, group, device, dtype)
         self.out_per_rank = self.per_rank
         # Sibling column layers reading one activation may share this (see comm).
-        self.input_copy = SharedInputCopy(group)
+        self.input_copy = InputCopy(group)
 
     @classmethod
     def from_linear(

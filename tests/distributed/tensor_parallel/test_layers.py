@@ -155,16 +155,19 @@ def _count_all_reduces(fn) -> int:
 def _check_shared_input_copy(rank: int, ws: int) -> None:
     """Column layers sharing one input copy all-reduce its gradient once."""
     gen = torch.Generator().manual_seed(3)
+    shared = comm.SharedInputCopy()
     a = ColumnParallelLinear(IN, OUT, True, torch.randn(OUT, IN, generator=gen), gather_output=False)
-    b = ColumnParallelLinear.from_linear(nn.Linear(IN, OUT), gather_output=False, input_copy=a.input_copy)
+    a.input_copy = shared
+    b = ColumnParallelLinear.from_linear(nn.Linear(IN, OUT), gather_output=False, input_copy=shared)
     x = torch.randn(2, IN, generator=gen, requires_grad=True)
     loss = (a(x) * b(x)).sum()
     expected = 1 if ws > 1 else 0
     assert _count_all_reduces(loss.backward) == expected, "shared input copy must all-reduce once"
-    # Once the graph is gone, the cache keeps neither the input nor its copy alive.
+    # Once its owner forgets it (apply_plan: when the block's forward returns), the cache keeps nothing alive.
     probe = weakref.ref(x)
+    shared.forget()
     del loss, x
-    assert probe() is None, "the shared input copy keeps its input alive after the backward"
+    assert probe() is None, "the shared input copy keeps its input alive after forget()"
 
 
 def _check_sum(rank: int, ws: int) -> None:
