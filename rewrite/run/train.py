@@ -238,7 +238,12 @@ def train_main(config: TrainConfig) -> dict:
     if owns_group:
         dist.init_process_group(**init_kwargs)
     try:
-        return train(config)
+        result = train(config)
+        if owns_group:
+            # Every rank done before any tears down its connections: gloo aborts a process
+            # whose peer closes a pair while its own threads still use it.
+            dist.barrier()
+        return result
     finally:
         if owns_group:
             dist.destroy_process_group()
