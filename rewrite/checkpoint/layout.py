@@ -67,6 +67,17 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def split_dim(style: str, leaf: str) -> int | None:
+    """The dim along which a tensor-parallel style splits its module's tensor `leaf`; None: replicated."""
+    if style in ("column", "column_gather") and leaf in ("weight", "bias"):
+        return 0
+    if style == "vocab" and leaf == "weight":
+        return 0  # rows of the vocabulary
+    if style in ("row", "row_split") and leaf == "weight":
+        return 1
+    return None
+
+
 def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:
     """Every state-dict tensor pipeline rank `pp_rank` holds (all its stages), with tp rank `tp_rank`'s slice."""
     mods = [""] if resolved.pp == 1 else list(resolved.rank_modules(pp_rank))
@@ -77,14 +88,8 @@ def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank
         if not any(not m or name == m or name.startswith(m + ".") for m in mods):
             continue
         owner, _, leaf = name.rpartition(".")
-        spec, shape, dim = shards.get(owner), tuple(tensor.shape), None
-        if spec is not None and tp > 1:
-            if spec.style in ("column", "column_gather") and leaf in ("weight", "bias"):
-                dim = 0
-            elif spec.style == "vocab" and leaf == "weight":
-                dim = 0  # rows of the vocabulary
-            elif spec.style in ("row", "row_split") and leaf == "weight":
-                dim = 1
+        spec, shape = shards.get(owner), tuple(tensor.shape)
+        dim = split_dim(spec.style, leaf) if spec is not None and tp > 1 else None
         length = shape[dim] // tp if dim is not None else 0
         entries.append(Entry(name, canonical.get(name, name), shape, dim, tp_rank * length, length))
     return entries

@@ -1,0 +1,90 @@
+"""A training checkpoint (DCP, any plan) to a plain Hugging Face checkpoint, in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .pieces import Piece, PieceLoadPlanner
+from .training_state import latest_checkpoint
+
+__all__ = ["export_checkpoint", "checkpoint_path"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
+    """The `step-N` directory meant by `checkpoint`: a run's directory (its latest, or `step`) or a step's own.
+
+    Raises:
+        ValueError: nothing complete there, with what was found.
+    """
+    checkpoint = Path(checkpoint)
+    if step is not None:
+        path = checkpoint / f"step-{step:08d}"
+    elif (checkpoint / ".metadata").is_file():
+        path = checkpoint
+    else:
+        found = latest_checkpoint(checkpoint)
+        if found is None:
+            raise ValueError(
+                f"{checkpoint} holds no training checkpoint (neither a `latest` file nor a .metadata file); "
+                "pass the --ckpt directory of a run that saved one"
+            )
+        path = found[1]
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} is not a complete training checkpoint (no .metadata file)")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json: it was saved from a model without a Hugging Face config")
+    return path
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None) -> Path:
+    """Write the model of a training checkpoint as a plain Hugging Face checkpoint, with its tokenizer.
+
+    Runs in one process (no collective: call it on one rank only under torchrun): the whole model is built on the
+    CPU from the checkpoint's `config.json`, every tensor is read whole from the boxes the
+    training ranks wrote (whatever their plan), and `save_pretrained` writes it. The
+    result loads with `AutoModelForCausalLM.from_pretrained(out_dir)` (and
+    `AutoTokenizer`, when the run saved one).
+
+    Args:
+        checkpoint: a run's checkpoint directory (its latest step) or one `step-N` directory.
+        out_dir: where the Hugging Face checkpoint goes.
+        step: export `step-N` of the run instead of its latest.
+
+    Returns:
+        `out_dir`.
+
+    Raises:
+        ValueError: no complete checkpoint, or one that does not cover the model of its config.
+
+    Example:
+        >>> rewrite.export_checkpoint("ckpt", "out/model")
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path, out_dir = checkpoint_path(checkpoint, step), Path(out_dir)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    config = AutoConfig.from_pretrained(path)
+    floats = {md.properties.dtype for k, md in stored.items() if k.startswith("model/") and md.properties.dtype.is_floating_point}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=floats.pop() if len(floats) == 1 else None)
+    model.to_empty(device="cpu")  # non-persistent buffers (rotary) are not saved: garbage in them is harmless
+    state = {f"model/{n}": Piece(t.detach(), t.size(), torch.Size([0] * t.dim())) for n, t in model.state_dict().items()}
+    missing = [k for k in state if k not in stored]
+    shapes = [k for k in state if k in stored and tuple(stored[k].size) != tuple(state[k].size)]
+    if missing or shapes:
+        raise ValueError(
+            f"{path} does not hold the model of its config.json: {len(missing)} tensors missing "
+            f"{missing[:3]}, {len(shapes)} of another shape {shapes[:3]}"
+        )
+    dcp.load(state, checkpoint_id=path, planner=PieceLoadPlanner(), no_dist=True)  # no collective: one process reads it all
+    model.save_pretrained(out_dir)
+    if any((path / name).is_file() for name in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(path).save_pretrained(out_dir)
+    return out_dir

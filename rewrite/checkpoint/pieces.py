@@ -1,0 +1,175 @@
+"""Each rank's part of a training checkpoint as boxes of whole tensors, for torch.distributed.checkpoint.
+
+A `Piece` is the box this rank holds of one whole (unsharded) tensor: its local data, the
+whole tensor's size and the box's offsets. Tensor-parallel slices, FSDP2's row shards of
+them, and pipeline stages all come down to boxes, so DCP writes each rank's own boxes
+(replicated ones once) and, on load, reads any box from whatever boxes another plan wrote:
+that is the resharding between plans. The planners below are DCP's documented extension
+point (`DefaultSavePlanner` / `DefaultLoadPlanner`) taught about pieces; everything else
+(files, metadata, deduplication, the overlap reads) is DCP's own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..pipeline.stage import Stage
+from .layout import split_dim
+
+__all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The box `tensor` of a whole tensor of size `size`, starting at `offsets`."""
+
+    tensor: torch.Tensor  # this rank's data (a view into the live tensor: loads write through it)
+    size: torch.Size  # the whole tensor's
+    offsets: torch.Size
+
+    @property
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.tensor.size())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def piece_like(value: torch.Tensor, box: Piece) -> Piece:
+    """`value` (e.g. an optimizer moment of a parameter) in the same box as that parameter's."""
+    return Piece(_local(value).detach(), box.size, box.offsets)
+
+
+def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, tp: int, tp_rank: int) -> Piece:
+    """Where this rank's `tensor` sits in the whole: the tp slice along `tp_dim`, then FSDP2's rows of it."""
+    shape = list(tensor.shape)  # a DTensor's shape: its whole tp slice
+    size, start, extent = list(shape), [0] * len(shape), list(shape)
+    if tp_dim is not None:
+        size[tp_dim] *= tp
+        start[tp_dim] = tp_rank * shape[tp_dim]
+    local = _local(tensor).detach()
+    if isinstance(tensor, DTensor):
+        coordinate = tensor.device_mesh.get_coordinate() or []
+        for mesh_dim, placement in enumerate(tensor.placements):
+            if isinstance(placement, Replicate):
+                continue
+            if type(placement) is not Shard:
+                raise ValueError(f"{name}: a DTensor placed as {placement} cannot be checkpointed; only Shard and Replicate")
+            d, n = placement.dim, extent[placement.dim]
+            chunk = math.ceil(n / tensor.device_mesh.size(mesh_dim))  # torch.chunk's split, as FSDP2 makes it
+            lo = min(coordinate[mesh_dim] * chunk, n)
+            start[d] += lo
+            extent[d] = min(lo + chunk, n) - lo
+    if list(local.shape) != extent:
+        raise ValueError(f"{name}: the local shard has shape {list(local.shape)}, its placement gives {extent}")
+    return Piece(local, torch.Size(size), torch.Size(start))
+
+
+def model_pieces(stage: Stage) -> dict[str, Piece]:
+    """Every tensor of this rank's state dict (tied ones under each name), as a box of the whole model's."""
+    shards = {s.fqn: s for s in stage.resolved.shards}
+    tp, tp_rank = stage.mesh.tp, stage.mesh.tp_rank
+    out = {}
+    for name, tensor in stage.model.state_dict(keep_vars=True).items():
+        owner, _, leaf = name.rpartition(".")
+        spec = shards.get(owner)
+        dim = split_dim(spec.style, leaf) if spec is not None and tp > 1 else None
+        out[name] = _box(name, tensor, dim, tp, tp_rank)
+    return out
+
+
+def parameter_names(module: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has (tied parameters have several)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
+def _cpu_own(t: torch.Tensor) -> torch.Tensor:
+    """What DCP's writer may `torch.save`: on the CPU, and not a view of a larger storage (saved whole)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        return t.cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """Writes each `Piece` as its box of the whole tensor; anything else as a pickled object."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, value in self.state_dict.items():
+            if isinstance(value, Piece):
+                if value.tensor.numel() == 0:  # an FSDP2 rank past the end of a short tensor
+                    continue
+                data = TensorWriteData(
+                    chunk=value.chunk, properties=TensorProperties.create_from_tensor(value.tensor), size=value.size
+                )
+                items.append(WriteItem(index=MetadataIndex(key, value.offsets), type=WriteItemType.SHARD, tensor_data=data))
+            else:
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex):
+        value = self.state_dict[index.fqn]
+        return _cpu_own(value.tensor) if isinstance(value, Piece) else value
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads into each `Piece` the parts of its box that the checkpoint's boxes hold; objects whole.
+
+    The caller checks beforehand (on every rank, before any collective) that every key is
+    in the checkpoint with the same whole size.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.state_dict = self.original_state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        stored = self.metadata.state_dict_metadata
+        for key, value in self.state_dict.items():
+            if isinstance(value, Piece):
+                if value.tensor.numel():
+                    items += create_read_items_for_chunk_list(key, stored[key], [value.chunk])
+            else:
+                index = MetadataIndex(key)
+                zero = torch.Size((0,))
+                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=zero,
+                                      storage_index=index, storage_offsets=zero, lengths=zero))
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn].tensor

@@ -1,0 +1,326 @@
+"""Resumable training state: model, optimizer, scheduler, RNG and the caller's own state, with DCP.
+
+    ckpt/
+      latest              names the newest complete checkpoint; written last, atomically
+      step-00000040/      torch.distributed.checkpoint files (each rank wrote its own boxes)
+      step-00000050/      config.json (+ tokenizer) so that `export` needs nothing else
+
+Tensors are stored as whole (unsharded) tensors cut into the boxes each rank held (see
+`pieces`), so a checkpoint written under one plan loads under any other plan of the same
+model: tp, pp and dp may all change. A save killed half-way leaves `latest` naming the
+previous checkpoint; the next save of that step starts over.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..agreement import agree
+from ..pipeline.stage import Stage
+from .pieces import Piece, PieceLoadPlanner, PieceSavePlanner, model_pieces, parameter_names, piece_like
+
+__all__ = ["save_training_state", "load_training_state", "latest_checkpoint", "LATEST"]
+
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def _step_dir(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:08d}"
+
+
+def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
+    """(step, path) of the newest complete checkpoint under `directory`, or None when there is none.
+
+    Raises:
+        ValueError: `latest` names a checkpoint that is not there (a damaged directory).
+    """
+    directory = Path(directory)
+    try:
+        name = (directory / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    match = _STEP_DIR.match(name)
+    path = directory / name
+    if match is None or not (path / ".metadata").is_file():
+        raise ValueError(
+            f"{directory / LATEST} names {name!r}, which is not a complete checkpoint in {directory}; "
+            "point it at a step-* directory holding a .metadata file, or delete it to start over"
+        )
+    return int(match[1]), path
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _optimizer_pieces(stage: Stage, optimizer: torch.optim.Optimizer, boxes: dict[str, Piece]) -> tuple[dict, list[str]]:
+    """Each parameter's optimizer state (moments in the parameter's box; 0-d values whole), under every name."""
+    names, out, problems = parameter_names(stage.model), {}, []
+    for param, state in optimizer.state.items():
+        for name in names.get(id(param), []):
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape):
+                    out[f"optim/{name}/{key}"] = piece_like(value, boxes[name])
+                elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                    out[f"optim/{name}/{key}"] = Piece(value.detach(), torch.Size(), torch.Size())
+                else:
+                    problems.append(f"optimizer state {key!r} of {name} ({type(value).__name__}) is neither "
+                                    "shaped like its parameter nor a scalar; it cannot be resharded")
+    return out, problems
+
+
+def _mesh(stage: Stage) -> dict:
+    return {"dp": stage.mesh.dp, "pp": stage.mesh.pp, "tp": stage.mesh.tp}
+
+
+def save_training_state(
+    directory: str | Path,
+    stage: Stage,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    extra: dict | None = None,
+    *,
+    step: int | None = None,
+    keep: int | None = None,
+    tokenizer: Any = None,
+) -> Path:
+    """Write a complete, resumable checkpoint of this training run under `directory`.
+
+    Collective: every rank calls it with its own stage and optimizer. Each rank writes its
+    own boxes of the model's tensors and of the optimizer state (AdamW moments are boxed
+    like their parameters; replicated tensors are written once), with
+    `torch.distributed.checkpoint`; rank 0 adds the scheduler, `extra`, each rank's RNG
+    state, the model config and `tokenizer`, and then, only once every rank has finished,
+    points `directory/latest` at the new `step-N`. Older checkpoints beyond `keep` are
+    then deleted.
+
+    Args:
+        directory: the run's checkpoint directory, visible to every rank.
+        stage: this rank's stage (`apply_plan` / `from_pretrained`).
+        optimizer: its optimizer, over `stage.parameters()`.
+        scheduler: an LR scheduler (anything with `state_dict`), or None.
+        extra: the caller's own state (step, data position, ...): picklable, the same on
+            every rank; `load_training_state` returns it.
+        step: names the checkpoint `step-N`; default `extra["step"]`, else one past the latest.
+        keep: keep only this many newest checkpoints (None: keep all).
+        tokenizer: saved beside the weights (`save_pretrained`), so that `export` finds it.
+
+    Returns:
+        The new checkpoint's path, `directory/step-N`.
+
+    Raises:
+        ValueError: on every rank, before anything is written: a bad `step` or `keep`, the
+            step already being the latest checkpoint, or optimizer state that cannot be boxed.
+
+    Example:
+        >>> rewrite.save_training_state("ckpt", stage, optimizer, scheduler, extra={"step": 50})
+    """
+    directory, problems, path = Path(directory), [], None
+    try:
+        latest = latest_checkpoint(directory)
+        if step is None:
+            step = extra.get("step") if isinstance(extra, dict) and isinstance(extra.get("step"), int) else None
+        if step is None:
+            step = latest[0] + 1 if latest else 1
+        if not isinstance(step, int) or step < 0:
+            problems.append(f"step={step!r}: use a whole number >= 0 (it names the checkpoint step-N)")
+        elif latest is not None and latest[0] == step:
+            problems.append(f"{latest[1]} is the latest checkpoint already; save under another step")
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            problems.append(f"keep={keep!r}: keep at least 1 checkpoint (or None for all)")
+        if directory.exists() and not directory.is_dir():
+            problems.append(f"{directory} is a file; pass a directory for checkpoints")
+        boxes = model_pieces(stage)
+        moments, found = _optimizer_pieces(stage, optimizer, boxes)
+        problems += found
+    except (ValueError, OSError) as exc:
+        problems.append(str(exc))
+    agree(problems, f"save_training_state({str(directory)!r})")  # the first collective
+    path = _step_dir(directory, step)
+    if dist.get_rank() == 0 and path.exists():
+        shutil.rmtree(path)  # a save of this step that died before `latest` named it
+    dist.barrier()
+    state: dict[str, Any] = {f"model/{name}": box for name, box in boxes.items()}
+    state.update(moments)
+    state[f"rng/{dist.get_rank()}"] = _rng_state()
+    if dist.get_rank() == 0:
+        state["optim_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+        state["extra"] = extra
+        state["run"] = {"mesh": _mesh(stage), "world_size": dist.get_world_size(), "step": step,
+                        "plan": str(stage.resolved.plan.source)}
+    dcp.save(state, checkpoint_id=path, planner=PieceSavePlanner())
+    if dist.get_rank() == 0:
+        _write_files(stage, path, tokenizer)
+        _point_latest(directory, path)
+        if keep is not None:
+            _prune(directory, step, keep)
+    dist.barrier()  # no rank goes on (and maybe saves again) before `latest` names this one
+    return path
+
+
+def _write_files(stage: Stage, path: Path, tokenizer: Any) -> None:
+    config = getattr(stage.model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
+def _point_latest(directory: Path, path: Path) -> None:
+    tmp = directory / f".{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(path.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / LATEST)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(directory: Path, step: int, keep: int) -> None:
+    """Delete checkpoints older than the `keep` newest (never a newer, unfinished one)."""
+    steps = sorted(int(m[1]) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m[1]) <= step)
+    for old in steps[:-keep]:
+        shutil.rmtree(_step_dir(directory, old), ignore_errors=True)
+
+
+def load_training_state(
+    directory: str | Path,
+    stage: Stage,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    *,
+    step: int | None = None,
+) -> Any:
+    """Restore a checkpoint of `save_training_state` into this rank's stage and optimizer; returns `extra`.
+
+    Collective. The stage may come from another plan than the one that saved (another tp,
+    pp or dp): each rank reads its boxes out of the boxes the saving ranks wrote. The
+    optimizer must be a fresh one of the same kind and parameter groups over
+    `stage.parameters()`; its state and hyperparameters are replaced. RNG states are
+    restored when the world size is unchanged.
+
+    Args:
+        directory: the run's checkpoint directory.
+        stage, optimizer, scheduler: as given to `save_training_state`.
+        step: load `step-N` instead of the latest.
+
+    Raises:
+        ValueError: on every rank, before any tensor is read: no checkpoint, or one that
+            does not fit this model (missing tensors, other whole shapes: another model).
+
+    Example:
+        >>> extra = rewrite.load_training_state("ckpt", stage, optimizer, scheduler)
+        >>> start = extra["step"] + 1
+    """
+    directory, problems, state, fresh, path = Path(directory), [], {}, [], None
+    rank = dist.get_rank()
+    try:
+        if step is None:
+            found = latest_checkpoint(directory)
+            if found is None:
+                raise ValueError(f"no checkpoint in {directory} (no {LATEST} file); save one first, or start fresh")
+            path = found[1]
+        else:
+            path = _step_dir(directory, step)
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        state = {f"model/{name}": box for name, box in model_pieces(stage).items()}
+        moments, fresh = _fresh_optimizer_pieces(stage, optimizer, state, stored)
+        state.update(moments)
+        problems += _fit_problems(state, stored)
+        state.update({key: None for key in ("optim_groups", "scheduler", "extra", "run")})
+        if f"rng/{rank}" in stored:
+            state[f"rng/{rank}"] = None
+    except (ValueError, OSError) as exc:
+        problems.append(str(exc))
+    agree(problems, f"load_training_state({str(directory)!r})")  # the first collective
+    dcp.load(state, checkpoint_id=path, planner=PieceLoadPlanner())
+    groups = state["optim_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"{path}: the optimizer had {len(groups)} parameter groups, this one has "
+            f"{len(optimizer.param_groups)}; build it with the same groups as the run that saved"
+        )
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update(saved)
+    for param, values in fresh:
+        optimizer.state[param] = values
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    rng = state.get(f"rng/{rank}")
+    if rng is not None and state["run"]["world_size"] == dist.get_world_size():
+        _set_rng_state(rng)
+    return state["extra"]
+
+
+def _fresh_optimizer_pieces(stage: Stage, optimizer, model_state: dict, stored: dict) -> tuple[dict, list]:
+    """Zeroed optimizer state for every parameter the checkpoint has state for, boxed to be read into."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if optimizer.state:
+        raise ValueError("the optimizer already has state; load into a fresh optimizer (before its first step)")
+    names, pieces, fresh = parameter_names(stage.model), {}, []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name in names.get(id(param), []):
+                prefix = f"optim/{name}/"
+                keys = [k for k in stored if k.startswith(prefix)]
+                if not keys:
+                    continue
+                values = {}
+                for key in keys:
+                    md = stored[key]
+                    if not isinstance(md, TensorStorageMetadata):
+                        raise ValueError(f"{key} is not a tensor in the checkpoint")
+                    dtype = md.properties.dtype
+                    if len(md.size) == 0:
+                        value = torch.zeros((), dtype=dtype)
+                        pieces[key] = Piece(value, torch.Size(), torch.Size())
+                    else:
+                        value = torch.zeros_like(param, dtype=dtype)
+                        pieces[key] = piece_like(value, model_state[f"model/{name}"])
+                    values[key[len(prefix):]] = value
+                fresh.append((param, values))
+                break  # a tied parameter's state is read once, under its first name
+    return pieces, fresh
+
+
+def _fit_problems(state: dict, stored: dict) -> list[str]:
+    missing = [k for k in state if isinstance(state[k], Piece) and k not in stored]
+    shapes = [
+        f"{k}: {list(stored[k].size)} in the checkpoint, {list(v.size)} here"
+        for k, v in state.items()
+        if isinstance(v, Piece) and k in stored and tuple(getattr(stored[k], "size", ())) != tuple(v.size)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors this model has are not in the checkpoint, e.g. {missing[:3]}; "
+                        "was it written for another model?")
+    if shapes:
+        problems.append(f"{len(shapes)} tensors have other whole shapes than the checkpoint's, e.g. {shapes[:3]}; "
+                        "was it written for another model config?")
+    return problems
