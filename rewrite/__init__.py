@@ -8,9 +8,12 @@ Write a plan, apply it, train:
 """
 
 from .checkpoint.hf_load import from_pretrained
+from .checkpoint.export import export_checkpoint
 from .checkpoint.hf_save import save_pretrained
+from .checkpoint.training_state import latest_checkpoint, load_training_state, save_training_state
 from .mesh import Mesh, build_mesh
 from .pipeline.batches import microbatches
+from .pipeline.grad_norm import clip_grad_norm_
 from .pipeline.loss import LogitShard, takes_logit_shards
 from .pipeline.runner import causal_lm_loss, run_afab, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
@@ -48,9 +51,14 @@ __all__ = [
     "run_schedule",
     "causal_lm_loss",
     "microbatches",
+    "clip_grad_norm_",
     "train_step_pipeline_afab",
     "save_pretrained",
     "from_pretrained",
+    "save_training_state",
+    "load_training_state",
+    "latest_checkpoint",
+    "export_checkpoint",
     "launch",
     "LaunchError",
 ]
