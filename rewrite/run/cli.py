@@ -1,9 +1,11 @@
-"""The `rewrite` command: show, validate, schema, train.
+"""The `rewrite` command: show, validate, schema, train, export, init-model.
 
     rewrite show plans/llama-tp2-pp2.yaml --model tiny-llama
     rewrite validate plans/llama-tp2-pp2.yaml --model path/to/config.json
     rewrite schema > plans/plan.schema.json
     torchrun --nproc-per-node 4 -m rewrite train plans/llama-tp2-pp2.yaml --model tiny-llama
+    rewrite export ckpt/ out/model
+    rewrite init-model models/tiny
 """
 
 from __future__ import annotations
@@ -102,8 +104,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
         parity=args.parity,
         progress=not args.no_progress,
         timeout_s=args.timeout,
+        ckpt=args.ckpt,
+        save_every=args.save_every,
+        keep=args.keep,
+        resume=args.resume,
+        export=args.export,
+        device=args.device,
+        dtype=args.train_dtype,
+        max_grad_norm=args.max_grad_norm,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
     )
     train_main(config)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ..checkpoint.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, step=args.step)
+    print(f"wrote {out}: loads with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    from .tiny_model import make_tiny_checkpoint
+
+    out = make_tiny_checkpoint(args.out, preset=args.preset, data=args.data, vocab_size=args.vocab_size, seed=args.seed)
+    print(f"wrote {out}: a {args.preset} model with random weights and a BPE tokenizer trained on its text")
     return 0
 
 
@@ -139,21 +167,44 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig.__dataclass_fields__
     train = sub.add_parser(
         "train",
-        help="train under torchrun on byte-level text, with a parity check, timeline and loss curve",
+        help="train under torchrun: a HF checkpoint and its tokenizer (or a preset on bytes), resumable",
         description="Run under torchrun, one process per rank of the plan's mesh, e.g. "
         "`torchrun --standalone --nproc-per-node 4 -m rewrite train plans/llama-tp2-pp2.yaml`. "
         "Several machines: torchrun's own --nnodes/--node-rank/--rdzv-endpoint flags.",
     )
     train.add_argument("plan", metavar="PLAN", help="a plan file (.yaml, .yml or .json)")
     train.add_argument("--model", default=d["model"].default, metavar="MODEL", help=model_help + " (default %(default)s)")
-    train.add_argument("--data", default=None, help="a text file, trained on as bytes (default: data/alice29.txt)")
+    train.add_argument(
+        "--data", default=None,
+        help="a .txt or .jsonl (a `text` field per line) file, a directory of them, or a `datasets` dataset saved "
+        "with save_to_disk; tokenized with the model's tokenizer, or read as bytes when it has none "
+        "(default: data/alice29.txt)",
+    )
     train.add_argument("--steps", type=int, default=d["steps"].default, help="optimizer steps (default %(default)s)")
     train.add_argument("--batch-size", type=int, default=d["batch_size"].default, help="sequences per microbatch (default %(default)s)")
-    train.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="bytes per sequence (default %(default)s)")
+    train.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="tokens (bytes) per sequence (default %(default)s)")
     train.add_argument("--lr", type=float, default=d["lr"].default, help="AdamW learning rate (default %(default)s)")
     train.add_argument("--seed", type=int, default=d["seed"].default, help="model init and batch sampling seed (default %(default)s)")
     train.add_argument("--out", default=d["out_dir"].default, help="where rank 0 writes timeline.png, loss.png, metrics.json (default %(default)s)")
+    train.add_argument("--warmup", type=int, default=d["warmup"].default, help="steps of linear LR warm-up (default %(default)s)")
+    train.add_argument("--weight-decay", type=float, default=d["weight_decay"].default, help="AdamW weight decay (default %(default)s)")
+    train.add_argument("--parity", dest="parity", action="store_true", default=None,
+                       help="check step 1 against one process (default: on for random weights in float32 on CPU)")
     train.add_argument("--no-parity", dest="parity", action="store_false", help="skip the single-process check of step 1")
+    train.add_argument("--ckpt", default=None, metavar="DIR", help="training-state directory (model, optimizer, "
+                       "scheduler, RNG, data position; torch.distributed.checkpoint), saved after the last step")
+    train.add_argument("--save-every", type=int, default=0, metavar="N", help="also save the training state every N steps")
+    train.add_argument("--keep", type=int, default=None, metavar="K", help="keep only the K newest checkpoints")
+    train.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt "
+                       "(any plan's); start fresh when there is none, so one command serves every restart")
+    train.add_argument("--export", default=None, metavar="DIR", help="at the end, write a plain Hugging Face "
+                       "checkpoint (with the tokenizer) to DIR")
+    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto: CUDA with NCCL when there is a GPU (one per rank), else CPU with gloo")
+    train.add_argument("--dtype", dest="train_dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="compute dtype; bfloat16 keeps float32 weights and optimizer state (default %(default)s)")
+    train.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
+                       help="clip gradients to this norm of the whole model (over tp, pp and dp)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (a line per step instead)")
     train.add_argument(
         "--timeout",
@@ -166,6 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
         "keeps its own timeout",
     )
     train.set_defaults(func=_cmd_train)
+
+    export = sub.add_parser("export", help="a training checkpoint (--ckpt DIR, any plan) to a plain Hugging Face one")
+    export.add_argument("checkpoint", metavar="CKPT_DIR", help="a run's --ckpt directory (its latest step) or a step-N directory")
+    export.add_argument("out", metavar="OUT_DIR", help="where the Hugging Face checkpoint and tokenizer go")
+    export.add_argument("--step", type=int, default=None, help="export step N instead of the latest")
+    export.set_defaults(func=_cmd_export)
+
+    init = sub.add_parser("init-model", help="a small Hugging Face model directory (random weights + BPE tokenizer)")
+    init.add_argument("out", metavar="OUT_DIR", help="a new (or empty) directory")
+    init.add_argument("--preset", default="tiny-llama", choices=sorted(PRESETS), help="model shape (default %(default)s)")
+    init.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (default %(default)s)")
+    init.add_argument("--data", default=None, help="text to train the tokenizer on (default: data/alice29.txt)")
+    init.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default %(default)s)")
+    init.set_defaults(func=_cmd_init_model)
     return parser
 
 

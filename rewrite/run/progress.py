@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-__all__ = ["Progress", "plot_loss"]
+__all__ = ["Progress", "plot_loss", "write_outputs"]
 
 
-def plot_loss(losses: list[float], *, title: str = "training loss", path: str | Path | None = None):
-    """The loss per step as a line; returns the matplotlib Figure (saved as PNG to `path`)."""
+def plot_loss(losses: list[float], *, title: str = "training loss", path: str | Path | None = None, first: int = 1):
+    """The loss per step (the first being step `first`) as a line; returns the matplotlib Figure (saved as PNG to `path`)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.add_subplot()
-    steps = range(1, len(losses) + 1)
+    steps = range(first, first + len(losses))
     ax.plot(steps, losses, marker="o", markersize=3)
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_ylabel("cross-entropy (nats per token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if path is not None:
@@ -28,15 +29,15 @@ def plot_loss(losses: list[float], *, title: str = "training loss", path: str | 
 class Progress:
     """tqdm on rank 0 when asked for; otherwise one plain line per step (or nothing)."""
 
-    def __init__(self, total: int, *, show: bool, bar: bool):
-        self.show, self.want_bar, self.bar, self.total = show, bar, None, total
+    def __init__(self, total: int, *, show: bool, bar: bool, done: int = 0):
+        self.show, self.want_bar, self.bar, self.total, self.done = show, bar, None, total, done  # done: steps before a resume
 
     def start(self) -> None:
         """Open the bar (after the heading lines, so they print above it)."""
         if self.show and self.want_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(total=self.total, initial=self.done, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         if self.bar is not None:
@@ -56,3 +57,26 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def write_outputs(config, metrics: dict, events, plan) -> None:
+    """Rank 0, after the run: the timeline and loss pictures, metrics.json, and a summary line."""
+    from ..pipeline.timeline import plot_timeline
+
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    losses = metrics["losses"]
+    title = (
+        f"{plan.pipeline.schedule} timeline of step {metrics['first_step'] + len(losses) - 1}: {plan.mesh.shape_text()}, "
+        f"{plan.pipeline.microbatches} microbatches"
+    )
+    plot_timeline(events, tp=plan.mesh.tp, title=title, path=out / "timeline.png")
+    plot_loss(losses, title=f"{config.model} under {Path(plan.source).name}: loss per step", path=out / "loss.png",
+              first=metrics["first_step"])
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps "
+        f"({metrics['train_seconds']:.1f} s, {metrics['train_seconds'] / len(losses):.2f} s/step)",
+        flush=True,
+    )
+    print(f"wrote {out / 'timeline.png'}, {out / 'loss.png'}, {out / 'metrics.json'}", flush=True)

@@ -1,33 +1,35 @@
-"""`rewrite train`: a small byte-level training run under a plan, on every rank.
+"""`rewrite train`: a training run under a plan, on every rank.
 
-Each rank builds the same randomly initialised model (same seed), rewrites it with
-the plan, and trains it with AdamW on random windows of a text file read as bytes
-(token id = byte, so vocab 256). Step 1 is checked against the same step run
-single-process; rank 0 draws the last step's timeline (under the plan's schedule) and the loss curve.
+The model is a Hugging Face checkpoint directory (its weights, read slice by slice, and
+its tokenizer), a config or a preset (random weights, the same seed on every rank). Text
+is tokenized with the model's tokenizer and packed into shuffled windows, or read as
+bytes when there is no tokenizer. AdamW, a linear warm-up, optional clipping on the global
+gradient norm; resumable training state every `save_every` steps (DCP), metrics per step,
+and at the end the timeline, the loss curve and optionally a plain HF export.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import math
 import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
+from .metrics import MetricsLog, peak_memory_bytes
 from .parity import Parity, parity_check
-from .progress import Progress, plot_loss
+from .progress import Progress, plot_loss, write_outputs
+from .train_setup import ByteBatches, TextBatches, build_stage, model_source, pick_device
+from ..checkpoint.training_state import latest_checkpoint, load_training_state, save_training_state
+from ..pipeline.grad_norm import clip_grad_norm_
 from ..plan.schema import load_plan
-from .presets import build_model, load_config
-from ..rewriter import apply_plan
+from .presets import load_config
 from ..pipeline.runner import run_schedule
-from ..pipeline.timeline import events_to_dicts, gather_timeline, plot_timeline
+from ..pipeline.timeline import events_to_dicts, gather_timeline
 
 __all__ = [
     "TrainConfig",
@@ -43,32 +45,42 @@ __all__ = [
     "plot_loss",
 ]
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 @dataclass
 class TrainConfig:
     """What `rewrite train` runs. Every rank must get the same config."""
 
     plan: str  # plan file; its mesh fixes the number of processes (dp * pp * tp)
-    model: str = "tiny-llama"  # preset name, HF config.json, or a local model directory
-    data: str | None = None  # text file read as bytes; None: the repository's data/alice29.txt
-    steps: int = 30  # optimizer steps
+    model: str = "tiny-llama"  # preset name, HF config.json, or a model directory (weights + tokenizer: loaded)
+    data: str | None = None  # .txt, .jsonl, a directory of them, or a saved `datasets` dataset; None: data/alice29.txt
+    steps: int = 30  # optimizer steps in all (a resumed run goes on up to this many)
     batch_size: int = 8  # sequences per microbatch (the plan sets microbatches per step and replica)
-    seq_len: int = 128  # bytes per sequence; targets are the same window shifted by one
+    seq_len: int = 128  # tokens (or bytes) per sequence; targets are the same window shifted by one
     lr: float = 3e-3  # AdamW learning rate, constant after a short warm-up
     warmup: int = 3  # steps of linear learning-rate warm-up
     weight_decay: float = 0.01  # AdamW decoupled weight decay
-    seed: int = 0  # model initialisation and batch sampling: identical on every rank
-    out_dir: str = "out/demo"  # rank 0 writes timeline.png, loss.png and metrics.json here
-    parity: bool = True  # check step 1 against a single-process run of the same step
+    seed: int = 0  # model initialisation and data order: identical on every rank
+    out_dir: str = "out/demo"  # rank 0 writes timeline.png, loss.png, metrics.json and metrics.jsonl here
+    parity: bool | None = None  # check step 1 against one process; None: on for random weights in float32 on CPU
     progress: bool = True  # progress bar on rank 0 (else one line per step)
     timeout_s: float = 300.0  # process-group timeout: a collective stuck longer fails the run instead of holding it
+    ckpt: str | None = None  # training-state directory (DCP): where --save-every writes and --resume reads
+    save_every: int = 0  # save the training state every this many steps (and after the last); 0: only after the last
+    keep: int | None = None  # keep this many newest checkpoints; None: all
+    resume: bool = False  # continue from the latest complete checkpoint in ckpt, if there is one
+    export: str | None = None  # write a plain Hugging Face checkpoint (and tokenizer) here at the end
+    device: str = "auto"  # auto (CUDA + NCCL when there is a GPU, else CPU + gloo), cpu or cuda
+    dtype: str = "float32"  # compute dtype: float32, or bfloat16 (autocast; float32 weights and optimizer state)
+    max_grad_norm: float | None = None  # clip gradients to this global norm (over tp, pp and dp); None: no clipping
 
 
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith("ch") else "s")
 
 
-def _check(config: TrainConfig, plan, model_config, tokens: torch.Tensor) -> None:
+def _check(config: TrainConfig, plan, model_config) -> list[str]:
     problems = []
     world = dist.get_world_size()
     if world != plan.mesh.world_size:
@@ -81,19 +93,20 @@ def _check(config: TrainConfig, plan, model_config, tokens: torch.Tensor) -> Non
             problems.append(f"--{name.replace('_', '-')} is {getattr(config, name)}; use 1 or more")
     if config.lr <= 0:
         problems.append(f"--lr is {config.lr}; use a positive learning rate such as 3e-3")
-    vocab = getattr(model_config, "vocab_size", 0)
-    if vocab < 256:
-        problems.append(
-            f"the model's vocab_size={vocab} is below 256: byte-level tokens need ids 0..255; "
-            "use a tiny preset (vocab_size=256) or a config with vocab_size >= 256"
-        )
+    if config.save_every < 0:
+        problems.append(f"--save-every is {config.save_every}; use 0 (only after the last step) or more")
+    if config.keep is not None and config.keep < 1:
+        problems.append(f"--keep is {config.keep}; keep at least 1 checkpoint")
+    if (config.resume or config.save_every) and not config.ckpt:
+        problems.append("--resume and --save-every need --ckpt DIR: where the training state is kept")
+    if config.dtype not in _DTYPES:
+        problems.append(f"--dtype {config.dtype!r}: use {' or '.join(_DTYPES)}")
+    if config.max_grad_norm is not None and not config.max_grad_norm > 0:
+        problems.append(f"--max-grad-norm is {config.max_grad_norm}; use a positive norm such as 1.0")
     max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and config.seq_len > max_pos:
         problems.append(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings={max_pos}; lower it")
-    if len(tokens) <= config.seq_len + 1:
-        problems.append(f"the text has {len(tokens)} bytes, too few for --seq-len {config.seq_len}; use a longer file")
-    if problems:
-        raise TrainConfigError("rewrite train: " + "\n  ".join(["cannot start:", *problems]))
+    return problems
 
 
 def train(config: TrainConfig) -> dict:
@@ -101,108 +114,137 @@ def train(config: TrainConfig) -> dict:
 
     Collective: every rank of the default process group calls it with the same config.
     Rank 0 prints the progress, the parity line and a summary, and writes
-    `timeline.png`, `loss.png` and `metrics.json` to `config.out_dir`.
+    `timeline.png`, `loss.png`, `metrics.json` and `metrics.jsonl` to `config.out_dir`.
+    With `config.ckpt`, the training state is saved every `save_every` steps and after the
+    last; with `resume`, the run continues from the latest complete one there (any plan's).
 
     Raises:
         ValueError: a bad plan, model, text or setting (every rank raises the same,
             before the first collective).
 
     Example:
-        >>> dist.init_process_group("gloo", timeout=timedelta(minutes=5))   # under torchrun --nproc-per-node 4
+        >>> dist.init_process_group("gloo", timeout=timedelta(minutes=5))   # under torchrun, 4 processes
         >>> metrics = train(TrainConfig("plans/llama-tp2-pp2.yaml", steps=30))
     """
     plan = load_plan(config.plan)
+    source = model_source(config.model)
     model_config = load_config(config.model)
-    data = Path(config.data) if config.data else default_data_path()
-    tokens = load_bytes(data)
-    m, dp, data_parallel = plan.pipeline.microbatches, plan.mesh.dp, plan.data_parallel.sharding
-    _check(config, plan, model_config, tokens)
+    device, _ = pick_device(config.device)
+    problems = _check(config, plan, model_config)
+    if source.tokenizer:
+        data = TextBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed)
+    else:
+        data = ByteBatches(config.data, seq_len=config.seq_len, seed=config.seed)
+    problems += data.problems(getattr(model_config, "vocab_size", 0))
+    if problems:
+        raise TrainConfigError("rewrite train: " + "\n  ".join(["cannot start:", *problems]))
+    resume = latest_checkpoint(config.ckpt) if config.resume and config.ckpt else None
+    parity = config.parity
+    if parity is None:
+        parity = source.kind != "checkpoint" and device.type == "cpu" and config.dtype == "float32"
+    parity = parity and resume is None
     rank = dist.get_rank()
-    model = build_model(model_config, seed=config.seed)
-    model_class = type(model).__name__  # before apply_plan: data parallelism swaps in FSDP's subclass
-    total_params = sum(p.numel() for p in model.parameters())
-    reference = copy.deepcopy(model) if config.parity else None
-    stage = apply_plan(model, plan)
+    built = build_stage(source, plan, device=device, seed=config.seed, parity=parity)
+    stage, reference = built.stage, built.reference
+    m, dp, data_parallel = plan.pipeline.microbatches, plan.mesh.dp, plan.data_parallel.sharding
     optimizer = torch.optim.AdamW(stage.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     warmup = max(1, config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    first, cursor = 1, 0
+    if resume is not None:
+        extra = load_training_state(config.ckpt, stage, optimizer, schedule)
+        first, cursor = extra["step"] + 1, extra["cursor"]
+    sequences = m * dp * config.batch_size  # the global batch, in sequences
 
-    log = Progress(config.steps, show=rank == 0, bar=config.progress)
+    log = Progress(config.steps, show=rank == 0, bar=config.progress, done=first - 1)
     log.write(
-        f"training {config.model} ({model_class}, {total_params:,} parameters) under {plan.source}: "
-        f"{plan.mesh.shape_text()} on {_n(dist.get_world_size(), 'rank')}; "
-        f"{_n(m, 'microbatch')} x {config.batch_size} x {config.seq_len} bytes of {data} per step"
+        f"training {config.model} ({built.model_class}, {built.total_params:,} parameters) with {source.describe()} "
+        f"under {plan.source}: "
+        f"{plan.mesh.shape_text()} on {_n(dist.get_world_size(), 'rank')} ({device.type}, {config.dtype}); "
+        f"{_n(m, 'microbatch')} x {config.batch_size} x {config.seq_len} {data.what} per step"
         + (f" and replica ({dp} replicas, {data_parallel} sharding)" if dp > 1 else "")
     )
+    if resume is not None:
+        log.write(f"resumed from {resume[1]}: step {first} of {config.steps}")
+    metrics_log = MetricsLog(config.out_dir, enabled=rank == 0, first_step=first)
+    autocast = torch.autocast(device.type, dtype=_DTYPES[config.dtype], enabled=config.dtype != "float32")
     log.start()
-    losses, step_seconds, parity = [], [], None
+    losses, step_seconds, parity_result = [], [], None
     start = time.perf_counter()
-    for step in range(1, config.steps + 1):
-        gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        # The global batch, the same on every rank; each replica runs its own m microbatches of it.
-        inputs, targets = sample_batch(
-            tokens, microbatches=m * dp, batch_size=config.batch_size, seq_len=config.seq_len, generator=gen
-        )
-        mine = slice(stage.dp_rank * m, (stage.dp_rank + 1) * m)
-        t0 = time.perf_counter()
-        loss = run_schedule(stage, inputs[mine], targets[mine])
-        seconds = time.perf_counter() - t0
-        if step == 1 and reference is not None:
-            parity = parity_check(model, reference, inputs, targets, loss)
-            reference = None  # free it
-            log.write(parity.line())
-        t0 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        losses.append(float(loss))
-        step_seconds.append(seconds + time.perf_counter() - t0)  # the step itself, not the parity check
-        log.step(step, losses[-1], step_seconds[-1])
+    try:
+        for step in range(first, config.steps + 1):
+            # The global batch, the same on every rank; each replica runs its own m microbatches of it.
+            inputs, targets = data.take(step, cursor, sequences, config.batch_size)
+            cursor += sequences
+            mine = slice(stage.dp_rank * m, (stage.dp_rank + 1) * m)
+            t0 = time.perf_counter()
+            with autocast:
+                loss = run_schedule(stage, inputs[mine], targets[mine])
+            seconds = time.perf_counter() - t0
+            if reference is not None:
+                parity_result = parity_check(stage.model, reference, inputs, targets, loss)
+                reference = None  # free it
+                log.write(parity_result.line())
+            t0 = time.perf_counter()
+            grad_norm = clip_grad_norm_(stage, config.max_grad_norm)
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+            losses.append(float(loss))
+            step_seconds.append(seconds + time.perf_counter() - t0)  # the step itself, not the parity check
+            metrics_log.write(step, {
+                "loss": losses[-1], "lr": lr, "grad_norm": float(grad_norm), "step_seconds": step_seconds[-1],
+                "tokens_per_second": sequences * config.seq_len / step_seconds[-1],
+                "peak_memory_bytes": peak_memory_bytes(device),
+            })
+            log.step(step, losses[-1], step_seconds[-1])
+            if config.ckpt and (step == config.steps or (config.save_every and step % config.save_every == 0)):
+                save_training_state(config.ckpt, stage, optimizer, schedule, extra={"step": step, "cursor": cursor},
+                                    keep=config.keep, tokenizer=built.tokenizer)
+    finally:
+        metrics_log.close()
     wall = time.perf_counter() - start
     log.close()
+    if config.export:
+        _export(stage, plan, built.tokenizer, config.export)
     events = gather_timeline(stage)
     metrics = {
         "plan": str(plan.source),
         "model": config.model,
-        "data": str(data),
+        "data": data.what,
         "mesh": {"dp": dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp, "world_size": dist.get_world_size()},
         "config": asdict(config),
+        "first_step": first,
         "losses": losses,
         "step_seconds": step_seconds,
         "train_seconds": wall,
-        "tokens_per_step": m * dp * config.batch_size * config.seq_len,
-        "parity": asdict(parity) if parity is not None else None,
+        "tokens_per_step": sequences * config.seq_len,
+        "parity": asdict(parity_result) if parity_result is not None else None,
         "timeline": events_to_dicts(events),
     }
-    if rank == 0:
-        _write_outputs(config, metrics, events, plan)
+    if rank == 0 and losses:
+        write_outputs(config, metrics, events, plan)
     return metrics
 
 
-def _write_outputs(config: TrainConfig, metrics: dict, events, plan) -> None:
-    out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    losses = metrics["losses"]
-    title = (
-        f"{plan.pipeline.schedule} timeline of step {len(losses)}: {plan.mesh.shape_text()}, "
-        f"{plan.pipeline.microbatches} microbatches"
-    )
-    plot_timeline(events, tp=plan.mesh.tp, title=title, path=out / "timeline.png")
-    plot_loss(losses, title=f"{config.model} under {Path(plan.source).name}: loss per step", path=out / "loss.png")
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    print(
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps "
-        f"({metrics['train_seconds']:.1f} s, {metrics['train_seconds'] / len(losses):.2f} s/step)",
-        flush=True,
-    )
-    print(f"wrote {out / 'timeline.png'}, {out / 'loss.png'}, {out / 'metrics.json'}", flush=True)
+def _export(stage, plan, tokenizer, out_dir: str) -> None:
+    """A plain Hugging Face checkpoint of the trained model (collective: each stage sends its part)."""
+    from ..checkpoint.hf_save import save_pretrained
+
+    save_pretrained(stage, plan, out_dir)
+    if dist.get_rank() == 0:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+        print(f"exported {out_dir}", flush=True)
 
 
 def build_init_kwargs(config: TrainConfig) -> dict:
     """The keyword arguments `train_main` passes to `dist.init_process_group`.
 
     Raises:
-        TrainConfigError: `config.timeout_s` is not a positive, finite number of seconds.
+        TrainConfigError: `config.timeout_s` is not a positive, finite number of seconds, or
+            `config.device` names a device this machine does not have.
 
     Example:
         >>> build_init_kwargs(TrainConfig("plans/llama-tp2.yaml", timeout_s=60))
@@ -214,11 +256,12 @@ def build_init_kwargs(config: TrainConfig) -> dict:
             f"rewrite train: --timeout is {timeout_s!r}; use a positive number of seconds, e.g. --timeout 300: "
             "how long a rank may wait in a collective for a stuck or lost peer before the run fails"
         )
-    return {"backend": "gloo", "timeout": timedelta(seconds=timeout_s)}
+    _, backend = pick_device(config.device)
+    return {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
 
 
 def train_main(config: TrainConfig) -> dict:
-    """`train` in a process of its own: sets one torch thread, joins the gloo group, leaves it.
+    """`train` in a process of its own: sets one torch thread (and its GPU), joins the group, leaves it.
 
     Under torchrun the rendezvous comes from its environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT); run directly, it is a world of one process. The group
@@ -229,14 +272,18 @@ def train_main(config: TrainConfig) -> dict:
     Raises:
         TrainConfigError: a bad `timeout_s`, on every rank, before any collective.
     """
-    init_kwargs = build_init_kwargs(config)  # before the rendezvous: no rank is left waiting
-    torch.set_num_threads(1)  # the ranks share the machine's cores
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    init_kwargs = build_init_kwargs(config)  # before the rendezvous: no rank is left waiting
+    device, _ = pick_device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicators and every allocation on this rank's GPU
+    else:
+        torch.set_num_threads(1)  # the ranks share the machine's cores
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(**init_kwargs)
+        dist.init_process_group(**init_kwargs, **_restart_store(init_kwargs["timeout"]))
     try:
         result = train(config)
         if owns_group:
@@ -247,6 +294,24 @@ def train_main(config: TrainConfig) -> dict:
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _restart_store(timeout: timedelta) -> dict:
+    """Under torchrun's agent store, a key space of this restart's own: `store`, `rank`, `world_size`.
+
+    torchrun (`--max-restarts`) starts the new workers against the same agent store, which
+    still holds the process-group keys of the workers it replaced: gloo would read the
+    addresses of dead ranks and fail to connect. Prefixing the keys with the restart count
+    gives every attempt fresh ones. Elsewhere: nothing (the `env://` default).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"rewrite/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world}
 
 
 def _free_port() -> int:

@@ -1,0 +1,146 @@
+"""What `rewrite train` starts from: the device, the model (a preset, a config, or a Hugging Face
+checkpoint with its tokenizer) and the batches it trains on (bytes, or tokenized text)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
+from .presets import PRESETS, build_model, load_config
+
+__all__ = ["pick_device", "ModelSource", "model_source", "build_stage", "ByteBatches", "TextBatches"]
+
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+_TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def pick_device(name: str) -> tuple[torch.device, str]:
+    """(this rank's device, the process-group backend) for `--device auto|cpu|cuda`.
+
+    auto: CUDA with NCCL when a GPU is visible, else the CPU with gloo. On CUDA each rank
+    takes GPU `LOCAL_RANK` (torchrun sets it).
+    """
+    if name not in ("auto", "cpu", "cuda"):
+        raise TrainConfigError(f"--device {name!r}: use auto, cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise TrainConfigError("--device cuda: no GPU is visible to this process (torch.cuda.is_available() is "
+                               "False); use --device cpu, or auto to take a GPU when there is one")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu"), "gloo"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise TrainConfigError(f"local rank {local} has no GPU of its own: {torch.cuda.device_count()} visible; "
+                               "start at most one process per GPU on each machine")
+    return torch.device("cuda", local), "nccl"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `--model` names: a preset, a config (random weights), or a checkpoint (its weights)."""
+
+    name: str
+    kind: str  # "preset", "config" or "checkpoint"
+    directory: Path | None  # the model directory, when it is one
+    tokenizer: bool  # the directory holds a tokenizer: train on its tokens, not bytes
+
+    def describe(self) -> str:
+        return "its saved weights" if self.kind == "checkpoint" else "random weights"
+
+
+def model_source(model: str) -> ModelSource:
+    if model in PRESETS:
+        return ModelSource(model, "preset", None, False)
+    path = Path(model)
+    directory = path if path.is_dir() else None
+    has = (lambda names: directory is not None and any((directory / n).is_file() for n in names))
+    kind = "checkpoint" if has(_WEIGHTS) else "config"
+    if kind == "checkpoint" and not has(_TOKENIZER):
+        raise TrainConfigError(
+            f"{model} holds weights but no tokenizer ({', '.join(_TOKENIZER)}): `rewrite train` tokenizes the "
+            "text with the model's own tokenizer; save it there (tokenizer.save_pretrained(DIR)), or use "
+            "`rewrite init-model DIR` to make a small model with one"
+        )
+    return ModelSource(model, kind, directory, has(_TOKENIZER))
+
+
+@dataclass
+class Built:
+    stage: Any
+    model_class: str
+    total_params: int
+    reference: Any  # the single-process copy for the parity check, or None
+    tokenizer: Any
+
+
+def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, parity: bool) -> Built:
+    """This rank's stage of the model under `plan` (collective), and what the run reports about it."""
+    from ..checkpoint.hf_load import from_pretrained
+    from ..rewriter import apply_plan
+
+    config = load_config(source.name)
+    meta = build_model(config, device="meta")
+    model_class, total = type(meta).__name__, sum(p.numel() for p in meta.parameters())
+    tokenizer = None
+    if source.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source.directory)
+    if source.kind == "checkpoint":
+        reference = None
+        if parity:
+            from transformers import AutoModelForCausalLM
+
+            reference = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32)
+        stage = from_pretrained(source.directory, plan, device=device)
+    else:
+        model = build_model(config, seed=seed, device=device)
+        reference = copy.deepcopy(model) if parity else None
+        stage = apply_plan(model, plan)
+    return Built(stage, model_class, total, reference, tokenizer)
+
+
+class ByteBatches:
+    """Random windows of a text file read as bytes (token id = byte), drawn anew for each step."""
+
+    def __init__(self, data: str | None, *, seq_len: int, seed: int):
+        self.path = Path(data) if data else default_data_path()
+        self.tokens, self.seq_len, self.seed = load_bytes(self.path), seq_len, seed
+        self.what = f"bytes of {self.path}"
+
+    def problems(self, vocab_size: int) -> list[str]:
+        found = []
+        if vocab_size < 256:
+            found.append(f"the model's vocab_size={vocab_size} is below 256: byte-level tokens need ids 0..255; "
+                         "use a model directory with a tokenizer, a tiny preset, or a config with vocab_size >= 256")
+        if len(self.tokens) <= self.seq_len + 1:
+            found.append(f"the text has {len(self.tokens)} bytes, too few for --seq-len {self.seq_len}; use a longer file")
+        return found
+
+    def take(self, step: int, cursor: int, sequences: int, batch_size: int):
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return sample_batch(self.tokens, microbatches=sequences // batch_size, batch_size=batch_size,
+                            seq_len=self.seq_len, generator=gen)
+
+
+class TextBatches:
+    """Tokenized documents packed into windows, shuffled by the seed; the cursor is the position in them."""
+
+    def __init__(self, data: str | None, tokenizer_dir: Path, *, seq_len: int, seed: int):
+        from .text_data import load_text_windows
+
+        path = Path(data) if data else default_data_path()
+        self.windows = load_text_windows(path, tokenizer_dir, seq_len=seq_len, seed=seed)
+        self.what = f"tokens of {path} ({len(self.windows)} windows)"
+
+    def problems(self, vocab_size: int) -> list[str]:
+        return []
+
+    def take(self, step: int, cursor: int, sequences: int, batch_size: int):
+        inputs, targets = self.windows.take(cursor, sequences)  # (sequences, seq)
+        return list(inputs.split(batch_size)), list(targets.split(batch_size))
