@@ -165,7 +165,8 @@ def train(config: TrainConfig) -> dict:
         + (f" and replica ({dp} replicas, {data_parallel} sharding)" if dp > 1 else "")
     )
     if resume is not None:
-        log.write(f"resumed from {resume[1]}: step {first} of {config.steps}")
+        log.write(f"resumed from {resume[1]}: step {first} of {config.steps}" if first <= config.steps else
+                  f"{resume[1]} is already at step {first - 1}, past --steps {config.steps}: nothing to train")
     metrics_log = MetricsLog(config.out_dir, enabled=rank == 0, first_step=first)
     autocast = torch.autocast(device.type, dtype=_DTYPES[config.dtype], enabled=config.dtype != "float32")
     log.start()
