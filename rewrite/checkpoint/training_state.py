@@ -26,7 +26,8 @@ import torch.distributed.checkpoint as dcp
 
 from ..agreement import agree
 from ..pipeline.stage import Stage
-from .pieces import Piece, PieceLoadPlanner, PieceSavePlanner, model_pieces, parameter_names, piece_like
+from .optimizer_state import fit_problems, fresh_optimizer_pieces, optimizer_pieces
+from .pieces import PieceLoadPlanner, PieceSavePlanner, model_pieces
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint", "LATEST"]
 
@@ -71,22 +72,6 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _optimizer_pieces(stage: Stage, optimizer: torch.optim.Optimizer, boxes: dict[str, Piece]) -> tuple[dict, list[str]]:
-    """Each parameter's optimizer state (moments in the parameter's box; 0-d values whole), under every name."""
-    names, out, problems = parameter_names(stage.model), {}, []
-    for param, state in optimizer.state.items():
-        for name in names.get(id(param), []):
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape):
-                    out[f"optim/{name}/{key}"] = piece_like(value, boxes[name])
-                elif isinstance(value, torch.Tensor) and value.dim() == 0:
-                    out[f"optim/{name}/{key}"] = Piece(value.detach(), torch.Size(), torch.Size())
-                else:
-                    problems.append(f"optimizer state {key!r} of {name} ({type(value).__name__}) is neither "
-                                    "shaped like its parameter nor a scalar; it cannot be resharded")
-    return out, problems
 
 
 def _mesh(stage: Stage) -> dict:
@@ -151,7 +136,7 @@ def save_training_state(
         if directory.exists() and not directory.is_dir():
             problems.append(f"{directory} is a file; pass a directory for checkpoints")
         boxes = model_pieces(stage)
-        moments, found = _optimizer_pieces(stage, optimizer, boxes)
+        moments, found = optimizer_pieces(stage, optimizer, boxes)
         problems += found
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
@@ -249,9 +234,9 @@ def load_training_state(
             path = _step_dir(directory, step)
         stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         state = {f"model/{name}": box for name, box in model_pieces(stage).items()}
-        moments, fresh = _fresh_optimizer_pieces(stage, optimizer, state, stored)
+        moments, fresh = fresh_optimizer_pieces(stage, optimizer, state, stored)
         state.update(moments)
-        problems += _fit_problems(state, stored)
+        problems += fit_problems(state, stored)
         state.update({key: None for key in ("optim_groups", "scheduler", "extra", "run")})
         if f"rng/{rank}" in stored:
             state[f"rng/{rank}"] = None
@@ -275,52 +260,3 @@ def load_training_state(
     if rng is not None and state["run"]["world_size"] == dist.get_world_size():
         _set_rng_state(rng)
     return state["extra"]
-
-
-def _fresh_optimizer_pieces(stage: Stage, optimizer, model_state: dict, stored: dict) -> tuple[dict, list]:
-    """Zeroed optimizer state for every parameter the checkpoint has state for, boxed to be read into."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    if optimizer.state:
-        raise ValueError("the optimizer already has state; load into a fresh optimizer (before its first step)")
-    names, pieces, fresh = parameter_names(stage.model), {}, []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for name in names.get(id(param), []):
-                prefix = f"optim/{name}/"
-                keys = [k for k in stored if k.startswith(prefix)]
-                if not keys:
-                    continue
-                values = {}
-                for key in keys:
-                    md = stored[key]
-                    if not isinstance(md, TensorStorageMetadata):
-                        raise ValueError(f"{key} is not a tensor in the checkpoint")
-                    dtype = md.properties.dtype
-                    if len(md.size) == 0:
-                        value = torch.zeros((), dtype=dtype)
-                        pieces[key] = Piece(value, torch.Size(), torch.Size())
-                    else:
-                        value = torch.zeros_like(param, dtype=dtype)
-                        pieces[key] = piece_like(value, model_state[f"model/{name}"])
-                    values[key[len(prefix):]] = value
-                fresh.append((param, values))
-                break  # a tied parameter's state is read once, under its first name
-    return pieces, fresh
-
-
-def _fit_problems(state: dict, stored: dict) -> list[str]:
-    missing = [k for k in state if isinstance(state[k], Piece) and k not in stored]
-    shapes = [
-        f"{k}: {list(stored[k].size)} in the checkpoint, {list(v.size)} here"
-        for k, v in state.items()
-        if isinstance(v, Piece) and k in stored and tuple(getattr(stored[k], "size", ())) != tuple(v.size)
-    ]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} tensors this model has are not in the checkpoint, e.g. {missing[:3]}; "
-                        "was it written for another model?")
-    if shapes:
-        problems.append(f"{len(shapes)} tensors have other whole shapes than the checkpoint's, e.g. {shapes[:3]}; "
-                        "was it written for another model config?")
-    return problems

@@ -23,7 +23,7 @@ from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_b
 from .metrics import MetricsLog, peak_memory_bytes
 from .parity import Parity, parity_check
 from .progress import Progress, plot_loss, write_outputs
-from .train_setup import ByteBatches, TextBatches, build_stage, model_source, pick_device
+from .train_setup import ByteBatches, TextBatches, build_stage, model_source, pick_device, setting_problems
 from ..checkpoint.training_state import latest_checkpoint, load_training_state, save_training_state
 from ..pipeline.grad_norm import clip_grad_norm_
 from ..plan.schema import load_plan
@@ -45,7 +45,6 @@ __all__ = [
     "plot_loss",
 ]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -80,35 +79,6 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith("ch") else "s")
 
 
-def _check(config: TrainConfig, plan, model_config) -> list[str]:
-    problems = []
-    world = dist.get_world_size()
-    if world != plan.mesh.world_size:
-        problems.append(
-            f"{plan.source}: mesh {plan.mesh.shape_text()} needs {plan.mesh.world_size} processes, "
-            f"but {world} were started; run `torchrun --nproc-per-node {plan.mesh.world_size} ...` or change the mesh"
-        )
-    for name in ("steps", "batch_size", "seq_len"):
-        if getattr(config, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} is {getattr(config, name)}; use 1 or more")
-    if config.lr <= 0:
-        problems.append(f"--lr is {config.lr}; use a positive learning rate such as 3e-3")
-    if config.save_every < 0:
-        problems.append(f"--save-every is {config.save_every}; use 0 (only after the last step) or more")
-    if config.keep is not None and config.keep < 1:
-        problems.append(f"--keep is {config.keep}; keep at least 1 checkpoint")
-    if (config.resume or config.save_every) and not config.ckpt:
-        problems.append("--resume and --save-every need --ckpt DIR: where the training state is kept")
-    if config.dtype not in _DTYPES:
-        problems.append(f"--dtype {config.dtype!r}: use {' or '.join(_DTYPES)}")
-    if config.max_grad_norm is not None and not config.max_grad_norm > 0:
-        problems.append(f"--max-grad-norm is {config.max_grad_norm}; use a positive norm such as 1.0")
-    max_pos = getattr(model_config, "max_position_embeddings", None)
-    if max_pos is not None and config.seq_len > max_pos:
-        problems.append(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings={max_pos}; lower it")
-    return problems
-
-
 def train(config: TrainConfig) -> dict:
     """Train under `config.plan` on this rank; returns the run's metrics (the same on every rank).
 
@@ -130,7 +100,7 @@ def train(config: TrainConfig) -> dict:
     source = model_source(config.model)
     model_config = load_config(config.model)
     device, _ = pick_device(config.device)
-    problems = _check(config, plan, model_config)
+    problems = setting_problems(config, plan, model_config)
     if source.tokenizer:
         data = TextBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed)
     else:
@@ -168,7 +138,7 @@ def train(config: TrainConfig) -> dict:
         log.write(f"resumed from {resume[1]}: step {first} of {config.steps}" if first <= config.steps else
                   f"{resume[1]} is already at step {first - 1}, past --steps {config.steps}: nothing to train")
     metrics_log = MetricsLog(config.out_dir, enabled=rank == 0, first_step=first)
-    autocast = torch.autocast(device.type, dtype=_DTYPES[config.dtype], enabled=config.dtype != "float32")
+    autocast = torch.autocast(device.type, dtype=getattr(torch, config.dtype), enabled=config.dtype != "float32")
     log.start()
     losses, step_seconds, parity_result = [], [], None
     start = time.perf_counter()

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
 from .presets import PRESETS, build_model, load_config
 
-__all__ = ["pick_device", "ModelSource", "model_source", "build_stage", "ByteBatches", "TextBatches"]
+__all__ = ["pick_device", "setting_problems", "ModelSource", "model_source", "build_stage", "ByteBatches", "TextBatches"]
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 _TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -103,6 +104,36 @@ def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, p
         reference = copy.deepcopy(model) if parity else None
         stage = apply_plan(model, plan)
     return Built(stage, model_class, total, reference, tokenizer)
+
+
+def setting_problems(config, plan, model_config) -> list[str]:
+    """What is wrong with a `TrainConfig` for this plan and model (every rank finds the same)."""
+    problems = []
+    world = dist.get_world_size()  # no collective
+    if world != plan.mesh.world_size:
+        problems.append(
+            f"{plan.source}: mesh {plan.mesh.shape_text()} needs {plan.mesh.world_size} processes, "
+            f"but {world} were started; run `torchrun --nproc-per-node {plan.mesh.world_size} ...` or change the mesh"
+        )
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(config, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} is {getattr(config, name)}; use 1 or more")
+    if config.lr <= 0:
+        problems.append(f"--lr is {config.lr}; use a positive learning rate such as 3e-3")
+    if config.save_every < 0:
+        problems.append(f"--save-every is {config.save_every}; use 0 (only after the last step) or more")
+    if config.keep is not None and config.keep < 1:
+        problems.append(f"--keep is {config.keep}; keep at least 1 checkpoint")
+    if (config.resume or config.save_every) and not config.ckpt:
+        problems.append("--resume and --save-every need --ckpt DIR: where the training state is kept")
+    if config.dtype not in ("float32", "bfloat16"):
+        problems.append(f"--dtype {config.dtype!r}: use float32 or bfloat16")
+    if config.max_grad_norm is not None and not config.max_grad_norm > 0:
+        problems.append(f"--max-grad-norm is {config.max_grad_norm}; use a positive norm such as 1.0")
+    max_pos = getattr(model_config, "max_position_embeddings", None)
+    if max_pos is not None and config.seq_len > max_pos:
+        problems.append(f"--seq-len {config.seq_len} exceeds the model's max_position_embeddings={max_pos}; lower it")
+    return problems
 
 
 class ByteBatches:
