@@ -124,6 +124,8 @@ def train(config: TrainConfig) -> dict:
     if resume is not None:
         extra = load_training_state(config.ckpt, stage, optimizer, schedule)
         first, cursor = extra["step"] + 1, extra["cursor"]
+        changed = [f"{k} {extra['data'][k]!r} -> {v!r}" for k, v in _data_key(config).items()
+                   if k in extra.get("data", {}) and extra["data"][k] != v]
     sequences = m * dp * config.batch_size  # the global batch, in sequences
 
     log = Progress(config.steps, show=rank == 0, bar=config.progress, done=first - 1)
@@ -137,6 +139,9 @@ def train(config: TrainConfig) -> dict:
     if resume is not None:
         log.write(f"resumed from {resume[1]}: step {first} of {config.steps}" if first <= config.steps else
                   f"{resume[1]} is already at step {first - 1}, past --steps {config.steps}: nothing to train")
+        if changed:
+            log.write(f"warning: the data differ from the run that saved ({'; '.join(changed)}): the steps "
+                      "from here on do not see the windows an uninterrupted run would")
     metrics_log = MetricsLog(config.out_dir, enabled=rank == 0, first_step=first)
     autocast = torch.autocast(device.type, dtype=getattr(torch, config.dtype), enabled=config.dtype != "float32")
     log.start()
@@ -171,7 +176,7 @@ def train(config: TrainConfig) -> dict:
             })
             log.step(step, losses[-1], step_seconds[-1])
             if config.ckpt and (step == config.steps or (config.save_every and step % config.save_every == 0)):
-                save_training_state(config.ckpt, stage, optimizer, schedule, extra={"step": step, "cursor": cursor},
+                save_training_state(config.ckpt, stage, optimizer, schedule, extra={"step": step, "cursor": cursor, "data": _data_key(config)},
                                     keep=config.keep, tokenizer=built.tokenizer)
     finally:
         metrics_log.close()
@@ -197,6 +202,11 @@ def train(config: TrainConfig) -> dict:
     if rank == 0 and losses:
         write_outputs(config, metrics, events, plan)
     return metrics
+
+
+def _data_key(config: TrainConfig) -> dict:
+    """What fixes the order of the windows: a resumed run with other values continues on other data."""
+    return {"data": config.data, "seq_len": config.seq_len, "seed": config.seed}
 
 
 def _export(stage, plan, tokenizer, out_dir: str) -> None:

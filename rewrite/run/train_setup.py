@@ -98,7 +98,7 @@ def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, p
             from transformers import AutoModelForCausalLM
 
             reference = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32)
-        stage = from_pretrained(source.directory, plan, device=device)
+        stage = from_pretrained(source.directory, plan, device=device, dtype=torch.float32)  # float32 master weights
     else:
         model = build_model(config, seed=seed, device=device)
         reference = copy.deepcopy(model) if parity else None

@@ -59,6 +59,7 @@ def test_train_a_checkpoint_resume_under_another_plan_and_export(tmp_path):
                       "--ckpt", str(ckpt), "--resume", "--out", str(out), "--dtype", "bfloat16", *ARGS)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step-00000003" in second.stdout, second.stdout
+    assert "warning" not in second.stdout  # the same data settings: the same windows, in the same order
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all(math.isfinite(r["loss"]) and r["loss"] < rows[0]["loss"] for r in rows[3:])
@@ -77,6 +78,13 @@ def test_train_a_checkpoint_resume_under_another_plan_and_export(tmp_path):
         trained = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
         initial = AutoModelForCausalLM.from_pretrained(model_dir)(input_ids=ids).logits[0, :-1]
     assert trained < torch.nn.functional.cross_entropy(initial, ids[0, 1:])  # it learned something
+
+    # Resuming with other windows is allowed, and said.
+    args = [a if a != "32" else "16" for a in ARGS]
+    third = torchrun(4, "train", "plans/llama-tp2-pp2.yaml", "--model", str(model_dir), "--steps", "6",
+                     "--ckpt", str(ckpt), "--resume", "--out", str(out), *args)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert "warning: the data differ from the run that saved (seq_len 32 -> 16)" in third.stdout, third.stdout
 
 
 def test_weights_without_a_tokenizer_and_bad_settings_are_refused(tmp_path):
