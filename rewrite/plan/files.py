@@ -13,7 +13,7 @@ import yaml
 
 from .limits import MAX_PLAN_DEPTH, MAX_PLAN_VALUES, expansion_problem, read_plan_bytes, too_deep, too_many_values
 
-__all__ = ["PlanError", "read_plan_file", "line_of", "dotted", "short"]
+__all__ = ["PlanError", "read_plan_file", "line_of", "key_lines", "dotted", "short"]
 
 # Values quoted in messages come from the file and may be any size: show their start only.
 _SHORT = reprlib.Repr()
@@ -202,6 +202,30 @@ def line_of(node: Any, loc: tuple) -> int | None:
         else:
             break
     return line
+
+
+def key_lines(node: Any, depth: int = 4) -> dict[tuple, int]:
+    """Line of every key (and list item) down to `depth` levels, by location: ('mesh', 'tp') -> 2.
+
+    Kept on a loaded plan so that problems found later, binding it to a model, can name
+    the line of the rule they are about without holding the YAML tree.
+    """
+    lines: dict[tuple, int] = {}
+    stack = [((), node)]
+    while stack:
+        loc, current = stack.pop()
+        if len(loc) >= depth:
+            continue
+        if isinstance(current, yaml.MappingNode):
+            for key, value in current.value:
+                if isinstance(key, yaml.ScalarNode) and (*loc, key.value) not in lines:  # the first of equal keys
+                    lines[(*loc, key.value)] = key.start_mark.line + 1
+                    stack.append(((*loc, key.value), value))
+        elif isinstance(current, yaml.SequenceNode):
+            for i, item in enumerate(current.value):
+                lines[(*loc, i)] = item.start_mark.line + 1
+                stack.append(((*loc, i), item))
+    return lines
 
 
 # Per mapping node, key -> (key node, value node): one dict lookup per step of `line_of`,

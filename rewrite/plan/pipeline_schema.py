@@ -5,6 +5,7 @@ Also the pieces `schema.py` shares with it: the strict base model and module-pat
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections import Counter
 from typing import Annotated, Any, Literal, Union
@@ -13,7 +14,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 
 from .files import short
 
-__all__ = ["Pipeline", "StrictModel", "Pattern", "CutPoints", "CUT_POINT_KINDS", "cut_point_problems"]
+__all__ = [
+    "Pipeline", "StrictModel", "Pattern", "CutPoints", "CUT_POINT_KINDS", "SCHEDULE_NAMES", "cut_point_problems",
+    "unknown_schedule",
+]
 
 # A segment is a name or index; `*` inside a segment matches any characters but '.'.
 _PATTERN = re.compile(r"^[A-Za-z0-9_*]+(\.[A-Za-z0-9_*]+)*$")
@@ -64,6 +68,36 @@ CutPoints = Annotated[
 ]
 
 
+# The names `pipeline.schedule` takes: the named schedules (`named_schedules.SCHEDULES`) and 'custom'.
+SCHEDULE_NAMES = ("afab", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "custom")
+
+
+# Names other tools and papers use, for the suggestion only: a plan spells the schedule one way.
+_KNOWN_AS = {
+    "gpipe": "afab", "1f1b-interleaved": "interleaved-1f1b", "interleaved": "interleaved-1f1b",
+    "zb": "zero-bubble", "zb-h1": "zero-bubble", "zb-h2": "zero-bubble", "zero_bubble": "zero-bubble",
+    "zerobubble": "zero-bubble", "zb-v": "zbv", "zb_v": "zbv",
+}
+
+
+def unknown_schedule(value: Any, fitting: str = "") -> str:
+    """The message for a schedule name that is none of SCHEDULE_NAMES: the names, which of them
+    fit (`fitting`, when the caller knows the plan's virtual_stages) and the closest one."""
+    name = str(value).lower()
+    close = [_KNOWN_AS[name]] if name in _KNOWN_AS else difflib.get_close_matches(name, SCHEDULE_NAMES, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (
+        f"unknown schedule {short(value)}: the schedules are {', '.join(SCHEDULE_NAMES[:-1])}, and 'custom' "
+        f"with your own pipeline.table{fitting}; set pipeline.schedule to one of them{hint}"
+    )
+
+
+def _schedule(value: Any) -> Any:
+    if isinstance(value, str) and value not in SCHEDULE_NAMES:
+        raise ValueError(unknown_schedule(value))
+    return value  # a non-string: the Literal check reports the type
+
+
 class Pipeline(StrictModel):
     """How a batch flows through the stages."""
 
@@ -72,6 +106,7 @@ class Pipeline(StrictModel):
     ] = 1
     schedule: Annotated[
         Literal["afab", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "custom"],
+        BeforeValidator(_schedule),
         Field(
             description=(
                 "Order of the forwards (F) and backwards (B) on each rank. 'afab': all forward, then all "

@@ -6,6 +6,7 @@ it needs no process group. Every problem is collected and raised once.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from ..models.hf_llama import Backbone, find_backbone
 from .costs import Costs, best_split, estimate_costs
 from .schedules import placement
 from .schema import ParallelPlan, PlanError, load_plan
+from .sizes import common_divisors, either
 from .tp_options import option_problems
 from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 
@@ -99,36 +101,59 @@ def _hf_stages(
     pp, cuts = _stage_count(plan), plan.pipeline.cut_points
     names = [bb.layer(i) for i in range(n)]
     if pp > n:
-        fix = "" if plan.pipeline.virtual_stages == 1 else (
-            f"; lower pipeline.virtual_stages (or mesh.pp) so that pp x virtual_stages <= {n}"
-        )
-        return [], [], [f"{_stages_words(plan)} but the model has {n} layers; each stage needs at least one layer{fix}"]
+        return [], [], [_too_many_stages(plan, n, "layers")]
     if cuts is None:
         starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
     elif cuts == "auto":
         if isinstance(costs, str):
             return [], [], [
-                f"pipeline.cut_points: 'auto' cannot estimate this model's compute: {costs}; list the "
+                f"{plan.where('pipeline', 'cut_points')}pipeline.cut_points: 'auto' cannot estimate "
+                f"this model's compute: {costs}; list the "
                 f"pp - 1 = {pp - 1} layers where stages start (e.g. {names[n // 2]!r}), or omit cut_points"
             ]
         starts = [sum(best_split(costs.folded(), pp)[:s]) for s in range(pp)]
     else:
-        problems = []
+        problems, at = [], plan.where("pipeline", "cut_points")
         for k, cut in enumerate(cuts):
             if cut not in names:
                 problems.append(
-                    f"pipeline.cut_points[{k}] {cut!r} is not a layer of the model's layer sequence "
+                    f"{plan.where('pipeline', 'cut_points', k)}pipeline.cut_points[{k}] {cut!r} is not a layer of "
+                    "the model's layer sequence "
                     f"({names[0]} .. {names[-1]}){closest(cut, names)}"
                 )
         if problems:
             return [], [], problems
         starts = [0] + [names.index(c) for c in cuts]
         if starts != sorted(starts):
-            return [], [], [f"pipeline.cut_points {cuts} are out of order; list them as the layers run: {sorted(cuts, key=names.index)}"]
+            return [], [], [
+                f"{at}pipeline.cut_points {cuts} are out of order; list them as the layers run: "
+                f"{sorted(cuts, key=names.index)}"
+            ]
         if starts[1] == 0:
-            return [], [], [f"pipeline.cut_points[0] {cuts[0]!r} leaves stage 0 without a layer; cut after {names[0]}"]
+            return [], [], [
+                f"{at}pipeline.cut_points[0] {cuts[0]!r} leaves stage 0 without a layer; cut after {names[0]}"
+            ]
     bounds = starts + [n]
     return [list(range(bounds[s], bounds[s + 1])) for s in range(pp)], [names[i] for i in starts[1:]], []
+
+
+def _too_many_stages(plan: ParallelPlan, n: int, what: str) -> str:
+    """More stages than `n` layers: the pp values that fit, and those that split the layers evenly."""
+    k = plan.pipeline.virtual_stages
+    most = n // k  # the largest pp with at least one layer per stage
+    if most == 0:
+        fix = f"set pipeline.virtual_stages to at most {n}, with mesh.pp: 1"
+    else:
+        even = [d for d in range(1, most + 1) if n % (d * k) == 0][:8]
+        fits = f"pp 1-{most}" if most > 2 else f"pp {either(range(1, most + 1))}"
+        with_k = f" with virtual_stages {k}" if k > 1 else ""
+        fix = f"use {fits}{with_k} (an even split: pp {either(even)})"
+        if k > 1:
+            fix += f", or lower pipeline.virtual_stages so that pp x virtual_stages <= {n}"
+    return (
+        f"{plan.where('mesh', 'pp')}{_stages_words(plan)} but the model has {n} {what}; each stage needs at least "
+        f"one layer: {fix}"
+    )
 
 
 def _stage_count(plan: ParallelPlan) -> int:
@@ -165,7 +190,8 @@ def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], l
         if len(seq) < pp:
             return [], [], [
                 f"{_stages_words(plan)}: a balanced split needs a layer sequence of at least {pp} modules, found "
-                f"{len(seq)} in {type(model).__name__}; list pipeline.cut_points instead"
+                f"{len(seq)} in {type(model).__name__}; list pipeline.cut_points instead, or use at most "
+                f"{len(seq)} stages (pp x virtual_stages)"
             ]
         cuts = [seq[sum(balanced_split(len(seq), pp)[:s])] for s in range(1, pp)]
     problems = fx_graph.split_problems(traced, list(cuts))
@@ -186,7 +212,10 @@ def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list
     for pattern in plan.activation_checkpointing:
         found = [n for n in names if match_pattern(pattern, n)]
         if not found:
-            problems.append(f"activation_checkpointing[{pattern!r}] matches no module{closest(pattern, names)}")
+            problems.append(
+                f"{plan.where('activation_checkpointing', pattern)}activation_checkpointing[{pattern!r}] matches "
+                f"no module{closest(pattern, names)}"
+            )
         hits += found
     hits = list(dict.fromkeys(hits))
     return [n for n in hits if not any(n.startswith(h + ".") for h in hits)], problems
@@ -201,6 +230,30 @@ def _estimate(plan: ParallelPlan, model: nn.Module, bb: Backbone, n: int, shards
         )
     except ValueError as exc:
         return str(exc)
+
+
+def _by_line(problems: list[str]) -> list[str]:
+    """Problems that name a line of the plan file in file order, as load_plan gives its own; the rest after."""
+    def line(problem: str) -> int:
+        match = re.match(r"line (\d+): ", problem)
+        return int(match.group(1)) if match else 10**9
+
+    return sorted(problems, key=line)  # stable: a plan given as a dict keeps the order found
+
+
+def _world_problem(plan: ParallelPlan, world_size: int) -> str:
+    """The mesh does not fill the world: which dp (same pp and tp) would, or which pp x tp divide it."""
+    mesh, per_replica = plan.mesh, plan.mesh.pp * plan.mesh.tp
+    if world_size >= 1 and world_size % per_replica == 0:
+        fix = f"or set mesh.dp: {world_size // per_replica} (pp x tp = {per_replica} ranks per replica)"
+    elif world_size >= 1:
+        fix = f"or change the mesh: pp x tp must divide {world_size} ({either(common_divisors(world_size))})"
+    else:
+        fix = "or change the mesh"
+    return (
+        f"{plan.where('mesh')}mesh: {mesh.shape_text()} = {mesh.world_size} ranks, but the world size is "
+        f"{world_size}; launch {mesh.world_size} processes {fix}"
+    )
 
 
 def _param_footprint(model: nn.Module, modules: list[str], shards: dict[str, ShardSpec], tp: int) -> tuple[int, int]:
@@ -244,10 +297,7 @@ def resolve(
         raise TypeError(f"resolve() needs an nn.Module, got {type(model).__name__}")
     tp, pp, problems = plan.mesh.tp, _stage_count(plan), []
     if world_size is not None and world_size != plan.mesh.world_size:
-        problems.append(
-            f"mesh: {plan.mesh.shape_text()} = {plan.mesh.world_size} ranks, but the world size is {world_size}; "
-            f"launch {plan.mesh.world_size} processes or change the mesh"
-        )
+        problems.append(_world_problem(plan, world_size))
     applied = getattr(model, APPLIED, None)
     if applied:
         raise PlanError(plan.source, [
@@ -276,7 +326,7 @@ def resolve(
         layer_sets, layer_names = [], module_sets
     problems += stage_problems + option_problems(plan, model, bb, shards)
     if problems:
-        raise PlanError(plan.source, collapse_repeats(problems))
+        raise PlanError(plan.source, _by_line(collapse_repeats(problems)))
     by_fqn = {s.fqn: s for s in shards}
     costs = costs if isinstance(costs, Costs) else None
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)

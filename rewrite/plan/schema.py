@@ -13,8 +13,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from .files import PlanError, dotted, line_of, read_plan_file, short
-from .pipeline_schema import CUT_POINT_KINDS, Pattern, Pipeline, StrictModel, cut_point_problems
+from .files import PlanError, dotted, key_lines, line_of, read_plan_file, short
+from .pipeline_schema import (
+    CUT_POINT_KINDS, SCHEDULE_NAMES, Pattern, Pipeline, StrictModel, cut_point_problems, unknown_schedule,
+)
+from .sizes import either
 from .schedules import SCHEDULES, read_table_file, schedule_problems, schedule_rules
 
 __all__ = ["ParallelPlan", "Mesh", "DataParallel", "Pipeline", "PlanError", "load_plan", "STYLES", "STYLE_ALIASES"]
@@ -176,11 +179,17 @@ class ParallelPlan(StrictModel):
         ),
     ] = False
     _source: str = PrivateAttr(default="plan")  # file the plan was read from, for messages
+    _lines: dict = PrivateAttr(default_factory=dict)  # (key, key, ...) -> line in that file
 
     @property
     def source(self) -> str:
         """Where the plan came from: its file path, or 'plan'."""
         return self._source
+
+    def where(self, *loc: str | int) -> str:
+        """'line 7: ' for the key at `loc` (e.g. 'tensor_parallel', pattern) in the plan file; '' for a dict."""
+        line = self._lines.get(loc)
+        return f"line {line}: " if line else ""
 
     @model_validator(mode="after")
     def _pipeline_fits_mesh(self) -> ParallelPlan:
@@ -197,7 +206,24 @@ class ParallelPlan(StrictModel):
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
-def _problems(exc: ValidationError, nodes: Any) -> list[str]:
+# What each schedule needs of virtual_stages, for the schedules that do not fit a plan.
+_STAGES_NEEDED = {"afab": ": 1", "1f1b": ": 1", "interleaved-1f1b": " >= 2", "zbv": ": 2"}
+
+
+def _schedule_fit(data: Any) -> str:
+    """'; with virtual_stages: 1 these fit: ...' for the raw plan `data`, or '' when its sizes are invalid."""
+    pipe = data.get("pipeline") if isinstance(data, dict) else None
+    mesh = data.get("mesh") if isinstance(data, dict) else None
+    k = pipe.get("virtual_stages", 1) if isinstance(pipe, dict) else 1
+    pp = mesh.get("pp", 1) if isinstance(mesh, dict) else 1
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (pp, k)):
+        return ""
+    fit = [name for name in SCHEDULE_NAMES if not schedule_rules(name, pp, k, 1)]
+    unfit = [f"{name} needs virtual_stages{_STAGES_NEEDED[name]}" for name in SCHEDULE_NAMES if name not in fit]
+    return f"; with virtual_stages: {k} these fit: {either(fit)}" + (f" ({', '.join(unfit)})" if unfit else "")
+
+
+def _problems(exc: ValidationError, nodes: Any, data: Any = None) -> list[str]:
     problems = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
@@ -208,7 +234,9 @@ def _problems(exc: ValidationError, nodes: Any) -> list[str]:
         line = line_of(nodes, loc) if nodes is not None else None
         where = (f"line {line}: " if line else "") + (dotted(loc) + ": " if loc else "")
         msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
+        if loc == ("pipeline", "schedule") and isinstance(err.get("input"), str) and err["type"] == "value_error":
+            msg = unknown_schedule(err["input"], _schedule_fit(data))
+        elif err["type"] == "extra_forbidden":
             msg = f"unknown key {short(loc[-1])}" + _suggest_key(exc, loc)
         elif err["type"] not in ("value_error", "missing") and "input" in err:
             msg += f" (found {short(err['input'])})"
@@ -272,7 +300,7 @@ def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
     try:
         plan = ParallelPlan.model_validate(data)
     except ValidationError as exc:
-        problems = _problems(exc, nodes)
+        problems = _problems(exc, nodes, data)
         if not any(not e["loc"] for e in exc.errors()):
             # Field errors stop Pydantic before the cross-field check: run it on the raw data.
             mesh, pipe = data.get("mesh") or {}, data.get("pipeline") or {}
@@ -282,4 +310,5 @@ def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
                 problems += _raw_schedule_rules(pipe.get("schedule", "afab"), pp, k)
         raise PlanError(name, problems) from None
     plan._source = name
+    plan._lines = key_lines(nodes) if nodes is not None else {}
     return plan

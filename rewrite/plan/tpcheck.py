@@ -13,6 +13,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .schema import ParallelPlan
+from .sizes import common_divisors, either, index_ranges, plural
 
 __all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats"]
 
@@ -58,40 +59,45 @@ _BLOCKS = ((("q_proj", "k_proj", "v_proj"), "o_proj"), (("gate_proj", "up_proj")
 
 
 def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[list, list[str]]:
+    """Every module the plan's tensor_parallel rules shard, and every problem with them.
+
+    A problem about one rule starts with that rule's line when the plan came from a file.
+    """
     tp, problems, chosen = plan.mesh.tp, [], {}
     names = list(modules)
     tied = _tied_names(model)
     for pattern, style in plan.tensor_parallel.items():
+        at = plan.where("tensor_parallel", pattern)
         hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
         if not hits:
-            problems.append(f"tensor_parallel[{pattern!r}] matches no module{closest(pattern, names)}")
+            problems.append(f"{at}tensor_parallel[{pattern!r}] matches no module{closest(pattern, names)}")
         for fqn in hits:
             module = modules[fqn]
             if style == "grad_allreduce":
                 if not any(True for _ in module.parameters()):
-                    problems.append(f"tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters")
+                    problems.append(f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters")
                     continue
             elif style == "vocab" and not isinstance(module, nn.Embedding):
                 problems.append(
-                    f"tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}; style 'vocab' "
+                    f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}; style 'vocab' "
                     "shards an nn.Embedding's rows"
                 )
             elif isinstance(module, nn.Embedding) and style != "vocab":
                 problems.append(
-                    f"tensor_parallel[{pattern!r}] matches {fqn!r}, an nn.Embedding, as {style!r}; "
+                    f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, an nn.Embedding, as {style!r}; "
                     "embeddings are sharded with style 'vocab' (HF: embedding_rowwise)"
                 )
             elif style != "vocab" and not isinstance(module, nn.Linear):
                 linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n]
                 hint = f"; its linears: {', '.join(linears[:4])}" if linears else ""
                 problems.append(
-                    f"tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, not an "
+                    f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, not an "
                     f"nn.Linear; only linears can be sharded{hint}"
                 )
             elif fqn in chosen and chosen[fqn][1] != style:
                 other, other_style = chosen[fqn]
                 problems.append(
-                    f"{fqn!r} is matched by tensor_parallel[{other!r}] as {other_style!r} and by "
+                    f"{at}{fqn!r} is matched by tensor_parallel[{other!r}] as {other_style!r} and by "
                     f"tensor_parallel[{pattern!r}] as {style!r}; keep one style per module"
                 )
             else:
@@ -107,12 +113,13 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
             shape = tuple(weight.shape) if isinstance(weight, nn.Parameter) else None
             shards.append(ShardSpec(fqn, style, pattern, None, None, False, shape, None))
             continue
+        at = plan.where("tensor_parallel", pattern) if pattern != "(implied)" else ""
         if style == "vocab":
             rows, dim = lin.num_embeddings, lin.embedding_dim
             if rows % tp:
                 problems.append(
-                    f"{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
-                    f"use tp {_divisors(rows)} or leave the embedding whole"
+                    f"{at}{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
+                    f"use tp {either(common_divisors(rows))} (they divide the vocabulary), or leave the embedding whole"
                 )
             shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, (rows // tp, dim), None))
             continue
@@ -120,8 +127,9 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
         dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
         if size % tp:
             problems.append(
-                f"{fqn} ({style}): {dim}={size} is not divisible by mesh.tp={tp}; "
-                f"use a tp that divides {size}"
+                f"{at}{fqn} ({style}): {dim}={size} is not divisible by mesh.tp={tp}; use tp "
+                f"{either(common_divisors(size))} (they divide {_dim_meaning(model, size)}), "
+                f"or leave {fqn.rsplit('.', 1)[-1]} whole"
             )
         weight = (lin.out_features // tp, lin.in_features) if split_out else (lin.out_features, lin.in_features // tp)
         bias = None
@@ -129,8 +137,9 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
             bias = (lin.out_features // tp,) if split_out else (lin.out_features,)
         shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias))
     if tp > 1:
-        problems += _tied_problems(tied, {s.fqn: s.style for s in shards})
-        problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp)
+        rule_at = {s.fqn: plan.where("tensor_parallel", s.pattern) for s in shards if s.pattern != "(implied)"}
+        problems += _tied_problems(tied, {s.fqn: s.style for s in shards}, rule_at)
+        problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp, rule_at, plan.where("mesh", "tp"))
     return shards, problems
 
 
@@ -138,19 +147,23 @@ def collapse_repeats(problems: list[str]) -> list[str]:
     """One line for problems that differ only in a layer index, not one per layer.
 
     'model.layers.0.mlp: ...' .. 'model.layers.31.mlp: ...' becomes
-    'model.layers.*.mlp: ... [* = 0, 1, ..., 31]'.
+    'model.layers.*.mlp: ... [* = 0-31]': indices sorted as numbers, runs as ranges.
     """
-    groups: dict[str, list[str]] = {}
+    groups: dict[str, list[int]] = {}
     for problem in problems:
         match = _INDEX.search(problem)
         key = _INDEX.sub("\0", problem, count=1) if match else problem
-        groups.setdefault(key, []).append(match.group(0) if match else "")
+        indices = groups.setdefault(key, [])
+        if match:
+            indices.append(int(match.group(0)))
     out = []
     for key, indices in groups.items():
-        if len(indices) == 1:
-            out.append(key.replace("\0", indices[0]))
+        if not indices:
+            out.append(key)  # the same problem twice: once is enough
+        elif len(set(indices)) == 1:
+            out.append(key.replace("\0", str(indices[0])))
         else:
-            out.append(key.replace("\0", "*") + f" [* = {', '.join(indices)}]")
+            out.append(key.replace("\0", "*") + f" [* = {index_ranges(indices)}]")
     return out
 
 
@@ -171,13 +184,18 @@ def _per_head_modules(modules: dict[str, nn.Module], styles: dict[str, str]) -> 
     return found
 
 
-def _divisors(n: int, most: int = 8) -> str:
-    """'1, 2 or 4': the tp sizes up to `most` that divide `n`."""
-    sizes = [str(d) for d in range(1, most + 1) if n % d == 0]
-    return ", ".join(sizes[:-1]) + f" or {sizes[-1]}" if len(sizes) > 1 else sizes[0]
+def _dim_meaning(model: nn.Module, size: int) -> str:
+    """'the vocabulary' or 'intermediate_size=1536' when the config says what a dimension is, else the size."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vocab_size", None) == size:
+        return "the vocabulary"
+    for key in ("intermediate_size", "hidden_size"):
+        if getattr(config, key, None) == size:
+            return f"{key}={size}"
+    return str(size)
 
 
-def _tied_problems(tied: dict[str, str], styles: dict[str, str]) -> list[str]:
+def _tied_problems(tied: dict[str, str], styles: dict[str, str], rule_at: dict[str, str]) -> list[str]:
     """A shared matrix stays one matrix: both ends whole, or both split along the vocabulary alike.
 
     An embedding sharded as 'vocab' and a head as 'column' keep the same rows of the
@@ -193,8 +211,9 @@ def _tied_problems(tied: dict[str, str], styles: dict[str, str]) -> list[str]:
         if kinds == {"rows", "vocab"}:
             continue  # embedding by vocabulary rows, head by output rows: the same slices
         found = ", ".join(f"{name}={style or 'unsharded'}" for name, style in ends.items())
+        at = next((rule_at[name] for name in ends if rule_at.get(name)), "")
         problems.append(
-            f"{fqn}.weight is tied to {other} ({found}); sharding one end alone would untie them. Shard the "
+            f"{at}{fqn}.weight is tied to {other} ({found}); sharding one end alone would untie them. Shard the "
             f"embedding as 'vocab' and the head as 'column' together, leave both whole, or build the model "
             "with tie_word_embeddings=False"
         )
@@ -213,8 +232,13 @@ def _tied_names(model: nn.Module) -> dict[str, str]:
     return tied
 
 
-def _block_problems(model: nn.Module, styles: dict[str, str], tp: int) -> list[str]:
-    """Attention and MLP blocks must be sharded as a whole, heads intact."""
+def _block_problems(
+    model: nn.Module, styles: dict[str, str], tp: int, rule_at: dict[str, str], tp_at: str
+) -> list[str]:
+    """Attention and MLP blocks must be sharded as a whole, heads intact.
+
+    `rule_at` gives, per sharded module, the line prefix of its rule; `tp_at` that of mesh.tp.
+    """
     problems, config = [], getattr(model, "config", None)
     parents = sorted({fqn.rsplit(".", 1)[0] for fqn in styles if "." in fqn})
     for parent in parents:
@@ -227,19 +251,31 @@ def _block_problems(model: nn.Module, styles: dict[str, str], tp: int) -> list[s
                 continue
             if len({_output_sharded(got[m]) for m in inputs} | {_input_sharded(got[output])}) > 1:
                 found = ", ".join(f"{m}={got[m] or 'unsharded'}" for m in members)
+                at = next((rule_at[f"{parent}.{m}"] for m in members if rule_at.get(f"{parent}.{m}")), "")
                 problems.append(
-                    f"{parent}: {found}; shard {', '.join(inputs)} as column and {output} as row together "
+                    f"{at}{parent}: {found}; shard {', '.join(inputs)} as column and {output} as row together "
                     "(the column outputs are the row layer's sharded input)"
                 )
             if output == "o_proj" and config is not None and _output_sharded(got["q_proj"]):
-                heads = getattr(config, "num_attention_heads", None)
-                kv = getattr(config, "num_key_value_heads", None) or heads
-                if heads and heads % tp:
-                    problems.append(
-                        f"mesh.tp={tp} does not divide num_attention_heads={heads} (q_proj, o_proj would split a head)"
-                    )
-                if kv and kv % tp:
-                    problems.append(
-                        f"mesh.tp={tp} does not divide num_key_value_heads={kv} (k_proj, v_proj would split a head)"
-                    )
+                problems += _head_problems(config, tp, tp_at)
     return list(dict.fromkeys(problems))  # each config problem once, not once per layer
+
+
+def _head_problems(config, tp: int, tp_at: str) -> list[str]:
+    """tp must divide the query heads and the key/value heads alike: one message naming both and the tp that fit."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if not heads:
+        return []
+    split = [f"{name}={count}" for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv))
+             if count % tp and not (name == "num_key_value_heads" and kv == heads and heads % tp)]
+    if not split:
+        return []
+    counts = plural(heads, "attention head") + (f" and {plural(kv, 'kv head')}" if kv != heads else "")
+    fits = common_divisors(heads, kv)
+    return [
+        f"{tp_at}mesh.tp={tp} does not divide {' nor '.join(split)} (q_proj, k_proj, v_proj, o_proj would split a "
+        f"head); tp must divide {counts}: tp {either(fits)}; set mesh.tp to "
+        + (f"{fits[0]}" if len(fits) == 1 else "one of them")
+        + ", or leave the attention unsharded"
+    ]

@@ -85,7 +85,9 @@ pipeline:
     assert "line 4: tensor_parallel['model.layers.*.mlp.up_proj']: unknown style 'colum'" in message
     assert "did you mean 'column'?" in message
     assert "line 6: pipeline.microbatches: Input should be greater than or equal to 1 (found 0)" in message
-    assert "line 7: pipeline.schedule: Input should be 'afab', '1f1b', 'interleaved-1f1b', 'zero-bubble', 'zbv' or 'custom' (found 'zb-h2')" in message
+    assert ("line 7: pipeline.schedule: unknown schedule 'zb-h2': the schedules are afab, 1f1b, interleaved-1f1b, "
+            "zero-bubble, zbv, and 'custom' with your own pipeline.table") in message
+    assert "set pipeline.schedule to one of them (did you mean 'zero-bubble'?)" in message
 
 
 def test_cut_point_rules():

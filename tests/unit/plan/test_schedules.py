@@ -97,7 +97,7 @@ def test_a_plan_carries_its_table_inline_or_in_a_csv_file(tmp_path):
         ({"schedule": "custom", "table": ["F0 X0", "F0 B0"]}, "rank 0: cannot read 'X0'; cells are F<mb>, B<mb> or W<mb>"),
         ({"schedule": "custom", "microbatches": 2, "table": ["F0 B0 F1 B1", "F0 F1 B0 B1"]}, "the table deadlocks"),
         ({"schedule": "custom", "table": "missing.csv"}, "cannot read the table file"),
-        ({"schedule": "zb-h2"}, "Input should be 'afab', '1f1b', 'interleaved-1f1b', 'zero-bubble', 'zbv' or 'custom'"),
+        ({"schedule": "zb-h2"}, "unknown schedule 'zb-h2': the schedules are afab, 1f1b, interleaved-1f1b, zero-bubble, zbv"),
     ],
 )
 def test_bad_schedules_are_refused_when_the_plan_loads(pipeline, expected):

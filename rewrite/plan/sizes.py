@@ -1,0 +1,57 @@
+"""Sizes that would work, for messages: common divisors, ranges, and lists of indices.
+
+A refusal about a size names the sizes that fit (`tp 1 or 3`), not only the one that does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["common_divisors", "either", "index_ranges", "plural"]
+
+_MOST_RANKS = 4096
+
+
+def common_divisors(*counts: int, most: int = 8) -> list[int]:
+    """The smallest `most` sizes that divide every count, e.g. (9, 3) -> [1, 3].
+
+        >>> common_divisors(14, 2), common_divisors(1536)
+        ([1, 2], [1, 2, 3, 4, 6, 8, 12, 16])
+    """
+    counts = tuple(c for c in counts if c >= 1)
+    if not counts:
+        return [1]
+    found = []
+    # No mesh has more than a few thousand ranks on one axis: scan that far, however large the counts.
+    for d in range(1, min(*counts, _MOST_RANKS) + 1):
+        if all(c % d == 0 for c in counts):
+            found.append(d)
+            if len(found) == most:
+                break
+    return found
+
+
+def either(values: Iterable[object], word: str = "or") -> str:
+    """'1, 2 or 4' (or '1' for one value)."""
+    items = [str(v) for v in values]
+    return ", ".join(items[:-1]) + f" {word} {items[-1]}" if len(items) > 1 else "".join(items)
+
+
+def index_ranges(indices: Iterable[int]) -> str:
+    """Sorted as numbers, runs of three or more written as ranges: '0-3, 5, 7, 9-11'."""
+    ordered = sorted(set(indices))
+    runs: list[list[int]] = []
+    for i in ordered:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = []
+    for run in runs:
+        parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(i) for i in run]
+    return ", ".join(parts)
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 kv head', '3 kv heads'."""
+    return f"{count} {noun}" + ("" if count == 1 else "s")

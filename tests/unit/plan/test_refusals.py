@@ -1,0 +1,147 @@
+"""Refusals name what would work: the sizes that fit, the line of the rule, the known schedules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rewrite.plan.files import PlanError
+from rewrite.plan.resolve import resolve
+from rewrite.plan.schema import load_plan
+from rewrite.plan.sizes import common_divisors, index_ranges
+from rewrite.plan.tpcheck import collapse_repeats
+from rewrite.run.presets import build_model, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ATTENTION = {
+    "model.layers.*.self_attn.q_proj": "column",
+    "model.layers.*.self_attn.k_proj": "column",
+    "model.layers.*.self_attn.v_proj": "column",
+    "model.layers.*.self_attn.o_proj": "row",
+}
+MLP = {
+    "model.layers.*.mlp.gate_proj": "column",
+    "model.layers.*.mlp.up_proj": "column",
+    "model.layers.*.mlp.down_proj": "row",
+}
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return build_model(load_config(CONFIGS / "smollm2-135m.json"), device="meta")  # 9 heads, 3 kv heads, 30 layers
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return build_model(load_config(CONFIGS / "qwen2.5-0.5b.json"), device="meta")  # 14 heads, 2 kv heads, 24 layers
+
+
+def refusal(plan, model, **kwargs) -> str:
+    with pytest.raises(PlanError) as info:
+        resolve(plan, model, **kwargs)
+    return str(info.value)
+
+
+def test_tp_names_the_sizes_that_divide_both_head_counts(smollm, qwen):
+    message = refusal({"mesh": {"tp": 2}, "tensor_parallel": ATTENTION}, smollm)
+    assert message.startswith("plan: 1 problem"), "one message for query and kv heads"
+    assert "mesh.tp=2 does not divide num_attention_heads=9 nor num_key_value_heads=3" in message
+    assert "tp must divide 9 attention heads and 3 kv heads: tp 1 or 3; set mesh.tp to one of them" in message
+    message = refusal({"mesh": {"tp": 4}, "tensor_parallel": ATTENTION}, qwen)
+    assert "tp must divide 14 attention heads and 2 kv heads: tp 1 or 2; set mesh.tp to one of them" in message
+    resolve({"mesh": {"tp": 3}, "tensor_parallel": ATTENTION}, smollm)  # a size it named works
+
+
+def test_tp_names_the_sizes_that_divide_a_split_dimension(smollm):
+    message = refusal({"mesh": {"tp": 5}, "tensor_parallel": {**MLP, "model.embed_tokens": "vocab"}}, smollm)
+    assert ("model.layers.*.mlp.gate_proj (column): out_features=1536 is not divisible by mesh.tp=5; use tp "
+            "1, 2, 3, 4, 6, 8, 12 or 16 (they divide intermediate_size=1536), or leave gate_proj whole "
+            "[* = 0-29]") in message
+    assert ("down_proj (row): in_features=1536 is not divisible by mesh.tp=5; "
+            "use tp 1, 2, 3, 4, 6, 8, 12 or 16") in message
+    assert ("model.embed_tokens (vocab): num_embeddings=49152 is not divisible by mesh.tp=5; use tp 1, 2, 3, 4, 6, 8, "
+            "12 or 16 (they divide the vocabulary), or leave the embedding whole") in message
+
+
+def test_pp_names_the_pp_values_that_fit(smollm, qwen):
+    message = refusal({"mesh": {"pp": 40}}, smollm)
+    assert ("mesh.pp=40 stages but the model has 30 layers; each stage needs at least one layer: "
+            "use pp 1-30 (an even split: pp 1, 2, 3, 5, 6, 10, 15 or 30)") in message
+    message = refusal({"mesh": {"pp": 16}, "pipeline": {"schedule": "interleaved-1f1b", "virtual_stages": 2}}, qwen)
+    assert ("mesh.pp=16 x pipeline.virtual_stages=2 = 32 stages but the model has 24 layers; each stage needs at least "
+            "one layer: use pp 1-12 with virtual_stages 2 (an even split: pp 1, 2, 3, 4, 6 or 12), or lower "
+            "pipeline.virtual_stages so that pp x virtual_stages <= 24") in message
+
+
+def test_world_size_names_the_dp_that_fills_it(smollm):
+    message = refusal({"mesh": {"tp": 3}, "tensor_parallel": ATTENTION}, smollm, world_size=6)
+    assert "mesh: pp=1 x tp=3 = 3 ranks, but the world size is 6; launch 3 processes or set mesh.dp: 2" in message
+    message = refusal({"mesh": {"tp": 3}, "tensor_parallel": ATTENTION}, smollm, world_size=4)
+    assert "launch 3 processes or change the mesh: pp x tp must divide 4 (1, 2 or 4)" in message
+
+
+def test_a_rule_found_wrong_while_binding_names_its_file_and_line(tmp_path, smollm):
+    path = tmp_path / "plan.yaml"
+    path.write_text(
+        "mesh:\n"
+        "  tp: 2\n"
+        "tensor_parallel:\n"
+        "  model.layers.*.mlp.up_projj: column\n"
+        "  model.embed_tokens: row\n"
+        + "".join(f"  {k}: {v}\n" for k, v in ATTENTION.items())
+    )
+    message = refusal(path, smollm)
+    assert message.startswith(f"{path}: ")
+    assert ("line 4: tensor_parallel['model.layers.*.mlp.up_projj'] matches no module; "
+            "did you mean 'model.layers.*.mlp.up_proj'?") in message
+    assert "line 5: tensor_parallel['model.embed_tokens'] matches 'model.embed_tokens', an nn.Embedding" in message
+    assert "line 2: mesh.tp=2 does not divide num_attention_heads=9" in message
+    # A plan given as a dict has no file: the same messages, without lines.
+    message = refusal({"tensor_parallel": {"model.layers.*.mlp.up_projj": "column"}}, smollm)
+    assert "\n  tensor_parallel['model.layers.*.mlp.up_projj'] matches no module" in message and "line" not in message
+
+
+def test_a_json_plan_names_lines_too(tmp_path, smollm):
+    path = tmp_path / "plan.json"
+    path.write_text('{\n  "mesh": {"pp": 31},\n  "activation_checkpointing": {\n    "model.layer.*": "full"\n  }\n}\n')
+    message = refusal(path, smollm)
+    assert "line 2: mesh.pp=31 stages but the model has 30 layers" in message
+    assert "line 4: activation_checkpointing['model.layer.*'] matches no module" in message
+
+
+def test_layer_indices_sort_as_numbers_and_runs_read_as_ranges():
+    problems = [f"model.layers.{i}.mlp: unsharded" for i in (0, 1, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9, 12, 20, 22)]
+    assert collapse_repeats(problems) == ["model.layers.*.mlp: unsharded [* = 0-12, 20, 22]"]
+    assert collapse_repeats(["model.layers.1.a: x", "model.layers.3.a: x"]) == ["model.layers.*.a: x [* = 1, 3]"]
+    assert collapse_repeats(["same", "same"]) == ["same"]
+    assert index_ranges([31, 0, 2, 1]) == "0-2, 31"
+    assert common_divisors(9, 3) == [1, 3] and common_divisors(128256) == [1, 2, 3, 4, 6, 8, 12, 16]  # at most 8
+
+
+@pytest.mark.parametrize(
+    ("virtual_stages", "fits"),
+    [
+        (1, "with virtual_stages: 1 these fit: afab, 1f1b, zero-bubble or custom (interleaved-1f1b needs "
+            "virtual_stages >= 2, zbv needs virtual_stages: 2)"),
+        (2, "with virtual_stages: 2 these fit: interleaved-1f1b, zero-bubble, zbv or custom (afab needs "
+            "virtual_stages: 1, 1f1b needs virtual_stages: 1)"),
+    ],
+)
+def test_an_unknown_schedule_lists_the_known_ones_and_those_that_fit(virtual_stages, fits):
+    with pytest.raises(PlanError) as info:
+        load_plan({"mesh": {"pp": 2}, "pipeline": {"schedule": "zb-h2", "virtual_stages": virtual_stages}})
+    message = str(info.value)
+    assert ("pipeline.schedule: unknown schedule 'zb-h2': the schedules are afab, 1f1b, interleaved-1f1b, zero-bubble, "
+            "zbv, and 'custom' with your own pipeline.table") in message
+    assert fits in message
+    assert message.rstrip().endswith("set pipeline.schedule to one of them (did you mean 'zero-bubble'?)")
+
+
+def test_an_unknown_schedule_in_a_file_names_its_line(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("mesh: {pp: 2}\npipeline:\n  schedule: 1f1f\n")
+    with pytest.raises(PlanError) as info:
+        load_plan(path)
+    assert "line 3: pipeline.schedule: unknown schedule '1f1f'" in str(info.value)
+    assert "(did you mean '1f1b'?)" in str(info.value)
