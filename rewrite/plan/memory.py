@@ -1,7 +1,8 @@
 """Parameter memory per rank under a plan: tensor-parallel shards, then data-parallel sharding.
 
 What `rewrite show` prints in its per-rank table. Pure arithmetic on the parameters'
-shapes (a meta-device model will do); activations are not counted.
+shapes (a meta-device model will do); `rank_memory` adds the activations that
+`rewrite.plan.activations` estimates for a batch size, sequence length and microbatch count.
 
 With data parallelism each rank's parameters become torch FSDP2 units
 (`rewrite.data_parallel`). FSDP2 splits every parameter along dim 0, padded up to a
@@ -13,15 +14,20 @@ one reduce (`replicate` too: its gathered copy is a second buffer beside the par
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from torch import nn
 
+from .activations import rank_activations
 from .schedules import splits_backward
 from .resolve import ResolvedPlan
 
-__all__ = ["Footprint", "SHARDINGS", "MEMORY_HEADER", "footprint", "format_bytes", "memory_rows", "rank_footprints", "rank_parameters"]
+__all__ = [
+    "Footprint", "RankMemory", "SHARDINGS", "MEMORY_HEADER", "GIB", "footprint", "format_bytes", "memory_rows",
+    "rank_footprints", "rank_memory", "rank_parameters", "with_run",
+]
 
 SHARDINGS = ("full", "grad_op", "replicate")
 ADAMW_BYTES = 8  # AdamW's two moments (exp_avg, exp_avg_sq) per element, kept in float32
@@ -175,3 +181,101 @@ def memory_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[
                 *(format_bytes(n) for n in (foot.weights, foot.grads, foot.adamw, foot.peak)),
             ])
     return rows
+
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One global rank's estimated memory in bytes (replica 0; the other replicas hold the same)."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    stages: tuple[int, ...]
+    params: int  # elements held between steps
+    weights: int
+    grads: int
+    adamw: int
+    gathered: int  # what a step adds under mesh.dp > 1: gathered parameters, whole gradients (0 when dp = 1)
+    activations: int | None  # None: not estimated (a torch.fx model, or no model given)
+    in_flight: int | None  # the most (microbatch, stage) pairs alive at once on the rank
+
+    @property
+    def total(self) -> int:
+        """Weights + grads + AdamW + gathered + activations: the estimated peak of a step."""
+        return self.weights + self.grads + self.adamw + self.gathered + (self.activations or 0)
+
+    def fits(self, limit_bytes: float | None) -> bool | None:
+        """Whether `total` is at most `limit_bytes`; None without a limit."""
+        return None if limit_bytes is None else self.total <= limit_bytes
+
+
+def with_run(resolved: ResolvedPlan, *, seq_len: int | None = None, microbatches: int | None = None) -> ResolvedPlan:
+    """The resolved plan with pipeline.seq_len and pipeline.microbatches replaced (None keeps the plan's).
+
+    Only what the activation estimate reads changes; stages and compute shares stay as resolved.
+
+    Raises:
+        ValueError: a value below 1, or other microbatches than a custom schedule's table runs.
+    """
+    pipe, update = resolved.plan.pipeline, {}
+    for name, value in (("seq_len", seq_len), ("microbatches", microbatches)):
+        if value is None:
+            continue
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} is {value}; use a whole number >= 1")
+        update[name] = value
+    if "microbatches" in update and pipe.schedule == "custom" and update["microbatches"] != pipe.microbatches:
+        raise ValueError(
+            f"--microbatches {microbatches}: schedule custom runs the {pipe.microbatches} microbatches of its "
+            "table; leave --microbatches out or change pipeline.table"
+        )
+    if not update:
+        return resolved
+    plan = resolved.plan.model_copy(update={"pipeline": pipe.model_copy(update=update)})
+    return dataclasses.replace(resolved, plan=plan)
+
+
+def rank_memory(
+    resolved: ResolvedPlan,
+    model: nn.Module | None = None,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    microbatches: int | None = None,
+) -> list[RankMemory]:
+    """Parameters, gradients, AdamW state and activations of each rank of replica 0, in rank order.
+
+    Args:
+        resolved: `rewrite.resolve(plan, model)`.
+        model: the model it was resolved against (meta will do). Needed for mesh.dp > 1 and
+            for the activations; without it, or for a torch.fx split, activations are None.
+        batch_size: sequences per microbatch.
+        seq_len, microbatches: override pipeline.seq_len and pipeline.microbatches.
+
+    Returns:
+        One `RankMemory` per global rank `pp_rank * tp + tp_rank`; activations follow the
+        plan's schedule (AFAB keeps every microbatch alive, 1F1B at most pp - r on rank r).
+
+    Example:
+        >>> [m.total for m in rank_memory(rewrite.resolve("plans/llama-pp2.yaml", model), model)]
+    """
+    if batch_size < 1:
+        raise ValueError(f"--batch-size is {batch_size}; use a whole number of sequences >= 1")
+    run = with_run(resolved, seq_len=seq_len, microbatches=microbatches)
+    acts = None
+    if model is not None and resolved.kind == "hf" and resolved.backbone is not None:
+        acts = rank_activations(run, model, batch_size=batch_size)
+    out = []
+    for pp_rank, foot in enumerate(rank_footprints(resolved, model)):
+        act = acts[pp_rank] if acts is not None else None
+        for t in range(resolved.tp):
+            out.append(RankMemory(
+                rank=pp_rank * resolved.tp + t, pp_rank=pp_rank, tp_rank=t, stages=resolved.rank_stages(pp_rank),
+                params=foot.params, weights=foot.weights, grads=foot.grads, adamw=foot.adamw,
+                gathered=foot.peak - foot.at_rest, activations=None if act is None else act.peak,
+                in_flight=None if act is None else act.in_flight,
+            ))
+    return out

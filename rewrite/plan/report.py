@@ -7,23 +7,29 @@ as `rewrite.plan.memory` works out); and the schedule. Aligned columns, no depen
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
 from torch import nn
 
-from .memory import MEMORY_HEADER, SHARDINGS, format_bytes, memory_rows, rank_footprints
+from .memory import MEMORY_HEADER, format_bytes, memory_rows, rank_footprints, rank_memory
 from .resolve import ResolvedPlan
 from .schedules import Table, peak_in_flight, placement, plan_table, simulate, splits_backward
 from .schema import ParallelPlan
+from .show_json import collapse_names, memory_notes, memory_table, span, stage_entries, tp_entries
 
 __all__ = [
     "format_table", "format_bytes", "format_plan", "format_schedule", "shard_rows", "stage_rows", "rank_rows",
-    "memory_rows", "MEMORY_HEADER",
+    "memory_rows", "memory_table", "MEMORY_HEADER", "WIDTH", "wrap_list", "wrap_prose",
 ]
+
+WIDTH = 100  # columns that prose and the stage table's module lists wrap at
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, indent: str = "  ") -> str:
     """Left-aligned columns, two spaces apart, with a dashed rule under the header.
+
+    A cell holding newlines continues on the lines below, the other columns left blank.
 
     Example:
         >>> print(format_table(["a", "bb"], [[1, 2]]))
@@ -31,27 +37,65 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, ind
           -  --
           1  2
     """
-    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    rule = ["-" * w for w in widths]
-    lines = [cells[0], rule, *cells[1:]]
+    lines = [[str(c) for c in header]]
+    for row in rows:
+        cells = [str(c).split("\n") for c in row]
+        lines += [[c[i] if i < len(c) else "" for c in cells] for i in range(max(len(c) for c in cells))]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    lines.insert(1, ["-" * w for w in widths])
     return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
-def _shape(shape: tuple[int, ...] | None) -> str:
+def wrap_list(items: Sequence[str], width: int, *, sep: str = ",") -> str:
+    """`a, b, c` broken after a comma (`sep`) into lines of at most `width` characters (a longer item stays whole).
+
+    Example:
+        >>> wrap_list(["model.embed_tokens", "model.layers.0-7", "model.norm"], 40)
+        'model.embed_tokens, model.layers.0-7,\nmodel.norm'
+    """
+    lines = [""]
+    for i, item in enumerate(items):
+        piece = item + (sep if i < len(items) - 1 else "")
+        if lines[-1] and len(lines[-1]) + 1 + len(piece) > width:
+            lines.append(piece)
+        else:
+            lines[-1] = f"{lines[-1]} {piece}" if lines[-1] else piece
+    return "\n".join(lines)
+
+
+def wrap_prose(text: str, width: int = WIDTH) -> str:
+    """Lines of prose longer than `width` wrapped, continuing 2 spaces deeper; table rows (a double space
+    between words) are left as they are."""
+    out = []
+    for line in text.split("\n"):
+        body = line.lstrip(" ")
+        if len(line) <= width or "  " in body:
+            out.append(line)
+            continue
+        lead = line[: len(line) - len(body)]
+        out += textwrap.wrap(body, width, initial_indent=lead, subsequent_indent=lead + "  ",
+                             break_long_words=False, break_on_hyphens=False)
+    return "\n".join(out)
+
+
+def _shape(shape: Sequence[int] | None) -> str:
     return "-" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _layer_order(fqn: str) -> tuple[float, ...]:
-    # Layer by layer (the plan's rule order within a layer); unnumbered modules such as lm_head last.
-    numbers = tuple(float(p) for p in fqn.split(".") if p.isdigit())
-    return numbers or (float("inf"),)
+def _shapes(whole: Sequence[int] | None, per_rank: Sequence[int] | None) -> str:
+    # `[4096, 4096] -> [2048, 4096]`: whole, then on each tp rank; one shape when they agree or whole is unknown.
+    if whole is None or per_rank is None or list(whole) == list(per_rank):
+        return _shape(per_rank if per_rank is not None else whole)
+    return f"{_shape(whole)} -> {_shape(per_rank)}"
 
 
-def shard_rows(resolved: ResolvedPlan) -> list[list[str]]:
-    """One row per rewritten module, layer by layer: path, style, the plan rule, weight and bias shape on each tp rank."""
-    shards = sorted(resolved.shards, key=lambda s: _layer_order(s.fqn))
-    return [[s.fqn, s.style, s.pattern, _shape(s.weight_shape), _shape(s.bias_shape)] for s in shards]
+def shard_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[list[str]]:
+    """The tensor-parallel table: modules that differ only in a layer index as one row
+    (`model.layers.0-31.mlp.up_proj`), with style, weight and bias (whole -> per tp rank), rule."""
+    return [
+        [e["module"], e["style"], _shapes(e["weight"], e["weight_per_rank"]), _shapes(e["bias"], e["bias_per_rank"]), e["rule"]]
+        for e in tp_entries(resolved, model)
+    ]
 
 
 def _global_rank(resolved: ResolvedPlan, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> int:
@@ -59,26 +103,18 @@ def _global_rank(resolved: ResolvedPlan, pp_rank: int, tp_rank: int, dp_rank: in
     return (dp_rank * resolved.pp + pp_rank) * resolved.tp + tp_rank
 
 
-def _ranks_of(resolved: ResolvedPlan, stage_idx: int) -> list[int]:
-    # The tp ranks of replica 0 holding the stage; the pp rank from its placement.
-    pp_rank = resolved.stage_rank[stage_idx]
-    return [_global_rank(resolved, pp_rank, t) for t in range(resolved.tp)]
-
-
-def stage_rows(resolved: ResolvedPlan) -> list[list[str]]:
+def stage_rows(resolved: ResolvedPlan, *, width: int | None = None) -> list[list[str]]:
     """One row per pipeline stage: index, global ranks (replica 0's), share of the estimated compute, modules.
 
-    The share is `-` where there is no estimate (torch.fx stages).
+    Decoder layers are collapsed (`model.layers.0-7`); with `width`, the modules wrap onto
+    lines of at most that many characters. The share is `-` where there is no estimate (torch.fx stages).
     """
-    return [
-        [
-            str(s.stage_idx),
-            ",".join(map(str, _ranks_of(resolved, s.stage_idx))),
-            "-" if s.est_compute is None else f"{s.est_compute:.0%}",
-            ", ".join(s.modules),
-        ]
-        for s in resolved.stages
-    ]
+    rows = []
+    for e in stage_entries(resolved):
+        modules = ", ".join(e["modules"]) if width is None else wrap_list(e["modules"], width)
+        share = "-" if e["est_compute"] is None else f"{e['est_compute']:.0%}"
+        rows.append([str(e["stage"]), ",".join(map(str, e["ranks"])), share, modules])
+    return rows
 
 
 def _held(resolved: ResolvedPlan, pp_rank: int) -> str:
@@ -103,10 +139,6 @@ def rank_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[li
     return rows
 
 
-def _span(lo: int, hi: int, word: str = "rank") -> str:
-    return f"{word} {lo}" if lo == hi else f"{word}s {lo}-{hi}"
-
-
 _MODES = {
     "full": "each rank holds 1/dp of every parameter, gradient and AdamW moment (ZeRO-3; dim 0 padded "
     "to a multiple of dp), a layer gathered for each use and let go after it",
@@ -122,7 +154,7 @@ def _layout_lines(resolved: ResolvedPlan) -> list[str]:
     if mesh.dp == 1:
         return ["ranks: rank = pp_rank * tp + tp_rank (tp innermost: a stage's tp ranks are neighbours, on one machine)"]
     shown = list(range(mesh.dp)) if mesh.dp <= 4 else [0, 1, None, mesh.dp - 1]
-    replicas = ", ".join("..." if d is None else f"{d}: {_span(d * per, d * per + per - 1)}" for d in shown)
+    replicas = ", ".join("..." if d is None else f"{d}: {span(d * per, d * per + per - 1)}" for d in shown)
     sharding, schedule = resolved.plan.data_parallel.sharding, resolved.plan.pipeline.schedule
     split = sharding == "full" and splits_backward(resolved.plan.pipeline)
     return [
@@ -136,54 +168,52 @@ def _layout_lines(resolved: ResolvedPlan) -> list[str]:
     ]
 
 
-def _memory_lines(resolved: ResolvedPlan, model: nn.Module | None) -> list[str]:
-    mesh = resolved.plan.mesh
+def _memory_lines(resolved: ResolvedPlan, model: nn.Module | None, **run) -> list[str]:
     first = next(iter(model.parameters()), None) if model is not None else None
     dtype = "the parameters' dtype" if first is None else str(first.dtype).removeprefix("torch.")
-    out = [
-        f"Parameters and memory per rank: params held between steps; weights and grads in {dtype}, "
+    limit = run.pop("memory_limit")
+    ranks = rank_memory(resolved, model, **run)
+    return [
+        f"Memory per rank: params held between steps; weights, grads and activations in {dtype}, "
         "AdamW's 2 moments in float32",
-        format_table(MEMORY_HEADER, memory_rows(resolved, model)),
+        format_table(*memory_table(ranks, memory_limit=limit)),
+        *memory_notes(resolved, model, ranks, memory_limit=limit, **run),
     ]
-    per = resolved.pp * resolved.tp
-    if mesh.dp == 2:
-        out.append(f"  {_span(per, 2 * per - 1)} (replica 1) hold the same as {_span(0, per - 1)}, rank for rank")
-    elif mesh.dp > 2:
-        out.append(f"  {_span(1, mesh.dp - 1, 'replica')} ({_span(per, mesh.dp * per - 1)}) hold the same as "
-                   "replica 0, rank for rank")
-    if mesh.dp == 1:
-        out.append("  peak in step = weights + grads + AdamW (activations not counted)")
-        return out
-    out.append(
-        "  peak in step = weights + AdamW held + parameters gathered (full: the largest layer or the root's "
-        "embeddings/norm/head; grad_op, or full under a split schedule: all of the rank's, from forward to the "
-        "step's end; replicate: a second whole copy) + the gradients accumulated whole until the step's one "
-        "reduce; activations not counted"
-    )
-    feet = {m: max(rank_footprints(resolved, model, sharding=m), key=lambda f: f.peak) for m in SHARDINGS}
-    rest = ", ".join(f"{m} {format_bytes(f.at_rest)}" for m, f in feet.items())
-    peak = ", ".join(f"{m} {format_bytes(f.peak)}" for m, f in feet.items())
-    out.append(f"  the fullest rank under each sharding, params + grads + AdamW: {rest}; peak in step: {peak}")
-    return out
 
 
-def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None, model: nn.Module | None = None) -> str:
-    """The three tables of `rewrite show`, with a heading, the rank layout and the sharding mode.
+def format_plan(
+    resolved: ResolvedPlan,
+    *,
+    model_label: str | None = None,
+    model: nn.Module | None = None,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    microbatches: int | None = None,
+    memory_limit: float | None = None,
+    warnings: Sequence[str] | None = None,
+) -> str:
+    """The tables of `rewrite show`, with a heading, the rank layout and the sharding mode.
 
     Args:
         resolved: `rewrite.resolve(plan, model)`; a meta-device model is enough.
         model_label: how to name the model in the heading (e.g. the preset or path).
         model: the model it was resolved against; needed when mesh.dp > 1 (FSDP2 pads
-            each parameter's dim 0 to a multiple of dp, which takes the shapes).
+            each parameter's dim 0 to a multiple of dp, which takes the shapes), for the
+            whole shapes of the tensor-parallel table and for the activations.
+        batch_size: sequences per microbatch, for the activations.
+        seq_len, microbatches: the activations' sequence length and microbatches, default
+            pipeline.seq_len and pipeline.microbatches.
+        memory_limit: GiB per rank: a `fits` column, and a line naming the ranks over it.
+        warnings: lines printed under `Warnings:` at the end (e.g. a stage-balance check's).
 
     Returns:
-        Multi-line text, no trailing newline.
+        Multi-line text, no trailing newline, prose wrapped at `WIDTH` columns.
 
     Raises:
-        ValueError: mesh.dp > 1 and no model.
+        ValueError: mesh.dp > 1 and no model; a run setting below 1.
 
     Example:
-        >>> print(format_plan(rewrite.resolve("plans/llama-tp2.yaml", model), model=model))
+        >>> print(format_plan(rewrite.resolve("plans/llama-tp2.yaml", model), model=model, memory_limit=80))
     """
     plan, tp, pp = resolved.plan, resolved.tp, resolved.pp
     name = resolved.model_name + (f" ({model_label})" if model_label else "")
@@ -197,18 +227,22 @@ def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None, model
         "",
     ]
     if resolved.shards:
+        rows = shard_rows(resolved, model)
         out.append(
-            f"Tensor parallel: {len(resolved.shards)} modules; shapes held by each of the {tp} tp rank"
-            f"{'s' if tp != 1 else ''}" + (" (tp=1: nothing is split)" if tp == 1 else "")
+            f"Tensor parallel: {len(resolved.shards)} modules in {len(rows)} rows (layers alike in one); weight and "
+            f"bias shapes whole -> on each of the {tp} tp rank{'s' if tp != 1 else ''}"
+            + (" (tp=1: nothing is split)" if tp == 1 else "")
         )
-        out.append(format_table(["module", "style", "rule", "weight", "bias"], shard_rows(resolved)))
+        header = ["module", "style", "weight", "bias", "rule"]
+        if all(r[3] == "-" for r in rows):  # no biases: no column for them
+            header, rows = header[:3] + header[4:], [r[:3] + r[4:] for r in rows]
+        out.append(format_table(header, rows))
     else:
         out.append("Tensor parallel: no module is sharded")
     if resolved.recomputed:
-        shown = ", ".join(resolved.recomputed[:4]) + (", ..." if len(resolved.recomputed) > 4 else "")
         out.append(
             f"Activation checkpointing: {len(resolved.recomputed)} modules keep only their inputs and run their "
-            f"forward again in the backward ({shown})"
+            f"forward again in the backward ({', '.join(collapse_names(resolved.recomputed))})"
         )
     out.append("")
     cuts = f", cut at {', '.join(resolved.cut_points)}" if resolved.cut_points else ""
@@ -223,11 +257,16 @@ def format_plan(resolved: ResolvedPlan, *, model_label: str | None = None, model
     per_rank = f" on {pp} rank{'s' if pp != 1 else ''} ({k} per rank, {'V' if pipe.schedule == 'zbv' else 'looped'})" if k > 1 else ""
     out.append(f"Pipeline: {n} stage{'s' if n != 1 else ''}{per_rank}{cuts}{how}{est}")
     ranks = "ranks (replica 0)" if plan.mesh.dp > 1 else "ranks"
-    out.append(format_table(["stage", ranks, "est. compute", "modules"], stage_rows(resolved)))
+    header = ["stage", ranks, "est. compute", "modules"]
+    lead = max(len(ranks), len(",".join(str(r) for r in range(tp)))) + len("stage") + len("est. compute") + 2 + 3 * 2
+    out.append(format_table(header, stage_rows(resolved, width=max(40, WIDTH - lead))))
     out.append("")
-    out += _memory_lines(resolved, model)
+    out += _memory_lines(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches,
+                         memory_limit=memory_limit)
     out.append(f"  whole model: {resolved.total_params:,} parameters, {format_bytes(resolved.total_bytes)}")
-    return "\n".join(out)
+    if warnings:
+        out += ["", "Warnings:", *(f"  - {w}" for w in warnings)]
+    return wrap_prose("\n".join(out))
 
 
 def _costs(table: Table) -> str:

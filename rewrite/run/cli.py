@@ -35,20 +35,44 @@ def _meta_model(model: str, dtype: str | None = None):
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from ..plan.options_report import format_options
-    from ..plan.report import format_plan, format_schedule
+    from ..plan.report import format_plan, format_schedule, wrap_prose
     from ..plan.resolve import resolve
+    from ..plan.show_json import show_data
+
+    from ..plan.balance import balance_warnings
 
     model = _meta_model(args.model, args.dtype)
     resolved = resolve(args.plan, model, world_size=args.world_size)
-    print(format_plan(resolved, model_label=args.model, model=model))
+    run = {"batch_size": args.batch_size, "seq_len": args.seq_len, "microbatches": args.microbatches,
+           "memory_limit": args.memory_limit, "warnings": balance_warnings(resolved, model)}
+    if args.json:
+        data = show_data(resolved, model, model_label=args.model, **run)
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return 0
+    print(format_plan(resolved, model_label=args.model, model=model, **run))
     options = format_options(resolved, model)
     if options:
         print()
-        print(options)
+        print(wrap_prose(options))
     if args.schedule:
         print()
-        print(format_schedule(resolved.plan))
+        print(format_schedule(resolved.plan, microbatches=args.microbatches))
     return 0
+
+
+def _at_least_one(kind):
+    """An argparse type: a number >= 1 (whole for int), or a usage error naming the value."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if not value > 0 or (kind is int and value < 1):
+            raise argparse.ArgumentTypeError(f"{text!r}: use a {'whole ' if kind is int else ''}number above 0")
+        return value
+
+    return parse
 
 
 def _mesh_words(plan) -> str:
@@ -73,11 +97,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             ])
         print(f"{args.plan}: OK as a plan (mesh {_mesh_words(plan)}); pass --model to check it against a model too")
         return 0
-    resolved = resolve(plan, _meta_model(args.model), world_size=args.world_size)
+    from ..plan.balance import balance_warnings
+
+    model = _meta_model(args.model)
+    resolved = resolve(plan, model, world_size=args.world_size)
     print(
         f"{args.plan}: OK for {resolved.model_name} ({args.model}): {_mesh_words(plan)}, "
         f"{len(resolved.shards)} sharded modules, {len(resolved.stages)} stage{'s' if len(resolved.stages) != 1 else ''}"
     )
+    for warning in balance_warnings(resolved, model):  # valid, but one stage would hold up the others
+        print(f"warning: {args.plan}: {warning}", file=sys.stderr)
     return 0
 
 
@@ -149,7 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", metavar="PLAN", help="a plan file (.yaml, .yml or .json)")
     show.add_argument("--model", required=True, metavar="MODEL", help=model_help)
     show.add_argument("--world-size", type=int, default=None, help="check the mesh against this many ranks")
-    show.add_argument("--dtype", choices=_DTYPES, default=None, help="parameter dtype for the memory table (default float32)")
+    show.add_argument("--dtype", choices=_DTYPES, default=None,
+                      help="parameter and activation dtype for the memory table (default: the config's "
+                      "torch_dtype, else float32)")
+    show.add_argument("--batch-size", type=_at_least_one(int), default=1, metavar="N",
+                      help="sequences per microbatch, for the activations (default %(default)s)")
+    show.add_argument("--seq-len", type=_at_least_one(int), default=None, metavar="TOKENS",
+                      help="tokens per sequence, for the activations (default: the plan's pipeline.seq_len)")
+    show.add_argument("--microbatches", type=_at_least_one(int), default=None, metavar="N",
+                      help="microbatches per step, for the activations and --schedule (default: the plan's)")
+    show.add_argument("--memory-limit", type=_at_least_one(float), default=None, metavar="GIB",
+                      help="memory per rank in GiB: mark the ranks whose total exceeds it (still exits 0)")
+    show.add_argument("--json", action="store_true",
+                      help="print the same content as one JSON document (sizes in bytes) instead of tables")
     show.add_argument("--schedule", action="store_true", help="also print the schedule table: each rank's actions and the predicted bubble")
     show.set_defaults(func=_cmd_show)
 

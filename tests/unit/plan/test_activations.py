@@ -118,7 +118,7 @@ def test_shipped_sequence_parallel_plan():
         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stderr
-    assert "model.embed_tokens               vocab" in out.stdout
+    assert "model.embed_tokens                 vocab           [256, 64] -> [128, 64]" in out.stdout
     assert "\n\nTensor-parallel options (per rank, estimated)" in out.stdout and "  as planned " in out.stdout
     plain = subprocess.run(
         [sys.executable, "-m", "rewrite", "show", "plans/llama-pp2.yaml", "--model", "tiny-llama"],

@@ -185,14 +185,15 @@ def test_show_prints_each_stages_share(heavy_head):
     plan = {"mesh": {"pp": 2}, "pipeline": {"cut_points": "auto", "seq_len": 256}}
     resolved = resolve(plan, heavy_head)
     text = format_plan(resolved)
+    flat = " ".join(text.split())  # prose wraps at 100 columns
     assert "Pipeline: 2 stages, cut at model.layers." in text
-    assert "(auto); est. compute: training FLOPs per stage for 256-token sequences (pipeline.seq_len)" in text
+    assert "(auto); est. compute: training FLOPs per stage for 256-token sequences (pipeline.seq_len)" in flat
     rows = [line.split() for line in text.splitlines()]
     assert ["stage", "ranks", "est.", "compute", "modules"] in rows
     for stage in resolved.stages:
         row = next(r for r in rows if r[:2] == [str(stage.stage_idx), str(stage.stage_idx)] and r[2].endswith("%"))
         assert row[2] == f"{stage.est_compute:.0%}"
-    balanced = format_plan(resolve({"mesh": {"pp": 2}}, heavy_head))
+    balanced = " ".join(format_plan(resolve({"mesh": {"pp": 2}}, heavy_head)).split())
     assert "est. compute: training FLOPs per stage for 2048-token sequences" in balanced
     assert "(auto)" not in balanced
     traced = format_plan(resolve({"mesh": {"pp": 2}}, ToyNet()))

@@ -28,13 +28,13 @@ def test_show_prints_the_three_tables():
     text = out.stdout
     assert "plans/llama-tp2-pp2.yaml on LlamaForCausalLM (tiny-llama)" in text
     assert "mesh: pp=2 x tp=2 = 4 ranks" in text
-    # module path -> style -> per-rank shapes, layer by layer (q_proj: 8 heads x 8 dims, split in 2)
+    # module path -> style -> whole and per-rank shapes, the 4 layers in one row (q_proj: 8 heads x 8 dims, split in 2)
     rows = [line.split() for line in text.splitlines()]
-    assert ["model.layers.0.self_attn.q_proj", "column", "model.layers.*.self_attn.q_proj", "[32,", "64]", "-"] in rows
-    assert ["model.layers.3.mlp.down_proj", "row", "model.layers.*.mlp.down_proj", "[64,", "64]", "-"] in rows
+    assert ["model.layers.0-3.self_attn.q_proj", "column", "[64,", "64]", "->", "[32,", "64]", "model.layers.*.self_attn.q_proj"] in rows
+    assert ["model.layers.0-3.mlp.down_proj", "row", "[64,", "128]", "->", "[64,", "64]", "model.layers.*.mlp.down_proj"] in rows
     # stages -> modules, with their global ranks
-    assert "model.embed_tokens, model.rotary_emb, model.layers.0, model.layers.1" in text
-    assert "model.rotary_emb, model.layers.2, model.layers.3, model.norm, lm_head" in text
+    assert "model.embed_tokens, model.rotary_emb, model.layers.0-1" in text
+    assert "model.rotary_emb, model.layers.2-3, model.norm, lm_head" in text
     # parameters per rank: 4 rows, which add up to the whole model once tp halves are counted once
     ranks = [r for r in rows if len(r) >= 4 and r[0] in "0123" and r[1] in "01" and r[2] in "01"]
     assert [r[0] for r in ranks] == ["0", "1", "2", "3"], ranks
@@ -45,15 +45,16 @@ def test_show_data_parallel_in_the_plans_dtype():
     out = rewrite_cmd("show", "plans/llama-dp2-tp2-pp2.yaml", "--model", "tiny-llama", "--dtype", "bfloat16")
     assert out.returncode == 0, out.stderr
     text = out.stdout
+    flat = " ".join(text.split())  # prose wraps at 100 columns
     assert "mesh: dp=2 x pp=2 x tp=2 = 8 ranks" in text
     assert "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank" in text
     assert "(0: ranks 0-3, 1: ranks 4-7)" in text and "data parallel: sharding full" in text
-    assert "weights and grads in bfloat16, AdamW's 2 moments in float32" in text
+    assert "weights, grads and activations in bfloat16, AdamW's 2 moments in float32" in flat
     # Rank 0: stage 0's 53,504 tp-local parameters halved by dp; 2 bytes each, AdamW 8.
     rows = [line.split() for line in text.splitlines()]
-    assert ["0", "0", "0", "26,752", "52.2", "KiB", "52.2", "KiB", "209.0", "KiB"] == next(r for r in rows if len(r) == 12 and r[0] == "0")[:10]
+    assert ["0", "0", "0", "26,752", "52.2", "KiB", "52.2", "KiB", "209.0", "KiB"] == next(r for r in rows if len(r) == 16 and r[0] == "0")[:10]
     assert "ranks 4-7 (replica 1) hold the same as ranks 0-3, rank for rank" in text
-    assert "the fullest rank under each sharding, params + grads + AdamW: full " in text
+    assert "the fullest rank under each sharding, params + grads + AdamW: full " in flat
 
 
 def test_validate_names_the_data_parallel_mesh():
@@ -77,7 +78,7 @@ def test_show_reads_a_config_json_and_a_model_directory(tmp_path):
         out = rewrite_cmd("show", "plans/llama-tp2.yaml", "--model", str(model))
         assert out.returncode == 0, out.stderr
         assert "Qwen3ForCausalLM" in out.stdout
-        assert "model.layers.0.self_attn.q_norm  grad_allreduce  (implied)" in out.stdout
+        assert "model.layers.0-3.self_attn.q_norm  grad_allreduce  [8]" in out.stdout and "  (implied)\n" in out.stdout
 
 
 def test_validate_ok_and_every_problem_with_exit_1(tmp_path):
