@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from .files import short
+from .schedules import schedule_rules
+from .sizes import either
 
 __all__ = [
     "Pipeline", "StrictModel", "Pattern", "CutPoints", "CUT_POINT_KINDS", "SCHEDULE_NAMES", "cut_point_problems",
@@ -199,3 +201,20 @@ def cut_point_problems(cuts: Any, pp: Any, k: Any = 1) -> list[str]:
             f"pipeline.cut_points: {short(dupes)} listed more than once; each stage needs its own start"
         )
     return problems
+
+
+# What each schedule needs of virtual_stages, for the schedules that do not fit a plan.
+_STAGES_NEEDED = {"afab": ": 1", "1f1b": ": 1", "interleaved-1f1b": " >= 2", "zbv": ": 2"}
+
+
+def schedule_fit(data: Any) -> str:
+    """'; with virtual_stages: 1 these fit: ...' for the raw plan `data`, or '' when its sizes are invalid."""
+    pipe = data.get("pipeline") if isinstance(data, dict) else None
+    mesh = data.get("mesh") if isinstance(data, dict) else None
+    k = pipe.get("virtual_stages", 1) if isinstance(pipe, dict) else 1
+    pp = mesh.get("pp", 1) if isinstance(mesh, dict) else 1
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (pp, k)):
+        return ""
+    fit = [name for name in SCHEDULE_NAMES if not schedule_rules(name, pp, k, 1)]
+    unfit = [f"{name} needs virtual_stages{_STAGES_NEEDED[name]}" for name in SCHEDULE_NAMES if name not in fit]
+    return f"; with virtual_stages: {k} these fit: {either(fit)}" + (f" ({', '.join(unfit)})" if unfit else "")

@@ -7,76 +7,21 @@ as `rewrite.plan.memory` works out); and the schedule. Aligned columns, no depen
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Sequence
 
 from torch import nn
 
 from .memory import MEMORY_HEADER, format_bytes, memory_rows, rank_footprints, rank_memory
 from .resolve import ResolvedPlan
-from .schedules import Table, peak_in_flight, placement, plan_table, simulate, splits_backward
-from .schema import ParallelPlan
+from .schedule_report import format_schedule
+from .schedules import splits_backward
+from .text import WIDTH, format_table, wrap_list, wrap_prose
 from .show_json import collapse_names, memory_notes, memory_table, span, stage_entries, tp_entries
 
 __all__ = [
     "format_table", "format_bytes", "format_plan", "format_schedule", "shard_rows", "stage_rows", "rank_rows",
     "memory_rows", "memory_table", "MEMORY_HEADER", "WIDTH", "wrap_list", "wrap_prose",
 ]
-
-WIDTH = 100  # columns that prose and the stage table's module lists wrap at
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, indent: str = "  ") -> str:
-    """Left-aligned columns, two spaces apart, with a dashed rule under the header.
-
-    A cell holding newlines continues on the lines below, the other columns left blank.
-
-    Example:
-        >>> print(format_table(["a", "bb"], [[1, 2]]))
-          a  bb
-          -  --
-          1  2
-    """
-    lines = [[str(c) for c in header]]
-    for row in rows:
-        cells = [str(c).split("\n") for c in row]
-        lines += [[c[i] if i < len(c) else "" for c in cells] for i in range(max(len(c) for c in cells))]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    lines.insert(1, ["-" * w for w in widths])
-    return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
-
-
-def wrap_list(items: Sequence[str], width: int, *, sep: str = ",") -> str:
-    """`a, b, c` broken after a comma (`sep`) into lines of at most `width` characters (a longer item stays whole).
-
-    Example:
-        >>> wrap_list(["model.embed_tokens", "model.layers.0-7", "model.norm"], 40)
-        'model.embed_tokens, model.layers.0-7,\nmodel.norm'
-    """
-    lines = [""]
-    for i, item in enumerate(items):
-        piece = item + (sep if i < len(items) - 1 else "")
-        if lines[-1] and len(lines[-1]) + 1 + len(piece) > width:
-            lines.append(piece)
-        else:
-            lines[-1] = f"{lines[-1]} {piece}" if lines[-1] else piece
-    return "\n".join(lines)
-
-
-def wrap_prose(text: str, width: int = WIDTH) -> str:
-    """Lines of prose longer than `width` wrapped, continuing 2 spaces deeper; table rows (a double space
-    between words) are left as they are."""
-    out = []
-    for line in text.split("\n"):
-        body = line.lstrip(" ")
-        if len(line) <= width or "  " in body:
-            out.append(line)
-            continue
-        lead = line[: len(line) - len(body)]
-        out += textwrap.wrap(body, width, initial_indent=lead, subsequent_indent=lead + "  ",
-                             break_long_words=False, break_on_hyphens=False)
-    return "\n".join(out)
-
 
 def _shape(shape: Sequence[int] | None) -> str:
     return "-" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
@@ -267,50 +212,3 @@ def format_plan(
     if warnings:
         out += ["", "Warnings:", *(f"  - {w}" for w in warnings)]
     return wrap_prose("\n".join(out))
-
-
-def _costs(table: Table) -> str:
-    split = {(a.mb, a.stage) for row in table for a in row if a.kind == "W"}
-    backwards = {(a.mb, a.stage) for row in table for a in row if a.kind == "B"}
-    if not split:
-        return "F costs 1, B 2"
-    if split == backwards:
-        return "F costs 1, B 1 + W 1: the backward split into input and weight gradients"
-    return "F costs 1, a whole B 2, a split one B 1 + W 1"
-
-
-def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> str:
-    """The plan's schedule table, one row per rank, with what it predicts on paper.
-
-    Each row lists the rank's cells in order (`F3 B2 W2`; `F3@2` for stage 2 when ranks
-    hold several stages), the most (mb, stage) pairs whose activations it holds at once,
-    and its idle share. The bubble is the share of the step ranks idle when a forward
-    costs 1, a backward 2 (or, split, B 1 and W 1) and transfers nothing: a lower bound
-    on what a real run loses.
-
-    Example:
-        >>> print(format_schedule(load_plan({"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})))
-    """
-    pipe, pp, k = plan.pipeline, plan.mesh.pp, plan.pipeline.virtual_stages
-    m = pipe.microbatches if pipe.schedule == "custom" or microbatches is None else microbatches
-    stage_rank = placement(pipe.schedule, pp, k)
-    table = plan_table(pipe.schedule, pipe.table, pp, k, m)
-    times, _ = simulate(table, stage_rank)
-    span = max((end for _, end in times.values()), default=0.0)
-    rows = []
-    for rank, row in enumerate(table):
-        busy = sum(times[a][1] - times[a][0] for a in row if a in times)
-        idle = 1 - busy / span if span else 0.0
-        rows.append([str(rank), " ".join(a.cell(k > 1) for a in row), str(peak_in_flight(row)), f"{idle:.0%}"])
-    busy_all = sum(end - start for start, end in times.values())
-    bubble = 1 - busy_all / (pp * span) if span else 0.0
-    has_w = any(a.kind == "W" for row in table for a in row)
-    n = pp * k
-    ranks = f", {k} on each of {pp} rank{'s' if pp != 1 else ''}" if k > 1 else ""
-    words = f"F = forward, B = backward{', W = weight gradient' if has_w else ''} of a microbatch"
-    return "\n".join([
-        f"Schedule {pipe.schedule}: {m} microbatch{'es' if m != 1 else ''} on {n} stage{'s' if n != 1 else ''}{ranks} "
-        f"({words}{'; F3@2: on stage 2' if k > 1 else ''})",
-        format_table(["rank", "actions, in order", "alive at most", "idle"], rows),
-        f"  predicted bubble: {bubble:.0%} of the step ({_costs(table)}; transfers free)",
-    ])

@@ -6,7 +6,6 @@ it needs no process group. Every problem is collected and raised once.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from ..models.hf_llama import Backbone, find_backbone
 from .costs import Costs, best_split, estimate_costs
 from .schedules import placement
 from .schema import ParallelPlan, PlanError, load_plan
-from .sizes import common_divisors, either
+from .size_problems import by_line, stage_count, stages_words, too_many_stages, world_problem
 from .tp_options import option_problems
 from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 
@@ -98,10 +97,10 @@ def _hf_stages(
     plan: ParallelPlan, n: int, bb: Backbone, costs: Costs | str
 ) -> tuple[list[list[int]], list[str], list[str]]:
     """Layer indices per stage, the cut layers, and problems. `costs` is a message when unknown."""
-    pp, cuts = _stage_count(plan), plan.pipeline.cut_points
+    pp, cuts = stage_count(plan), plan.pipeline.cut_points
     names = [bb.layer(i) for i in range(n)]
     if pp > n:
-        return [], [], [_too_many_stages(plan, n, "layers")]
+        return [], [], [too_many_stages(plan, n, "layers")]
     if cuts is None:
         starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
     elif cuts == "auto":
@@ -137,38 +136,8 @@ def _hf_stages(
     return [list(range(bounds[s], bounds[s + 1])) for s in range(pp)], [names[i] for i in starts[1:]], []
 
 
-def _too_many_stages(plan: ParallelPlan, n: int, what: str) -> str:
-    """More stages than `n` layers: the pp values that fit, and those that split the layers evenly."""
-    k = plan.pipeline.virtual_stages
-    most = n // k  # the largest pp with at least one layer per stage
-    if most == 0:
-        fix = f"set pipeline.virtual_stages to at most {n}, with mesh.pp: 1"
-    else:
-        even = [d for d in range(1, most + 1) if n % (d * k) == 0][:8]
-        fits = f"pp 1-{most}" if most > 2 else f"pp {either(range(1, most + 1))}"
-        with_k = f" with virtual_stages {k}" if k > 1 else ""
-        fix = f"use {fits}{with_k} (an even split: pp {either(even)})"
-        if k > 1:
-            fix += f", or lower pipeline.virtual_stages so that pp x virtual_stages <= {n}"
-    return (
-        f"{plan.where('mesh', 'pp')}{_stages_words(plan)} but the model has {n} {what}; each stage needs at least "
-        f"one layer: {fix}"
-    )
-
-
-def _stage_count(plan: ParallelPlan) -> int:
-    return plan.mesh.pp * plan.pipeline.virtual_stages
-
-
-def _stages_words(plan: ParallelPlan) -> str:
-    k = plan.pipeline.virtual_stages
-    if k == 1:
-        return f"mesh.pp={plan.mesh.pp} stages"
-    return f"mesh.pp={plan.mesh.pp} x pipeline.virtual_stages={k} = {plan.mesh.pp * k} stages"
-
-
 def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], list[str], list[str]]:
-    pp, seq = _stage_count(plan), fx_graph.layer_sequence(model)
+    pp, seq = stage_count(plan), fx_graph.layer_sequence(model)
     if plan.pipeline.cut_points == "auto":
         shown = ", ".join(seq[:4]) + (", ..." if len(seq) > 4 else "")
         fix = "omit cut_points: one stage needs none" if pp == 1 else (
@@ -189,7 +158,7 @@ def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], l
     if cuts is None:
         if len(seq) < pp:
             return [], [], [
-                f"{_stages_words(plan)}: a balanced split needs a layer sequence of at least {pp} modules, found "
+                f"{stages_words(plan)}: a balanced split needs a layer sequence of at least {pp} modules, found "
                 f"{len(seq)} in {type(model).__name__}; list pipeline.cut_points instead, or use at most "
                 f"{len(seq)} stages (pp x virtual_stages)"
             ]
@@ -232,30 +201,6 @@ def _estimate(plan: ParallelPlan, model: nn.Module, bb: Backbone, n: int, shards
         return str(exc)
 
 
-def _by_line(problems: list[str]) -> list[str]:
-    """Problems that name a line of the plan file in file order, as load_plan gives its own; the rest after."""
-    def line(problem: str) -> int:
-        match = re.match(r"line (\d+): ", problem)
-        return int(match.group(1)) if match else 10**9
-
-    return sorted(problems, key=line)  # stable: a plan given as a dict keeps the order found
-
-
-def _world_problem(plan: ParallelPlan, world_size: int) -> str:
-    """The mesh does not fill the world: which dp (same pp and tp) would, or which pp x tp divide it."""
-    mesh, per_replica = plan.mesh, plan.mesh.pp * plan.mesh.tp
-    if world_size >= 1 and world_size % per_replica == 0:
-        fix = f"or set mesh.dp: {world_size // per_replica} (pp x tp = {per_replica} ranks per replica)"
-    elif world_size >= 1:
-        fix = f"or change the mesh: pp x tp must divide {world_size} ({either(common_divisors(world_size))})"
-    else:
-        fix = "or change the mesh"
-    return (
-        f"{plan.where('mesh')}mesh: {mesh.shape_text()} = {mesh.world_size} ranks, but the world size is "
-        f"{world_size}; launch {mesh.world_size} processes {fix}"
-    )
-
-
 def _param_footprint(model: nn.Module, modules: list[str], shards: dict[str, ShardSpec], tp: int) -> tuple[int, int]:
     """Parameters (count, bytes) one rank holds for `modules`, after sharding."""
     seen, count, size = set(), 0, 0
@@ -295,9 +240,9 @@ def resolve(
     plan = load_plan(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"resolve() needs an nn.Module, got {type(model).__name__}")
-    tp, pp, problems = plan.mesh.tp, _stage_count(plan), []
+    tp, pp, problems = plan.mesh.tp, stage_count(plan), []
     if world_size is not None and world_size != plan.mesh.world_size:
-        problems.append(_world_problem(plan, world_size))
+        problems.append(world_problem(plan, world_size))
     applied = getattr(model, APPLIED, None)
     if applied:
         raise PlanError(plan.source, [
@@ -326,7 +271,7 @@ def resolve(
         layer_sets, layer_names = [], module_sets
     problems += stage_problems + option_problems(plan, model, bb, shards)
     if problems:
-        raise PlanError(plan.source, _by_line(collapse_repeats(problems)))
+        raise PlanError(plan.source, by_line(collapse_repeats(problems)))
     by_fqn = {s.fqn: s for s in shards}
     costs = costs if isinstance(costs, Costs) else None
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)

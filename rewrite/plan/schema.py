@@ -15,9 +15,9 @@ from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, Validation
 
 from .files import PlanError, dotted, key_lines, line_of, read_plan_file, short
 from .pipeline_schema import (
-    CUT_POINT_KINDS, SCHEDULE_NAMES, Pattern, Pipeline, StrictModel, cut_point_problems, unknown_schedule,
+    CUT_POINT_KINDS, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_fit,
+    unknown_schedule,
 )
-from .sizes import either
 from .schedules import SCHEDULES, read_table_file, schedule_problems, schedule_rules
 
 __all__ = ["ParallelPlan", "Mesh", "DataParallel", "Pipeline", "PlanError", "load_plan", "STYLES", "STYLE_ALIASES"]
@@ -206,23 +206,6 @@ class ParallelPlan(StrictModel):
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
-# What each schedule needs of virtual_stages, for the schedules that do not fit a plan.
-_STAGES_NEEDED = {"afab": ": 1", "1f1b": ": 1", "interleaved-1f1b": " >= 2", "zbv": ": 2"}
-
-
-def _schedule_fit(data: Any) -> str:
-    """'; with virtual_stages: 1 these fit: ...' for the raw plan `data`, or '' when its sizes are invalid."""
-    pipe = data.get("pipeline") if isinstance(data, dict) else None
-    mesh = data.get("mesh") if isinstance(data, dict) else None
-    k = pipe.get("virtual_stages", 1) if isinstance(pipe, dict) else 1
-    pp = mesh.get("pp", 1) if isinstance(mesh, dict) else 1
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (pp, k)):
-        return ""
-    fit = [name for name in SCHEDULE_NAMES if not schedule_rules(name, pp, k, 1)]
-    unfit = [f"{name} needs virtual_stages{_STAGES_NEEDED[name]}" for name in SCHEDULE_NAMES if name not in fit]
-    return f"; with virtual_stages: {k} these fit: {either(fit)}" + (f" ({', '.join(unfit)})" if unfit else "")
-
-
 def _problems(exc: ValidationError, nodes: Any, data: Any = None) -> list[str]:
     problems = []
     for err in exc.errors(include_url=False):
@@ -235,7 +218,7 @@ def _problems(exc: ValidationError, nodes: Any, data: Any = None) -> list[str]:
         where = (f"line {line}: " if line else "") + (dotted(loc) + ": " if loc else "")
         msg = err["msg"].removeprefix("Value error, ")
         if loc == ("pipeline", "schedule") and isinstance(err.get("input"), str) and err["type"] == "value_error":
-            msg = unknown_schedule(err["input"], _schedule_fit(data))
+            msg = unknown_schedule(err["input"], schedule_fit(data))
         elif err["type"] == "extra_forbidden":
             msg = f"unknown key {short(loc[-1])}" + _suggest_key(exc, loc)
         elif err["type"] not in ("value_error", "missing") and "input" in err:
