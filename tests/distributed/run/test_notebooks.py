@@ -47,8 +47,9 @@ def test_write_a_plan_notebook():
     text = texts(execute("01-write-a-plan.ipynb"))
     # The tables of `rewrite show`.
     assert "mesh: pp=2 x tp=2 = 4 ranks" in text
-    assert re.search(r"model\.layers\.0\.self_attn\.q_proj\s+column\s+model\.layers\.\*\.self_attn\.q_proj\s+\[32, 64\]", text)
-    assert "model.rotary_emb, model.layers.2, model.layers.3, model.norm, lm_head" in text
+    # Layers alike in one row; a stage's layers as a range.
+    assert re.search(r"model\.layers\.0-3\.self_attn\.q_proj\s+column\s+\[32, 64\]\s+model\.layers\.\*\.self_attn\.q_proj", text)
+    assert "model.rotary_emb, model.layers.2-3, model.norm, lm_head" in text
     assert "whole model: 180,800 parameters" in text
     # The 7B-shaped config binds on the meta device.
     assert "whole model: 6.74 B parameters; cut at ('model.layers.16',)" in text
