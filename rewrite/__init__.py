@@ -18,8 +18,9 @@ from .pipeline.loss import LogitShard, takes_logit_shards
 from .pipeline.runner import causal_lm_loss, run_afab, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
 from .plan.from_hf import plan_from_hf
-from .plan.resolve import ResolvedPlan, ShardSpec, StageSpec, resolve
+from .plan.resolve import ResolvedPlan, StageSpec, resolve
 from .plan.schema import ParallelPlan, PlanError, load_plan
+from .plan.tp_rules import ShardSpec
 from .rewriter import apply_plan
 from .run.launch import LaunchError, launch
 from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -1,6 +1,6 @@
 """The dp x pp x tp process mesh: this rank's coordinates and its process groups.
 
-Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: a stage's tensor-parallel
+Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank (`plan.ranks`): a stage's tensor-parallel
 ranks are contiguous (on one machine under torchrun), pipeline neighbours share a
 tp_rank, and data-parallel replicas are the outermost dimension (across machines).
 The groups come from a torch `DeviceMesh` with dimensions ("dp", "pp", "tp"); this
@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .plan.ranks import coordinates, global_rank, shape_text
 
 __all__ = ["Mesh", "build_mesh", "check_world"]
 
@@ -34,34 +36,20 @@ class Mesh:
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.tp
+        return coordinates(self.rank, pp=self.pp, tp=self.tp)[2]
 
     @property
     def pp_rank(self) -> int:
-        return (self.rank // self.tp) % self.pp
+        return coordinates(self.rank, pp=self.pp, tp=self.tp)[1]
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.pp)
+        return coordinates(self.rank, pp=self.pp, tp=self.tp)[0]
 
     def global_rank(self, pp_rank: int, tp_rank: int | None = None) -> int:
         """Global rank of pipeline rank `pp_rank` at `tp_rank` (default: this rank's), in this replica."""
         tp_rank = self.tp_rank if tp_rank is None else tp_rank
-        return (self.dp_rank * self.pp + pp_rank) * self.tp + tp_rank
-
-    @property
-    def prev_rank(self) -> int | None:
-        """Same tp_rank, previous pipeline rank; None on the first."""
-        return self.global_rank(self.pp_rank - 1) if self.pp_rank > 0 else None
-
-    @property
-    def next_rank(self) -> int | None:
-        """Same tp_rank, next pipeline rank; None on the last."""
-        return self.global_rank(self.pp_rank + 1) if self.pp_rank < self.pp - 1 else None
-
-
-def _shape(dp: int, pp: int, tp: int) -> str:
-    return (f"dp={dp} x " if dp > 1 else "") + f"pp={pp} x tp={tp}"
+        return global_rank(self.dp_rank, pp_rank, tp_rank, pp=self.pp, tp=self.tp)
 
 
 def check_world(pp: int, tp: int, dp: int = 1) -> None:
@@ -70,12 +58,12 @@ def check_world(pp: int, tp: int, dp: int = 1) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             f"torch.distributed is not initialised: call torch.distributed.init_process_group() "
-            f"on each of the {n} ranks ({_shape(dp, pp, tp)}) first, e.g. under torchrun"
+            f"on each of the {n} ranks ({shape_text(dp, pp, tp)}) first, e.g. under torchrun"
         )
     world = dist.get_world_size()
     if world != n:
         raise ValueError(
-            f"the plan's mesh needs {_shape(dp, pp, tp)} = {n} ranks, but the world size is {world}; "
+            f"the plan's mesh needs {shape_text(dp, pp, tp)} = {n} ranks, but the world size is {world}; "
             f"launch {n} processes (torchrun --nproc-per-node {n}, or --nnodes N with {n} in all) or change the mesh"
         )
 
@@ -97,8 +85,8 @@ def build_mesh(pp: int, tp: int, dp: int = 1) -> Mesh:
         # new_group is collective over the whole world: every rank creates every group, in order.
         for d in range(dp):
             for t in range(tp):
-                group = dist.new_group([(d * pp) * tp + t, (d * pp + pp - 1) * tp + t])
-                if rank % tp == t and rank // (tp * pp) == d and (rank // tp) % pp in (0, pp - 1):
+                group = dist.new_group([global_rank(d, 0, t, pp=pp, tp=tp), global_rank(d, pp - 1, t, pp=pp, tp=tp)])
+                if coordinates(rank, pp=pp, tp=tp) in ((d, 0, t), (d, pp - 1, t)):
                     tied_group = group
     return Mesh(
         pp=pp,

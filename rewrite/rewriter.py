@@ -21,9 +21,9 @@ from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.stage import Stage
 from .plan.resolve import APPLIED, ResolvedPlan, resolve
-from .recompute import apply_activation_checkpointing
-from .plan.schedules import splits_backward
 from .plan.schema import ParallelPlan, load_plan
+from .recompute import apply_activation_checkpointing
+from .schedules import splits_backward
 from .tensor_parallel.apply import apply_tensor_parallel
 
 __all__ = ["apply_plan"]
@@ -73,7 +73,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
         apply_tensor_parallel(model, resolved, mesh.tp_group)
     stage = carve_stage(model, resolved, mesh)
     stage.recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
-    stage.grad_sync = apply_data_parallel(stage, split_backward=splits_backward(plan.pipeline))
+    stage.grad_sync = apply_data_parallel(stage, split_backward=splits_backward(plan.pipeline.schedule, plan.pipeline.table))
     setattr(model, APPLIED, f"a stage of {plan.source}")
     return stage
 

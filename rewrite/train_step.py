@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .pipeline.runner import run_afab
-from .plan.schema import Mesh as MeshSpec
-from .plan.schema import ParallelPlan, Pipeline
+from .plan.schema import MeshSpec, ParallelPlan, Pipeline
 from .rewriter import apply_plan
 
 __all__ = ["train_step_pipeline_afab"]

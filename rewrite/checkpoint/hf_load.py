@@ -23,7 +23,8 @@ from ..plan.schema import ParallelPlan, PlanError, load_plan
 from ..rewriter import apply_plan
 from . import swap
 from .headers import load_dtype, model_dtype, model_keys, read_headers, save_id_problems, weight_map_of
-from .layout import INDEX, Entry, coordinates, meta_model, stage_entries
+from ..plan.ranks import coordinates
+from .layout import INDEX, Entry, meta_model, stage_entries
 from .shards import Source, fill_dp_shards, read_slice, rebuild_unstored, unstored_modules
 
 __all__ = ["from_pretrained"]
@@ -81,7 +82,7 @@ def from_pretrained(
     plan = load_plan(plan)
     check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
     directory = Path(directory)
-    _, pp_rank, tp_rank = coordinates(dist.get_rank(), plan.mesh.pp, plan.mesh.tp)
+    _, pp_rank, tp_rank = coordinates(dist.get_rank(), pp=plan.mesh.pp, tp=plan.mesh.tp)
     what = f"from_pretrained({str(directory)!r}, {plan.source})"
     problems, sources, entries, meta, generation, note, floats = [], {}, [], None, None, None, None
     try:

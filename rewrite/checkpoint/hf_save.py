@@ -31,7 +31,8 @@ from ..plan.schema import ParallelPlan, PlanError, load_plan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import swap
-from .layout import INDEX, SAVE_ID, Entry, coordinates, meta_model, shard_file, stage_entries, written_by_stage
+from ..plan.ranks import coordinates, global_rank
+from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
 
 __all__ = ["save_pretrained"]
 
@@ -68,7 +69,7 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int) -> tuple[li
     except PlanError as exc:
         return [f"the model's config does not fit the plan: {exc}"], []
     dp, tp, pp = plan.mesh.dp, plan.mesh.tp, plan.mesh.pp
-    dp_rank, pp_rank, tp_rank = coordinates(rank, pp, tp)
+    dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp)
     mine = stage_entries(meta, resolved, pp_rank, tp_rank)
     have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
     want = {e.name: e.local_shape for e in mine}
@@ -176,7 +177,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     tokens = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)  # first collective
     save_id = tokens[0]
     tmp = swap.temporary(directory, save_id)
-    dp_rank, pp_rank, tp_rank = coordinates(rank, pp, tp)
+    dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp)
     local = model.state_dict()  # FSDP2 registers its sharded parameters first: DTensors under dp
     error, sizes = None, {}
     try:
@@ -184,7 +185,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         for e in entries:  # the same entries, in the same order, on every rank of a dp group
             whole = _gather_dp(local[e.name])
             if dp_rank == 0:  # one replica writes; the others only took part in the dp gathers
-                tensors[e.canonical] = _gather(model, whole, e, stage, pp_rank * tp)
+                tensors[e.canonical] = _gather(model, whole, e, stage, global_rank(0, pp_rank, 0, pp=pp, tp=tp))
         if dp_rank == 0 and tp_rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
             tensors = {k: _own_storage(t) for k, t in tensors.items()}
@@ -199,7 +200,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         errors.append(f"nothing in {directory} was changed")
     elif rank == 0:
         try:
-            stored = {k: (coordinates(r, pp, tp)[1], n)  # name: (stage, bytes)
+            stored = {k: (coordinates(r, pp=pp, tp=tp)[1], n)  # name: (stage, bytes)
                       for r, (_, s) in enumerate(results) for k, n in s.items()}
             _finish(model, tmp, directory, pp, stored, save_id)
         except Exception as exc:
@@ -232,7 +233,7 @@ def _gather_dp(local: torch.Tensor) -> torch.Tensor:
 def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | None, dst: int) -> torch.Tensor | None:
     """The full tensor on the stage's tp_rank 0 of replica 0 (None elsewhere): shards gathered over the tp group.
 
-    Called in replica 0 only: `dst`, its global rank, is `pp_rank * tp`.
+    Called in replica 0 only: `dst` is the global rank of its tp rank 0.
     """
     local = local.detach()
     if entry.dim is None:

@@ -35,12 +35,6 @@ class Entry:
         return tuple(shape)
 
 
-def coordinates(rank: int, pp: int, tp: int) -> tuple[int, int, int]:
-    """(dp_rank, pp_rank, tp_rank) of global rank `rank`: rank = (dp_rank * pp + pp_rank) * tp + tp_rank."""
-    dp_rank, rest = divmod(rank, pp * tp)
-    return (dp_rank, *divmod(rest, tp))
-
-
 def shard_file(stage_idx: int, pp: int) -> str:
     return SINGLE if pp == 1 else f"model-{stage_idx + 1:05d}-of-{pp:05d}.safetensors"
 

@@ -5,7 +5,7 @@ posts its receives from a peer in the order the peer's row of the schedule sends
 them: every rank holds the whole table, so it knows that order. A rank may then
 consume them in its own order (a message it needs later is simply held). A
 message is a key `(kind, mb, stage)`: "F" the activation entering `stage`, "B" the
-gradient of `stage`'s output.
+gradient of `stage`'s output (sent by the next stage's B or I).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..plan.schedules import Action
+from ..schedules import Action
 from . import p2p
 
 __all__ = ["Inbox", "messages_between"]
@@ -28,7 +28,7 @@ def messages_between(row: Sequence[Action], stage_rank: Sequence[int], src: int,
     for action in row:
         if action.kind == "F" and action.stage < last and stage_rank[action.stage + 1] == dst != src:
             out.append(("F", action.mb, action.stage + 1))
-        elif action.kind == "B" and action.stage > 0 and stage_rank[action.stage - 1] == dst != src:
+        elif action.kind in ("B", "I") and action.stage > 0 and stage_rank[action.stage - 1] == dst != src:
             out.append(("B", action.mb, action.stage - 1))
     return out
 

@@ -1,7 +1,7 @@
 """The pipeline runner: one rank's row of a schedule table, executed.
 
-A schedule is data (`rewrite.plan.schedules`): per rank, the forwards (F), backwards
-(B) and weight-gradient passes (W) of its stages, in order. The runner checks the
+A schedule is data (`rewrite.schedules`): per rank, the forwards (F), whole backwards
+(B), input-only backwards (I) and weight-gradient passes (W) of its stages, in order. The runner checks the
 whole table on paper, then runs this rank's row: it receives what each action
 needs (from a peer rank, or from its own previous stage), computes, hands the
 result on, scales the loss, accumulates gradients and records a timeline. It knows
@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from ..plan.schedules import Action, placement, plan_table, schedule_rules, table_problems
+from ..schedules import Action, placement, plan_table, schedule_rules, table_problems
 from . import p2p
 from .backward import Deferred, backward_input, backward_weight
 from .inbox import Inbox, messages_between
@@ -119,7 +119,7 @@ def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.
     if stage.grad_sync is not None:
         stage.grad_sync.begin()  # backwards only accumulate until the step's end
         if not any(a.kind == "W" for a in row):
-            last_backward = max((i for i, a in enumerate(row) if a.kind == "B"), default=None)
+            last_backward = max((i for i, a in enumerate(row) if a.kind in ("B", "I")), default=None)
     for i, action in enumerate(row):
         if i == last_backward:
             stage.grad_sync.sync_next_backward()
@@ -131,7 +131,7 @@ def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.
     return _step_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
 
 
-_EVENT = {"F": "forward", "B": "backward", "W": "backward-weight"}
+_EVENT = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
 
 
 class _Step:
@@ -142,9 +142,9 @@ class _Step:
         self.m, self.mesh, self.device, self.dtype = len(inputs), stage.mesh, stage.device, stage.dtype
         self.place, self.last = stage.stage_rank, stage.num_stages - 1
         me = stage.stage_idx
-        # B is input-only and W the rest, unless this rank recomputes activations: a split
-        # backward would recompute once per weight group, so B runs it whole and W is empty.
-        self.split = set() if stage.recomputed else {(a.mb, a.stage) for a in table[me] if a.kind == "W"}
+        # I is input-only and W the rest, unless this rank recomputes activations: a split
+        # backward would recompute once per weight group, so I runs it whole and W is empty.
+        self.split = set() if stage.recomputed else {(a.mb, a.stage) for a in table[me] if a.kind == "I"}
         self.held: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (stage input, output or loss)
         self.deferred: dict[tuple[int, int], Deferred] = {}
         self.local: dict[tuple, torch.Tensor] = {}  # handed between two stages of this rank
@@ -182,12 +182,12 @@ class _Step:
         kind, mb, s = action.kind, action.mb, action.stage
         if kind == "F":
             start = self.forward(mb, s)
-        elif kind == "B":
+        elif kind in ("B", "I"):
             start = self.backward(mb, s)
         elif (mb, s) in self.split:
             backward_weight(self.deferred.pop((mb, s)), self._params())
             del self.held[mb, s]
-        name = "backward-input" if kind == "B" and (mb, s) in self.split else _EVENT[kind]
+        name = "backward" if kind == "I" and (mb, s) not in self.split else _EVENT[kind]
         self.stage.timeline.append(TimelineEvent(self.mesh.rank, s, mb, name, start, time.time()))
 
     def _take(self, kind: str, mb: int, s: int) -> torch.Tensor:

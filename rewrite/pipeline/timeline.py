@@ -1,7 +1,7 @@
 """The pipeline timeline: gather every rank's `Stage.timeline`, draw it as a Gantt chart.
 
 One row per rank, one bar per action, labelled with its microbatch index: forward
-(blue), whole backward (orange), input-gradient backward B (light orange) and
+(blue), whole backward (orange), input-gradient backward I (light orange) and
 weight-gradient W (green) when a schedule splits the backward.
 """
 
@@ -15,14 +15,14 @@ import torch.distributed as dist
 
 from .stage import Stage, TimelineEvent
 
-__all__ = ["gather_timeline", "plot_timeline", "events_to_dicts", "events_from_dicts"]
+__all__ = ["gather_timeline", "plot_timeline", "events_to_dicts"]
 
 # TimelineEvent.kind -> bar colour, and the legend's words for it.
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "backward-input": "#F2B880", "backward-weight": "#55A868"}
 LABELS = {
     "forward": "forward (F)",
     "backward": "backward (B)",
-    "backward-input": "backward, input grad (B)",
+    "backward-input": "backward, input grad (I)",
     "backward-weight": "backward, weight grad (W)",
 }
 
@@ -49,10 +49,6 @@ def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
 def events_to_dicts(events: Sequence[TimelineEvent]) -> list[dict]:
     """JSON-ready events (for metrics files)."""
     return [asdict(e) for e in events]
-
-
-def events_from_dicts(rows: Sequence[dict]) -> list[TimelineEvent]:
-    return [TimelineEvent(**row) for row in rows]
 
 
 def plot_timeline(

@@ -11,9 +11,10 @@ from typing import Any
 
 import yaml
 
+from ..schedules import rows_from_csv
 from .limits import MAX_PLAN_DEPTH, MAX_PLAN_VALUES, expansion_problem, read_plan_bytes, too_deep, too_many_values
 
-__all__ = ["PlanError", "read_plan_file", "line_of", "key_lines", "dotted", "short"]
+__all__ = ["PlanError", "read_plan_file", "read_table_file", "line_of", "key_lines", "dotted", "short"]
 
 # Values quoted in messages come from the file and may be any size: show their start only.
 _SHORT = reprlib.Repr()
@@ -254,3 +255,17 @@ def dotted(loc: tuple) -> str:
         else:
             out += ("." if out else "") + str(part)
     return out
+
+
+def read_table_file(data: dict, base: Path, source: str) -> dict:
+    """`data` with a `pipeline.table` naming a CSV file (relative to `base`) replaced by its rows."""
+    pipeline = data.get("pipeline")
+    if not isinstance(pipeline, dict) or not isinstance(pipeline.get("table"), str):
+        return data
+    path = base / pipeline["table"]
+    try:
+        text = read_plan_bytes(path).decode("utf-8")
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        why = getattr(exc, "strerror", None) or exc
+        raise PlanError(source, [f"pipeline.table: cannot read the table file {str(path)!r}: {why}"]) from None
+    return {**data, "pipeline": {**pipeline, "table": rows_from_csv(text)}}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .schema import STYLE_ALIASES, STYLES, ParallelPlan, load_plan
+from .schema import ParallelPlan, load_plan
+from .styles import STYLE_ALIASES, STYLES
 
 __all__ = ["plan_from_hf"]
 

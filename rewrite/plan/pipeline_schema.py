@@ -12,13 +12,14 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
+from ..schedules import SCHEDULE_NAMES, custom_table, placement, schedule_rules, stages_needed, table_problems
+from ..schedules.table import ROWS
 from .files import short
-from .schedules import schedule_rules
-from .sizes import either
+from .wording import either
 
 __all__ = [
-    "Pipeline", "StrictModel", "Pattern", "CutPoints", "CUT_POINT_KINDS", "SCHEDULE_NAMES", "cut_point_problems",
-    "unknown_schedule",
+    "Pipeline", "StrictModel", "Pattern", "CutPoints", "CUT_POINT_KINDS", "cut_point_problems", "unknown_schedule",
+    "schedule_problems",
 ]
 
 # A segment is a name or index; `*` inside a segment matches any characters but '.'.
@@ -70,10 +71,6 @@ CutPoints = Annotated[
 ]
 
 
-# The names `pipeline.schedule` takes: the named schedules (`named_schedules.SCHEDULES`) and 'custom'.
-SCHEDULE_NAMES = ("afab", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "custom")
-
-
 # Names other tools and papers use, for the suggestion only: a plan spells the schedule one way.
 _KNOWN_AS = {
     "gpipe": "afab", "1f1b-interleaved": "interleaved-1f1b", "interleaved": "interleaved-1f1b",
@@ -107,7 +104,7 @@ class Pipeline(StrictModel):
         int, Field(ge=1, strict=True, description="Microbatches per training step (>= 1); may be fewer than pp.")
     ] = 1
     schedule: Annotated[
-        Literal["afab", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "custom"],
+        Literal[SCHEDULE_NAMES],
         BeforeValidator(_schedule),
         Field(
             description=(
@@ -203,10 +200,6 @@ def cut_point_problems(cuts: Any, pp: Any, k: Any = 1) -> list[str]:
     return problems
 
 
-# What each schedule needs of virtual_stages, for the schedules that do not fit a plan.
-_STAGES_NEEDED = {"afab": ": 1", "1f1b": ": 1", "interleaved-1f1b": " >= 2", "zbv": ": 2"}
-
-
 def schedule_fit(data: Any) -> str:
     """'; with virtual_stages: 1 these fit: ...' for the raw plan `data`, or '' when its sizes are invalid."""
     pipe = data.get("pipeline") if isinstance(data, dict) else None
@@ -216,5 +209,26 @@ def schedule_fit(data: Any) -> str:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (pp, k)):
         return ""
     fit = [name for name in SCHEDULE_NAMES if not schedule_rules(name, pp, k, 1)]
-    unfit = [f"{name} needs virtual_stages{_STAGES_NEEDED[name]}" for name in SCHEDULE_NAMES if name not in fit]
+    unfit = [f"{name} needs virtual_stages{stages_needed(name)}" for name in SCHEDULE_NAMES if name not in fit]
     return f"; with virtual_stages: {k} these fit: {either(fit)}" + (f" ({', '.join(unfit)})" if unfit else "")
+
+
+def schedule_problems(schedule: str, table: list[str] | str | None, pp: int, k: int, microbatches: int) -> list[str]:
+    """What is wrong with the plan's schedule and table, each problem with its fix: `schedule_rules`,
+    then a custom table read and checked on paper (looped placement)."""
+    problems = schedule_rules(schedule, pp, k, microbatches)
+    if problems:
+        return problems
+    if schedule != "custom":
+        if table is not None:
+            return [f"pipeline.table is read only with schedule: custom (found schedule {schedule!r}); "
+                    "set schedule: custom, or remove the table"]
+        return []
+    if not isinstance(table, list):
+        return ["pipeline.schedule 'custom' needs pipeline.table: one row of actions per rank, e.g. ['F0 B0', 'F0 B0']"]
+    if len(table) != pp:
+        return [f"pipeline.table: {ROWS.format(rows=len(table), pp=pp)}"]
+    stage_rank = placement("custom", pp, k)
+    parsed, problems = custom_table(table, stage_rank)
+    problems = problems or table_problems(parsed, pp, microbatches, stage_rank)
+    return [f"pipeline.table: {p}" for p in problems]

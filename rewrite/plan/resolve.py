@@ -12,15 +12,17 @@ from pathlib import Path
 from torch import nn
 
 from ..models import fx_graph
+from ..models.flops import Costs, estimate_costs
 from ..models.hf_llama import Backbone, find_backbone
-from .costs import Costs, best_split, estimate_costs
-from .schedules import placement
+from ..schedules import placement
+from .cuts import balanced_split, best_split
+from .params import held_parameters
 from .schema import ParallelPlan, PlanError, load_plan
-from .size_problems import by_line, stage_count, stages_words, too_many_stages, world_problem
-from .tp_options import option_problems
-from .tpcheck import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
+from .size_checks import by_line, stage_count, stages_words, too_many_stages, world_problem
+from .tp_rules import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
+from .tp_switches import option_problems
 
-__all__ = ["ResolvedPlan", "ShardSpec", "StageSpec", "resolve", "balanced_split", "match_pattern", "APPLIED"]
+__all__ = ["ResolvedPlan", "StageSpec", "resolve", "APPLIED"]
 
 # Set on a model by apply_plan: which stage of which plan it now holds.
 APPLIED = "_rewrite_applied"
@@ -81,16 +83,6 @@ class ResolvedPlan:
     @property
     def world_size(self) -> int:
         return self.plan.mesh.world_size
-
-
-def balanced_split(num_layers: int, pp: int) -> list[int]:
-    """Layers per stage, differing by at most one; the first `num_layers % pp` stages get the extra.
-
-    The last stage also runs the norm and the (often large) LM head, so the
-    remainder goes to the front.
-    """
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
 def _hf_stages(
@@ -201,21 +193,6 @@ def _estimate(plan: ParallelPlan, model: nn.Module, bb: Backbone, n: int, shards
         return str(exc)
 
 
-def _param_footprint(model: nn.Module, modules: list[str], shards: dict[str, ShardSpec], tp: int) -> tuple[int, int]:
-    """Parameters (count, bytes) one rank holds for `modules`, after sharding."""
-    seen, count, size = set(), 0, 0
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen or not any(name == m or name.startswith(m + ".") or not m for m in modules):
-            continue
-        seen.add(id(param))
-        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-        numel, shard = param.numel(), shards.get(owner)
-        if shard and shard.style != "grad_allreduce" and (leaf == "weight" or shard.style.startswith("column")):
-            numel //= tp
-        count, size = count + numel, size + numel * param.element_size()
-    return count, size
-
-
 def resolve(
     plan: ParallelPlan | str | Path | dict, model: nn.Module, *, world_size: int | None = None
 ) -> ResolvedPlan:
@@ -240,7 +217,7 @@ def resolve(
     plan = load_plan(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"resolve() needs an nn.Module, got {type(model).__name__}")
-    tp, pp, problems = plan.mesh.tp, stage_count(plan), []
+    pp, problems = stage_count(plan), []
     if world_size is not None and world_size != plan.mesh.world_size:
         problems.append(world_problem(plan, world_size))
     applied = getattr(model, APPLIED, None)
@@ -272,14 +249,15 @@ def resolve(
     problems += stage_problems + option_problems(plan, model, bb, shards)
     if problems:
         raise PlanError(plan.source, by_line(collapse_repeats(problems)))
-    by_fqn = {s.fqn: s for s in shards}
     costs = costs if isinstance(costs, Costs) else None
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)
     stages = []
     for s, mods in enumerate(module_sets):
-        count, size = _param_footprint(model, mods if pp > 1 else [""], by_fqn, tp)
+        held = held_parameters(model, mods if pp > 1 else [""], shards)
+        count, size = sum(p.numel for p in held), sum(p.numel * p.element_size for p in held)
         stages.append(StageSpec(s, tuple(mods), tuple(layer_names[s]), count, size, shares[s]))
-    total, total_bytes = _param_footprint(model, [""], {}, 1)
+    whole = held_parameters(model, [""])
+    total, total_bytes = sum(p.numel for p in whole), sum(p.numel * p.element_size for p in whole)
     return ResolvedPlan(
         plan=plan,
         model_name=type(model).__name__,

@@ -11,71 +11,29 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from .files import PlanError, dotted, key_lines, line_of, read_plan_file, short
+from ..schedules import SCHEDULE_NAMES, schedule_rules
+from .files import PlanError, dotted, key_lines, line_of, read_plan_file, read_table_file, short
+from .ranks import global_rank, shape_text
+from .styles import Style
 from .pipeline_schema import (
-    CUT_POINT_KINDS, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_fit,
+    CUT_POINT_KINDS, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_fit, schedule_problems,
     unknown_schedule,
 )
-from .schedules import SCHEDULES, read_table_file, schedule_problems, schedule_rules
 
-__all__ = ["ParallelPlan", "Mesh", "DataParallel", "Pipeline", "PlanError", "load_plan", "STYLES", "STYLE_ALIASES"]
+__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError", "load_plan"]
 
-STYLES: dict[str, str] = {
-    "column": "output features split; output stays sharded, to feed a `row` layer",
-    "row": "input features split; input arrives sharded, partial outputs are summed",
-    "column_gather": "output features split; output all-gathered (the standalone layer's default)",
-    "row_split": "input features split; the layer splits a full input itself, outputs summed",
-    "vocab": "nn.Embedding rows (the vocabulary) split: each rank embeds the ids in its range, "
-    "zeros elsewhere, and one all-reduce sums the result",
-    "grad_allreduce": "any module kept whole whose input is sharded (e.g. per-head q/k norms): "
-    "its parameter gradients are summed over the tensor-parallel group",
-}
-
-# Hugging Face transformers' tensor-parallel style names, and the style each means here.
-STYLE_ALIASES: dict[str, str] = {
-    "colwise": "column",
-    "local_colwise": "column",
-    "rowwise": "row",
-    "local_rowwise": "row",
-    "rowwise_rep": "row",
-    "colwise_gather_output": "column_gather",
-    "colwise_rep": "column_gather",
-    "rowwise_split_input": "row_split",
-    "replicated_with_grad_allreduce": "grad_allreduce",
-    "embedding_rowwise": "vocab",
-}
-
-def _style(value: Any) -> Any:
-    """Map HF aliases onto our style names; reject unknown names with a suggestion."""
-    if not isinstance(value, str):
-        return value  # the Literal check reports the type
-    if value in STYLES:
-        return value
-    if value in STYLE_ALIASES:
-        return STYLE_ALIASES[value]
-    known = [*STYLES, *STYLE_ALIASES]
-    close = difflib.get_close_matches(value, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(
-        f"unknown style {short(value)}: use one of {', '.join(STYLES)} "
-        f"(Hugging Face names {', '.join(STYLE_ALIASES)} are accepted too){hint}"
-    )
-
-
-Style = Annotated[
-    Literal["column", "row", "column_gather", "row_split", "vocab", "grad_allreduce"],
-    BeforeValidator(_style, json_schema_input_type=Literal[tuple([*STYLES, *STYLE_ALIASES])]),
-]
-
-
-class Mesh(StrictModel):
+class MeshSpec(StrictModel):
     """How the ranks are arranged: world size = dp * pp * tp.
 
     Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: tensor-parallel ranks are
     neighbours (one machine), data-parallel replicas the outermost (across machines).
     """
+
+    # The plan's `mesh` section (`ranks.global_rank` is the formula); `rewrite.Mesh` is a running
+    # mesh with its process groups. Titled "Mesh" in the JSON schema, as the plan names it.
+    model_config = ConfigDict(extra="forbid", frozen=True, title="Mesh")
 
     dp: Annotated[
         int,
@@ -101,7 +59,11 @@ class Mesh(StrictModel):
 
     def shape_text(self) -> str:
         """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas."""
-        return (f"dp={self.dp} x " if self.dp > 1 else "") + f"pp={self.pp} x tp={self.tp}"
+        return shape_text(self.dp, self.pp, self.tp)
+
+    def global_rank(self, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> int:
+        """The global rank of these coordinates (`ranks.global_rank`)."""
+        return global_rank(dp_rank, pp_rank, tp_rank, pp=self.pp, tp=self.tp)
 
 
 class DataParallel(StrictModel):
@@ -133,7 +95,7 @@ class ParallelPlan(StrictModel):
     model_config = ConfigDict(extra="forbid", frozen=True, title="rewrite parallel plan")
 
     description: Annotated[str | None, Field(description="Free text: what the plan is for.")] = None
-    mesh: Annotated[Mesh, Field(description="World size = dp * pp * tp.")] = Mesh()
+    mesh: Annotated[MeshSpec, Field(description="World size = dp * pp * tp.")] = MeshSpec()
     tensor_parallel: Annotated[
         dict[Pattern, Style],
         Field(
@@ -231,14 +193,14 @@ def _problems(exc: ValidationError, nodes: Any, data: Any = None) -> list[str]:
 def _raw_schedule_rules(schedule: Any, pp: Any, k: Any) -> list[str]:
     # The schedule's rules on raw data, when their values passed their own checks.
     valid = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (pp, k))
-    known = isinstance(schedule, str) and (schedule in SCHEDULES or schedule == "custom")
+    known = isinstance(schedule, str) and schedule in SCHEDULE_NAMES
     return schedule_rules(schedule, pp, k, 1) if valid and known else []
 
 
 def _suggest_key(exc: ValidationError, loc: tuple) -> str:
     fields: dict[str, Any] = {
         (): ParallelPlan.model_fields,
-        ("mesh",): Mesh.model_fields,
+        ("mesh",): MeshSpec.model_fields,
         ("pipeline",): Pipeline.model_fields,
         ("data_parallel",): DataParallel.model_fields,
     }.get(tuple(loc[:-1]), {})

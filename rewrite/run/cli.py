@@ -34,12 +34,13 @@ def _meta_model(model: str, dtype: str | None = None):
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from ..plan.options_report import format_options
-    from ..plan.report import format_plan, format_schedule, wrap_prose
+    from ..estimate.balance import balance_warnings
     from ..plan.resolve import resolve
-    from ..plan.show_json import show_data
-
-    from ..plan.balance import balance_warnings
+    from .show.columns import wrap_prose
+    from .show.data import show_data
+    from .show.options import format_options
+    from .show.report import format_plan
+    from .show.schedule import format_schedule
 
     model = _meta_model(args.model, args.dtype)
     resolved = resolve(args.plan, model, world_size=args.world_size)
@@ -97,7 +98,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             ])
         print(f"{args.plan}: OK as a plan (mesh {_mesh_words(plan)}); pass --model to check it against a model too")
         return 0
-    from ..plan.balance import balance_warnings
+    from ..estimate.balance import balance_warnings
 
     model = _meta_model(args.model)
     resolved = resolve(plan, model, world_size=args.world_size)

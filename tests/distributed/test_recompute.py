@@ -84,7 +84,7 @@ def test_a_pattern_that_matches_nothing_is_refused():
         rewrite.resolve({"activation_checkpointing": {"model.layer.*": "full"}}, build_model("tiny-llama", device="meta"))
     with pytest.raises(rewrite.PlanError, match=r"activation_checkpointing\['model.layers.\*'\]: Input should be 'full' \(found 'selective'\)"):
         rewrite.load_plan({"activation_checkpointing": {"model.layers.*": "selective"}})
-    from rewrite.plan.report import format_plan
+    from rewrite.run.show.report import format_plan
 
     text = format_plan(rewrite.resolve({"activation_checkpointing": AC}, build_model("tiny-llama", device="meta")))
     assert "Activation checkpointing: 4 modules keep only their inputs and run their forward again in the backward " \

@@ -2,8 +2,8 @@
 
 A unit is a folder of `rewrite/` or one of its top-level modules. A module may import
 its own unit and units of a lower level, never a unit above or beside it; so, with
-`plan/` and `models/` free of `torch.distributed`, binding a plan needs no process
-group even through what it imports.
+`models/`, `schedules/`, `plan/` and `estimate/` free of `torch.distributed`, binding a
+plan and estimating its cost need no process group even through what they import.
 """
 
 from __future__ import annotations
@@ -18,22 +18,24 @@ from tests.paths import ROOT
 PACKAGE = ROOT / "rewrite"
 
 LEVELS = {
-    "models": 0,  # model families: the HF LLaMA walker, fx graphs
-    "plan": 1,  # schema, plan files, binding, `show` tables
-    "mesh": 1,  # the only place process groups are made
-    "agreement": 1,  # ranks share what they found before they talk
-    "tensor_parallel": 2,
-    "pipeline": 3,
-    "data_parallel": 3.5,  # FSDP2 / replicate units and the once-per-step gradient sync
-    "recompute": 3.5,  # activation checkpointing of matched modules
-    "rewriter": 4,  # apply_plan: bind, then tp, then stages
-    "checkpoint": 5,
-    "train_step": 5,
-    "run": 6,  # CLI, train loop, launcher, presets, parity
-    "__init__": 7,  # the public API re-exports everything
-    "__main__": 7,
+    "models": 0,  # model families: the HF LLaMA walker, fx graphs, FLOPs per layer from a config
+    "schedules": 0,  # pure tables: Action, the named schedules, check / simulate, CSV
+    "agreement": 0,  # ranks share what they found before they talk
+    "plan": 1,  # what a plan is and what it binds to: schema, files, resolve, tp rules, size checks
+    "estimate": 2,  # numbers only: activations, memory, stage balance
+    "mesh": 2,  # the only place process groups are made (the rank formula is plan.ranks)
+    "tensor_parallel": 3,
+    "pipeline": 4,
+    "data_parallel": 4.5,  # FSDP2 / replicate units and the once-per-step gradient sync
+    "recompute": 4.5,  # activation checkpointing of matched modules
+    "rewriter": 5,  # apply_plan: bind, then tp, then stages
+    "checkpoint": 6,
+    "train_step": 6,
+    "run": 7,  # CLI, `show`, train loop, launcher, presets, parity
+    "__init__": 8,  # the public API re-exports everything
+    "__main__": 8,
 }
-NO_PROCESS_GROUP = {"models", "plan"}
+NO_PROCESS_GROUP = {"models", "schedules", "plan", "estimate"}
 
 
 def units() -> set[str]:
@@ -110,6 +112,13 @@ def test_imports_only_go_downwards():
         ("plan/schema.py", "from torch import distributed", "must work without a process group"),
         ("models/hf_llama.py", "def f():\n    from torch.distributed import ProcessGroup", "without a process group"),
         ("plan/resolve.py", "from ..mesh import build_mesh", "not mesh"),
+        ("plan/resolve.py", "from ..estimate.memory import rank_memory", "not estimate"),
+        ("schedules/table.py", "from ..plan.schema import PlanError", "not plan"),
+        ("schedules/named.py", "import torch.distributed", "must work without a process group"),
+        ("estimate/memory.py", "from ..pipeline.stage import Stage", "not pipeline"),
+        ("estimate/balance.py", "from torch.distributed import ProcessGroup", "must work without a process group"),
+        ("estimate/activations.py", "from ..run.show.report import format_plan", "not run"),
+        ("models/flops.py", "from ..plan.resolve import ResolvedPlan", "not plan"),
         ("plan/resolve.py", "from ..tensor_parallel.layers import ColumnParallelLinear", "not tensor_parallel"),
         ("tensor_parallel/layers.py", "from ..pipeline import stage", "not pipeline"),
         ("tensor_parallel/apply.py", "import rewrite.pipeline.stage", "not pipeline"),
@@ -129,5 +138,9 @@ def test_the_rules_allow_downward_and_outside_imports():
     known = units()
     assert problems_in("pipeline/carve.py", "from ..tensor_parallel.layers import ColumnParallelLinear", known) == []
     assert problems_in("plan/resolve.py", "from ..models import fx_graph\nimport torch\nfrom torch import nn", known) == []
+    assert problems_in("plan/resolve.py", "from ..schedules import placement", known) == []
+    assert problems_in("estimate/memory.py", "from ..plan.resolve import ResolvedPlan\nfrom ..schedules import plan_table", known) == []
+    assert problems_in("pipeline/runner.py", "from ..schedules import Action", known) == []
+    assert problems_in("run/show/report.py", "from ...estimate.memory import rank_memory", known) == []
     assert problems_in("run/train.py", "import torch.distributed as dist\nfrom .presets import build_model", known) == []
     assert problems_in("__init__.py", "from .run.launch import launch", known) == []

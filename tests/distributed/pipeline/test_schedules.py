@@ -8,7 +8,7 @@ import pytest
 from torch.nn import functional as F
 
 import rewrite
-from rewrite.plan.schedules import peak_in_flight, placement, plan_table
+from rewrite.schedules import peak_in_flight, placement, plan_table
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
@@ -22,7 +22,7 @@ CUSTOM_PP2 = ["F0 F1 F2 B0 B1 B2", "F0 B0 F1 B1 F2 B2"]
 # a hand-written table with two stages per rank: rank 0 splits its backwards (B, then W), rank 1 does not.
 CUSTOM_K2 = ["F0@0 F1@0 F0@2 F1@2 B0@2 W0@2 B1@2 W1@2 B0@0 B1@0 W0@0 W1@0", "F0@1 F1@1 F0@3 F1@3 B0@3 B1@3 B0@1 B1@1"]
 
-_KIND = {"forward": "F", "backward": "B", "backward-input": "B", "backward-weight": "W"}
+_KIND = {"forward": "F", "backward": "B", "backward-input": "I", "backward-weight": "W"}
 
 
 def _executed(stage) -> list[tuple[str, int, int]]:

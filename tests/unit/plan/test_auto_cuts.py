@@ -10,9 +10,9 @@ import pytest
 import rewrite
 from rewrite import load_plan, resolve
 from rewrite.models.hf_llama import find_backbone
-from rewrite.plan.costs import TRAINING, best_split, embed_flops, estimate_costs, head_flops, layer_flops
-from rewrite.plan.report import format_plan
-from rewrite.plan.resolve import balanced_split
+from rewrite.models.flops import TRAINING, embed_flops, estimate_costs, head_flops, layer_flops
+from rewrite.plan.cuts import balanced_split, best_split
+from rewrite.run.show.report import format_plan
 from rewrite.run.presets import build_config, build_model
 from tests.models import ToyNet
 from tests.paths import PLANS

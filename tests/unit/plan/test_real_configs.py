@@ -75,7 +75,7 @@ def test_each_shipped_plan_binds_or_is_refused(name, plan):
 
 @pytest.mark.parametrize("name", sorted(PARAMS))
 def test_resolving_and_showing_is_quick(name):
-    from rewrite.plan.report import format_plan
+    from rewrite.run.show.report import format_plan
 
     model = meta_model(name)
     timings = {}

@@ -6,13 +6,14 @@ Pure: it reads a resolved plan and its model (a meta-device model will do); no p
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from fractions import Fraction
 
 from torch import nn
 
-from .costs import best_split
-from .resolve import ResolvedPlan, balanced_split
+from ..plan.cuts import balanced_split, best_split
+from ..plan.params import held_count
+from ..plan.resolve import ResolvedPlan
 
 __all__ = ["THRESHOLD", "balance_warnings"]
 
@@ -66,23 +67,6 @@ def balance_warnings(resolved: ResolvedPlan, model: nn.Module, *, threshold: flo
     return _Split(resolved, model, Fraction(threshold)).warnings()
 
 
-def _held(model: nn.Module, shards: dict, modules: Iterable[str]) -> int:
-    """Parameters one rank holds for `modules`, after sharding; a shared parameter once."""
-    modules, seen, count = tuple(modules), set(), 0
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen or not any(name == m or name.startswith(m + ".") for m in modules):
-            continue
-        seen.add(id(param))
-        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-        shard = shards.get(owner)
-        shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
-        numel = 1
-        for size in shape or param.shape:
-            numel *= size
-        count += numel
-    return count
-
-
 def _peak(values: Sequence[int], threshold: Fraction) -> tuple[int, Fraction] | None:
     """(index, ratio to the mean) of the largest value when it exceeds threshold x the mean."""
     if not sum(values):
@@ -114,7 +98,6 @@ class _Split:
     def __init__(self, resolved: ResolvedPlan, model: nn.Module, threshold: Fraction):
         self.r, self.model, self.threshold = resolved, model, threshold
         self.bb = resolved.backbone
-        self.shards = {s.fqn: s for s in resolved.shards if s.style != "grad_allreduce"}
         self.sizes = [len(ls) for ls in resolved.layer_indices]
         self.n, self.stages = sum(self.sizes), len(self.sizes)
         self.per_rank = resolved.plan.pipeline.virtual_stages > 1
@@ -127,9 +110,9 @@ class _Split:
             for s, (a, k) in enumerate(zip(starts, sizes))
         ]
         if not self.per_rank:
-            return [_held(self.model, self.shards, m) for m in mods]
+            return [held_count(self.model, m, self.r.shards) for m in mods]
         return [
-            _held(self.model, self.shards, [m for s in self.r.rank_stages(rank) for m in mods[s]])
+            held_count(self.model, [m for s in self.r.rank_stages(rank) for m in mods[s]], self.r.shards)
             for rank in range(self.r.pp)
         ]
 
@@ -144,11 +127,11 @@ class _Split:
 
     def by_params(self) -> list[int]:
         """The split whose most loaded stage holds the fewest parameters (per stage)."""
-        weights = [_held(self.model, self.shards, [self.bb.layer(i)]) for i in range(self.n)]
+        weights = [held_count(self.model, [self.bb.layer(i)], self.r.shards) for i in range(self.n)]
         first = self.bb.stage_modules([], first=True, last=False)
         last = self.bb.stage_modules([], first=False, last=True)
-        weights[0] += _held(self.model, self.shards, first)
-        weights[-1] += _held(self.model, self.shards, last)
+        weights[0] += held_count(self.model, first, self.r.shards)
+        weights[-1] += held_count(self.model, last, self.r.shards)
         return best_split(weights, self.stages)
 
     def candidates(self) -> list[tuple[str, list[int]]]:
@@ -238,12 +221,11 @@ def _ratio(values: Sequence[int]) -> Fraction:
 
 def _traced_warnings(resolved: ResolvedPlan, model: nn.Module, threshold: Fraction) -> list[str]:
     """A torch.fx-split model: parameters only (its modules have no compute estimate)."""
-    shards = {s.fqn: s for s in resolved.shards if s.style != "grad_allreduce"}
     per_rank = resolved.plan.pipeline.virtual_stages > 1
     if per_rank:
-        params = [_held(model, shards, resolved.rank_modules(r)) for r in range(resolved.pp)]
+        params = [held_count(model, resolved.rank_modules(r), resolved.shards) for r in range(resolved.pp)]
     else:
-        params = [_held(model, shards, s.modules) for s in resolved.stages]
+        params = [held_count(model, s.modules, resolved.shards) for s in resolved.stages]
     hit = _peak(params, threshold)
     if not hit:
         return []

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from rewrite.plan.balance import THRESHOLD, balance_warnings
+from rewrite.estimate.balance import THRESHOLD, balance_warnings
 from rewrite.plan.resolve import resolve
 from rewrite.plan.schema import load_plan
 from rewrite.run.presets import build_model, load_config

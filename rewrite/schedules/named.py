@@ -1,69 +1,18 @@
 """The named pipeline schedules: pure functions `(pp, k, microbatches) -> table`.
 
 A table has one row per pp rank: the actions that rank runs, in order. Stages are
-global, 0 .. pp * k - 1, and `placement` says which rank holds each; `rewrite.plan.schedules`
-reads, checks and simulates tables.
+global, 0 .. pp * k - 1, and `placement` says which rank holds each; `table` reads,
+checks and simulates tables.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-__all__ = ["Action", "Table", "placement", "needs", "SCHEDULES"]
+from .actions import Action, Table, done_key, needs, placement
 
-
-@dataclass(frozen=True)
-class Action:
-    """One cell of a table: kind "F" (forward), "B" (backward) or "W" (weight gradient) of
-    microbatch `mb` on global stage `stage`.
-
-    With a W listed for the same (mb, stage), B computes only the input gradient and W
-    the weight gradients; without, B is the whole backward.
-    """
-
-    kind: str
-    mb: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.mb}"
-
-    def cell(self, at_stage: bool) -> str:
-        """`F3`, or `F3@2` (microbatch 3, stage 2) when `at_stage`."""
-        return f"{self}@{self.stage}" if at_stage else str(self)
-
-
-Table = tuple[tuple[Action, ...], ...]  # one row per pp rank
-
-
-def placement(schedule: str, pp: int, k: int = 1) -> tuple[int, ...]:
-    """The pp rank holding each of the `pp * k` stages.
-
-    Looped (rank r holds stages r, r + pp, ...) for every schedule but 'zbv', whose V
-    places stages r and 2pp - 1 - r on rank r.
-
-        >>> placement("interleaved-1f1b", 2, 2), placement("zbv", 2, 2)
-        ((0, 1, 0, 1), (0, 1, 1, 0))
-    """
-    if schedule == "zbv":
-        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(pp * k))
-    return tuple(s % pp for s in range(pp * k))
-
-
-def needs(action: Action, num_stages: int) -> Action:
-    """The action this one waits for: a forward for the previous stage's forward, a backward
-    for the next stage's backward (the last stage's for its own forward), a W for its B.
-
-    A first-stage forward waits for nothing and gets itself back.
-    """
-    mb, s = action.mb, action.stage
-    if action.kind == "F":
-        return Action("F", mb, s - 1) if s > 0 else action
-    if action.kind == "W":
-        return Action("B", mb, s)
-    return Action("B", mb, s + 1) if s < num_stages - 1 else Action("F", mb, s)
+__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "STAGES_PER_RANK", "stages_needed"]
 
 
 def afab(pp: int, k: int, microbatches: int) -> Table:
@@ -145,9 +94,9 @@ def interleaved_1f1b(pp: int, k: int, microbatches: int) -> Table:
 
 
 def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], rank_forwards: list[list[Action]]) -> Table:
-    """Run a list scheduler on paper (F, B and W one unit each, transfers free) and return what each rank ran.
+    """Run a list scheduler on paper (F, I and W one unit each, transfers free) and return what each rank ran.
 
-    Whenever a rank is free it runs: a ready B (the oldest microbatch's, then the later
+    Whenever a rank is free it runs: a ready I (the oldest microbatch's, then the later
     stage's); else the first ready forward in its `rank_forwards[r]` order, if fewer than
     `limit[r]` of its (mb, stage) pairs are in flight (forward run, W not yet); else its
     oldest pending W. Each step every rank runs at most one action, ready by the step before.
@@ -156,7 +105,7 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
     done: set[Action] = set()
     rows: list[list[Action]] = [[] for _ in range(pp)]
     live, pending_w = [0] * pp, [deque() for _ in range(pp)]
-    waiting_b: list[set[Action]] = [set() for _ in range(pp)]  # forward run, backward not yet
+    waiting_b: list[set[Action]] = [set() for _ in range(pp)]  # forward run, I not yet
     todo = [list(rank_forwards[r]) for r in range(pp)]
     left = 3 * microbatches * num_stages
     while left:
@@ -171,7 +120,7 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
             elif forward is not None and live[r] < limit[r]:
                 action = forward
                 todo[r].remove(forward)
-                waiting_b[r].add(Action("B", forward.mb, forward.stage))
+                waiting_b[r].add(Action("I", forward.mb, forward.stage))
                 live[r] += 1
             elif pending_w[r]:
                 action = pending_w[r].popleft()
@@ -182,7 +131,7 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
             ran.append(action)
         if not ran:  # a bug in the limits, never a user's error: the named schedules are tested
             raise RuntimeError(f"schedule generator stuck with {left} actions left; rows so far: {rows}")
-        done.update(ran)
+        done.update(done_key(a) for a in ran)
         left -= len(ran)
     return tuple(tuple(row) for row in rows)
 
@@ -190,15 +139,15 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
 def zero_bubble(pp: int, k: int, microbatches: int) -> Table:
     """Zero bubble (ZB-H1 for k = 1; interleaved zero bubble for k >= 2, looped placement).
 
-    Every backward is split: B the input gradient, which the previous stage waits for,
+    Every backward is split: I the input gradient, which the previous stage waits for,
     and W the weight gradients, which nobody waits for and so fill the idle slots. Made
-    by a list scheduler on paper: a free rank runs a ready B, else its next forward in
+    by a list scheduler on paper: a free rank runs a ready I, else its next forward in
     1F1B / interleaved order if it holds fewer (mb, stage) pairs than that schedule's
     warm-up + 1 (`pp - r` on rank r for k = 1), else its oldest pending W. So peak
     activations match 1F1B's (interleaved 1F1B's for k >= 2) while the bubble shrinks.
 
-        rank 0: F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3    (pp 2, k 1, 4 microbatches)
-        rank 1: F0 B0 W0 F1 B1 W1 F2 B2 W2 F3 B3 W3
+        rank 0: F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3    (pp 2, k 1, 4 microbatches)
+        rank 1: F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3
     """
     stage_rank = placement("zero-bubble", pp, k)
     if k == 1:
@@ -210,17 +159,17 @@ def zero_bubble(pp: int, k: int, microbatches: int) -> Table:
 
 
 def zbv(pp: int, k: int, microbatches: int) -> Table:
-    """ZB-V: two stages per rank in a V (rank r holds stages r and 2pp - 1 - r), B/W split.
+    """ZB-V: two stages per rank in a V (rank r holds stages r and 2pp - 1 - r), backwards split into I and W.
 
     Rank 0 holds the first and the last stage, so a microbatch's forward goes down the
     ranks and back up, and its backward the same way reversed. Made by the same list
-    scheduler as 'zero-bubble': a free rank runs a ready B, else a ready forward (the
+    scheduler as 'zero-bubble': a free rank runs a ready I, else a ready forward (the
     later stage first, then the older microbatch) while it holds fewer than 2 pp
     (mb, stage) pairs, else its oldest pending W. Each pair is half a 1F1B stage's
     activations, so every rank's peak is that of 1F1B's first rank: pp microbatches'.
 
-        rank 0: F0@0 F1@0 F0@3 B0@3 F1@3 B1@3 B0@0 W0@3 B1@0 W1@3 W0@0 W1@0    (pp 2, 2 microbatches)
-        rank 1: F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 B1@2 B1@1 W0@2 W0@1 W1@2 W1@1
+        rank 0: F0@0 F1@0 F0@3 I0@3 F1@3 I1@3 I0@0 W0@3 I1@0 W1@3 W0@0 W1@0    (pp 2, 2 microbatches)
+        rank 1: F0@1 F0@2 F1@1 F1@2 I0@2 I0@1 I1@2 I1@1 W0@2 W0@1 W1@2 W1@1
     """
     stage_rank = placement("zbv", pp, 2)
     held = [[s for s in range(2 * pp) if stage_rank[s] == r] for r in range(pp)]
@@ -238,3 +187,18 @@ SCHEDULES: dict[str, Callable[[int, int, int], Table]] = {
     "zero-bubble": zero_bubble,
     "zbv": zbv,
 }
+
+# The names `pipeline.schedule` takes: the named schedules and "custom" (the user's own table).
+SCHEDULE_NAMES: tuple[str, ...] = (*SCHEDULES, "custom")
+
+# Stages per rank (pipeline.virtual_stages) each schedule runs: (fewest, most), None for no limit.
+STAGES_PER_RANK: dict[str, tuple[int, int | None]] = {
+    "afab": (1, 1), "1f1b": (1, 1), "interleaved-1f1b": (2, None), "zero-bubble": (1, None), "zbv": (2, 2),
+    "custom": (1, None),
+}
+
+
+def stages_needed(name: str) -> str:
+    """What schedule `name` needs of virtual_stages, as a plan writes it: ': 1', ' >= 2', ': 2'; '' for any."""
+    low, high = STAGES_PER_RANK[name]
+    return f": {low}" if low == high else f" >= {low}" if low > 1 else ""

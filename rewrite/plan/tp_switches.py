@@ -8,7 +8,7 @@ from torch import nn
 
 from ..models.hf_llama import Backbone
 from .schema import ParallelPlan
-from .tpcheck import ShardSpec, collapse_repeats, match_pattern
+from .tp_rules import ShardSpec, collapse_repeats, match_pattern
 
 __all__ = ["option_problems"]
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import rewrite
-from rewrite.plan.activations import Sizes, end_bytes, layer_bytes, rank_activations
-from rewrite.plan.memory import rank_footprints
-from rewrite.plan.options_report import format_options, option_variants
+from rewrite.estimate.activations import Sizes, end_bytes, layer_bytes, rank_activations
+from rewrite.estimate.memory import rank_footprints
+from rewrite.run.show.options import format_options, option_variants
 from rewrite.run.presets import build_config, build_model
 from tests.paths import PLANS, ROOT
 

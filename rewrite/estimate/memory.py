@@ -2,7 +2,7 @@
 
 What `rewrite show` prints in its per-rank table. Pure arithmetic on the parameters'
 shapes (a meta-device model will do); `rank_memory` adds the activations that
-`rewrite.plan.activations` estimates for a batch size, sequence length and microbatch count.
+`rewrite.estimate.activations` estimates for a batch size, sequence length and microbatch count.
 
 With data parallelism each rank's parameters become torch FSDP2 units
 (`rewrite.data_parallel`). FSDP2 splits every parameter along dim 0, padded up to a
@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..plan.params import held_parameters
+from ..plan.resolve import ResolvedPlan
+from ..schedules import splits_backward
 from .activations import rank_activations
-from .schedules import splits_backward
-from .resolve import ResolvedPlan
 
 __all__ = [
-    "Footprint", "RankMemory", "SHARDINGS", "MEMORY_HEADER", "GIB", "footprint", "format_bytes", "memory_rows",
-    "rank_footprints", "rank_memory", "rank_parameters", "with_run",
+    "Footprint", "RankMemory", "SHARDINGS", "GIB", "footprint", "rank_footprints", "rank_memory", "rank_parameters",
+    "with_run",
 ]
 
 SHARDINGS = ("full", "grad_op", "replicate")
@@ -49,7 +50,7 @@ class Footprint:
         return self.weights + self.grads + self.adamw
 
 
-def _held(shape: tuple[int, ...], dp: int) -> int:
+def _dp_shard(shape: tuple[int, ...], dp: int) -> int:
     # FSDP2's shard of a parameter: dim 0 padded to a multiple of dp, then split (a scalar as [1]).
     shape = shape or (1,)
     return math.ceil(shape[0] / dp) * math.prod(shape[1:])
@@ -89,11 +90,11 @@ def footprint(
         gathered = whole_bytes if dp > 1 else 0  # replicate's second, gathered copy during the step
         return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
                          2 * whole_bytes + ADAMW_BYTES * whole + gathered)
-    held = sum(_held(p[0], dp) for p in params)
-    held_bytes = sum(_held(p[0], dp) * p[1] for p in params)
+    held = sum(_dp_shard(p[0], dp) for p in params)
+    held_bytes = sum(_dp_shard(p[0], dp) * p[1] for p in params)
     units: dict = {}
     for p in params:
-        units[p[2] if len(p) > 2 else None] = units.get(p[2] if len(p) > 2 else None, 0) + _held(p[0], dp) * p[1]
+        units[p[2] if len(p) > 2 else None] = units.get(p[2] if len(p) > 2 else None, 0) + _dp_shard(p[0], dp) * p[1]
     gathered = dp * (max(units.values(), default=0) if sharding == "full" and not split else held_bytes)
     return Footprint(held, held_bytes, held_bytes, ADAMW_BYTES * held,
                      held_bytes + ADAMW_BYTES * held + gathered + whole_bytes)
@@ -108,18 +109,10 @@ def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> l
     """
     layers = {m for s in resolved.stages for m in s.layers}
     modules = resolved.rank_modules(pp_rank) if resolved.pp > 1 else ("",)
-    shards = {s.fqn: s for s in resolved.shards if s.style != "grad_allreduce"}
-    seen, out = set(), []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen or not any(not m or name == m or name.startswith(m + ".") for m in modules):
-            continue
-        seen.add(id(param))
-        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-        shard = shards.get(owner)
-        shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
-        unit = next((m for m in layers if name.startswith(m + ".")), "root")
-        out.append((tuple(shape or param.shape), param.element_size(), unit))
-    return out
+    return [
+        (p.shape, p.element_size, next((m for m in layers if p.name.startswith(m + ".")), "root"))
+        for p in held_parameters(model, modules, resolved.shards)
+    ]
 
 
 def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, sharding: str | None = None) -> list[Footprint]:
@@ -137,7 +130,7 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
     """
     dp, sharding = resolved.plan.mesh.dp, sharding or resolved.plan.data_parallel.sharding
     if model is not None:
-        split = splits_backward(resolved.plan.pipeline)
+        split = splits_backward(resolved.plan.pipeline.schedule, resolved.plan.pipeline.table)
         return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split)
                 for r in range(resolved.pp)]
     if dp > 1:
@@ -151,36 +144,6 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
         count, nbytes = sum(s.param_count for s in stages), sum(s.param_bytes for s in stages)
         out.append(Footprint(count, nbytes, nbytes, ADAMW_BYTES * count, 2 * nbytes + ADAMW_BYTES * count))
     return out
-
-
-def format_bytes(n: int) -> str:
-    """`1536` -> `'1.5 KiB'`."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
-MEMORY_HEADER = ["rank", "stages", "tp_rank", "params", "weights", "grads", "AdamW", "peak in step"]
-
-
-def memory_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[list[str]]:
-    """The per-rank table of `rewrite show` (`MEMORY_HEADER`), for replica 0: the others hold the same.
-
-    params: elements held between steps; weights, grads, AdamW: their bytes; peak in step:
-    see `footprint`. mesh.dp > 1 needs `model` (FSDP2's padding).
-    """
-    rows = []
-    for pp_rank, foot in enumerate(rank_footprints(resolved, model)):
-        held = ",".join(str(s) for s in resolved.rank_stages(pp_rank))
-        for t in range(resolved.tp):
-            rows.append([
-                str(pp_rank * resolved.tp + t), held, str(t), f"{foot.params:,}",  # replica 0: dp_rank = 0
-                *(format_bytes(n) for n in (foot.weights, foot.grads, foot.adamw, foot.peak)),
-            ])
-    return rows
 
 
 GIB = 1024**3
@@ -256,7 +219,7 @@ def rank_memory(
         seq_len, microbatches: override pipeline.seq_len and pipeline.microbatches.
 
     Returns:
-        One `RankMemory` per global rank `pp_rank * tp + tp_rank`; activations follow the
+        One `RankMemory` per global rank of replica 0 (`plan.ranks.global_rank`); activations follow the
         plan's schedule (AFAB keeps every microbatch alive, 1F1B at most pp - r on rank r).
 
     Example:
@@ -273,7 +236,7 @@ def rank_memory(
         act = acts[pp_rank] if acts is not None else None
         for t in range(resolved.tp):
             out.append(RankMemory(
-                rank=pp_rank * resolved.tp + t, pp_rank=pp_rank, tp_rank=t, stages=resolved.rank_stages(pp_rank),
+                rank=resolved.plan.mesh.global_rank(pp_rank, t), pp_rank=pp_rank, tp_rank=t, stages=resolved.rank_stages(pp_rank),
                 params=foot.params, weights=foot.weights, grads=foot.grads, adamw=foot.adamw,
                 gathered=foot.peak - foot.at_rest, activations=None if act is None else act.peak,
                 in_flight=None if act is None else act.in_flight,

@@ -2,30 +2,29 @@
 
 from __future__ import annotations
 
-from .schedules import Table, peak_in_flight, placement, plan_table, simulate
-from .schema import ParallelPlan
-from .text import format_table
+from ...plan.schema import ParallelPlan
+from ...schedules import KINDS, Table, peak_in_flight, placement, plan_table, simulate
+from .columns import format_table
 
 __all__ = ["format_schedule"]
 
 
 def _costs(table: Table) -> str:
-    split = {(a.mb, a.stage) for row in table for a in row if a.kind == "W"}
-    backwards = {(a.mb, a.stage) for row in table for a in row if a.kind == "B"}
-    if not split:
+    kinds = {a.kind for row in table for a in row}
+    if "I" not in kinds:
         return "F costs 1, B 2"
-    if split == backwards:
-        return "F costs 1, B 1 + W 1: the backward split into input and weight gradients"
-    return "F costs 1, a whole B 2, a split one B 1 + W 1"
+    if "B" not in kinds:
+        return "F costs 1, I 1 + W 1: the backward split into input and weight gradients"
+    return "F costs 1, a whole B 2, a split one I 1 + W 1"
 
 
 def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> str:
     """The plan's schedule table, one row per rank, with what it predicts on paper.
 
-    Each row lists the rank's cells in order (`F3 B2 W2`; `F3@2` for stage 2 when ranks
+    Each row lists the rank's cells in order (`F3 I2 W2`; `F3@2` for stage 2 when ranks
     hold several stages), the most (mb, stage) pairs whose activations it holds at once,
     and its idle share. The bubble is the share of the step ranks idle when a forward
-    costs 1, a backward 2 (or, split, B 1 and W 1) and transfers nothing: a lower bound
+    costs 1, a backward 2 (or, split, I 1 and W 1) and transfers nothing: a lower bound
     on what a real run loses.
 
     Example:
@@ -44,10 +43,10 @@ def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> s
         rows.append([str(rank), " ".join(a.cell(k > 1) for a in row), str(peak_in_flight(row)), f"{idle:.0%}"])
     busy_all = sum(end - start for start, end in times.values())
     bubble = 1 - busy_all / (pp * span) if span else 0.0
-    has_w = any(a.kind == "W" for row in table for a in row)
+    kinds = {a.kind for row in table for a in row}
     n = pp * k
     ranks = f", {k} on each of {pp} rank{'s' if pp != 1 else ''}" if k > 1 else ""
-    words = f"F = forward, B = backward{', W = weight gradient' if has_w else ''} of a microbatch"
+    words = ", ".join(f"{kind} = {KINDS[kind]}" for kind in KINDS if kind in kinds) + " of a microbatch"
     return "\n".join([
         f"Schedule {pipe.schedule}: {m} microbatch{'es' if m != 1 else ''} on {n} stage{'s' if n != 1 else ''}{ranks} "
         f"({words}{'; F3@2: on stage 2' if k > 1 else ''})",

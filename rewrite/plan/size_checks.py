@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from .schema import ParallelPlan
-from .sizes import common_divisors, either
+from .wording import common_divisors, either
 
 __all__ = ["too_many_stages", "stage_count", "stages_words", "by_line", "world_problem"]
 

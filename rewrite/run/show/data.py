@@ -2,7 +2,7 @@
 
 `show_data` returns it as a dict of lists and numbers (bytes), ready for `json.dumps`;
 `memory_table` and `memory_notes` give the memory section's cells and lines, and
-`rewrite.plan.report` lays everything out as text. Layers that differ only in their
+`rewrite.run.show.report` lays everything out as text. Layers that differ only in their
 index become one entry named with the index ranges: `model.layers.0-31.mlp.up_proj`.
 """
 
@@ -13,8 +13,9 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from .memory import GIB, SHARDINGS, RankMemory, format_bytes, rank_footprints, rank_memory
-from .resolve import ResolvedPlan
+from ...estimate.memory import GIB, SHARDINGS, RankMemory, rank_footprints, rank_memory
+from ...plan.resolve import ResolvedPlan
+from .columns import format_bytes
 
 __all__ = [
     "index_ranges", "collapse_names", "tp_entries", "stage_entries", "show_data", "memory_table", "memory_notes", "span",
@@ -132,7 +133,7 @@ def stage_entries(resolved: ResolvedPlan) -> list[dict]:
         out.append({
             "stage": s.stage_idx,
             "pp_rank": pp_rank,
-            "ranks": [pp_rank * resolved.tp + t for t in range(resolved.tp)],
+            "ranks": [resolved.plan.mesh.global_rank(pp_rank, t) for t in range(resolved.tp)],
             "est_compute": s.est_compute,
             "modules": collapse_names(s.modules),
             "layers": list(layers),
@@ -259,7 +260,7 @@ def memory_notes(
         out.append(
             f"  activations: {batch_size} sequence{'s' if batch_size != 1 else ''} of {s} tokens per microbatch, "
             f"{m} microbatch{'es' if m != 1 else ''} under {pipe.schedule} (microbatch-stages alive at most: {alive}); "
-            "SDPA attention, transient buffers not counted (rewrite.plan.activations)"
+            "SDPA attention, transient buffers not counted (rewrite.estimate.activations)"
         )
     else:
         out.append("  activations: not estimated (a Hugging Face LLaMA-family model split by the module walker "

@@ -2,7 +2,7 @@
 
 Three tables: module path -> style -> per-rank shapes; stages -> ranks, share of compute,
 modules; parameters and memory per rank (summed over the stages it holds, divided over dp
-as `rewrite.plan.memory` works out); and the schedule. Aligned columns, no dependency.
+as `rewrite.estimate.memory` works out); and the schedule. Aligned columns, no dependency.
 """
 
 from __future__ import annotations
@@ -11,17 +11,13 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .memory import MEMORY_HEADER, format_bytes, memory_rows, rank_footprints, rank_memory
-from .resolve import ResolvedPlan
-from .schedule_report import format_schedule
-from .schedules import splits_backward
-from .text import WIDTH, format_table, wrap_list, wrap_prose
-from .show_json import collapse_names, memory_notes, memory_table, span, stage_entries, tp_entries
+from ...estimate.memory import rank_footprints, rank_memory
+from ...plan.resolve import ResolvedPlan
+from ...schedules import splits_backward
+from .columns import WIDTH, format_bytes, format_table, wrap_list, wrap_prose
+from .data import collapse_names, memory_notes, memory_table, span, stage_entries, tp_entries
 
-__all__ = [
-    "format_table", "format_bytes", "format_plan", "format_schedule", "shard_rows", "stage_rows", "rank_rows",
-    "memory_rows", "memory_table", "MEMORY_HEADER", "WIDTH", "wrap_list", "wrap_prose",
-]
+__all__ = ["format_plan", "shard_rows", "stage_rows", "rank_rows"]
 
 def _shape(shape: Sequence[int] | None) -> str:
     return "-" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
@@ -41,11 +37,6 @@ def shard_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[l
         [e["module"], e["style"], _shapes(e["weight"], e["weight_per_rank"]), _shapes(e["bias"], e["bias_per_rank"]), e["rule"]]
         for e in tp_entries(resolved, model)
     ]
-
-
-def _global_rank(resolved: ResolvedPlan, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> int:
-    # rewrite.mesh: tp innermost (neighbours on one machine), dp outermost (across machines).
-    return (dp_rank * resolved.pp + pp_rank) * resolved.tp + tp_rank
 
 
 def stage_rows(resolved: ResolvedPlan, *, width: int | None = None) -> list[list[str]]:
@@ -72,13 +63,13 @@ def rank_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[li
     A rank holding several stages (pipeline.virtual_stages) adds them up. The training
     column counts weights + gradients (the parameters' dtype) + AdamW's two moments in
     float32, between steps, under the plan's data-parallel sharding (mesh.dp > 1 needs
-    `model`: see `rewrite.plan.memory.rank_footprints`).
+    `model`: see `rewrite.estimate.memory.rank_footprints`).
     """
     feet, rows = rank_footprints(resolved, model), []
     for d in range(resolved.plan.mesh.dp):
         for pp_rank, foot in enumerate(feet):
             for t in range(resolved.tp):
-                rank = _global_rank(resolved, pp_rank, t, d)
+                rank = resolved.plan.mesh.global_rank(pp_rank, t, d)
                 rows.append([str(rank), _held(resolved, pp_rank), str(t), f"{foot.params:,}",
                              format_bytes(foot.weights), format_bytes(foot.at_rest)])
     return rows
@@ -101,7 +92,7 @@ def _layout_lines(resolved: ResolvedPlan) -> list[str]:
     shown = list(range(mesh.dp)) if mesh.dp <= 4 else [0, 1, None, mesh.dp - 1]
     replicas = ", ".join("..." if d is None else f"{d}: {span(d * per, d * per + per - 1)}" for d in shown)
     sharding, schedule = resolved.plan.data_parallel.sharding, resolved.plan.pipeline.schedule
-    split = sharding == "full" and splits_backward(resolved.plan.pipeline)
+    split = sharding == "full" and splits_backward(resolved.plan.pipeline.schedule, resolved.plan.pipeline.table)
     return [
         "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank (tp innermost: neighbours on one machine; "
         "dp outermost: replicas across machines)",

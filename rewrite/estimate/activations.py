@@ -62,9 +62,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .costs import config_size
-from .resolve import ResolvedPlan
-from .schedules import peak_in_flight, plan_table
+from ..models.flops import config_size
+from ..plan.resolve import ResolvedPlan
+from ..schedules import peak_in_flight, plan_table
+from ..schedules.actions import ends_pair
 
 __all__ = [
     "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations",
@@ -287,13 +288,12 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
 
 
 def _peak(row, stage_bytes: dict[int, int]) -> int:
-    """Most bytes alive at once: a (mb, stage) pair from its F to its last backward action (W, else B)."""
-    split = {(a.mb, a.stage) for a in row if a.kind == "W"}
+    """Most bytes alive at once: a (mb, stage) pair from its F to its B (or the W after its I)."""
     live = peak = 0
     for action in row:
         if action.kind == "F":
             live += stage_bytes[action.stage]
-        elif action.kind == "W" or (action.mb, action.stage) not in split:
+        elif ends_pair(action):
             live -= stage_bytes[action.stage]
         peak = max(peak, live)
     return peak

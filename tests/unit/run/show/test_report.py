@@ -10,10 +10,11 @@ import time
 import pytest
 
 import rewrite
-from rewrite.plan.activations import rank_activations
-from rewrite.plan.memory import GIB, rank_memory, with_run
-from rewrite.plan.report import format_bytes, format_plan, shard_rows
-from rewrite.plan.show_json import collapse_names, index_ranges, show_data
+from rewrite.estimate.activations import rank_activations
+from rewrite.estimate.memory import GIB, rank_memory, with_run
+from rewrite.run.show.columns import format_bytes
+from rewrite.run.show.report import format_plan, shard_rows
+from rewrite.run.show.data import collapse_names, index_ranges, show_data
 from rewrite.run.cli import main
 from rewrite.run.presets import build_model, load_config
 from tests.paths import PLANS, ROOT

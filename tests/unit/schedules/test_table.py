@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import rewrite
-from rewrite.plan.schedules import (
+from rewrite.schedules import (
     SCHEDULES,
     build_table,
     format_table,
@@ -53,7 +53,7 @@ def test_one_f_one_b_rows_and_memory():
 
 def test_paper_check_names_the_first_offending_cell():
     assert table_problems(table("F0 F1 B0", "F0 F1 B0 B1"), 2, 2) == [
-        "rank 0: B1 missing; each microbatch needs one F and one B per stage"
+        "rank 0: B1 missing; each microbatch needs one F and one B (or an I and its W) per stage"
     ]
     (dead,) = table_problems(table("F0 B0 F1 B1", "F0 F1 B0 B1"), 2, 2)
     assert dead.startswith("the table deadlocks: rank 0, cell 1 (B0) waits forever for B0 of stage 1")
@@ -94,7 +94,7 @@ def test_a_plan_carries_its_table_inline_or_in_a_csv_file(tmp_path):
     [
         ({"schedule": "custom", "microbatches": 2}, "pipeline.schedule 'custom' needs pipeline.table"),
         ({"schedule": "1f1b", "table": ["F0 B0", "F0 B0"]}, "pipeline.table is read only with schedule: custom"),
-        ({"schedule": "custom", "table": ["F0 X0", "F0 B0"]}, "rank 0: cannot read 'X0'; cells are F<mb>, B<mb> or W<mb>"),
+        ({"schedule": "custom", "table": ["F0 X0", "F0 B0"]}, "rank 0: cannot read 'X0'; cells are F<mb>, B<mb>, I<mb> or W<mb>"),
         ({"schedule": "custom", "microbatches": 2, "table": ["F0 B0 F1 B1", "F0 F1 B0 B1"]}, "the table deadlocks"),
         ({"schedule": "custom", "table": "missing.csv"}, "cannot read the table file"),
         ({"schedule": "zb-h2"}, "unknown schedule 'zb-h2': the schedules are afab, 1f1b, interleaved-1f1b, zero-bubble, zbv"),
@@ -107,7 +107,7 @@ def test_bad_schedules_are_refused_when_the_plan_loads(pipeline, expected):
 
 
 def test_format_schedule_predicts_the_bubble():
-    from rewrite.plan.report import format_schedule
+    from rewrite.run.show.schedule import format_schedule
 
     plan = rewrite.load_plan({"mesh": {"pp": 4}, "pipeline": {"schedule": "afab", "microbatches": 4}})
     text = format_schedule(plan)

@@ -1,7 +1,7 @@
-"""Estimated compute of a LLaMA-family model's parts, and the stage split that balances it.
+"""Estimated compute of a LLaMA-family model's parts, from its config alone.
 
-Counted from the config alone, in FLOPs for one sequence of `seq_len` tokens; only the
-ratios matter: they choose `cut_points: auto` and give the shares `rewrite show` prints.
+Counted in FLOPs for one sequence of `seq_len` tokens; only the ratios matter: they
+choose `cut_points: auto` (`plan.cuts.best_split`) and give the shares `rewrite show` prints.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from ..models.hf_llama import Backbone
+from .hf_llama import Backbone
 
-__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "head_flops", "embed_flops", "best_split"]
+__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "head_flops", "embed_flops", "TRAINING"]
 
 # The backward computes two products for each forward one (input and weight gradients).
 TRAINING = 3
@@ -143,59 +143,3 @@ def estimate_costs(
         layers=tuple(split(layer, backbone.layer(i)) for i in range(num_layers)),
         head=split(head_flops(config, seq_len=seq_len, has_head=backbone.has_head), backbone.head),
     )
-
-
-def _fewest_stages(weights: Sequence[int], bound: int) -> int:
-    """Stages needed when each holds as many layers as fit under `bound` (each weight fits)."""
-    stages, load = 1, 0
-    for w in weights:
-        if load + w > bound:
-            stages, load = stages + 1, 0
-        load += w
-    return stages
-
-
-def best_split(weights: Sequence[int], pp: int) -> list[int]:
-    """Layers per stage: `pp` contiguous non-empty stages whose most loaded is lightest.
-
-    Exact. Of the splits with the lightest most loaded stage, the one whose next most
-    loaded stage is lightest, and so on; of those still equal, the one giving the earliest
-    stages the most layers. Equal weights give `balanced_split`.
-
-    Args:
-        weights: non-negative integer cost per layer, in order (see `Costs.folded`).
-        pp: the number of stages, 1 <= pp <= len(weights).
-
-    Example:
-        >>> best_split([1, 1, 1, 1, 1, 3], 2)
-        [4, 2]
-    """
-    n = len(weights)
-    if not 1 <= pp <= n:
-        raise ValueError(f"best_split: {pp} stages for {n} layers; need 1 <= pp <= {n}")
-    # The lightest bound that pp stages can meet: binary search with the greedy packing.
-    low, high = max(weights), sum(weights)
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (low, mid) if _fewest_stages(weights, mid) <= pp else (mid + 1, high)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    # best[j]: (stage costs sorted heaviest first, minus the stage sizes) of the best split of
-    # the first j layers into k stages. Adding the same stage to two splits keeps their order,
-    # so the best split of j layers extends a best split of fewer.
-    best: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {0: ((), ())}
-    for k in range(1, pp + 1):
-        step = {}
-        for j in range(k, n - (pp - k) + 1):  # leave every later stage a layer
-            for i in range(j - 1, k - 2, -1):  # the k-th stage holds layers i .. j-1
-                cost = prefix[j] - prefix[i]
-                if cost > low:
-                    break  # only heavier further back
-                if i in best:
-                    loads, sizes = best[i]
-                    key = (tuple(sorted((*loads, cost), reverse=True)), (*sizes, i - j))
-                    if j not in step or key < step[j]:
-                        step[j] = key
-        best = step
-    return [-size for size in best[n][1]]

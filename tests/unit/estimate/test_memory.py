@@ -7,8 +7,9 @@ import math
 import pytest
 
 import rewrite
-from rewrite.plan.memory import footprint, rank_footprints
-from rewrite.plan.report import format_bytes, format_plan, rank_rows
+from rewrite.estimate.memory import footprint, rank_footprints
+from rewrite.run.show.columns import format_bytes
+from rewrite.run.show.report import format_plan, rank_rows
 from rewrite.run.presets import build_model
 from tests.paths import PLANS
 

@@ -13,7 +13,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .schema import ParallelPlan
-from .sizes import common_divisors, either, index_ranges, plural
+from .wording import common_divisors, either, index_ranges, plural
 
 __all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats"]
 

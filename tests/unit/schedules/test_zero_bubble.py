@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import rewrite
-from rewrite.plan.report import format_schedule
-from rewrite.plan.schedules import (
+from rewrite.run.show.schedule import format_schedule
+from rewrite.schedules import (
     Action,
     build_table,
     format_table,
@@ -64,7 +64,7 @@ def test_tables_with_virtual_stages_print_their_stages():
         "rank 0: F0@0 F1@0 F0@2 F1@2 B0@2 B1@2 B0@0 B1@0\n"
         "rank 1: F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 B0@1 B1@1"
     )
-    assert format_table(build_table("zero-bubble", 2, 2)) == "rank 0: F0 F1 B0 W0 B1 W1\nrank 1: F0 B0 W0 F1 B1 W1"
+    assert format_table(build_table("zero-bubble", 2, 2)) == "rank 0: F0 F1 I0 W0 I1 W1\nrank 1: F0 I0 W0 F1 I1 W1"
     assert placement("zbv", 3, 2) == (0, 1, 2, 2, 1, 0)
     assert str(Action("W", 3, 2)) == "W3" and Action("W", 3, 2).cell(True) == "W3@2"
 
@@ -80,7 +80,7 @@ def test_paper_check_with_virtual_stages_names_the_first_offending_cell():
     good = ("F0@0 F0@2 B0@2 B0@0", "F0@1 F0@3 B0@3 B0@1")
     assert table_problems(table(*good), 2, 1, LOOPED_2X2) == []
     assert table_problems(table("F0@0 F0@2 B0@2", good[1]), 2, 1, LOOPED_2X2) == [
-        "rank 0: B0@0 missing; each microbatch needs one F and one B per stage"
+        "rank 0: B0@0 missing; each microbatch needs one F and one B (or an I and its W) per stage"
     ]
     (dead,) = table_problems(table("F0@0 B0@0 F0@2 B0@2", good[1]), 2, 1, LOOPED_2X2)
     assert dead.startswith("the table deadlocks: rank 0, cell 1 (B0@0) waits forever for B0 of stage 1")
@@ -88,8 +88,31 @@ def test_paper_check_with_virtual_stages_names_the_first_offending_cell():
     split = ("F0@0 F0@2 B0@2 W0@2 B0@0 W0@0", "F0@1 F0@3 B0@3 B0@1 W0@1 W0@3")
     assert table_problems(table(*split), 2, 1, LOOPED_2X2) == []
     assert table_problems(table("F0@0 F0@2 W0@2 B0@2 B0@0", good[1]), 2, 1, LOOPED_2X2) == [
-        "rank 0, cell 2 (W0@2): the weight gradient comes before its backward B0@2"
+        "rank 0, cell 2 (W0@2): the weight gradient comes before its backward I0@2"
     ]
+
+
+def test_i_is_the_input_only_backward_and_old_b_w_tables_read_as_i():
+    # The older spelling: a B with a W of the same microbatch and stage is the input-only backward.
+    old, new = parse_row("F0 F1 B0 W0 B1 W1", 0), parse_row("F0 F1 I0 W0 I1 W1", 0)
+    assert old == new and [a.kind for a in new[0]] == ["F", "F", "I", "W", "I", "W"] and new[1] == []
+    assert [a.kind for a in parse_row("F0 B0 F1 I1 W1", 0)[0]] == ["F", "B", "F", "I", "W"]  # mixed: only B1 split
+    assert table_problems(table("F0 I0 W0", "F0 B0", stage_rank=(0, 1)), 2, 1) == []
+    assert table_problems(table("F0 I0", "F0 B0", stage_rank=(0, 1)), 2, 1) == [
+        "rank 0: I0 without a W; add the W after each, or write B for a whole backward"
+    ]
+    whole_then_w = (tuple(parse_row("F0 B0", 0)[0]) + (Action("W", 0, 0),), parse_row("F0 B0", 1)[0])
+    assert table_problems(whole_then_w, 2, 1) == [
+        "rank 0, cell 2 (W0): B0 before it is a whole backward and leaves no weight gradients; write I0 for an "
+        "input-only backward, or drop the W"
+    ]
+    twice = (tuple(parse_row("F0 I0 W0", 0)[0]) + (Action("B", 0, 0),), parse_row("F0 B0", 1)[0])
+    assert table_problems(twice, 2, 1) == ["rank 0, cell 3 (B0): microbatch 0 already has its backward I0 on stage 0"]
+    # An I costs the B less the W; the stage before waits for it as for a B.
+    times, stuck = simulate(table("F0 I0 W0", "F0 I0 W0", stage_rank=(0, 1)))
+    assert stuck == [] and times[Action("I", 0, 0)] == (3.0, 4.0) and times[Action("W", 0, 0)] == (4.0, 5.0)
+    assert peak_in_flight(parse_row("F0 F1 I0 I1 W0 W1", 0)[0]) == 2
+    assert format_table(build_table("zbv", 2, 1, 2)).count("I") == 4
 
 
 def test_a_split_backward_costs_less_and_its_weights_come_after():
@@ -137,11 +160,11 @@ def test_format_schedule_shows_split_backwards_and_stages():
     rows = {line.split()[0]: line.split() for line in text.splitlines()[3:5]}
     assert rows["0"][1:3] == ["F0@0", "F1@0"] and "W0@3" in rows["0"] and "W0@0" in rows["0"]
     assert rows["1"][1] == "F0@1" and "W3@1" in rows["1"]
-    assert "(F costs 1, B 1 + W 1: the backward split into input and weight gradients; transfers free)" in text
+    assert "(F costs 1, I 1 + W 1: the backward split into input and weight gradients; transfers free)" in text
 
 
 def test_show_adds_up_the_stages_a_rank_holds():
-    from rewrite.plan.report import rank_rows, stage_rows
+    from rewrite.run.show.report import rank_rows, stage_rows
     from rewrite.run.presets import build_model
 
     plan = {"mesh": {"pp": 2, "tp": 2}, "pipeline": {"schedule": "zbv", "virtual_stages": 2}}

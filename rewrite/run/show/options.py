@@ -1,18 +1,18 @@
 """The `rewrite show` table of tensor-parallel options: parameters and estimated activations per
 rank as planned and with vocab + loss_parallel, sequence_parallel and activation checkpointing
-each flipped (`rewrite.plan.activations` estimates, `rewrite.plan.memory` parameters).
+each flipped (`rewrite.estimate.activations` estimates, `rewrite.estimate.memory` parameters).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from .activations import rank_activations
-from .memory import format_bytes, rank_footprints
-from .report import format_table
-from .resolve import ResolvedPlan, resolve
-from .schema import PlanError, load_plan
-from .tpcheck import match_pattern
+from ...estimate.activations import rank_activations
+from ...estimate.memory import rank_footprints
+from ...plan.resolve import ResolvedPlan, resolve
+from ...plan.schema import PlanError, load_plan
+from ...plan.tp_rules import match_pattern
+from .columns import format_bytes, format_table
 
 __all__ = ["option_variants", "option_rows", "format_options"]
 
@@ -120,5 +120,5 @@ def format_options(resolved: ResolvedPlan, model: nn.Module) -> str:
         f"  rank: global rank, replica 0, tp rank 0 (its tp ranks hold the same); activations for 1 sequence of "
         f"{pipe.seq_len} tokens (pipeline.seq_len) per microbatch, {pipe.microbatches} microbatch"
         f"{'es' if pipe.microbatches != 1 else ''} under {pipe.schedule}, SDPA attention, transient buffers not "
-        "counted (rewrite.plan.activations)",
+        "counted (rewrite.estimate.activations)",
     ])
