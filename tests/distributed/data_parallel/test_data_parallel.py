@@ -39,8 +39,11 @@ def _step(rank: int, config, plan: dict, per_replica: int) -> str:
         assert_close(f"{name} {pname}.grad", _whole(param.grad), local_shard(model, pname, ref[pname].grad))
         compared += 1
     # One optimizer step on the sharded parameters (AdamW's moments sharded alike) equals one on the
-    # whole model. AdamW's first step is about lr * g / (|g| + eps): an eps far above the gradients'
-    # rounding keeps it from turning 1e-9 differences of tiny gradients into lr-sized ones.
+    # whole model. Sound across plans and CPUs because eps is large: AdamW's first step is
+    # u(g) = lr * g / (|g| + eps) (bias-corrected m = g, sqrt(v) = |g|), whose slope is at most
+    # lr / eps = 10, so gradients that differ by reduction-order noise d (~4e-8 here, |g| <= 0.12)
+    # give weights that differ by <= 10 d + 1 ulp (~1e-7 seen), far inside 1e-5. With the default
+    # eps = 1e-8 the slope would be 1e6: d = 1e-9 on a gradient near eps moves a weight by ~lr.
     torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-3).step()
     torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3).step()
     for pname, param in model.named_parameters():

@@ -40,6 +40,10 @@ def _dp2_tp2(sharding: str) -> str:
     ref = dict(reference.named_parameters(remove_duplicate=False))
     for pname, param in model.named_parameters():
         assert_close(f"{name} {pname}.grad", _whole(param.grad), local_shard(model, pname, ref[pname].grad))
+    # One AdamW step, compared across plans: sound because eps = 1e-3 is far above the gradients'
+    # rounding. The first step is lr * g / (|g| + eps), of slope at most lr / eps = 10 in g, so the
+    # gradients' reduction-order noise (~1e-7 here) moves the weights by ~1e-6 at most, inside 1e-5;
+    # with the default eps = 1e-8 a gradient near eps would turn 1e-9 of noise into ~lr.
     torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-3).step()
     torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3).step()
     for pname, param in model.named_parameters():
