@@ -2,8 +2,9 @@
 
 `apply_plan` binds the plan on every rank, lets the ranks agree on what they were
 given (one collective, before any group is made), builds the mesh, swaps sharded
-linears for their parallel versions at the same dotted paths, and carves out this
-rank's pipeline stage.
+linears for their parallel versions at the same dotted paths, carves out this rank's
+pipeline stages, wraps activation checkpointing and data parallelism around them, and
+builds the rank's `Stage` from what those steps returned.
 """
 
 from __future__ import annotations
@@ -71,11 +72,22 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
     mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
     if mesh.tp > 1:
         apply_tensor_parallel(model, resolved, mesh.tp_group)
-    stage = carve_stage(model, resolved, mesh)
-    stage.recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
-    stage.grad_sync = apply_data_parallel(stage, split_backward=splits_backward(plan.pipeline.schedule, plan.pipeline.table))
+    carved = carve_stage(model, resolved, mesh)
+    recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
+    split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)
+    carved, grad_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split)
     setattr(model, APPLIED, f"a stage of {plan.source}")
-    return stage
+    return Stage(
+        model=carved.model,
+        module=carved.module,
+        resolved=resolved,
+        mesh=mesh,
+        forward_fns=carved.forward_fns,
+        tied=carved.tied,
+        grad_sync=grad_sync,
+        recomputed=recomputed,
+        logit_shard=carved.logit_shard,
+    )
 
 
 def _agree_on_binding(model: nn.Module, resolved: ResolvedPlan | None, error: BaseException | None) -> None:

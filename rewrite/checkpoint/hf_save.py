@@ -31,7 +31,7 @@ from ..plan.schema import ParallelPlan, PlanError, load_plan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import swap
-from ..plan.ranks import coordinates, global_rank
+from ..plan.ranks import coordinates, global_rank, shape_text
 from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
 
 __all__ = ["save_pretrained"]
@@ -160,8 +160,8 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         problems, entries = [f"save_pretrained needs a model or Stage, got {type(model).__name__}"], []
     elif stage is not None and (stage.mesh.dp, stage.mesh.pp, stage.mesh.tp) != (plan.mesh.dp, pp, tp):
         problems, entries = [
-            f"the stage was built with mesh {_mesh_text(stage.mesh.dp, stage.mesh.pp, stage.mesh.tp)}, the plan "
-            f"says {_mesh_text(plan.mesh.dp, pp, tp)}; pass the plan the model was rewritten with"
+            f"the stage was built with mesh {shape_text(stage.mesh.dp, stage.mesh.pp, stage.mesh.tp)}, the plan "
+            f"says {shape_text(plan.mesh.dp, pp, tp)}; pass the plan the model was rewritten with"
         ], []
     else:
         try:
@@ -213,10 +213,6 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     if errors:
         raise RuntimeError(f"save_pretrained({str(directory)!r}) failed:\n  " + "\n  ".join(errors))
     return directory
-
-
-def _mesh_text(dp: int, pp: int, tp: int) -> str:
-    return (f"dp={dp} x " if dp > 1 else "") + f"pp={pp} x tp={tp}"
 
 
 def _gather_dp(local: torch.Tensor) -> torch.Tensor:

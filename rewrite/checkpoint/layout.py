@@ -35,8 +35,9 @@ class Entry:
         return tuple(shape)
 
 
-def shard_file(stage_idx: int, pp: int) -> str:
-    return SINGLE if pp == 1 else f"model-{stage_idx + 1:05d}-of-{pp:05d}.safetensors"
+def shard_file(pp_rank: int, pp: int) -> str:
+    """The weights file pipeline rank `pp_rank` writes (all its stages)."""
+    return SINGLE if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
 
 
 def is_weight_file(name: str) -> bool:

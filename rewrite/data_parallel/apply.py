@@ -11,10 +11,12 @@ Gradients are synchronised once per step, whatever the schedule: the runner call
 `GradSync.begin` before a step's first action (every backward then only accumulates)
 and `GradSync.finish` after its last (one reduce-scatter, or all-reduce for
 `replicate`, per unit, as torch.distributed.pipelining does for its own stages).
+`GradSync` is the pipeline's `GradientSync`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 from torch import nn
@@ -22,7 +24,9 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from ..agreement import agree
-from ..pipeline.stage import Stage
+from ..mesh import Mesh
+from ..pipeline.carve import Carved
+from ..plan.resolve import ResolvedPlan
 
 __all__ = ["GradSync", "apply_data_parallel", "data_parallel_units"]
 
@@ -66,64 +70,77 @@ class GradSync:
         state._root_post_backward_final_callback()
 
 
-def data_parallel_units(stage: Stage) -> list[nn.Module]:
-    """The modules that each become one FSDP2 unit on this rank, below the root (the model)."""
-    model, resolved = stage.model, stage.resolved
+def data_parallel_units(model: nn.Module, resolved: ResolvedPlan, stage_ids: list[int]) -> list[nn.Module]:
+    """The modules that each become one FSDP2 unit on this rank (stages `stage_ids`), below the root (the model)."""
     bb = resolved.backbone
     if bb is None:
-        names = dict.fromkeys(m for s in stage.stage_ids for m in resolved.stages[s].modules)
+        names = dict.fromkeys(m for s in stage_ids for m in resolved.stages[s].modules)
         modules = [model.get_submodule(n) for n in names]
         return [m for m in modules if m is not model and any(True for _ in m.parameters())]
     base = model.get_submodule(bb.base) if bb.base else model
     layers = base.layers
-    held = sorted(i for s in stage.stage_ids for i in resolved.layer_indices[s])
+    held = sorted(i for s in stage_ids for i in resolved.layer_indices[s])
     return [layers[str(i)] if isinstance(layers, nn.ModuleDict) else layers[i] for i in held]
 
 
-def _loose_parameters(stage: Stage, units: list[nn.Module]) -> list[str]:
+def _loose_parameters(carved: Carved, resolved: ResolvedPlan, units: list[nn.Module]) -> list[str]:
     """Parameters of a traced stage outside every unit: its graph reads them directly."""
-    if stage.resolved.backbone is not None or stage.module is stage.model:
+    if resolved.backbone is not None or carved.module is carved.model:
         return []  # the root unit gathers them where the model's own modules read them
     covered = {id(p) for unit in units for p in unit.parameters()}
-    return [n for n, p in stage.model.named_parameters() if id(p) not in covered]
+    return [n for n, p in carved.model.named_parameters() if id(p) not in covered]
 
 
-def apply_data_parallel(stage: Stage, *, split_backward: bool) -> GradSync | None:
-    """Shard (or replicate) this rank's modules over dp; None when dp is 1 (nothing installed).
+def apply_data_parallel(
+    carved: Carved, resolved: ResolvedPlan, mesh: Mesh, *, split_backward: bool
+) -> tuple[Carved, GradSync | None]:
+    """Shard (or replicate) this rank's modules over dp, in place.
 
-    `split_backward`: the schedule splits backwards into B and W, which need the
-    parameters the forward used until W: `full` then keeps them gathered from forward
-    to backward, as `grad_op` does.
+    Args:
+        carved: what `carve_stage` kept on this rank (activation checkpointing applied).
+        resolved, mesh: the plan bound to the model, and this rank's mesh.
+        split_backward: the schedule splits backwards into B and W, which need the
+            parameters the forward used until W: `full` then keeps them gathered from
+            forward to backward, as `grad_op` does.
+
+    Returns:
+        `(carved, grad_sync)`: the parts with the forward functions and tied parameters
+        the stage must now use (FSDP2 replaced the parameters), and the step's gradient
+        sync; with dp = 1 the parts unchanged and None (nothing installed).
     """
-    mesh = stage.mesh
     if mesh.dp == 1:
-        return None
-    sharding = stage.resolved.plan.data_parallel.sharding
-    units = data_parallel_units(stage)
-    loose = _loose_parameters(stage, units)
+        return carved, None
+    sharding = resolved.plan.data_parallel.sharding
+    units = data_parallel_units(carved.model, resolved, sorted(carved.forward_fns))
+    loose = _loose_parameters(carved, resolved, units)
     agree(
         [f"data parallelism shards the modules of a traced model's layer sequence, but its forward reads "
          f"parameters outside them ({', '.join(loose[:4])}); move them into a submodule the model calls"]
         if loose else [],
         "apply_plan",
     )
-    dp_mesh, model = mesh.device_mesh["dp"], stage.model
+    dp_mesh, model = mesh.device_mesh["dp"], carved.model
     zero3 = sharding == "full" and not split_backward  # gathered for each use, let go after it
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    tied = [names[id(p)] for p in stage.tied]
+    tied = [names[id(p)] for p in carved.tied]
     for module in [*units, model]:  # the root last
         if sharding == "replicate":
             replicate(module, mesh=dp_mesh)
         else:
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3)
-    if any(fn is not model for fn in stage.forward_fns.values()):
-        fns = dict(stage.forward_fns)
+    forward_fns = carved.forward_fns
+    if any(fn is not model for fn in forward_fns.values()):
+        fns = dict(forward_fns)
         setattr(model, _RUN, types.MethodType(lambda self, s, x, **kw: fns[s](x, **kw), model))
         register_fsdp_forward_method(model, _RUN)
         run = getattr(model, _RUN)
-        stage.forward_fns = {s: (fn if fn is model else _bind(run, s)) for s, fn in fns.items()}
-    stage.tied = [model.get_parameter(n) for n in tied]  # FSDP2 put sharded parameters in their place
-    return GradSync(model, sharding, reshard_after_backward=zero3)
+        forward_fns = {s: (fn if fn is model else _bind(run, s)) for s, fn in fns.items()}
+    sharded = dataclasses.replace(
+        carved,
+        forward_fns=forward_fns,
+        tied=[model.get_parameter(n) for n in tied],  # FSDP2 put sharded parameters in their place
+    )
+    return sharded, GradSync(model, sharding, reshard_after_backward=zero3)
 
 
 def _bind(run, s: int):

@@ -4,10 +4,13 @@ A rank holds one stage, or several with `pipeline.virtual_stages` (looped or V
 placement, from the resolved plan). HF LLaMA-family models keep their own module
 objects at their original paths (the layer list becomes a `ModuleDict` keyed by
 original index); other modules get one fx `GraphModule` per stage over the model's
-own submodules. Everything this rank's stages do not run is released.
+own submodules. Everything this rank's stages do not run is released. `carve_stage`
+returns the parts carved; `apply_plan` builds the `Stage` from them once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import fx, nn
@@ -19,28 +22,39 @@ from ..plan.resolve import ResolvedPlan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.sequence_model import sequence_state
 from .loss import LogitShard
-from .stage import Stage
+from .stage import ForwardFn
 
-__all__ = ["carve_stage", "carve_unused", "build_stage_module"]
+__all__ = ["Carved", "carve_stage", "carve_unused", "build_stage_module"]
 
 
-def carve_stage(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
-    """Keep only this rank's stages in `model` (in place) and wrap them in a `Stage`."""
+@dataclass(frozen=True)
+class Carved:
+    """What carving kept of a model on this rank: the `Stage` fields of the same names."""
+
+    model: nn.Module  # the user's model, holding only this rank's stages
+    module: nn.Module  # holds this rank's parameters: the model, or its one stage's GraphModule
+    forward_fns: dict[int, ForwardFn]  # stage id -> what runs it on one microbatch
+    tied: list[nn.Parameter] = field(default_factory=list)  # shared with another rank (tied embeddings)
+    logit_shard: LogitShard | None = None  # the last stage's vocabulary slice (loss_parallel)
+
+
+def carve_stage(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
+    """Keep only this rank's stages in `model` (in place); returns what was kept."""
     if resolved.backbone is not None:
         return _carve_hf(model, resolved, mesh)
     ids = resolved.rank_stages(mesh.pp_rank)
     if resolved.num_stages == 1:
-        return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fns={0: model})
+        return Carved(model=model, module=model, forward_fns={0: model})
     traced = fx_graph.trace(model, leaf_types=(ColumnParallelLinear, RowParallelLinear))
     graphs = {s: fx_graph.stage_graph(traced, list(resolved.cut_points), s) for s in ids}
     carve_unused(model, set().union(*(fx_graph.used_targets(g) for g in graphs.values())))
     modules = {s: build_stage_module(model, g) for s, g in graphs.items()}
     # One stage: its GraphModule holds exactly this rank's parameters; several: the carved model does.
     module = modules[ids[0]] if len(ids) == 1 else model
-    return Stage(model=model, module=module, resolved=resolved, mesh=mesh, forward_fns=modules)
+    return Carved(model=model, module=module, forward_fns=modules)
 
 
-def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
+def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
     bb, ids, last_id = resolved.backbone, resolved.rank_stages(mesh.pp_rank), resolved.num_stages - 1
     first, last = 0 in ids, last_id in ids
     indices = sorted(i for s in ids for i in resolved.layer_indices[s])
@@ -64,15 +78,13 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
         if not tied_weight.is_meta:
             dist.broadcast(tied_weight.data, src=mesh.global_rank(0), group=mesh.tied_group)
         tied = [tied_weight]
-    head = None
+    head, shard = None, None
     if last and resolved.plan.loss_parallel and isinstance(getattr(model, "lm_head", None), ColumnParallelLinear):
         head = model.lm_head  # the runner's loss takes this rank's vocabulary shard of the logits
-    forward_fns = {s: _StageForward(model, resolved, s, head) for s in ids}
-    stage = Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fns=forward_fns, tied=tied)
-    if head is not None:
         start = head.tp_rank * head.per_rank
-        stage.logit_shard = LogitShard(start, start + head.per_rank, head.out_features, head.group)
-    return stage
+        shard = LogitShard(start, start + head.per_rank, head.out_features, head.group)
+    forward_fns = {s: _StageForward(model, resolved, s, head) for s in ids}
+    return Carved(model=model, module=model, forward_fns=forward_fns, tied=tied, logit_shard=shard)
 
 
 class _StageForward:

@@ -114,7 +114,7 @@ def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int)
 def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
     step = _Step(stage, table, inputs, targets, loss_for(stage.logit_shard, loss_fn))
     stash = _stash_tied_grads(stage)
-    row = table[stage.stage_idx]
+    row = table[stage.pp_rank]
     last_backward = None  # the row's last whole backward, when no W follows: it may sync in place
     if stage.grad_sync is not None:
         stage.grad_sync.begin()  # backwards only accumulate until the step's end
@@ -141,7 +141,7 @@ class _Step:
         self.stage, self.inputs, self.targets, self.loss_fn = stage, inputs, targets, loss_fn
         self.m, self.mesh, self.device, self.dtype = len(inputs), stage.mesh, stage.device, stage.dtype
         self.place, self.last = stage.stage_rank, stage.num_stages - 1
-        me = stage.stage_idx
+        me = stage.pp_rank
         # I is input-only and W the rest, unless this rank recomputes activations: a split
         # backward would recompute once per weight group, so I runs it whole and W is empty.
         self.split = set() if stage.recomputed else {(a.mb, a.stage) for a in table[me] if a.kind == "I"}
@@ -193,14 +193,14 @@ class _Step:
     def _take(self, kind: str, mb: int, s: int) -> torch.Tensor:
         """The activation entering stage `s` ("F") or the gradient of its output ("B")."""
         peer = self.place[s - 1] if kind == "F" else self.place[s + 1]
-        if peer == self.stage.stage_idx:
+        if peer == self.stage.pp_rank:
             return self.local.pop((kind, mb, s))
         return self.inboxes[peer].take((kind, mb, s))
 
     def _hand_on(self, kind: str, mb: int, s: int, tensor: torch.Tensor) -> None:
         """Give stage `s` its input ("F") or its output's gradient ("B"), here or on its rank."""
         peer = self.place[s]
-        if peer == self.stage.stage_idx:
+        if peer == self.stage.pp_rank:
             self.local[kind, mb, s] = tensor
             return
         dst = self.mesh.global_rank(peer)

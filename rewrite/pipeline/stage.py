@@ -8,16 +8,39 @@ parameters it shares with another rank, and keeps the timeline of the last step.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from ..mesh import Mesh
 from ..plan.resolve import ResolvedPlan
+from .loss import LogitShard
 
-__all__ = ["Stage", "TimelineEvent"]
+__all__ = ["ForwardFn", "GradientSync", "Stage", "TimelineEvent"]
+
+ForwardFn = Callable[..., torch.Tensor]  # runs one stage on a microbatch: fn(x) or fn(x, seq_len=...)
+
+
+@runtime_checkable
+class GradientSync(Protocol):
+    """What the runner calls to synchronise gradients once per step (`data_parallel.GradSync`).
+
+    Declared here, not imported from `data_parallel/`: the pipeline sits below it and
+    knows only these three calls.
+    """
+
+    def begin(self) -> None:
+        """Before the step's first action: every backward of the step only accumulates."""
+
+    def sync_next_backward(self) -> None:
+        """Before the step's last whole backward (no W after it): it may reduce as it goes."""
+
+    def finish(self) -> None:
+        """After the step's last action: reduce the step's gradients over the replicas, once."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +48,7 @@ class TimelineEvent:
     """One action of one microbatch on one rank (wall-clock seconds)."""
 
     rank: int
-    stage_idx: int
+    stage_idx: int  # a stage id (0 .. num_stages - 1), not a rank
     mb_idx: int
     kind: str  # "forward", "backward" (whole), "backward-input" or "backward-weight"
     start: float
@@ -53,6 +76,12 @@ class Stage:
             averaged over the replicas once); None otherwise.
         recomputed: this rank's modules whose activations are recomputed in the
             backward (`activation_checkpointing`); their W passes run inside B.
+        logit_shard: the last stage's vocabulary slice of the logits (`loss_parallel`);
+            None when the last stage's output is the full logits, or on other ranks.
+
+    `apply_plan` builds it once, every field given. Not frozen: the runner replaces
+    `timeline` each step, and loading a checkpoint re-points `tied` at the tensors it
+    gave storage to (the meta parameters carving saw are gone).
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-pp2.yaml")
@@ -64,12 +93,12 @@ class Stage:
     module: nn.Module
     resolved: ResolvedPlan
     mesh: Mesh
-    forward_fns: dict[int, Callable[[torch.Tensor], torch.Tensor]]
+    forward_fns: dict[int, ForwardFn]
     tied: list[nn.Parameter] = field(default_factory=list)
     timeline: list[TimelineEvent] = field(default_factory=list)
-    grad_sync: Any = None
-    recomputed: tuple[str, ...] = ()  # modules of this rank under activation checkpointing
-    logit_shard: Any = None  # pipeline.loss.LogitShard: the last stage's vocabulary slice (loss_parallel)
+    grad_sync: GradientSync | None = None
+    recomputed: tuple[str, ...] = ()
+    logit_shard: LogitShard | None = None
 
     def __call__(self, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
         """Run this rank's stage on one microbatch: model input on the first stage, else hidden states."""
@@ -96,9 +125,15 @@ class Stage:
         return tuple(sorted(self.forward_fns))
 
     @property
-    def stage_idx(self) -> int:
-        """This rank's place in the pipeline (its pp rank); its stages are `stage_ids`."""
+    def pp_rank(self) -> int:
+        """This rank's place in the pipeline (mesh.pp_rank); its stages are `stage_ids`."""
         return self.mesh.pp_rank
+
+    @property
+    def stage_idx(self) -> int:
+        """Deprecated: the pp rank, not a stage id (`TimelineEvent.stage_idx` is one); use `pp_rank`."""
+        warnings.warn("Stage.stage_idx is the pp rank: use Stage.pp_rank", DeprecationWarning, stacklevel=2)
+        return self.pp_rank
 
     @property
     def dp(self) -> int:
@@ -193,7 +228,7 @@ class Stage:
         }
 
     def __repr__(self) -> str:
-        mods = list(self.resolved.rank_modules(self.stage_idx))
+        mods = list(self.resolved.rank_modules(self.pp_rank))
         held = f"stages {list(self.stage_ids)}" if len(self.stage_ids) > 1 else f"{self.stage_ids[0]}"
         return (
             f"Stage({held}/{self.num_stages}, tp_rank={self.mesh.tp_rank}/{self.mesh.tp}, "

@@ -53,7 +53,7 @@ def _pipeline(rank: int, ws: int, mesh: dict, microbatches: int, cut_points, ove
     assert_close(f"rank {rank} step loss", loss, ref_loss)
     assert_grads_match(model, reference, prefix=f"rank {rank} ")
     assert_afab_order(stage.timeline)
-    spec = stage.resolved.stages[stage.stage_idx]
+    spec = stage.resolved.stages[stage.stage_ids[0]]  # one stage per rank
     owned = sorted({n.split(".")[2] for n, _ in model.named_parameters() if n.startswith("model.layers.")})
     # Tied copies stay equal after an optimizer step.
     torch.optim.SGD(stage.parameters(), lr=0.1).step()

@@ -53,7 +53,7 @@ def _step(rank: int, config, plan: dict, m: int) -> dict:
     name = f"rank {rank} {pipe['schedule']} k={pipe.get('virtual_stages', 1)} m={m}"
     assert_close(f"{name} loss", loss, reference_step(reference, ids, targets))
     assert assert_grads_match(model, reference, prefix=f"{name} ") > 0
-    return {"order": _executed(stage), "peak": _executed_peak(stage), "pp_rank": stage.stage_idx,
+    return {"order": _executed(stage), "peak": _executed_peak(stage), "pp_rank": stage.pp_rank,
             "stages": list(stage.stage_ids)}
 
 

@@ -1,0 +1,48 @@
+"""`Stage` built by hand, without a process group: its keyword constructor, `pp_rank` and the
+deprecated `stage_idx`, and the gradient-sync protocol the runner calls."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from rewrite import Stage, resolve
+from rewrite.data_parallel import GradSync
+from rewrite.mesh import Mesh
+from rewrite.pipeline.stage import GradientSync
+from tests.models import ToyNet
+
+
+def _stage(rank: int) -> Stage:
+    model = ToyNet()
+    mesh = Mesh(pp=2, tp=1, rank=rank, tp_group=None, tied_group=None)
+    return Stage(model=model, module=model, resolved=resolve({"mesh": {"pp": 2}}, model), mesh=mesh,
+                 forward_fns={rank: model})
+
+
+def test_pp_rank_and_its_deprecated_alias():
+    stage = _stage(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pp_rank itself warns of nothing
+        assert stage.pp_rank == 1 and stage.stage_ids == (1,)
+    with pytest.warns(DeprecationWarning, match=r"Stage.stage_idx is the pp rank: use Stage.pp_rank"):
+        assert stage.stage_idx == 1
+
+
+def test_defaults_of_a_stage_built_by_keywords():
+    stage = _stage(0)
+    assert (stage.tied, stage.timeline, stage.grad_sync, stage.recomputed, stage.logit_shard) == ([], [], None, (), None)
+    assert stage.is_first and not stage.is_last
+    assert repr(stage).startswith("Stage(0/2, tp_rank=0/1, rank=0, modules=")
+
+
+def test_data_parallel_grad_sync_is_the_runners_protocol():
+    assert issubclass(GradSync, GradientSync)
+
+    class NoFinish:
+        def begin(self) -> None: ...
+
+        def sync_next_backward(self) -> None: ...
+
+    assert not isinstance(NoFinish(), GradientSync)
