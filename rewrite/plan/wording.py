@@ -37,8 +37,12 @@ def either(values: Iterable[object], word: str = "or") -> str:
     return ", ".join(items[:-1]) + f" {word} {items[-1]}" if len(items) > 1 else "".join(items)
 
 
-def index_ranges(indices: Iterable[int]) -> str:
-    """Sorted as numbers, runs of three or more written as ranges: '0-3, 5, 7, 9-11'."""
+def index_ranges(indices: Iterable[int], *, min_run: int = 3) -> str:
+    """Sorted as numbers, runs of `min_run` or more written as ranges: '0-3, 5, 7, 9-11'.
+
+        >>> index_ranges([9, 10, 5]), index_ranges([9, 10, 5], min_run=2)
+        ('5, 9, 10', '5, 9-10')
+    """
     ordered = sorted(set(indices))
     runs: list[list[int]] = []
     for i in ordered:
@@ -48,7 +52,7 @@ def index_ranges(indices: Iterable[int]) -> str:
             runs.append([i])
     parts = []
     for run in runs:
-        parts += [f"{run[0]}-{run[-1]}"] if len(run) >= 3 else [str(i) for i in run]
+        parts += [f"{run[0]}-{run[-1]}"] if len(run) >= min_run else [str(i) for i in run]
     return ", ".join(parts)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-__all__ = ["WIDTH", "format_table", "format_bytes", "wrap_list", "wrap_prose"]
+__all__ = ["WIDTH", "format_table", "format_bytes", "span", "wrap_list", "wrap_prose"]
 
 WIDTH = 100  # columns that prose and the stage table's module lists wrap at
 
@@ -70,3 +70,8 @@ def format_bytes(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{size:.1f} TiB"
+
+
+def span(lo: int, hi: int, word: str = "rank") -> str:
+    """`rank 3`, or `ranks 4-7`."""
+    return f"{word} {lo}" if lo == hi else f"{word}s {lo}-{hi}"

@@ -1,9 +1,8 @@
 """What `rewrite show` shows, before layout: collapsed tensor-parallel rows, stages, memory per rank.
 
-`show_data` returns it as a dict of lists and numbers (bytes), ready for `json.dumps`;
-`memory_table` and `memory_notes` give the memory section's cells and lines, and
-`rewrite.run.show.report` lays everything out as text. Layers that differ only in their
-index become one entry named with the index ranges: `model.layers.0-31.mlp.up_proj`.
+`show_data` returns it as a dict of lists and numbers (bytes), ready for `json.dumps`: the one
+place that works it out. `rewrite.run.show.report.render_text` lays the dict out as text. Layers
+that differ only in their index become one entry named with the index ranges: `model.layers.0-31.mlp.up_proj`.
 """
 
 from __future__ import annotations
@@ -15,31 +14,12 @@ from torch import nn
 
 from ...estimate.memory import GIB, SHARDINGS, RankMemory, rank_footprints, rank_memory
 from ...plan.resolve import ResolvedPlan
-from .columns import format_bytes
+from ...plan.wording import index_ranges
+from ...schedules import splits_backward
 
-__all__ = [
-    "index_ranges", "collapse_names", "tp_entries", "stage_entries", "show_data", "memory_table", "memory_notes", "span",
-]
+__all__ = ["collapse_names", "tp_entries", "stage_entries", "show_data"]
 
 _INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")  # a whole dotted segment that is a number
-
-
-def index_ranges(indices: Iterable[int], *, sep: str = ", ") -> str:
-    """Sorted numbers as compact ranges.
-
-    Example:
-        >>> index_ranges([11, 0, 1, 2, 3, 8, 9, 10])
-        '0-3, 8-11'
-        >>> index_ranges([9, 10, 5])
-        '5, 9-10'
-    """
-    runs: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return sep.join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
 
 
 def _split(fqn: str) -> tuple[str, int | None]:
@@ -53,7 +33,7 @@ def _split(fqn: str) -> tuple[str, int | None]:
 def _name(template: str, indices: Sequence[int]) -> str:
     if "\0" not in template:
         return template
-    ranges = index_ranges(indices)
+    ranges = index_ranges(indices, min_run=2)
     return template.replace("\0", ranges if "," not in ranges else "{" + ranges + "}")
 
 
@@ -151,6 +131,14 @@ def _memory_entry(m: RankMemory, limit: float | None) -> dict:
     }
 
 
+def _fullest(resolved: ResolvedPlan, model: nn.Module | None) -> dict | None:
+    # Under each sharding mode, the fullest rank (the highest peak): bytes between steps and at the peak; dp > 1 only.
+    if resolved.plan.mesh.dp == 1:
+        return None
+    feet = {m: max(rank_footprints(resolved, model, sharding=m), key=lambda f: f.peak) for m in SHARDINGS}
+    return {m: {"at_rest": f.at_rest, "peak": f.peak} for m, f in feet.items()}
+
+
 def show_data(
     resolved: ResolvedPlan,
     model: nn.Module | None = None,
@@ -162,7 +150,7 @@ def show_data(
     memory_limit: float | None = None,
     warnings: Sequence[str] | None = None,
 ) -> dict:
-    """What `rewrite show` prints, as data: `rewrite show --json` prints this dict.
+    """What `rewrite show` prints, as data: `--json` prints this dict, `report.render_text` lays it out.
 
     Args:
         resolved: `rewrite.resolve(plan, model)`; a meta-device model is enough.
@@ -173,9 +161,17 @@ def show_data(
         warnings: lines to pass on (e.g. from a stage-balance check).
 
     Returns:
-        {"plan", "model", "mesh", "pipeline", "tensor_parallel", "stages", "memory",
-        "whole_model", "warnings"}; memory sizes are bytes, replica 0's ranks (the other
-        replicas hold the same).
+        {"plan", "description", "model", "mesh", "pipeline", "data_parallel", "tensor_parallel",
+        "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory", "whole_model",
+        "warnings"}; memory sizes are bytes, replica 0's ranks (the other replicas hold the same).
+        `pipeline` holds the run's microbatches and seq_len, and under `planned` the plan's own
+        microbatches and cut_points as written ("auto", a list, or None); `est_compute_seq_len` is
+        the sequence length the stages' est_compute is for (None: no estimate). `memory.fullest`:
+        under each data-parallel sharding, the fullest rank's bytes between steps and at its peak
+        (None for mesh.dp = 1).
+
+    Raises:
+        ValueError: mesh.dp > 1 and no model; a run setting below 1.
 
     Example:
         >>> data = show_data(rewrite.resolve("plans/llama-tp2-pp2.yaml", model), model, memory_limit=40)
@@ -194,10 +190,15 @@ def show_data(
             "schedule": pipe.schedule, "microbatches": microbatches or pipe.microbatches,
             "virtual_stages": pipe.virtual_stages, "seq_len": seq_len or pipe.seq_len, "batch_size": batch_size,
             "cut_points": list(resolved.cut_points), "kind": resolved.kind,
+            "planned": {"microbatches": pipe.microbatches, "cut_points": pipe.cut_points},
+            "splits_backward": splits_backward(pipe.schedule, pipe.table),
+            "est_compute_seq_len": resolved.costs.seq_len if resolved.costs else None,
         },
         "data_parallel": {"sharding": plan.data_parallel.sharding},
         "tensor_parallel": tp_entries(resolved, model),
+        "sharded_modules": len(resolved.shards),
         "recomputed": collapse_names(resolved.recomputed),
+        "recomputed_modules": len(resolved.recomputed),
         "stages": stage_entries(resolved),
         "memory": {
             "dtype": None if first is None else str(first.dtype).removeprefix("torch."),
@@ -205,85 +206,8 @@ def show_data(
             "limit_bytes": limit,
             "not_fitting": sum(1 for m in ranks if m.fits(limit) is False),
             "ranks": [_memory_entry(m, limit) for m in ranks],
+            "fullest": _fullest(resolved, model),
         },
         "whole_model": {"params": resolved.total_params, "bytes": resolved.total_bytes},
         "warnings": list(warnings or []),
     }
-
-
-def span(lo: int, hi: int, word: str = "rank") -> str:
-    """`rank 3`, or `ranks 4-7`."""
-    return f"{word} {lo}" if lo == hi else f"{word}s {lo}-{hi}"
-
-
-def _gib(limit: float) -> str:
-    return f"{limit:g} GiB"
-
-
-def memory_table(ranks: Sequence[RankMemory], *, memory_limit: float | None = None) -> tuple[list[str], list[list[str]]]:
-    """The cells of the per-rank memory table of `rewrite show`: (header, rows), from `rank_memory`.
-
-    Columns: rank, stages, tp_rank, params (elements), weights, grads, AdamW, gathered (only
-    when a rank gathers: mesh.dp > 1), activations (`-`: not estimated), total, and fits (only
-    with `memory_limit`, GiB): `yes`, or `no (42.4 GiB > 40 GiB)`.
-    """
-    dp = any(m.gathered for m in ranks)
-    header = ["rank", "stages", "tp_rank", "params", "weights", "grads", "AdamW", *(["gathered"] if dp else []),
-              "activations", "total", *(["fits"] if memory_limit is not None else [])]
-    rows = []
-    for m in ranks:
-        row = [str(m.rank), ",".join(map(str, m.stages)), str(m.tp_rank), f"{m.params:,}",
-               *(format_bytes(n) for n in (m.weights, m.grads, m.adamw)), *([format_bytes(m.gathered)] if dp else []),
-               "-" if m.activations is None else format_bytes(m.activations), format_bytes(m.total)]
-        if memory_limit is not None:
-            row.append("yes" if m.fits(memory_limit * GIB) else f"no ({format_bytes(m.total)} > {_gib(memory_limit)})")
-        rows.append(row)
-    return header, rows
-
-
-def memory_notes(
-    resolved: ResolvedPlan, model: nn.Module | None, ranks: Sequence[RankMemory], *, batch_size: int = 1,
-    seq_len: int | None = None, microbatches: int | None = None, memory_limit: float | None = None,
-) -> list[str]:
-    """The lines under the memory table: other replicas, the activations' settings, what total adds up,
-    and with `memory_limit` how many ranks do not fit."""
-    mesh, pipe, out = resolved.plan.mesh, resolved.plan.pipeline, []
-    per = resolved.pp * resolved.tp
-    if mesh.dp == 2:
-        out.append(f"  {span(per, 2 * per - 1)} (replica 1) hold the same as {span(0, per - 1)}, rank for rank")
-    elif mesh.dp > 2:
-        out.append(f"  {span(1, mesh.dp - 1, 'replica')} ({span(per, mesh.dp * per - 1)}) hold the same as "
-                   "replica 0, rank for rank")
-    s, m = seq_len or pipe.seq_len, microbatches or pipe.microbatches
-    if ranks and ranks[0].activations is not None:
-        alive = ", ".join(f"rank {r.rank}: {r.in_flight}" for r in ranks if r.tp_rank == 0)
-        out.append(
-            f"  activations: {batch_size} sequence{'s' if batch_size != 1 else ''} of {s} tokens per microbatch, "
-            f"{m} microbatch{'es' if m != 1 else ''} under {pipe.schedule} (microbatch-stages alive at most: {alive}); "
-            "SDPA attention, transient buffers not counted (rewrite.estimate.activations)"
-        )
-    else:
-        out.append("  activations: not estimated (a Hugging Face LLaMA-family model split by the module walker "
-                   "is needed, and the model itself)")
-    if mesh.dp == 1:
-        out.append("  total = weights + grads + AdamW + activations")
-    else:
-        out.append(
-            "  total = weights + grads + AdamW + gathered + activations; gathered: what a step adds, parameters "
-            "gathered (full: the largest layer or the root's embeddings/norm/head; grad_op, or full under a split "
-            "schedule: all of the rank's, from forward to the step's end; replicate: a second whole copy) and the "
-            "gradients accumulated whole until the step's one reduce, less the sharded grads they replace"
-        )
-        feet = {m: max(rank_footprints(resolved, model, sharding=m), key=lambda f: f.peak) for m in SHARDINGS}
-        rest = ", ".join(f"{m} {format_bytes(f.at_rest)}" for m, f in feet.items())
-        peak = ", ".join(f"{m} {format_bytes(f.peak)}" for m, f in feet.items())
-        out.append(f"  the fullest rank under each sharding, params + grads + AdamW: {rest}; peak in step: {peak}")
-    if memory_limit is not None:
-        over = [r for r in ranks if not r.fits(memory_limit * GIB)]
-        each = " of each replica" if mesh.dp > 1 else ""
-        if over:
-            out.append(f"  {len(over)} of {len(ranks)} ranks{each} do not fit in {_gib(memory_limit)} (ranks "
-                       f"{index_ranges(r.rank for r in over)}; the largest total {format_bytes(max(r.total for r in over))})")
-        else:
-            out.append(f"  all {len(ranks)} ranks{each} fit in {_gib(memory_limit)}")
-    return out

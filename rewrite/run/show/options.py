@@ -13,6 +13,7 @@ from ...plan.resolve import ResolvedPlan, resolve
 from ...plan.schema import PlanError, load_plan
 from ...plan.tp_rules import match_pattern
 from .columns import format_bytes, format_table
+from .memory import UNCOUNTED
 
 __all__ = ["option_variants", "option_rows", "format_options"]
 
@@ -97,7 +98,7 @@ def option_rows(resolved: ResolvedPlan, model: nn.Module) -> tuple[list[list[str
 
 
 def format_options(resolved: ResolvedPlan, model: nn.Module) -> str:
-    """The table `rewrite show` prints after `format_plan`: parameters and estimated activations per rank,
+    """The table `rewrite show` prints after `render_text`: parameters and estimated activations per rank,
     as planned and with each tensor-parallel option flipped (`option_rows`).
 
     Empty when nothing is to compare: mesh.tp = 1 and the plan sets none of loss_parallel,
@@ -119,6 +120,5 @@ def format_options(resolved: ResolvedPlan, model: nn.Module) -> str:
         *notes,
         f"  rank: global rank, replica 0, tp rank 0 (its tp ranks hold the same); activations for 1 sequence of "
         f"{pipe.seq_len} tokens (pipeline.seq_len) per microbatch, {pipe.microbatches} microbatch"
-        f"{'es' if pipe.microbatches != 1 else ''} under {pipe.schedule}, SDPA attention, transient buffers not "
-        "counted (rewrite.estimate.activations)",
+        f"{'es' if pipe.microbatches != 1 else ''} under {pipe.schedule}, {UNCOUNTED}",
     ])

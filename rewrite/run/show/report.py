@@ -1,8 +1,8 @@
-"""Plain-text tables of a resolved plan: what `rewrite show` prints.
+"""Plain-text tables of a resolved plan: what `rewrite show` prints, laid out from `show_data`'s dict.
 
 Three tables: module path -> style -> per-rank shapes; stages -> ranks, share of compute,
-modules; parameters and memory per rank (summed over the stages it holds, divided over dp
-as `rewrite.estimate.memory` works out); and the schedule. Aligned columns, no dependency.
+modules; parameters and memory per rank (`memory.py`). Aligned columns, no dependency.
+`render_text(data)` reads only the dict; `format_plan(resolved, ...)` is both steps in one.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ...estimate.memory import rank_footprints, rank_memory
+from ...plan.ranks import shape_text
 from ...plan.resolve import ResolvedPlan
-from ...schedules import splits_backward
-from .columns import WIDTH, format_bytes, format_table, wrap_list, wrap_prose
-from .data import collapse_names, memory_notes, memory_table, span, stage_entries, tp_entries
+from .columns import WIDTH, format_bytes, format_table, span, wrap_list, wrap_prose
+from .data import show_data
+from .memory import memory_lines
 
-__all__ = ["format_plan", "shard_rows", "stage_rows", "rank_rows"]
+__all__ = ["render_text", "format_plan", "shard_rows", "stage_rows"]
+
 
 def _shape(shape: Sequence[int] | None) -> str:
     return "-" if shape is None else "[" + ", ".join(str(d) for d in shape) + "]"
@@ -30,48 +31,27 @@ def _shapes(whole: Sequence[int] | None, per_rank: Sequence[int] | None) -> str:
     return f"{_shape(whole)} -> {_shape(per_rank)}"
 
 
-def shard_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[list[str]]:
-    """The tensor-parallel table: modules that differ only in a layer index as one row
-    (`model.layers.0-31.mlp.up_proj`), with style, weight and bias (whole -> per tp rank), rule."""
+def shard_rows(entries: Sequence[dict]) -> list[list[str]]:
+    """The tensor-parallel table from `show_data(...)["tensor_parallel"]` (or `data.tp_entries`): one row
+    per entry (`model.layers.0-31.mlp.up_proj`), with style, weight and bias (whole -> per tp rank), rule."""
     return [
         [e["module"], e["style"], _shapes(e["weight"], e["weight_per_rank"]), _shapes(e["bias"], e["bias_per_rank"]), e["rule"]]
-        for e in tp_entries(resolved, model)
+        for e in entries
     ]
 
 
-def stage_rows(resolved: ResolvedPlan, *, width: int | None = None) -> list[list[str]]:
-    """One row per pipeline stage: index, global ranks (replica 0's), share of the estimated compute, modules.
+def stage_rows(entries: Sequence[dict], *, width: int | None = None) -> list[list[str]]:
+    """One row per pipeline stage of `show_data(...)["stages"]` (or `data.stage_entries`): index, global
+    ranks (replica 0's), share of the estimated compute, modules.
 
     Decoder layers are collapsed (`model.layers.0-7`); with `width`, the modules wrap onto
     lines of at most that many characters. The share is `-` where there is no estimate (torch.fx stages).
     """
     rows = []
-    for e in stage_entries(resolved):
+    for e in entries:
         modules = ", ".join(e["modules"]) if width is None else wrap_list(e["modules"], width)
         share = "-" if e["est_compute"] is None else f"{e['est_compute']:.0%}"
         rows.append([str(e["stage"]), ",".join(map(str, e["ranks"])), share, modules])
-    return rows
-
-
-def _held(resolved: ResolvedPlan, pp_rank: int) -> str:
-    return ",".join(str(s) for s in resolved.rank_stages(pp_rank))
-
-
-def rank_rows(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[list[str]]:
-    """One row per global rank: the stages it holds, tp rank, parameters and their memory.
-
-    A rank holding several stages (pipeline.virtual_stages) adds them up. The training
-    column counts weights + gradients (the parameters' dtype) + AdamW's two moments in
-    float32, between steps, under the plan's data-parallel sharding (mesh.dp > 1 needs
-    `model`: see `rewrite.estimate.memory.rank_footprints`).
-    """
-    feet, rows = rank_footprints(resolved, model), []
-    for d in range(resolved.plan.mesh.dp):
-        for pp_rank, foot in enumerate(feet):
-            for t in range(resolved.tp):
-                rank = resolved.plan.mesh.global_rank(pp_rank, t, d)
-                rows.append([str(rank), _held(resolved, pp_rank), str(t), f"{foot.params:,}",
-                             format_bytes(foot.weights), format_bytes(foot.at_rest)])
     return rows
 
 
@@ -84,19 +64,20 @@ _MODES = {
 }
 
 
-def _layout_lines(resolved: ResolvedPlan) -> list[str]:
+def _layout_lines(data: dict) -> list[str]:
     """The rank layout, and for dp > 1 the replicas and the sharding mode."""
-    mesh, per = resolved.plan.mesh, resolved.pp * resolved.tp
-    if mesh.dp == 1:
+    mesh, pipe = data["mesh"], data["pipeline"]
+    dp, per = mesh["dp"], mesh["pp"] * mesh["tp"]
+    if dp == 1:
         return ["ranks: rank = pp_rank * tp + tp_rank (tp innermost: a stage's tp ranks are neighbours, on one machine)"]
-    shown = list(range(mesh.dp)) if mesh.dp <= 4 else [0, 1, None, mesh.dp - 1]
+    shown = list(range(dp)) if dp <= 4 else [0, 1, None, dp - 1]
     replicas = ", ".join("..." if d is None else f"{d}: {span(d * per, d * per + per - 1)}" for d in shown)
-    sharding, schedule = resolved.plan.data_parallel.sharding, resolved.plan.pipeline.schedule
-    split = sharding == "full" and splits_backward(resolved.plan.pipeline.schedule, resolved.plan.pipeline.table)
+    sharding, schedule = data["data_parallel"]["sharding"], pipe["schedule"]
+    split = sharding == "full" and pipe["splits_backward"]
     return [
         "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank (tp innermost: neighbours on one machine; "
         "dp outermost: replicas across machines)",
-        f"replicas: {mesh.dp}, each a whole pipeline on its own microbatches ({replicas})",
+        f"replicas: {dp}, each a whole pipeline on its own microbatches ({replicas})",
         f"data parallel: sharding {sharding}: {_MODES[sharding]}"
         + (f"; schedule {schedule} splits backwards, so as under grad_op the layers stay gathered from "
            "forward to the step's end" if split else "")
@@ -104,46 +85,90 @@ def _layout_lines(resolved: ResolvedPlan) -> list[str]:
     ]
 
 
-def _memory_lines(resolved: ResolvedPlan, model: nn.Module | None, **run) -> list[str]:
-    first = next(iter(model.parameters()), None) if model is not None else None
-    dtype = "the parameters' dtype" if first is None else str(first.dtype).removeprefix("torch.")
-    limit = run.pop("memory_limit")
-    ranks = rank_memory(resolved, model, **run)
+def _tensor_parallel_lines(data: dict) -> list[str]:
+    if not data["tensor_parallel"]:
+        return ["Tensor parallel: no module is sharded"]
+    tp, rows = data["mesh"]["tp"], shard_rows(data["tensor_parallel"])
+    header = ["module", "style", "weight", "bias", "rule"]
+    if all(r[3] == "-" for r in rows):  # no biases: no column for them
+        header, rows = header[:3] + header[4:], [r[:3] + r[4:] for r in rows]
     return [
-        f"Memory per rank: params held between steps; weights, grads and activations in {dtype}, "
-        "AdamW's 2 moments in float32",
-        format_table(*memory_table(ranks, memory_limit=limit)),
-        *memory_notes(resolved, model, ranks, memory_limit=limit, **run),
+        f"Tensor parallel: {data['sharded_modules']} modules in {len(rows)} rows (layers alike in one); weight and "
+        f"bias shapes whole -> on each of the {tp} tp rank{'s' if tp != 1 else ''}"
+        + (" (tp=1: nothing is split)" if tp == 1 else ""),
+        format_table(header, rows),
     ]
 
 
-def format_plan(
-    resolved: ResolvedPlan,
-    *,
-    model_label: str | None = None,
-    model: nn.Module | None = None,
-    batch_size: int = 1,
-    seq_len: int | None = None,
-    microbatches: int | None = None,
-    memory_limit: float | None = None,
-    warnings: Sequence[str] | None = None,
-) -> str:
-    """The tables of `rewrite show`, with a heading, the rank layout and the sharding mode.
+def _pipeline_lines(data: dict) -> list[str]:
+    mesh, pipe = data["mesh"], data["pipeline"]
+    cuts = f", cut at {', '.join(pipe['cut_points'])}" if pipe["cut_points"] else ""
+    how = " (auto)" if pipe["planned"]["cut_points"] == "auto" else ""
+    est = (
+        f"; est. compute: training FLOPs per stage for {pipe['est_compute_seq_len']}-token sequences "
+        "(pipeline.seq_len)"
+        if pipe["est_compute_seq_len"] is not None
+        else ""
+    )
+    n, k, pp, tp = len(data["stages"]), pipe["virtual_stages"], mesh["pp"], mesh["tp"]
+    shape = "V" if pipe["schedule"] == "zbv" else "looped"
+    per_rank = f" on {pp} rank{'s' if pp != 1 else ''} ({k} per rank, {shape})" if k > 1 else ""
+    ranks = "ranks (replica 0)" if mesh["dp"] > 1 else "ranks"
+    header = ["stage", ranks, "est. compute", "modules"]
+    lead = max(len(ranks), len(",".join(str(r) for r in range(tp)))) + len("stage") + len("est. compute") + 2 + 3 * 2
+    return [
+        f"Pipeline: {n} stage{'s' if n != 1 else ''}{per_rank}{cuts}{how}{est}",
+        format_table(header, stage_rows(data["stages"], width=max(40, WIDTH - lead))),
+    ]
 
-    Args:
-        resolved: `rewrite.resolve(plan, model)`; a meta-device model is enough.
-        model_label: how to name the model in the heading (e.g. the preset or path).
-        model: the model it was resolved against; needed when mesh.dp > 1 (FSDP2 pads
-            each parameter's dim 0 to a multiple of dp, which takes the shapes), for the
-            whole shapes of the tensor-parallel table and for the activations.
-        batch_size: sequences per microbatch, for the activations.
-        seq_len, microbatches: the activations' sequence length and microbatches, default
-            pipeline.seq_len and pipeline.microbatches.
-        memory_limit: GiB per rank: a `fits` column, and a line naming the ranks over it.
-        warnings: lines printed under `Warnings:` at the end (e.g. a stage-balance check's).
+
+def render_text(data: dict) -> str:
+    """The tables of `rewrite show`, with a heading, the rank layout and the sharding mode, from `show_data`'s dict.
+
+    Reads nothing but `data` (a dict `json.loads(json.dumps(data))` gives back works as well).
 
     Returns:
         Multi-line text, no trailing newline, prose wrapped at `WIDTH` columns.
+
+    Example:
+        >>> print(render_text(show_data(rewrite.resolve("plans/llama-tp2.yaml", model), model, memory_limit=80)))
+    """
+    mesh, pipe, model = data["mesh"], data["pipeline"], data["model"]
+    name = model["name"] + (f" ({model['label']})" if model["label"] else "")
+    m = pipe["planned"]["microbatches"]
+    out = [
+        f"{data['plan']} on {name}",
+        f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'])} = {mesh['world_size']} ranks; {m} microbatch"
+        f"{'es' if m != 1 else ''} per step{' per replica' if mesh['dp'] > 1 else ''}, "
+        f"schedule {pipe['schedule']}; {'module walker (hf)' if pipe['kind'] == 'hf' else 'torch.fx stages'}",
+        *_layout_lines(data),
+        "",
+        *_tensor_parallel_lines(data),
+    ]
+    if data["recomputed"]:
+        out.append(
+            f"Activation checkpointing: {data['recomputed_modules']} modules keep only their inputs and run their "
+            f"forward again in the backward ({', '.join(data['recomputed'])})"
+        )
+    out += ["", *_pipeline_lines(data), "", *memory_lines(data)]
+    whole = data["whole_model"]
+    out.append(f"  whole model: {whole['params']:,} parameters, {format_bytes(whole['bytes'])}")
+    if data["warnings"]:
+        out += ["", "Warnings:", *(f"  - {w}" for w in data["warnings"])]
+    return wrap_prose("\n".join(out))
+
+
+def format_plan(resolved: ResolvedPlan, *, model: nn.Module | None = None, **run) -> str:
+    """`render_text(show_data(resolved, model, **run))`: the text of `rewrite show` for a resolved plan.
+
+    Args:
+        resolved: `rewrite.resolve(plan, model)`; a meta-device model is enough.
+        model: the model it was resolved against; needed when mesh.dp > 1 (FSDP2 pads
+            each parameter's dim 0 to a multiple of dp, which takes the shapes), for the
+            whole shapes of the tensor-parallel table and for the activations.
+        run: `show_data`'s other keywords: model_label (named in the heading), batch_size,
+            seq_len, microbatches (the activations'), memory_limit (GiB per rank: a `fits`
+            column and a line naming the ranks over it), warnings (printed under `Warnings:`).
 
     Raises:
         ValueError: mesh.dp > 1 and no model; a run setting below 1.
@@ -151,55 +176,4 @@ def format_plan(
     Example:
         >>> print(format_plan(rewrite.resolve("plans/llama-tp2.yaml", model), model=model, memory_limit=80))
     """
-    plan, tp, pp = resolved.plan, resolved.tp, resolved.pp
-    name = resolved.model_name + (f" ({model_label})" if model_label else "")
-    pipe = plan.pipeline
-    out = [
-        f"{plan.source} on {name}",
-        f"mesh: {plan.mesh.shape_text()} = {resolved.world_size} ranks; {pipe.microbatches} microbatch"
-        f"{'es' if pipe.microbatches != 1 else ''} per step{' per replica' if plan.mesh.dp > 1 else ''}, "
-        f"schedule {pipe.schedule}; {'module walker (hf)' if resolved.kind == 'hf' else 'torch.fx stages'}",
-        *_layout_lines(resolved),
-        "",
-    ]
-    if resolved.shards:
-        rows = shard_rows(resolved, model)
-        out.append(
-            f"Tensor parallel: {len(resolved.shards)} modules in {len(rows)} rows (layers alike in one); weight and "
-            f"bias shapes whole -> on each of the {tp} tp rank{'s' if tp != 1 else ''}"
-            + (" (tp=1: nothing is split)" if tp == 1 else "")
-        )
-        header = ["module", "style", "weight", "bias", "rule"]
-        if all(r[3] == "-" for r in rows):  # no biases: no column for them
-            header, rows = header[:3] + header[4:], [r[:3] + r[4:] for r in rows]
-        out.append(format_table(header, rows))
-    else:
-        out.append("Tensor parallel: no module is sharded")
-    if resolved.recomputed:
-        out.append(
-            f"Activation checkpointing: {len(resolved.recomputed)} modules keep only their inputs and run their "
-            f"forward again in the backward ({', '.join(collapse_names(resolved.recomputed))})"
-        )
-    out.append("")
-    cuts = f", cut at {', '.join(resolved.cut_points)}" if resolved.cut_points else ""
-    how = " (auto)" if pipe.cut_points == "auto" else ""
-    est = (
-        f"; est. compute: training FLOPs per stage for {resolved.costs.seq_len}-token sequences "
-        "(pipeline.seq_len)"
-        if resolved.costs
-        else ""
-    )
-    n, k = resolved.num_stages, pipe.virtual_stages
-    per_rank = f" on {pp} rank{'s' if pp != 1 else ''} ({k} per rank, {'V' if pipe.schedule == 'zbv' else 'looped'})" if k > 1 else ""
-    out.append(f"Pipeline: {n} stage{'s' if n != 1 else ''}{per_rank}{cuts}{how}{est}")
-    ranks = "ranks (replica 0)" if plan.mesh.dp > 1 else "ranks"
-    header = ["stage", ranks, "est. compute", "modules"]
-    lead = max(len(ranks), len(",".join(str(r) for r in range(tp)))) + len("stage") + len("est. compute") + 2 + 3 * 2
-    out.append(format_table(header, stage_rows(resolved, width=max(40, WIDTH - lead))))
-    out.append("")
-    out += _memory_lines(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches,
-                         memory_limit=memory_limit)
-    out.append(f"  whole model: {resolved.total_params:,} parameters, {format_bytes(resolved.total_bytes)}")
-    if warnings:
-        out += ["", "Warnings:", *(f"  - {w}" for w in warnings)]
-    return wrap_prose("\n".join(out))
+    return render_text(show_data(resolved, model, **run))

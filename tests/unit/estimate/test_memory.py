@@ -9,7 +9,9 @@ import pytest
 import rewrite
 from rewrite.estimate.memory import footprint, rank_footprints
 from rewrite.run.show.columns import format_bytes
-from rewrite.run.show.report import format_plan, rank_rows
+from rewrite.run.show.data import show_data
+from rewrite.run.show.memory import memory_table
+from rewrite.run.show.report import format_plan
 from rewrite.run.presets import build_model
 from tests.paths import PLANS
 
@@ -117,9 +119,10 @@ def test_show_dp2_tp2_pp2(llama):
     assert not any(len(r) == 16 and r[0] in {"4", "5", "6", "7"} for r in lines)
     assert "  ranks 4-7 (replica 1) hold the same as ranks 0-3, rank for rank" in text
     assert "whole model: 180,800 parameters" in text
-    # The compact table lists every global rank, in order, replica after replica.
-    rows = rank_rows(resolved, llama)
-    assert [r[0] for r in rows] == [str(r) for r in range(8)] and rows[4][1:] == rows[0][1:]
+    # The memory table lists replica 0's ranks in order, the ranks of replica 1 holding the same (the note above).
+    header, rows = memory_table(show_data(resolved, llama)["memory"])
+    assert [r[0] for r in rows] == [str(r) for r in range(4)] and header[:4] == ["rank", "stages", "tp_rank", "params"]
+    assert [r[1:4] for r in rows] == [_rows(text, str(rank))[1:4] for rank in range(4)]
 
 
 def test_a_split_schedule_keeps_full_gathered(llama):

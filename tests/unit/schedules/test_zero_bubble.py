@@ -164,13 +164,16 @@ def test_format_schedule_shows_split_backwards_and_stages():
 
 
 def test_show_adds_up_the_stages_a_rank_holds():
-    from rewrite.run.show.report import rank_rows, stage_rows
+    from rewrite.run.show.data import show_data
+    from rewrite.run.show.memory import memory_table
+    from rewrite.run.show.report import stage_rows
     from rewrite.run.presets import build_model
 
     plan = {"mesh": {"pp": 2, "tp": 2}, "pipeline": {"schedule": "zbv", "virtual_stages": 2}}
     resolved = rewrite.resolve(plan, build_model("tiny-llama", device="meta"))
-    assert [row[1] for row in stage_rows(resolved)] == ["0,1", "2,3", "2,3", "0,1"]  # global ranks of each stage
-    rows = rank_rows(resolved)
+    data = show_data(resolved)
+    assert [row[1] for row in stage_rows(data["stages"])] == ["0,1", "2,3", "2,3", "0,1"]  # global ranks of each stage
+    _, rows = memory_table(data["memory"])
     assert [row[:3] for row in rows] == [["0", "0,3", "0"], ["1", "0,3", "1"], ["2", "1,2", "0"], ["3", "1,2", "1"]]
     per_rank = [int(row[3].replace(",", "")) for row in rows[::2]]
     assert sum(per_rank) == sum(s.param_count for s in resolved.stages)

@@ -13,8 +13,9 @@ import rewrite
 from rewrite.estimate.activations import rank_activations
 from rewrite.estimate.memory import GIB, rank_memory, with_run
 from rewrite.run.show.columns import format_bytes
-from rewrite.run.show.report import format_plan, shard_rows
-from rewrite.run.show.data import collapse_names, index_ranges, show_data
+from rewrite.plan.wording import index_ranges
+from rewrite.run.show.report import format_plan, render_text, shard_rows
+from rewrite.run.show.data import collapse_names, show_data, tp_entries
 from rewrite.run.cli import main
 from rewrite.run.presets import build_model, load_config
 from tests.paths import PLANS, ROOT
@@ -51,9 +52,10 @@ def _memory_rows(text: str) -> dict[str, list[str]]:
 
 
 def test_index_ranges_are_numeric_and_compact():
-    assert index_ranges([11, 0, 1, 2, 3, 8, 9, 10]) == "0-3, 8-11"
-    assert index_ranges([10, 9, 2]) == "2, 9-10"  # 10 after 9, not after 1
-    assert index_ranges([5]) == "5" and index_ranges([]) == ""
+    assert index_ranges([11, 0, 1, 2, 3, 8, 9, 10], min_run=2) == "0-3, 8-11"
+    assert index_ranges([10, 9, 2], min_run=2) == "2, 9-10"  # 10 after 9, not after 1
+    assert index_ranges([10, 9, 2]) == "2, 9, 10"  # messages: a range from three on
+    assert index_ranges([5], min_run=2) == "5" and index_ranges([]) == ""
     names = [f"model.layers.{i}.mlp" for i in (10, 9, 2, 3)] + ["model.norm", "lm_head"]
     assert collapse_names(names) == ["model.layers.{2-3, 9-10}.mlp", "model.norm", "lm_head"]
     assert collapse_names(["model.embed_tokens", "model.layers.0", "model.layers.1"]) == [
@@ -63,7 +65,7 @@ def test_index_ranges_are_numeric_and_compact():
 
 def test_llama_8b_tensor_parallel_rows_collapse(llama_8b):
     resolved = rewrite.resolve(PLANS / "llama-tp2-pp2.yaml", llama_8b)
-    rows = shard_rows(resolved, llama_8b)
+    rows = shard_rows(tp_entries(resolved, llama_8b))
     assert len(resolved.shards) == 224 and len(rows) == 7
     assert rows[0] == ["model.layers.0-31.self_attn.q_proj", "column", "[4096, 4096] -> [2048, 4096]", "-",
                        "model.layers.*.self_attn.q_proj"]
@@ -155,6 +157,20 @@ def test_warnings_are_printed_and_passed_on(tiny):
     assert text.endswith("\n\nWarnings:\n  - stage 1 holds 95% of the estimated compute")
     assert "Warnings:" not in format_plan(resolved, model=tiny)
     assert show_data(resolved, tiny, warnings=warnings)["warnings"] == warnings
+
+
+@pytest.mark.parametrize(("plan", "with_model", "run"), [
+    ("llama-dp2-tp2-pp2", True, {"memory_limit": 0.02, "seq_len": 256, "warnings": ["stage 1 holds 95%"]}),
+    ("llama-pp2-zbv", True, {"batch_size": 2, "microbatches": 6}),
+    ("llama-tp2-sp", True, {"model_label": "tiny-llama"}),
+    ("llama-tp2-pp2", False, {"memory_limit": 40}),
+])
+def test_the_text_needs_only_the_dict(tiny, plan, with_model, run):
+    # Rendered from the dict after a JSON round trip (no resolved plan, no model, no tuples), the text is the same.
+    model = tiny if with_model else None
+    resolved = rewrite.resolve(PLANS / f"{plan}.yaml", tiny)
+    data = show_data(resolved, model, **run)
+    assert render_text(json.loads(json.dumps(data))) == render_text(data) == format_plan(resolved, model=model, **run)
 
 
 def test_show_on_the_8b_config_is_fast(llama_8b):
