@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 __all__ = ["main", "build_parser"]
 
-_MODEL_HELP = "an HF config.json, a local model directory, or a preset: {presets}"
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -39,18 +38,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from .show.columns import wrap_prose
     from .show.data import show_data
     from .show.options import format_options
-    from .show.report import format_plan
+    from .show.report import render_text
     from .show.schedule import format_schedule
 
     model = _meta_model(args.model, args.dtype)
     resolved = resolve(args.plan, model, world_size=args.world_size)
-    run = {"batch_size": args.batch_size, "seq_len": args.seq_len, "microbatches": args.microbatches,
-           "memory_limit": args.memory_limit, "warnings": balance_warnings(resolved, model)}
+    data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
+                     microbatches=args.microbatches, memory_limit=args.memory_limit,
+                     warnings=balance_warnings(resolved, model))
     if args.json:
-        data = show_data(resolved, model, model_label=args.model, **run)
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
-    print(format_plan(resolved, model_label=args.model, model=model, **run))
+    print(render_text(data))
     options = format_options(resolved, model)
     if options:
         print()
@@ -91,11 +90,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if args.model is None:
         if args.world_size is not None and args.world_size != plan.mesh.world_size:
             from ..plan.schema import PlanError
+            from ..plan.size_checks import world_problem
 
-            raise PlanError(args.plan, [
-                f"mesh: {plan.mesh.shape_text()} = {plan.mesh.world_size} ranks, but the world size is "
-                f"{args.world_size}; launch {plan.mesh.world_size} processes or change the mesh"
-            ])
+            raise PlanError(args.plan, [world_problem(plan, args.world_size)])
         print(f"{args.plan}: OK as a plan (mesh {_mesh_words(plan)}); pass --model to check it against a model too")
         return 0
     from ..estimate.balance import balance_warnings
@@ -119,33 +116,10 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import TrainConfig, train_main
+    from .train import train_main
+    from .train_flags import train_config
 
-    config = TrainConfig(
-        plan=args.plan,
-        model=args.model,
-        data=args.data,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        seed=args.seed,
-        out_dir=args.out,
-        parity=args.parity,
-        progress=not args.no_progress,
-        timeout_s=args.timeout,
-        ckpt=args.ckpt,
-        save_every=args.save_every,
-        keep=args.keep,
-        resume=args.resume,
-        export=args.export,
-        device=args.device,
-        dtype=args.train_dtype,
-        max_grad_norm=args.max_grad_norm,
-        warmup=args.warmup,
-        weight_decay=args.weight_decay,
-    )
-    train_main(config)
+    train_main(train_config(args))
     return 0
 
 
@@ -167,8 +141,8 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .presets import PRESETS
+    from .train_flags import MODEL_HELP, PLAN_HELP, add_train_flags
 
-    model_help = _MODEL_HELP.format(presets=", ".join(PRESETS))
     parser = argparse.ArgumentParser(
         prog="rewrite",
         description="Declarative tensor- and pipeline-parallel plans for Hugging Face LLaMA-family models.",
@@ -176,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     show = sub.add_parser("show", help="tables: module -> style -> per-rank shapes; stages; memory per rank")
-    show.add_argument("plan", metavar="PLAN", help="a plan file (.yaml, .yml or .json)")
-    show.add_argument("--model", required=True, metavar="MODEL", help=model_help)
+    show.add_argument("plan", metavar="PLAN", help=PLAN_HELP)
+    show.add_argument("--model", required=True, metavar="MODEL", help=MODEL_HELP)
     show.add_argument("--world-size", type=int, default=None, help="check the mesh against this many ranks")
     show.add_argument("--dtype", choices=_DTYPES, default=None,
                       help="parameter and activation dtype for the memory table (default: the config's "
@@ -196,17 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_cmd_show)
 
     validate = sub.add_parser("validate", help="check a plan (against a model); exit 1 listing every problem")
-    validate.add_argument("plan", metavar="PLAN", help="a plan file (.yaml, .yml or .json)")
-    validate.add_argument("--model", default=None, metavar="MODEL", help=model_help + " (omit: check the file only)")
+    validate.add_argument("plan", metavar="PLAN", help=PLAN_HELP)
+    validate.add_argument("--model", default=None, metavar="MODEL", help=MODEL_HELP + " (omit: check the file only)")
     validate.add_argument("--world-size", type=int, default=None, help="check the mesh against this many ranks")
     validate.set_defaults(func=_cmd_validate)
 
     schema = sub.add_parser("schema", help="print the plan JSON schema (plans/plan.schema.json)")
     schema.set_defaults(func=_cmd_schema)
 
-    from .train import TrainConfig
-
-    d = TrainConfig.__dataclass_fields__
     train = sub.add_parser(
         "train",
         help="train under torchrun: a HF checkpoint and its tokenizer (or a preset on bytes), resumable",
@@ -214,50 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`torchrun --standalone --nproc-per-node 4 -m rewrite train plans/llama-tp2-pp2.yaml`. "
         "Several machines: torchrun's own --nnodes/--node-rank/--rdzv-endpoint flags.",
     )
-    train.add_argument("plan", metavar="PLAN", help="a plan file (.yaml, .yml or .json)")
-    train.add_argument("--model", default=d["model"].default, metavar="MODEL", help=model_help + " (default %(default)s)")
-    train.add_argument(
-        "--data", default=None,
-        help="a .txt or .jsonl (a `text` field per line) file, a directory of them, or a `datasets` dataset saved "
-        "with save_to_disk; tokenized with the model's tokenizer, or read as bytes when it has none "
-        "(default: data/alice29.txt)",
-    )
-    train.add_argument("--steps", type=int, default=d["steps"].default, help="optimizer steps (default %(default)s)")
-    train.add_argument("--batch-size", type=int, default=d["batch_size"].default, help="sequences per microbatch (default %(default)s)")
-    train.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="tokens (bytes) per sequence (default %(default)s)")
-    train.add_argument("--lr", type=float, default=d["lr"].default, help="AdamW learning rate (default %(default)s)")
-    train.add_argument("--seed", type=int, default=d["seed"].default, help="model init and batch sampling seed (default %(default)s)")
-    train.add_argument("--out", default=d["out_dir"].default, help="where rank 0 writes timeline.png, loss.png, metrics.json (default %(default)s)")
-    train.add_argument("--warmup", type=int, default=d["warmup"].default, help="steps of linear LR warm-up (default %(default)s)")
-    train.add_argument("--weight-decay", type=float, default=d["weight_decay"].default, help="AdamW weight decay (default %(default)s)")
-    train.add_argument("--parity", dest="parity", action="store_true", default=None,
-                       help="check step 1 against one process (default: on for random weights in float32 on CPU)")
-    train.add_argument("--no-parity", dest="parity", action="store_false", help="skip the single-process check of step 1")
-    train.add_argument("--ckpt", default=None, metavar="DIR", help="training-state directory (model, optimizer, "
-                       "scheduler, RNG, data position; torch.distributed.checkpoint), saved after the last step")
-    train.add_argument("--save-every", type=int, default=0, metavar="N", help="also save the training state every N steps")
-    train.add_argument("--keep", type=int, default=None, metavar="K", help="keep only the K newest checkpoints")
-    train.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in --ckpt "
-                       "(any plan's); start fresh when there is none, so one command serves every restart")
-    train.add_argument("--export", default=None, metavar="DIR", help="at the end, write a plain Hugging Face "
-                       "checkpoint (with the tokenizer) to DIR")
-    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="auto: CUDA with NCCL when there is a GPU (one per rank), else CPU with gloo")
-    train.add_argument("--dtype", dest="train_dtype", choices=("float32", "bfloat16"), default="float32",
-                       help="compute dtype; bfloat16 keeps float32 weights and optimizer state (default %(default)s)")
-    train.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
-                       help="clip gradients to this norm of the whole model (over tp, pp and dp)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar (a line per step instead)")
-    train.add_argument(
-        "--timeout",
-        type=float,
-        default=d["timeout_s"].default,
-        metavar="SECONDS",
-        help="process-group timeout, > 0: a rank waiting longer than this in a collective (a peer stuck or "
-        "gone) fails the run instead of holding every rank for torch's default 30 minutes (default "
-        "%(default)g). Applies to the group `train` creates; a group the caller already initialised "
-        "keeps its own timeout",
-    )
+    add_train_flags(train)
     train.set_defaults(func=_cmd_train)
 
     export = sub.add_parser("export", help="a training checkpoint (--ckpt DIR, any plan) to a plain Hugging Face one")

@@ -43,7 +43,8 @@ class LaunchError(RuntimeError):
         self.rank, self.traceback, self.alive = rank, traceback, list(alive or [])
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: a MASTER_PORT for a local rendezvous."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -147,16 +148,8 @@ def _stream(selector: selectors.BaseSelector, tails: list[deque], echo: bool, wa
                 print(f"[rank {rank}] {text}", flush=True)
 
 
-def launch(
-    fn: Callable[..., Any],
-    nprocs: int,
-    *args: Any,
-    timeout_s: float = 300.0,
-    init_process_group: bool = True,
-    env: dict[str, str] | None = None,
-    echo: bool = True,
-    **kwargs: Any,
-) -> list[Any]:
+def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 300.0, init_process_group: bool = True,
+           env: dict[str, str] | None = None, echo: bool = True, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `nprocs` local ranks and return each rank's value.
 
     Each rank is a fresh Python process started with the environment torchrun would
@@ -215,7 +208,7 @@ def launch(
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "MPLBACKEND": "Agg",  # not the notebook's inline backend: workers have no display
@@ -280,10 +273,7 @@ def _wait(procs, selector, tails, results: list[BinaryIO], echo: bool, deadline:
             alive = [r for r, p in enumerate(procs) if p.poll() is None]
             raise LaunchError(
                 f"rank {first} of {len(procs)} failed (exit code {codes[first]}); every rank was stopped.\n"
-                f"--- rank {first} ---\n{trace.rstrip()}",
-                rank=first,
-                traceback=trace,
-                alive=alive,
+                f"--- rank {first} ---\n{trace.rstrip()}", rank=first, traceback=trace, alive=alive,
             )
         if all(c == 0 for c in codes):
             _drain(selector, tails, echo)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
+from .launch import free_port
 from .metrics import MetricsLog, peak_memory_bytes
 from .parity import Parity, parity_check
 from .progress import Progress, plot_loss, write_outputs
@@ -255,7 +256,7 @@ def train_main(config: TrainConfig) -> dict:
     """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     init_kwargs = build_init_kwargs(config)  # before the rendezvous: no rank is left waiting
     device, _ = pick_device(config.device)
     if device.type == "cuda":
@@ -293,11 +294,3 @@ def _restart_store(timeout: timedelta) -> dict:
                           timeout=timeout)
     return {"store": dist.PrefixStore(f"rewrite/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
             "world_size": world}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

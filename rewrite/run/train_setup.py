@@ -13,12 +13,16 @@ import torch
 import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
+from ..plan.wording import either
 from .presets import PRESETS, build_model, load_config
 
-__all__ = ["pick_device", "setting_problems", "ModelSource", "model_source", "build_stage", "ByteBatches", "TextBatches"]
+__all__ = ["DEVICES", "DTYPES", "pick_device", "setting_problems", "ModelSource", "model_source", "build_stage",
+           "ByteBatches", "TextBatches"]
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 _TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+DEVICES = ("auto", "cpu", "cuda")  # --device
+DTYPES = ("float32", "bfloat16")  # --dtype: the compute dtype
 
 
 def pick_device(name: str) -> tuple[torch.device, str]:
@@ -27,8 +31,8 @@ def pick_device(name: str) -> tuple[torch.device, str]:
     auto: CUDA with NCCL when a GPU is visible, else the CPU with gloo. On CUDA each rank
     takes GPU `LOCAL_RANK` (torchrun sets it).
     """
-    if name not in ("auto", "cpu", "cuda"):
-        raise TrainConfigError(f"--device {name!r}: use auto, cpu or cuda")
+    if name not in DEVICES:
+        raise TrainConfigError(f"--device {name!r}: use {either(DEVICES)}")
     if name == "cuda" and not torch.cuda.is_available():
         raise TrainConfigError("--device cuda: no GPU is visible to this process (torch.cuda.is_available() is "
                                "False); use --device cpu, or auto to take a GPU when there is one")
@@ -126,8 +130,8 @@ def setting_problems(config, plan, model_config) -> list[str]:
         problems.append(f"--keep is {config.keep}; keep at least 1 checkpoint")
     if (config.resume or config.save_every) and not config.ckpt:
         problems.append("--resume and --save-every need --ckpt DIR: where the training state is kept")
-    if config.dtype not in ("float32", "bfloat16"):
-        problems.append(f"--dtype {config.dtype!r}: use float32 or bfloat16")
+    if config.dtype not in DTYPES:
+        problems.append(f"--dtype {config.dtype!r}: use {either(DTYPES)}")
     if config.max_grad_norm is not None and not config.max_grad_norm > 0:
         problems.append(f"--max-grad-norm is {config.max_grad_norm}; use a positive norm such as 1.0")
     max_pos = getattr(model_config, "max_position_embeddings", None)

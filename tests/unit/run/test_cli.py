@@ -64,10 +64,11 @@ def test_validate_names_the_data_parallel_mesh():
     assert ok.returncode == 0, ok.stderr
     assert f"OK for LlamaForCausalLM (tiny-llama): {words}, 28 sharded modules, 2 stages" in ok.stdout
     assert f"OK as a plan (mesh {words})" in rewrite_cmd("validate", plan).stdout
-    for model in ([], ["--model", "tiny-llama"]):
+    for model in ([], ["--model", "tiny-llama"]):  # one message, with or without a model: the dp that fills 4
         out = rewrite_cmd("validate", plan, "--world-size", "4", *model)
         assert out.returncode == 1
-        assert "mesh: dp=2 x pp=2 x tp=2 = 8 ranks, but the world size is 4; launch 8 processes" in out.stderr
+        assert ("line 8: mesh: dp=2 x pp=2 x tp=2 = 8 ranks, but the world size is 4; launch 8 processes "
+                "or set mesh.dp: 1 (pp x tp = 4 ranks per replica)") in out.stderr
 
 
 def test_show_reads_a_config_json_and_a_model_directory(tmp_path):
@@ -170,6 +171,31 @@ def test_train_timeout_reaches_init_process_group(monkeypatch):
         main(["train", "plans/llama-tp2.yaml", "--timeout", "42.5"])
     assert calls == [((), {"backend": "gloo", "timeout": timedelta(seconds=42.5)})]
     assert build_init_kwargs(TrainConfig("plans/llama-tp2.yaml"))["timeout"] == timedelta(minutes=5)
+
+
+def test_every_train_config_field_has_one_flag_and_parses_to_its_default():
+    """The parser and `_cmd_train` read one table: a TrainConfig field without a flag fails here."""
+    import argparse
+    from dataclasses import fields
+
+    from rewrite.run.cli import build_parser
+    from rewrite.run.train import TrainConfig
+    from rewrite.run.train_flags import FLAGS, train_config
+
+    dests: dict[str, set[str]] = {}
+    for flag in FLAGS:
+        dests.setdefault(flag.field, set()).add(flag.dest)
+    assert sorted(dests) == sorted(f.name for f in fields(TrainConfig))
+    assert all(len(d) == 1 for d in dests.values()), dests  # --parity and --no-parity: one dest
+    assert len(set().union(*dests.values())) == len(dests), dests  # no two fields share a dest
+    parser = build_parser()
+    train = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    assert {a.dest for a in train._actions} - {"help"} == {f.dest for f in FLAGS}  # no flag beside the table
+    assert train_config(parser.parse_args(["train", "plans/llama-tp2.yaml"])) == TrainConfig("plans/llama-tp2.yaml")
+    args = parser.parse_args(["train", "p.yaml", "--out", "o", "--timeout", "7", "--dtype", "bfloat16", "--no-progress",
+                              "--no-parity", "--resume", "--ckpt", "c", "--save-every", "2", "--batch-size", "3"])
+    assert train_config(args) == TrainConfig("p.yaml", out_dir="o", timeout_s=7.0, dtype="bfloat16", progress=False,
+                                             parity=False, resume=True, ckpt="c", save_every=2, batch_size=3)
 
 
 def test_default_text_is_found_from_any_working_directory(tmp_path, monkeypatch):
