@@ -135,7 +135,7 @@ _EVENT = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward
 
 
 class _Step:
-    """One step's state on this rank: stage inputs and outputs held between F and B/W, losses, sends."""
+    """One step's state on this rank: stage inputs and outputs held between F and B (or I and W), losses, sends."""
 
     def __init__(self, stage: Stage, table, inputs, targets, loss_fn: LossFn):
         self.stage, self.inputs, self.targets, self.loss_fn = stage, inputs, targets, loss_fn

@@ -75,7 +75,7 @@ class Stage:
             step (`begin`: backwards only accumulate) and after it (`finish`: gradients
             averaged over the replicas once); None otherwise.
         recomputed: this rank's modules whose activations are recomputed in the
-            backward (`activation_checkpointing`); their W passes run inside B.
+            backward (`activation_checkpointing`); their weight gradients come with the I, W is empty.
         logit_shard: the last stage's vocabulary slice of the logits (`loss_parallel`);
             None when the last stage's output is the full logits, or on other ranks.
 
