@@ -14,6 +14,7 @@ from torch import nn
 from ..models import fx_graph
 from ..models.flops import Costs, estimate_costs
 from ..models.hf_llama import Backbone, find_backbone
+from ..models.oracle import walker_problem
 from ..schedules import placement
 from .cuts import balanced_split, best_split
 from .params import held_parameters
@@ -238,6 +239,12 @@ def resolve(
     bb = find_backbone(model)
     costs: Costs | str | None = None
     if bb is not None:
+        guard = walker_problem(model)
+        if guard:  # every other problem would be moot: no plan runs this family correctly
+            raise PlanError(plan.source, [
+                f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses it rather than train a "
+                "different model, and no plan setting changes that"
+            ])
         n = len(model.get_submodule(bb.path("layers")))
         costs = _estimate(plan, model, bb, n, shards)
         layer_sets, cuts, stage_problems = _hf_stages(plan, n, bb, costs)

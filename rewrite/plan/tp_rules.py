@@ -13,6 +13,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from .schema import ParallelPlan
+from .tp_whole import kept_whole
 from .wording import common_divisors, either, index_ranges, plural
 
 __all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats"]
@@ -103,7 +104,9 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
             else:
                 chosen.setdefault(fqn, (pattern, style))
     if tp > 1:
-        for fqn in _per_head_modules(modules, {f: s for f, (_, s) in chosen.items()}):
+        implied, whole_problems = kept_whole(modules, {f: s for f, (_, s) in chosen.items()})
+        problems += whole_problems
+        for fqn in implied:
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
     shards, order = [], {name: i for i, name in enumerate(names)}
     for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
@@ -165,23 +168,6 @@ def collapse_repeats(problems: list[str]) -> list[str]:
         else:
             out.append(key.replace("\0", "*") + f" [* = {index_ranges(indices)}]")
     return out
-
-
-def _per_head_modules(modules: dict[str, nn.Module], styles: dict[str, str]) -> list[str]:
-    """Children with parameters of an attention whose heads are split (Qwen3's q_norm, k_norm).
-
-    They run whole on each rank but see only its heads, so their gradients are
-    partial sums: the rewriter must add them over the group.
-    """
-    found = []
-    for fqn, style in styles.items():
-        if not fqn.endswith(".q_proj") or not _output_sharded(style):
-            continue
-        parent = fqn.rsplit(".", 1)[0]
-        for name, child in modules[parent].named_children():
-            if name not in ("q_proj", "k_proj", "v_proj", "o_proj") and any(True for _ in child.parameters()):
-                found.append(f"{parent}.{name}")
-    return found
 
 
 def _dim_meaning(model: nn.Module, size: int) -> str:

@@ -1,0 +1,118 @@
+"""The oracle guard: the module walker's stages must give the model's own logits.
+
+The walker runs a Hugging Face model as embed -> layers -> norm -> head, in slices; a
+family whose forward does more (a scale on the embeddings or the logits, a soft cap, a
+norm before the first layer, rotary embeddings chosen per layer type) would train as a
+different model without a word. So before a plan is bound, the walker is checked against
+the model's own `forward` on a tiny clone of the same config class: same flags and
+multipliers, tiny sizes, random weights, a few random ids, one process, no collective.
+A mismatch, or a walker that cannot run the clone, is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from .hf_llama import find_backbone, run_backbone
+
+__all__ = ["walker_problem", "tiny_clone_config", "TOLERANCE"]
+
+TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
+_LAYERS = 4  # the clone's layers: enough for each attention type and a two-stage split
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+_SIZES = {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128, "head_dim": 16}
+
+
+def _clone_layers(config) -> list[int]:
+    """Which of the config's layers the clone keeps: the first of each attention type, then in order."""
+    n = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != n:
+        return list(range(min(n, _LAYERS)))
+    firsts = [types.index(t) for t in dict.fromkeys(types)]
+    rest = [i for i in range(n) if i not in firsts]
+    return sorted((firsts + rest)[: max(min(n, _LAYERS), len(firsts))])
+
+
+def tiny_clone_config(config):
+    """A config of the same class with the same flags and tiny sizes (64 hidden, 4 heads, 4 layers).
+
+    Per-layer lists (`layer_types`, ...) keep the entries of the layers kept, so every
+    attention type of the original appears; key/value heads keep their kind (as many as
+    the query heads, one, or fewer); token ids outside the tiny vocabulary are dropped.
+    """
+    data = config.to_dict()
+    n, keep = config.num_hidden_layers, _clone_layers(config)
+    for key, value in list(data.items()):
+        if isinstance(value, list) and len(value) == n and n > 1:
+            data[key] = [value[i] for i in keep]
+    heads = getattr(config, "num_attention_heads", None) or 4
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    data.update({key: size for key, size in _SIZES.items() if key in data or key != "head_dim"})
+    data.update(num_hidden_layers=len(keep), num_attention_heads=4, num_key_value_heads=4 if kv == heads else 1 if kv == 1 else 2)
+    if data.get("sliding_window") is not None:
+        data["sliding_window"] = 4  # shorter than the ids, so the window matters
+    for key in _TOKEN_IDS:
+        if isinstance(data.get(key), int) and not 0 <= data[key] < _SIZES["vocab_size"]:
+            data[key] = None
+    data.pop("quantization_config", None)
+    return type(config).from_dict(data)
+
+
+def walker_problem(model: nn.Module) -> str | None:
+    """Why the module walker cannot stand in for `model`'s own forward, or None when it gives its logits.
+
+    Checked on a tiny clone of the model's config (`tiny_clone_config`): all layers in one
+    stage, and split into two stages, against `model_class(clone)(input_ids).logits`. The
+    answer is cached per model class and clone config; the global RNG is left as it was.
+    """
+    config = model.config
+    try:
+        tiny = tiny_clone_config(config)
+    except Exception as exc:  # a config class that cannot be shrunk: the walker cannot be proven
+        return f"cannot build a tiny {config.model_type} config to check the module walker against ({_why(exc)})"
+    key = json.dumps(tiny.to_dict(), sort_keys=True, default=str)
+    return _check(type(model), type(tiny), key)
+
+
+@lru_cache(maxsize=128)
+def _check(model_class: type, config_class: type, key: str) -> str | None:
+    config = config_class.from_dict(json.loads(key))
+    family = config.model_type
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        try:
+            tiny = model_class(config).float().eval()
+            for param in tiny.parameters():  # off their constant initial values (ones, zeros), so each counts
+                param.add_(torch.randn_like(param) * 0.1)
+            ids = torch.randint(0, config.vocab_size, (2, 8))
+            reference = tiny(input_ids=ids, use_cache=False).logits
+        except Exception as exc:
+            return f"cannot run a tiny {family} model to check the module walker against ({_why(exc)})"
+        bb = find_backbone(tiny)
+        if bb is None or not bb.has_head:
+            return None  # the walker does not run it (a base model has no logits to compare): nothing to prove
+        n = config.num_hidden_layers
+        try:
+            whole = run_backbone(tiny, bb, ids, list(range(n)), first=True, last=True)
+            hidden = run_backbone(tiny, bb, ids, list(range(n // 2)), first=True, last=False)
+            split = run_backbone(tiny, bb, hidden, list(range(n // 2, n)), first=False, last=True)
+        except Exception as exc:
+            return f"the module walker cannot run {family}'s layers ({_why(exc)})"
+    worst = max((got - reference).abs().max().item() for got in (whole, split))
+    if worst <= TOLERANCE:
+        return None
+    return (
+        f"the module walker's stages do not give {family}'s own logits (max |difference| {worst:.3g} on a tiny "
+        f"{family} model with this config's flags, tolerance {TOLERANCE:g}): {model_class.__name__}.forward does more "
+        "than embeddings -> layers -> norm -> head (a scale, a soft cap, an extra norm)"
+    )
+
+
+def _why(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

@@ -1,0 +1,49 @@
+"""Modules kept whole inside a tensor-parallel block: their gradients summed over tp, or a refusal.
+
+Pure; used by `tp_rules.shard_problems`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["kept_whole"]
+
+# The linears whose output features split a block over tp (column), and the block's own linears.
+_SPLITTERS = {"q_proj": ("q_proj", "k_proj", "v_proj", "o_proj"), "up_proj": ("gate_proj", "up_proj", "down_proj")}
+
+
+def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Modules with parameters kept whole inside a block whose features are split, and problems with them.
+
+    Qwen3's per-head q_norm / k_norm, Apertus's xIELU alpha_p / alpha_n: each rank runs them
+    whole on its own heads or intermediate features, so their gradients are partial sums:
+    they get grad_allreduce. A parameter with a dimension as wide as the split features
+    would see 1/tp of them (a norm over the intermediate features), and one held by the
+    block itself cannot be routed alone: both are refused, naming the parameter.
+    """
+    found, problems = [], []
+    for fqn, style in styles.items():
+        parent, _, leaf = fqn.rpartition(".")
+        if leaf not in _SPLITTERS or style != "column":
+            continue
+        own, width = _SPLITTERS[leaf], modules[fqn].out_features
+        for name, param in modules[parent].named_parameters(recurse=False):
+            problems.append(
+                f"{parent}.{name} is a parameter of {parent} itself, kept whole while its {width} features are "
+                f"split over tp: its gradient would be partial; leave {parent} unsharded"
+            )
+        for name, child in modules[parent].named_modules():
+            path = f"{parent}.{name}"
+            params = dict(child.named_parameters(recurse=False))
+            if not name or name.split(".")[0] in own or not params or styles.get(path):
+                continue
+            wide = [f"{n} {list(p.shape)}" for n, p in params.items() if width in p.shape]
+            if wide:
+                problems.append(
+                    f"{path} is kept whole inside {parent}, whose {width} features are split over tp, but "
+                    f"{', '.join(wide)} spans them: each rank would see 1/tp of them; leave {parent} unsharded"
+                )
+            else:
+                found.append(path)
+    return found, problems
