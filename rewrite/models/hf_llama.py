@@ -16,6 +16,8 @@ from functools import cache
 import torch
 from torch import nn
 
+from .families import family_forward
+
 __all__ = ["Backbone", "find_backbone", "run_backbone"]
 
 
@@ -26,6 +28,7 @@ class Backbone:
     base: str  # the base model ("model"), "" when the model is the base model itself
     num_layers: int
     has_head: bool
+    norm_first: bool = False  # the final norm also runs before the first layer (`families`: NanoChat)
 
     def path(self, part: str) -> str:
         """Dotted path of a base-model part: 'embed_tokens', 'layers', 'norm' or 'rotary_emb'."""
@@ -41,6 +44,8 @@ class Backbone:
     def stage_modules(self, layer_indices: list[int], *, first: bool, last: bool) -> list[str]:
         """Top-level module paths a stage holding `layer_indices` runs, in order."""
         modules = [self.path("embed_tokens")] if first else []
+        if first and self.norm_first and not last:
+            modules.append(self.path("norm"))
         modules.append(self.path("rotary_emb"))
         modules += [self.layer(i) for i in layer_indices]
         if last:
@@ -62,7 +67,10 @@ def find_backbone(model: nn.Module) -> Backbone | None:
         return None
     if not isinstance(parts["layers"], (nn.ModuleList, nn.ModuleDict)):
         return None
-    return Backbone(base=path, num_layers=config.num_hidden_layers, has_head=bool(path) and "lm_head" in model._modules)
+    return Backbone(
+        base=path, num_layers=config.num_hidden_layers, has_head=bool(path) and "lm_head" in model._modules,
+        norm_first=family_forward(config).norm_before_layers,
+    )
 
 
 def _attention_kind(config, index: int) -> str:
@@ -124,12 +132,16 @@ def run_backbone(
     or logits `(b, s, vocab)` from the last stage.
     """
     base = model.get_submodule(backbone.base) if backbone.base else model
-    config = model.config
+    config, family = model.config, family_forward(model.config)
     hidden = base.embed_tokens(x) if first else x  # (b, s, h)
+    if first and family.embed_scale is not None:
+        hidden = hidden * family.embed_scale(config)
+    if first and family.norm_before_layers:
+        hidden = base.norm(hidden)
     seq = hidden.shape[1] if seq_len is None else seq_len
     position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)  # (1, s)
     # Rebuilt on every stage from the hidden states: only they cross the boundary.
-    position_embeddings = base.rotary_emb(hidden, position_ids)
+    rotary = _rotary(base.rotary_emb, config, hidden, position_ids, layer_indices)
     # The masks read batch, length and dtype from it: the whole sequence's, even when a shard arrived.
     like = hidden if hidden.shape[1] == seq else hidden.new_empty((hidden.shape[0], seq, 0))
     masks: dict[str, torch.Tensor | None] = {}
@@ -141,11 +153,29 @@ def run_backbone(
             hidden,
             attention_mask=masks[kind],
             position_ids=position_ids,
-            position_embeddings=position_embeddings,
+            position_embeddings=rotary(index),
         )
         hidden = out[0] if isinstance(out, tuple) else out  # (b, s, h)
     if last:
         hidden = base.norm(hidden)
         if backbone.head:
-            hidden = (head or model.lm_head)(hidden)  # (b, s, vocab)
+            hidden = (head or model.lm_head)(hidden)  # (b, s, vocab), or this rank's vocabulary shard
+            if family.logits is not None:
+                hidden = family.logits(config, hidden)
     return hidden
+
+
+@cache
+def _takes_layer_type(rotary_class: type) -> bool:
+    return "layer_type" in inspect.signature(rotary_class.forward).parameters
+
+
+def _rotary(rotary_emb: nn.Module, config, hidden: torch.Tensor, position_ids: torch.Tensor, layer_indices: list[int]):
+    """`index -> (cos, sin)` for the stage's layers: one table, or one per layer type (Gemma-3's
+    `rotary_emb(x, position_ids, layer_type)`), each computed once."""
+    if not _takes_layer_type(type(rotary_emb)):
+        shared = rotary_emb(hidden, position_ids)
+        return lambda index: shared
+    types = config.layer_types
+    tables = {t: rotary_emb(hidden, position_ids, t) for t in dict.fromkeys(types[i] for i in layer_indices)}
+    return lambda index: tables[types[index]]

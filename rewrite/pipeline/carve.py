@@ -68,7 +68,8 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
         if not first:
             base.embed_tokens = None
         if not last:
-            base.norm = None
+            if not (first and bb.norm_first):  # NanoChat's first stage runs the final norm too
+                base.norm = None
             if bb.head:
                 model.lm_head = None
     tied = []

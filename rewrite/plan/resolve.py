@@ -248,6 +248,13 @@ def resolve(
         n = len(model.get_submodule(bb.path("layers")))
         costs = _estimate(plan, model, bb, n, shards)
         layer_sets, cuts, stage_problems = _hf_stages(plan, n, bb, costs)
+        norm = model.get_submodule(bb.path("norm"))
+        if bb.norm_first and pp > 1 and any(True for _ in norm.parameters()):
+            stage_problems.append(
+                f"{plan.where('mesh', 'pp')}mesh.pp={plan.mesh.pp}: {type(model).__name__} runs {bb.path('norm')} "
+                "before its first layer and after its last, on two ranks, and its weights would be a second copy "
+                "to keep equal; use pp 1"
+            )
         module_sets = [bb.stage_modules(ls, first=s == 0, last=s == pp - 1) for s, ls in enumerate(layer_sets)]
         layer_names = [[bb.layer(i) for i in ls] for ls in layer_sets]
     else:

@@ -83,6 +83,11 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
                     f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}; style 'vocab' "
                     "shards an nn.Embedding's rows"
                 )
+            elif style == "vocab" and type(module).forward is not nn.Embedding.forward:
+                problems.append(
+                    f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, whose forward does "
+                    "more than look up rows (e.g. a scale); style 'vocab' would drop that: leave the embedding whole"
+                )
             elif isinstance(module, nn.Embedding) and style != "vocab":
                 problems.append(
                     f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, an nn.Embedding, as {style!r}; "

@@ -50,6 +50,11 @@ def _sequence_problems(plan: ParallelPlan, model: nn.Module, bb: Backbone | None
             f"{type(model).__name__} is split by torch.fx: remove sequence_parallel"
         ]
     problems, at = [], plan.where("sequence_parallel")
+    if bb.norm_first:
+        problems.append(
+            f"{at}sequence_parallel: true gathers the sequence at {bb.path('norm')}, which "
+            f"{type(model).__name__} also runs before its first layer: remove sequence_parallel"
+        )
     for i in range(bb.num_layers):
         layer = bb.layer(i)
         for block, first in (("self_attn", "q_proj"), ("mlp", "gate_proj")):

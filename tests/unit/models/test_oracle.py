@@ -1,28 +1,29 @@
-"""The oracle guard: a family whose own forward the module walker does not reproduce is refused,
-on a tiny clone of its config, before anything runs; the families it reproduces bind as before."""
+"""The oracle guard: the module walker, with the families table, must give the model's own logits on a
+tiny clone of its config, or the plan is refused before anything runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import rewrite
 from rewrite.models.oracle import tiny_clone_config, walker_problem
 from rewrite.run.cli import main
-from rewrite.run.presets import build_model, load_config
+from rewrite.run.presets import build_config, build_model, load_config
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 128, "head_dim": 16, "pad_token_id": None, "bos_token_id": None,
         "eos_token_id": None}
-# What each family's own forward does that embed -> layers -> norm -> head leaves out.
-WRONG = {
-    "cohere": ({}, "logits"),  # logit_scale on the logits
-    "gemma2": ({}, "logits"),  # final_logit_softcapping
-    "vaultgemma": ({}, "logits"),
-    "granite": ({"embedding_multiplier": 12.0, "logits_scaling": 8.0}, "logits"),
-    "nanochat": ({}, "logits"),  # a norm before the first layer
-    "gemma3_text": ({}, "cannot run"),  # rotary embeddings per layer type
+# Families whose own forward does more than embed -> layers -> norm -> head (`models/families.py`).
+FAMILIES = {
+    "cohere": {},  # logit_scale on the logits
+    "gemma2": {},  # final_logit_softcapping
+    "vaultgemma": {},
+    "granite": {"embedding_multiplier": 12.0, "logits_scaling": 8.0},
+    "hyperclovax": {"embedding_multiplier": 3.0, "logits_scaling": 0.5},
+    "nanochat": {},  # the final norm before the first layer too
+    "gemma3_text": {},  # rotary embeddings per layer type
 }
 
 
@@ -32,20 +33,56 @@ def _meta(family: str, **overrides):
         return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("family", sorted(WRONG))
-def test_a_family_the_walker_does_not_reproduce_is_refused(family):
-    overrides, kind = WRONG[family]
-    model = _meta(family, **overrides)
+class ScaledLlama(LlamaForCausalLM):
+    """A family nobody declared: its forward scales the logits."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+class NeedsCacheLlama(LlamaForCausalLM):
+    """A family whose layers need an argument its own forward passes and the walker does not."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.forward = _needs_cache(layer.forward)
+
+
+def _needs_cache(forward):
+    def wrapped(hidden_states, *args, **kwargs):
+        if "cache" not in kwargs:
+            raise TypeError("forward() missing 1 required keyword argument: 'cache'")
+        return forward(hidden_states, *args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_families_table_gives_the_models_own_logits(family):
+    model = _meta(family, **FAMILIES[family])
+    assert walker_problem(model) is None
+    rewrite.resolve({"mesh": {"pp": 2}}, model)
+
+
+def test_a_family_the_walker_does_not_reproduce_is_refused():
+    with torch.device("meta"):
+        model = ScaledLlama(build_config("tiny-llama"))
     with pytest.raises(rewrite.PlanError) as info:
         rewrite.resolve({"mesh": {"tp": 1}}, model)
     (problem,) = info.value.problems
-    assert problem.startswith(f"{type(model).__name__} ({family}): ") and "no plan setting changes that" in problem
-    assert (f"do not give {family}'s own logits" if kind == "logits" else "the module walker cannot run") in problem
+    assert problem.startswith("ScaledLlama (llama): the module walker's stages do not give llama's own logits")
+    assert "no plan setting changes that" in problem
+    with torch.device("meta"):
+        crashing = NeedsCacheLlama(build_config("tiny-llama"))
+    assert "the module walker cannot run llama's layers (TypeError: " in walker_problem(crashing)
 
 
 @pytest.mark.parametrize("path", ["tiny-llama", "tiny-qwen3", "tests/configs/llama-3.1-8b.json",
                                   "tests/configs/mistral-7b.json", "tests/configs/qwen2.5-0.5b.json"])
-def test_the_families_the_walker_reproduces_pass(path):
+def test_the_shipped_families_pass(path):
     model = build_model(load_config(path), device="meta")
     assert walker_problem(model) is None
 
@@ -62,17 +99,32 @@ def test_the_clone_keeps_the_flags_and_every_attention_type_with_tiny_sizes():
 
 
 def test_the_guard_leaves_the_random_state_alone():
-    model = _meta("granite", embedding_multiplier=3.0)  # a config the cache has not seen
+    with torch.device("meta"):
+        model = ScaledLlama(build_config("tiny-llama", rms_norm_eps=1e-5))  # a config the cache has not seen
     before = torch.random.get_rng_state()
     assert walker_problem(model) is not None
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
-def test_validate_refuses_the_family_and_exits_1(tmp_path, capsys):
-    AutoConfig.for_model("cohere", **TINY).save_pretrained(tmp_path)
-    assert main(["validate", "plans/llama-tp2.yaml", "--model", str(tmp_path / "config.json")]) == 1
-    err = capsys.readouterr().err
-    assert "CohereForCausalLM (cohere): the module walker's stages do not give cohere's own logits" in err
+def test_validate_checks_the_family_and_what_its_forward_rules_out(tmp_path, capsys):
+    AutoConfig.for_model("cohere", **TINY).save_pretrained(tmp_path / "cohere")
+    assert main(["validate", "plans/llama-tp2.yaml", "--model", str(tmp_path / "cohere" / "config.json")]) == 0
+    assert "OK for CohereForCausalLM" in capsys.readouterr().out
+    # NanoChat runs its final norm before the first layer too: sequence parallelism would gather there,
+    # and at pp > 1 a norm with weights would be a second copy on the first rank.
+    nanochat = _meta("nanochat")
+    plan = rewrite.plan_from_hf(nanochat, tp=2).model_dump(mode="json", exclude_none=True)
+    with pytest.raises(rewrite.PlanError, match="also runs before its first layer: remove sequence_parallel"):
+        rewrite.resolve({**plan, "sequence_parallel": True}, nanochat)
+    rewrite.resolve({"mesh": {"pp": 2}}, nanochat)  # its norm has no weights: both ends run it
+    with torch.device("meta"):
+        nanochat.model.norm = torch.nn.RMSNorm(64)
+    with pytest.raises(rewrite.PlanError, match="runs model.norm before its first layer and after its last"):
+        rewrite.resolve({"mesh": {"pp": 2}}, nanochat)
+    # Gemma's embedding scales its rows: splitting it by the vocabulary would drop the scale.
+    gemma = _meta("gemma2")
+    with pytest.raises(rewrite.PlanError, match="whose forward does more than look up rows"):
+        rewrite.resolve({"mesh": {"tp": 2}, "tensor_parallel": {"model.embed_tokens": "vocab"}}, gemma)
 
 
 def test_modules_kept_whole_inside_a_split_mlp_sum_their_gradients_or_are_refused():
