@@ -12,6 +12,8 @@ A mismatch, or a walker that cannot run the clone, is refused.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from functools import lru_cache
 
 import torch
@@ -19,7 +21,7 @@ from torch import nn
 
 from .hf_llama import find_backbone, run_backbone
 
-__all__ = ["walker_problem", "tiny_clone_config", "TOLERANCE"]
+__all__ = ["walker_problem", "narrowed_problem", "tiny_clone_config", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
 _LAYERS = 4  # the clone's layers: enough for each attention type and a two-stage split
@@ -52,6 +54,9 @@ def tiny_clone_config(config):
             data[key] = [value[i] for i in keep]
     heads = getattr(config, "num_attention_heads", None) or 4
     kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads) or _SIZES["head_dim"]
+    if isinstance(data.get("rotary_dim"), int):  # GPT-J, CodeGen: rotate the same share of each head
+        data["rotary_dim"] = max(2, 2 * round(data["rotary_dim"] * _SIZES["head_dim"] / head_dim / 2))
     data.update({key: size for key, size in _SIZES.items() if key in data or key != "head_dim"})
     data.update(num_hidden_layers=len(keep), num_attention_heads=4, num_key_value_heads=4 if kv == heads else 1 if kv == 1 else 2)
     if data.get("sliding_window") is not None:
@@ -111,6 +116,63 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
         f"{family} model with this config's flags, tolerance {TOLERANCE:g}): {model_class.__name__}.forward does more "
         "than embeddings -> layers -> norm -> head (a scale, a soft cap, an extra norm)"
     )
+
+
+def narrowed_problem(model: nn.Module, styles: Mapping[str, str]) -> str | None:
+    """Why `model`'s own forward cannot run on one tensor-parallel rank's shards, or None when it can.
+
+    A family that reshapes by its full head count (`self.num_heads`) instead of what its
+    projections return crashes once q/k/v hold 1/tp of the heads. On a tiny clone, each
+    linear the plan splits by output ('column') keeps half its rows and each one split by
+    input ('row') half its columns, as on one rank of tp 2; the model's own forward then
+    runs on a few ids. Only shapes are checked here: the values are another rank's business.
+    """
+    config = model.config
+    narrowed = frozenset((_template(fqn), style) for fqn, style in styles.items() if style in ("column", "row"))
+    if not narrowed:
+        return None
+    try:
+        tiny = tiny_clone_config(config)
+    except Exception as exc:
+        return f"cannot build a tiny {config.model_type} config to check its sharded forward against ({_why(exc)})"
+    return _narrowed(type(model), type(tiny), json.dumps(tiny.to_dict(), sort_keys=True, default=str), narrowed)
+
+
+def _template(fqn: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
+
+
+@lru_cache(maxsize=128)
+def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozenset) -> str | None:
+    config = config_class.from_dict(json.loads(key))
+    styles = dict(narrowed)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        try:
+            tiny = model_class(config).float().eval()
+        except Exception as exc:
+            return f"cannot build a tiny {config.model_type} model to check its sharded forward against ({_why(exc)})"
+        for fqn, module in list(tiny.named_modules()):
+            style = styles.get(_template(fqn))
+            if style is None or not isinstance(module, nn.Linear):
+                continue
+            inputs, outputs = (module.in_features, module.out_features // 2) if style == "column" else (
+                module.in_features // 2, module.out_features)
+            parent, _, leaf = fqn.rpartition(".")
+            setattr(tiny.get_submodule(parent) if parent else tiny, leaf, nn.Linear(inputs, outputs, bias=module.bias is not None))
+        ids = torch.randint(0, config.vocab_size, (2, 8))
+        try:
+            model_class(config).eval()(input_ids=ids, use_cache=False)
+        except Exception as exc:  # the clone itself does not run: nothing about tp can be said
+            return f"cannot run a tiny {config.model_type} model to check its sharded forward against ({_why(exc)})"
+        try:
+            tiny(input_ids=ids, use_cache=False)
+        except Exception as exc:
+            return (
+                f"{model_class.__name__}.forward fails on one rank's shards of its split linears ({_why(exc)}): its "
+                "layers reshape by the full head or feature count; leave its attention and MLP unsharded (mesh.tp: 1)"
+            )
+    return None
 
 
 def _why(exc: Exception) -> str:

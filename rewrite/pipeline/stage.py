@@ -117,7 +117,9 @@ class Stage:
         if stage_id not in self.forward_fns:
             raise ValueError(f"stage {stage_id} is not on this rank; it holds stages {list(self.stage_ids)}")
         fn = self.forward_fns[stage_id]
-        return fn(x) if seq_len is None else fn(x, seq_len=seq_len)
+        out = fn(x) if seq_len is None else fn(x, seq_len=seq_len)
+        # A whole Hugging Face model run as one traced stage returns its ModelOutput: the runner takes its logits.
+        return out if isinstance(out, torch.Tensor) or not hasattr(out, "logits") else out.logits
 
     @property
     def stage_ids(self) -> tuple[int, ...]:

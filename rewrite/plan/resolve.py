@@ -14,7 +14,7 @@ from torch import nn
 from ..models import fx_graph
 from ..models.flops import Costs, estimate_costs
 from ..models.hf_llama import Backbone, find_backbone
-from ..models.oracle import walker_problem
+from ..models.oracle import narrowed_problem, walker_problem
 from ..schedules import placement
 from .cuts import balanced_split, best_split
 from .params import held_parameters
@@ -234,6 +234,9 @@ def resolve(
         raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
     shards, tp_problems = shard_problems(plan, model, modules)
     problems += tp_problems
+    if plan.mesh.tp > 1 and not tp_problems and hasattr(getattr(model, "config", None), "model_type"):
+        narrowed = narrowed_problem(model, {s.fqn: s.style for s in shards})
+        problems += [f"{type(model).__name__} ({model.config.model_type}): {narrowed}"] if narrowed else []
     recomputed, ac_problems = _recomputed(plan, modules)
     problems += ac_problems
     bb = find_backbone(model)

@@ -145,3 +145,38 @@ def test_modules_kept_whole_inside_a_split_mlp_sum_their_gradients_or_are_refuse
     assert "model.layers.1.mlp.inner_norm is kept whole inside model.layers.1.mlp, whose 128 features are split" in text
     assert "weight [128], bias [128] spans them" in text
     assert "model.layers.2.mlp.scale is a parameter of model.layers.2.mlp itself" in text
+
+
+class FullHeadsLlama(LlamaForCausalLM):
+    """A family whose attention reshapes by the config's head count, not by what q_proj returns."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.self_attn.forward = _full_heads(layer.self_attn, config)
+
+
+def _full_heads(attention, config):
+    forward = attention.forward
+
+    def wrapped(hidden_states, *args, **kwargs):
+        b, s, _ = hidden_states.shape
+        attention.q_proj(hidden_states).view(b, s, config.num_attention_heads, config.head_dim)
+        return forward(hidden_states, *args, **kwargs)
+
+    return wrapped
+
+
+def test_a_family_whose_layers_reshape_by_the_full_head_count_is_refused_at_tp():
+    with torch.device("meta"):
+        model = FullHeadsLlama(build_config("tiny-llama"))
+    with pytest.raises(rewrite.PlanError) as info:
+        rewrite.resolve("plans/llama-tp2.yaml", model)
+    (problem,) = info.value.problems
+    assert problem.startswith("FullHeadsLlama (llama): FullHeadsLlama.forward fails on one rank's shards")
+    assert "leave its attention and MLP unsharded (mesh.tp: 1)" in problem
+    rewrite.resolve({"mesh": {"tp": 1}}, model)  # unsplit, its own forward runs
+    # GPT-J and CodeGen rotate rotary_dim of each head: the clone keeps that share of its tiny heads.
+    gptj = _meta("gptj", rotary_dim=8)
+    rewrite.resolve(rewrite.plan_from_hf(gptj, tp=2), gptj)
+    assert tiny_clone_config(AutoConfig.for_model("gptj")).rotary_dim == 4  # 64 of 256, then of 16

@@ -1,0 +1,64 @@
+"""Every family of the installed transformers (`tests/families.py`), tiny, at tp 2 (its own
+base_model_tp_plan) and pp 2 (1f1b): the step loss and every gradient equal one process, or the plan
+is refused on every rank before anything runs. Never a crash mid-step, never silently wrong.
+
+With REWRITE_FAMILY_TABLE=path set, each case adds its outcome to that JSON file
+(`python -m bench.families` writes docs/families.md from it)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import rewrite
+from rewrite.run.parity import reference_step
+from tests.asserts import assert_close
+from tests.families import TINY, causal_lm_families, tiny_family_model
+from tests.multiproc import run
+from tests.reference import assert_grads_match
+
+PLANS = {
+    "tp2": lambda model: rewrite.plan_from_hf(model, tp=2),
+    "pp2": lambda model: {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
+}
+
+
+def _sweep(rank: int, world: int, family: str) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, TINY["vocab_size"], (2, 12), generator=gen) for _ in range(2)]
+    targets = [torch.randint(0, TINY["vocab_size"], (2, 12), generator=gen) for _ in range(2)]
+    out = {}
+    for name, plan_of in PLANS.items():
+        try:
+            model = tiny_family_model(family)
+        except Exception as exc:  # the tiny config itself is not valid for this family: nothing to run
+            out[name] = f"no tiny model: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            continue
+        reference = copy.deepcopy(model)
+        try:
+            stage = rewrite.apply_plan(model, plan_of(model))
+        except rewrite.PlanError as exc:  # refused before any collective but the agreement: every rank alike
+            out[name] = "refused: " + (exc.problems[0] if exc.problems else str(exc))
+            continue
+        loss = rewrite.run_schedule(stage, ids, targets)
+        tag = f"{family} {name} rank {rank}"
+        assert_close(f"{tag} step loss", loss, reference_step(reference, ids, targets))
+        assert assert_grads_match(model, reference, prefix=f"{tag} ") > 0
+        out[name] = "works"
+    return out
+
+
+@pytest.mark.parametrize("family", causal_lm_families())
+def test_family_trains_as_itself_or_is_refused(family):
+    results = run(_sweep, 2, family, timeout_s=180)
+    assert results[0] == results[1], results  # a refusal is the same on every rank
+    table = os.environ.get("REWRITE_FAMILY_TABLE")
+    if table:
+        path = Path(table)
+        done = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**done, family: results[0]}, indent=2, sort_keys=True))
