@@ -58,6 +58,7 @@ class ResolvedPlan:
     costs: Costs | None = None  # estimated compute per part, for pipeline.seq_len tokens; "hf" only
     stage_rank: tuple[int, ...] = (0,)  # the pp rank holding each stage
     recomputed: tuple[str, ...] = ()  # modules whose activations are recomputed (activation_checkpointing)
+    warnings: tuple[str, ...] = ()  # valid, but worth a line at `validate` and `show` (a rule that changes nothing)
 
     @property
     def num_stages(self) -> int:
@@ -232,7 +233,8 @@ def resolve(
     done = [f for f, m in modules.items() if callable(getattr(m, "shard_of", None))]
     if done:
         raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
-    shards, tp_problems = shard_problems(plan, model, modules)
+    notes: list[str] = []
+    shards, tp_problems = shard_problems(plan, model, modules, notes)
     problems += tp_problems
     if plan.mesh.tp > 1 and not tp_problems and hasattr(getattr(model, "config", None), "model_type"):
         narrowed = narrowed_problem(model, {s.fqn: s.style for s in shards})
@@ -289,4 +291,5 @@ def resolve(
         costs=costs,
         stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
         recomputed=tuple(recomputed),
+        warnings=tuple(collapse_repeats(notes)),
     )

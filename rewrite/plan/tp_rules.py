@@ -59,7 +59,9 @@ def _input_sharded(style: str | None) -> bool:
 _BLOCKS = ((("q_proj", "k_proj", "v_proj"), "o_proj"), (("gate_proj", "up_proj"), "down_proj"))
 
 
-def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[list, list[str]]:
+def shard_problems(
+    plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module], notes: list[str] | None = None
+) -> tuple[list, list[str]]:
     """Every module the plan's tensor_parallel rules shard, and every problem with them.
 
     A problem about one rule starts with that rule's line when the plan came from a file.
@@ -75,8 +77,10 @@ def shard_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.M
         for fqn in hits:
             module = modules[fqn]
             if style == "grad_allreduce":
-                if not any(True for _ in module.parameters()):
-                    problems.append(f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters")
+                if not any(True for _ in module.parameters()):  # nothing to sum: harmless, but say so
+                    if notes is not None:
+                        notes.append(f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters: "
+                                     "there is no gradient to sum, so the rule changes nothing there")
                     continue
             elif style == "vocab" and not isinstance(module, nn.Embedding):
                 problems.append(

@@ -45,7 +45,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     resolved = resolve(args.plan, model, world_size=args.world_size)
     data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                      microbatches=args.microbatches, memory_limit=args.memory_limit,
-                     warnings=balance_warnings(resolved, model))
+                     warnings=[*resolved.warnings, *balance_warnings(resolved, model)])
     if args.json:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
@@ -103,7 +103,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         f"{args.plan}: OK for {resolved.model_name} ({args.model}): {_mesh_words(plan)}, "
         f"{len(resolved.shards)} sharded modules, {len(resolved.stages)} stage{'s' if len(resolved.stages) != 1 else ''}"
     )
-    for warning in balance_warnings(resolved, model):  # valid, but one stage would hold up the others
+    for warning in [*resolved.warnings, *balance_warnings(resolved, model)]:  # valid, but worth a look
         print(f"warning: {args.plan}: {warning}", file=sys.stderr)
     return 0
 

@@ -180,3 +180,20 @@ def test_a_family_whose_layers_reshape_by_the_full_head_count_is_refused_at_tp()
     gptj = _meta("gptj", rotary_dim=8)
     rewrite.resolve(rewrite.plan_from_hf(gptj, tp=2), gptj)
     assert tiny_clone_config(AutoConfig.for_model("gptj")).rotary_dim == 4  # 64 of 256, then of 16
+
+
+def test_a_rule_on_a_module_without_parameters_is_a_warning_not_a_refusal(tmp_path, capsys):
+    # Gemma-3n's own tp plan names a norm without weights as replicated_with_grad_allreduce.
+    llama = build_model(load_config("tiny-llama"), device="meta")
+    plan = {"mesh": {"tp": 2}, "tensor_parallel": {**rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel,
+                                                   "model.layers.*.mlp.act_fn": "grad_allreduce"}}
+    resolved = rewrite.resolve(plan, llama)
+    assert resolved.warnings == (
+        "tensor_parallel['model.layers.*.mlp.act_fn'] matches 'model.layers.*.mlp.act_fn', which has no parameters: "
+        "there is no gradient to sum, so the rule changes nothing there [* = 0-3]",
+    )
+    assert not any(s.fqn.endswith("act_fn") for s in resolved.shards)
+    path = tmp_path / "plan.yaml"
+    path.write_text(rewrite.load_plan(plan).to_yaml())
+    assert main(["validate", str(path), "--model", "tiny-llama"]) == 0
+    assert "which has no parameters: there is no gradient to sum" in capsys.readouterr().err
