@@ -19,7 +19,9 @@ from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
 from .base import _ParallelLinear
-from .comm import InputCopy, SharedInputCopy, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from .comm import (
+    InputCopy, SharedInputCopy, copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel,
+)
 from .sequence import reduce_scatter_to_sequence
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "local_shard"]
@@ -136,7 +138,8 @@ class RowParallelLinear(_ParallelLinear):
         device, dtype: only used to create the weight when master_weight is None.
         sequence_parallel: reduce-scatter the `(b, s, out)` partial sums along the
             sequence instead of all-reducing them: each rank returns its
-            `(b, ceil(s/ws), out)` rows of the sum (same bytes, 1/ws of the result).
+            `(b, ceil(s/ws), out)` rows of the sum (same bytes, 1/ws of the result),
+            and the bias, added to those rows only, has its gradient summed over the group.
 
     Raises:
         ValueError: in_features not divisible by the world size, or a master_weight
@@ -203,9 +206,12 @@ class RowParallelLinear(_ParallelLinear):
         partial = F.linear(x, self.weight)  # (..., out), this rank's share of the sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(partial, self.group)  # (b, ceil(s / tp), out)
+            # Each rank adds the bias to its own tokens only: its gradient sums over tp (f).
+            bias = None if self.bias is None else copy_to_parallel(self.bias, self.group)
         else:
             y = reduce_from_parallel(partial, self.group, inplace=True)  # (..., out)
-        return y if self.bias is None else y + self.bias
+            bias = self.bias
+        return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
         return (

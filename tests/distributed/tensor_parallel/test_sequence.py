@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rewrite.tensor_parallel.layers import RowParallelLinear
 from rewrite.tensor_parallel.sequence import (
     gather_from_sequence,
     reduce_scatter_to_sequence,
@@ -100,6 +101,28 @@ def _check_megatron_mlp(rank: int, ws: int, b: int, s: int) -> None:
     assert_close(f"{tag} B grad", w_r.grad, w_ref.grad[cols])
 
 
+def _check_row_bias(rank: int, ws: int, b: int, s: int) -> None:
+    """A RowParallelLinear with a bias under sequence parallelism: each rank adds it to its own
+    tokens only, so its gradient is summed over the group (else each rank holds a part of it)."""
+    tag = f"row bias ws={ws} b={b} s={s}"
+    f = 2 * ws
+    x, w, bias, g = _randn(b, s, f, seed=5), _randn(H, f, seed=6), _randn(H, seed=7), _randn(b, s, H, seed=8)
+    w_ref, bias_ref = w.clone().requires_grad_(), bias.clone().requires_grad_()
+    (F.linear(x, w_ref, bias_ref) * g).sum().backward()
+    row = RowParallelLinear(f, H, bias=True, master_weight=w, sequence_parallel=True)
+    with torch.no_grad():
+        row.bias.copy_(bias)
+    cols = slice(rank * f // ws, (rank + 1) * f // ws)
+    y = row(x[..., cols])  # (b, ceil(s / ws), H): this rank's tokens
+    c = sequence_chunk(s, ws)
+    keep = max(0, min(c, s - rank * c))  # the padding rows' output is dropped by the final gather
+    ref = _chunk_of(F.linear(x, w, bias), rank, ws)
+    assert_close(f"{tag} output", y[:, :keep], ref[:, :keep])
+    (y * _chunk_of(g, rank, ws)).sum().backward()
+    assert_close(f"{tag} bias grad", row.bias.grad, bias_ref.grad)
+    assert_close(f"{tag} weight grad", row.weight.grad, w_ref.grad[:, cols])
+
+
 def _check_errors(ws: int) -> None:
     for s in (1, 5, 7, 8):
         c = sequence_chunk(s, ws)
@@ -148,6 +171,7 @@ def _contract(rank: int, ws: int) -> str:
         _check_scatter_gather(rank, ws, b, s)
         _check_reduce_scatter(rank, ws, b, s)
         _check_megatron_mlp(rank, ws, b, s)
+        _check_row_bias(rank, ws, b, s)
     _check_errors(ws)
     _check_comm_counts(ws)
     return "ok"
