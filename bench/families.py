@@ -1,6 +1,7 @@
-"""The family table: every Hugging Face family the sweep covers, at tp 2 and pp 2, from the sweep's own results.
+"""The family table: every Hugging Face family the sweep covers, at tp 2, pp 2, sequence and vocab/loss
+parallelism, from the sweep's own results.
 
-    .venv/bin/python -m bench.families      # about 3 minutes on 2 cores; writes docs/families.md
+    .venv/bin/python -m bench.families      # about 5 minutes on 2 cores; writes docs/families.md
 
 Runs tests/distributed/test_family_sweep.py (each family tiny, one spawn of 2 ranks, the step
 loss and every gradient against one process) with REWRITE_FAMILY_TABLE set, then writes what
@@ -27,26 +28,31 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+COLUMNS = {"tp2": "tp 2", "pp2": "pp 2 (1f1b)", "sp": "tp 2 + sequence parallel", "vocab_loss": "tp 2 + vocab/loss parallel"}
+
+
 def render(results: dict[str, dict[str, str]], transformers_version: str) -> str:
-    both = sum(all(v == "works" for v in r.values()) for r in results.values())
-    tp = sum(r.get("tp2") == "works" for r in results.values())
+    both = sum(r.get("tp2") == "works" and r.get("pp2") == "works" for r in results.values())
+    counts = ", ".join(f"{sum(r.get(k) == 'works' for r in results.values())} at {v}" for k, v in COLUMNS.items())
     lines = [
         "# Hugging Face families",
         "",
         f"Every dense decoder-only causal LM of transformers {transformers_version} whose `base_model_tp_plan` "
         "uses only styles rewrite maps, built tiny from its own config (hidden 64, 4 layers, random weights), "
-        "one training step at tp 2 (the family's own `base_model_tp_plan`) and at pp 2 (1f1b), the loss and "
-        "every gradient compared with one process running the model's own forward. A case either works or "
-        "is refused on every rank before anything runs, with the reason below; none trains silently wrong.",
+        "one training step at tp 2 (the family's own `base_model_tp_plan`), at pp 2 (1f1b), at tp 2 with "
+        "sequence parallelism, and at tp 2 with the LM head split by vocabulary and the loss computed on the "
+        "shards (`plan_from_hf(..., loss_parallel=True)`), the loss and every gradient compared with one "
+        "process running the model's own forward. A case either works or is refused on every rank before "
+        "anything runs, with the reason below; none trains silently wrong.",
         "",
-        f"{both} of {len(results)} work at tp 2 and at pp 2; {tp} at tp 2. Written by `python -m bench.families` "
+        f"{both} of {len(results)} work at tp 2 and at pp 2; {counts}. Written by `python -m bench.families` "
         f"on {date.today().isoformat()} from `{SWEEP}`.",
         "",
-        "| family | tp 2 | pp 2 (1f1b) |",
-        "|---|---|---|",
+        "| family | " + " | ".join(COLUMNS.values()) + " |",
+        "|---" * (len(COLUMNS) + 1) + "|",
     ]
     for family, result in sorted(results.items()):
-        lines.append(f"| `{family}` | {_cell(result.get('tp2', '-'))} | {_cell(result.get('pp2', '-'))} |")
+        lines.append(f"| `{family}` | " + " | ".join(_cell(result.get(k, "-")) for k in COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -7,15 +7,19 @@ import warnings
 
 import torch
 
+from rewrite.models.oracle import per_head_sizes
+from rewrite.plan.styles import STYLE_ALIASES
+
 # The tensor-parallel styles of transformers that rewrite reads (`plan/styles.py`).
-MAPPED = {"colwise", "rowwise", "replicated_with_grad_allreduce", "embedding_rowwise"}
+MAPPED = set(STYLE_ALIASES)
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 128, "head_dim": 16, "pad_token_id": None, "bos_token_id": None,
-        "eos_token_id": None}
+        "num_key_value_heads": 2, "vocab_size": 128, "head_dim": 16, "pad_token_id": None, "bos_token_id": 1,
+        "eos_token_id": 2}
 
 
 def causal_lm_families() -> list[str]:
-    """Model types with a causal-LM class, a tp plan of mapped styles only, and no encoder-decoder."""
+    """Model types with a causal-LM class, a tp plan of mapped styles only, no encoder-decoder and no
+    sub-models (a multimodal config's vision or audio tower)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -26,7 +30,8 @@ def causal_lm_families() -> list[str]:
         except (KeyError, ImportError):
             continue
         plan = getattr(config_class, "base_model_tp_plan", None)
-        if plan and set(plan.values()) <= MAPPED and not getattr(config_class, "is_encoder_decoder", False):
+        composite = getattr(config_class, "sub_configs", None)  # vision or audio towers beside the text model
+        if plan and set(plan.values()) <= MAPPED and not getattr(config_class, "is_encoder_decoder", False) and not composite:
             found.append(model_type)
     return found
 
@@ -37,12 +42,14 @@ def tiny_family_model(family: str, *, seed: int = 0, **overrides):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(family, **{**TINY, **overrides})
+        # Sizes per head (GPT-J's rotary_dim, latent attention's ranks) shrink with the heads, as the guard's clone.
+        default = AutoConfig.for_model(family)
+        latent = {"num_key_value_heads": TINY["num_attention_heads"]} if hasattr(default, "kv_lora_rank") else {}
+        # (latent attention has a key and a value per query head)
+        config = AutoConfig.for_model(family, **{**TINY, **per_head_sizes(default), **latent, **overrides})
         # A training configuration: no KV cache, and no dropout, so that one process and a plan draw
         # no random masks and can be compared value for value.
         config.use_cache = False
-        if isinstance(getattr(config, "rotary_dim", None), int):  # GPT-J, CodeGen: within the tiny heads
-            config.rotary_dim = TINY["head_dim"] // 2
         for key, value in config.to_dict().items():
             if "dropout" in key and isinstance(value, float) and value > 0:
                 setattr(config, key, 0.0)

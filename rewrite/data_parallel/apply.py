@@ -77,8 +77,7 @@ def data_parallel_units(model: nn.Module, resolved: ResolvedPlan, stage_ids: lis
         names = dict.fromkeys(m for s in stage_ids for m in resolved.stages[s].modules)
         modules = [model.get_submodule(n) for n in names]
         return [m for m in modules if m is not model and any(True for _ in m.parameters())]
-    base = model.get_submodule(bb.base) if bb.base else model
-    layers = base.layers
+    layers = model.get_submodule(bb.layers)
     held = sorted(i for s in stage_ids for i in resolved.layer_indices[s])
     return [layers[str(i)] if isinstance(layers, nn.ModuleDict) else layers[i] for i in held]
 

@@ -68,7 +68,7 @@ from ..schedules import peak_in_flight, plan_table
 from ..schedules.actions import ends_pair
 
 __all__ = [
-    "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations",
+    "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations", "activation_problem",
 ]
 
 # The children of a decoder layer that activation checkpointing is estimated for.
@@ -219,6 +219,27 @@ def _recomputed_parts(resolved: ResolvedPlan, index: int) -> set[str]:
     return found
 
 
+def activation_problem(resolved: ResolvedPlan, model: nn.Module) -> str | None:
+    """Why `rank_activations` cannot estimate this plan's activations, or None when it can.
+
+    The model above is of LLaMA-shaped layers: `self_attn` and `mlp` between two norms.
+    Other layouts (GPT-NeoX's `attention`, GPT-J's `attn` beside its MLP) are not estimated.
+    """
+    bb = resolved.backbone
+    if resolved.kind != "hf" or bb is None:
+        return (
+            f"activations are estimated for Hugging Face LLaMA-family models (the module walker); "
+            f"{resolved.model_name} is split by torch.fx"
+        )
+    layer = model.get_submodule(bb.layer(0))
+    if not all(isinstance(getattr(layer, name, None), nn.Module) for name in ("self_attn", "mlp")):
+        return (
+            f"activations are estimated for LLaMA-shaped layers (self_attn, then mlp); {type(layer).__name__} "
+            f"holds {', '.join(layer._modules)}"
+        )
+    return None
+
+
 def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1) -> list[RankActivations]:
     """The estimated activation bytes of each pp rank, in pp-rank order.
 
@@ -240,12 +261,10 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
         >>> acts[0].in_flight  # AFAB, 4 microbatches
         4
     """
+    problem = activation_problem(resolved, model)
+    if problem:
+        raise ValueError(problem)
     bb, plan = resolved.backbone, resolved.plan
-    if resolved.kind != "hf" or bb is None:
-        raise ValueError(
-            f"activations are estimated for Hugging Face LLaMA-family models (the module walker); "
-            f"{resolved.model_name} is split by torch.fx"
-        )
     first = next(iter(model.parameters()), None)
     attention = model.get_submodule(f"{bb.layer(0)}.self_attn")
     z = Sizes.of(

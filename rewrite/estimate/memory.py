@@ -23,7 +23,7 @@ from torch import nn
 from ..plan.params import held_parameters
 from ..plan.resolve import ResolvedPlan
 from ..schedules import splits_backward
-from .activations import rank_activations
+from .activations import activation_problem, rank_activations
 
 __all__ = [
     "Footprint", "RankMemory", "SHARDINGS", "GIB", "footprint", "rank_footprints", "rank_memory", "rank_parameters",
@@ -162,7 +162,7 @@ class RankMemory:
     grads: int
     adamw: int
     gathered: int  # what a step adds under mesh.dp > 1: gathered parameters, whole gradients (0 when dp = 1)
-    activations: int | None  # None: not estimated (a torch.fx model, or no model given)
+    activations: int | None  # None: not estimated (`activations.activation_problem`, or no model given)
     in_flight: int | None  # the most (microbatch, stage) pairs alive at once on the rank
 
     @property
@@ -229,7 +229,7 @@ def rank_memory(
         raise ValueError(f"--batch-size is {batch_size}; use a whole number of sequences >= 1")
     run = with_run(resolved, seq_len=seq_len, microbatches=microbatches)
     acts = None
-    if model is not None and resolved.kind == "hf" and resolved.backbone is not None:
+    if model is not None and activation_problem(resolved, model) is None:
         acts = rank_activations(run, model, batch_size=batch_size)
     out = []
     for pp_rank, foot in enumerate(rank_footprints(resolved, model)):

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
-__all__ = ["FamilyForward", "family_forward"]
+__all__ = ["FamilyForward", "embedding_scale", "family_forward"]
 
 
 def _softcap(config, logits: torch.Tensor) -> torch.Tensor:
@@ -45,6 +48,8 @@ _FAMILIES: dict[str, FamilyForward] = {
     "vaultgemma": FamilyForward(logits=_softcap),
     "nanochat": FamilyForward(norm_before_layers=True, logits=_softcap),
     "granite": FamilyForward(embed_scale=lambda c: c.embedding_multiplier, logits=lambda c, x: x / c.logits_scaling),
+    "falcon_h1": FamilyForward(
+        embed_scale=lambda c: c.embedding_multiplier, logits=lambda c, x: x * c.lm_head_multiplier),
     "hyperclovax": FamilyForward(embed_scale=lambda c: c.embedding_multiplier, logits=lambda c, x: x * c.logits_scaling),
 }
 
@@ -52,3 +57,29 @@ _FAMILIES: dict[str, FamilyForward] = {
 def family_forward(config) -> FamilyForward:
     """The table's entry for `config.model_type`; plain (nothing around the layers) when it has none."""
     return _FAMILIES.get(getattr(config, "model_type", None), _PLAIN)
+
+
+def embedding_scale(module: nn.Module) -> float | None:
+    """The factor a scaled embedding's own forward multiplies its lookup by, or None.
+
+    Gemma's `...ScaledWordEmbedding(num_embeddings, embedding_dim, padding_idx, embed_scale)`
+    returns `lookup * embed_scale` (a float32 scalar cast to the weight's dtype) and keeps the
+    factor as `scalar_embed_scale`. Checked on a small instance of the module's own class,
+    so a class that only looks alike is not taken for one (None).
+    """
+    scale = getattr(module, "scalar_embed_scale", None)
+    if not isinstance(module, nn.Embedding) or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return None
+    return float(scale) if _scales_lookup(type(module)) else None
+
+
+@cache
+def _scales_lookup(cls: type) -> bool:
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        try:
+            probe = cls(16, 4, None, embed_scale=3.0)
+            ids = torch.randint(0, 16, (2, 5))
+            return torch.equal(probe(ids), F.embedding(ids, probe.weight) * 3.0)
+        except Exception:  # another constructor or forward: not the pattern
+            return False

@@ -139,7 +139,7 @@ def estimate_costs(
     layer = layer_flops(config, seq_len=seq_len)
     return Costs(
         seq_len=seq_len,
-        embed=split(embed_flops(config, seq_len=seq_len), backbone.path("embed_tokens")),
+        embed=split(embed_flops(config, seq_len=seq_len), backbone.embed),
         layers=tuple(split(layer, backbone.layer(i)) for i in range(num_layers)),
         head=split(head_flops(config, seq_len=seq_len, has_head=backbone.has_head), backbone.head),
     )

@@ -1,9 +1,11 @@
-"""What the module walker knows of Hugging Face LLaMA-family models.
+"""What the module walker knows of Hugging Face decoder-only models.
 
-The backbone is `embed_tokens -> layers[i] -> norm -> lm_head`, with `rotary_emb`
-and the causal mask computed from the hidden states. That is enough to run any
-contiguous slice of the layers on its own, so only hidden states cross a stage
-boundary. Llama, Mistral, Qwen2 and Qwen3 share this shape.
+The backbone is `embedding -> (dropout) -> layers[i] -> norm -> lm_head`, with the rotary
+embedding and the causal masks computed from the hidden states. That is enough to run any
+contiguous slice of the layers on its own, so only hidden states cross a stage boundary.
+The parts' names are the model's own (`find_backbone`): LLaMA's `model.embed_tokens`,
+GPT-NeoX's `gpt_neox.embed_in`, GPT-J's `transformer.h`. What a family's forward does
+beyond this shape is in `families.py`, and `oracle.py` proves the two together.
 """
 
 from __future__ import annotations
@@ -18,43 +20,55 @@ from torch import nn
 
 from .families import family_forward
 
-__all__ = ["Backbone", "find_backbone", "run_backbone"]
+__all__ = ["Backbone", "backbone_problem", "find_backbone", "run_backbone"]
 
 
 @dataclass(frozen=True)
 class Backbone:
-    """Dotted paths of an HF decoder-only model's parts."""
+    """Dotted paths of an HF decoder-only model's parts, as the model declares them.
+
+    LLaMA names them `model.embed_tokens`, `model.layers`, `model.norm`; GPT-NeoX
+    `gpt_neox.embed_in`, `gpt_neox.layers`, `gpt_neox.final_layer_norm`; GPT-J
+    `transformer.wte`, `transformer.h`, `transformer.ln_f`. `find_backbone` reads them
+    from the config's `base_model_pp_plan` when it has one.
+    """
 
     base: str  # the base model ("model"), "" when the model is the base model itself
     num_layers: int
-    has_head: bool
+    embed: str  # the token embedding
+    layers: str  # the ModuleList of decoder layers
+    norm: str  # the final norm
+    rotary: str  # the rotary embedding, rebuilt on every stage
+    head: str | None = None  # the LM head, None on a base model
+    after_embed: tuple[str, ...] = ()  # run on the embeddings before the first layer (dropout)
     norm_first: bool = False  # the final norm also runs before the first layer (`families`: NanoChat)
 
-    def path(self, part: str) -> str:
-        """Dotted path of a base-model part: 'embed_tokens', 'layers', 'norm' or 'rotary_emb'."""
-        return f"{self.base}.{part}" if self.base else part
-
     @property
-    def head(self) -> str | None:
-        return "lm_head" if self.has_head else None
+    def has_head(self) -> bool:
+        return self.head is not None
 
     def layer(self, index: int) -> str:
-        return f"{self.path('layers')}.{index}"
+        return f"{self.layers}.{index}"
 
     def stage_modules(self, layer_indices: list[int], *, first: bool, last: bool) -> list[str]:
         """Top-level module paths a stage holding `layer_indices` runs, in order."""
-        modules = [self.path("embed_tokens")] if first else []
+        modules = [self.embed, *self.after_embed] if first else []
         if first and self.norm_first and not last:
-            modules.append(self.path("norm"))
-        modules.append(self.path("rotary_emb"))
+            modules.append(self.norm)
+        modules.append(self.rotary)
         modules += [self.layer(i) for i in layer_indices]
         if last:
-            modules += [self.path("norm")] + ([self.head] if self.head else [])
+            modules += [self.norm] + ([self.head] if self.head else [])
         return modules
 
 
 def find_backbone(model: nn.Module) -> Backbone | None:
-    """The backbone of an HF LLaMA-family model (`...ForCausalLM` or the base model), else None."""
+    """The backbone of an HF decoder-only model (`...ForCausalLM` or the base model), else None.
+
+    The parts come from the config's `base_model_pp_plan` (embedding, what runs on the
+    embeddings, the layers, the final norm, in order); a config without one is read by
+    the parts' kinds: the one embedding, the one layer list, the one norm beside them.
+    """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
         return None
@@ -62,15 +76,64 @@ def find_backbone(model: nn.Module) -> Backbone | None:
     base, path = model, ""
     if prefix and isinstance(getattr(model, prefix, None), nn.Module):
         base, path = getattr(model, prefix), prefix
-    parts = base._modules
-    if not all(name in parts for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    parts = _declared_parts(base, getattr(type(config), "base_model_pp_plan", None)) or _parts_by_kind(base)
+    if parts is None:
         return None
-    if not isinstance(parts["layers"], (nn.ModuleList, nn.ModuleDict)):
-        return None
+    embed, after, layers, norm, rotary = parts
+    head = "lm_head" if path and isinstance(model._modules.get("lm_head"), nn.Module) else None
+
+    def full(name: str) -> str:
+        return f"{path}.{name}" if path else name
+
     return Backbone(
-        base=path, num_layers=config.num_hidden_layers, has_head=bool(path) and "lm_head" in model._modules,
+        base=path, num_layers=config.num_hidden_layers, embed=full(embed), layers=full(layers), norm=full(norm),
+        rotary=full(rotary), head=head, after_embed=tuple(full(a) for a in after),
         norm_first=family_forward(config).norm_before_layers,
     )
+
+
+def backbone_problem(model: nn.Module) -> str | None:
+    """Why `find_backbone` finds no backbone in a Hugging Face model, in one line; None when it finds one
+    or `model` is not a Hugging Face model."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers") or find_backbone(model) is not None:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    base = base if isinstance(base, nn.Module) else model
+    declared = list(getattr(type(config), "base_model_pp_plan", None) or {})
+    had = ", ".join(base._modules) or "nothing"
+    wanted = (f"the parts its config's base_model_pp_plan declares ({', '.join(declared)}) and a rotary embedding"
+              if declared else "one embedding, one list of layers, one final norm and one rotary embedding")
+    return f"the module walker runs {wanted}; {type(base).__name__} holds {had}"
+
+
+def _rotary_name(base: nn.Module) -> str | None:
+    names = [n for n in base._modules if "rotary" in n]
+    return names[0] if len(names) == 1 else None
+
+
+def _declared_parts(base: nn.Module, pp_plan) -> tuple | None:
+    """(embed, after_embed, layers, norm, rotary) from a `base_model_pp_plan`, or None when it does not fit."""
+    names = list(pp_plan or {})
+    children, rotary = base._modules, _rotary_name(base)
+    if rotary is None or not names or not all(isinstance(children.get(n), nn.Module) for n in names):
+        return None
+    lists = [i for i, n in enumerate(names) if isinstance(children[n], (nn.ModuleList, nn.ModuleDict))]
+    if len(lists) != 1 or "input_ids" not in pp_plan[names[0]][0] or lists[0] != len(names) - 2:
+        return None
+    return names[0], tuple(names[1 : lists[0]]), names[lists[0]], names[-1], rotary
+
+
+def _parts_by_kind(base: nn.Module) -> tuple | None:
+    """(embed, (), layers, norm, rotary) read off the kinds of the base model's children, or None."""
+    children, rotary = base._modules, _rotary_name(base)
+    embeds = [n for n, m in children.items() if isinstance(m, nn.Embedding)]
+    lists = [n for n, m in children.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    norms = [n for n in children if "norm" in n or n.startswith("ln_")]
+    if rotary is None or len(embeds) != 1 or len(lists) != 1 or len(norms) != 1:
+        return None
+    return embeds[0], (), lists[0], norms[0], rotary
 
 
 def _attention_kind(config, index: int) -> str:
@@ -81,14 +144,19 @@ def _attention_kind(config, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
+# Layer types whose layers read no causal mask: recurrent and convolutional layers are causal
+# by construction and take only a padding mask, and training batches carry no padding.
+_RECURRENT = frozenset({"conv", "linear_attention", "mamba", "recurrent"})
+
+
 @cache
 def _mask_builders():
     from transformers import masking_utils
 
-    return {
-        "full_attention": masking_utils.create_causal_mask,
-        "sliding_attention": masking_utils.create_sliding_window_causal_mask,
-    }
+    builders = dict(getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {}))
+    builders.setdefault("full_attention", masking_utils.create_causal_mask)
+    builders.setdefault("sliding_attention", masking_utils.create_sliding_window_causal_mask)
+    return builders
 
 
 @cache
@@ -98,9 +166,13 @@ def _mask_params(fn) -> frozenset[str]:
 
 def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Tensor):
     builders = _mask_builders()
+    if kind in _RECURRENT:
+        return None
     if kind not in builders:
         raise ValueError(f"attention type {kind!r} (config.layer_types) is not supported by the pipeline walker")
     fn = builders[kind]
+    if isinstance(fn, dict):  # a hybrid layer (Falcon-H1): its attention's mask; its recurrent part takes none
+        fn = next(f for k, f in fn.items() if k not in _RECURRENT)
     names = _mask_params(fn)
     # The keyword names moved between transformers releases; pass what this one takes.
     kwargs = {"config": config, "attention_mask": None, "position_ids": position_ids}
@@ -131,25 +203,29 @@ def run_backbone(
     replaces `model.lm_head` (e.g. to keep vocabulary shards). Returns hidden states,
     or logits `(b, s, vocab)` from the last stage.
     """
-    base = model.get_submodule(backbone.base) if backbone.base else model
+    part = model.get_submodule
     config, family = model.config, family_forward(model.config)
-    hidden = base.embed_tokens(x) if first else x  # (b, s, h)
+    hidden = part(backbone.embed)(x) if first else x  # (b, s, h)
     if first and family.embed_scale is not None:
         hidden = hidden * family.embed_scale(config)
+    if first:
+        for name in backbone.after_embed:  # the family's dropout on the embeddings
+            hidden = part(name)(hidden)
     if first and family.norm_before_layers:
-        hidden = base.norm(hidden)
+        hidden = part(backbone.norm)(hidden)
     seq = hidden.shape[1] if seq_len is None else seq_len
     position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)  # (1, s)
     # Rebuilt on every stage from the hidden states: only they cross the boundary.
-    rotary = _rotary(base.rotary_emb, config, hidden, position_ids, layer_indices)
+    rotary = _rotary(part(backbone.rotary), config, hidden, position_ids, layer_indices)
     # The masks read batch, length and dtype from it: the whole sequence's, even when a shard arrived.
     like = hidden if hidden.shape[1] == seq else hidden.new_empty((hidden.shape[0], seq, 0))
     masks: dict[str, torch.Tensor | None] = {}
+    layers = part(backbone.layers)
     for index in layer_indices:
         kind = _attention_kind(config, index)
         if kind not in masks:
             masks[kind] = _causal_mask(config, kind, like, position_ids)
-        out = base.layers[str(index) if isinstance(base.layers, nn.ModuleDict) else index](
+        out = layers[str(index) if isinstance(layers, nn.ModuleDict) else index](
             hidden,
             attention_mask=masks[kind],
             position_ids=position_ids,
@@ -157,9 +233,9 @@ def run_backbone(
         )
         hidden = out[0] if isinstance(out, tuple) else out  # (b, s, h)
     if last:
-        hidden = base.norm(hidden)
+        hidden = part(backbone.norm)(hidden)
         if backbone.head:
-            hidden = (head or model.lm_head)(hidden)  # (b, s, vocab), or this rank's vocabulary shard
+            hidden = (head or part(backbone.head))(hidden)  # (b, s, vocab), or this rank's vocabulary shard
             if family.logits is not None:
                 hidden = family.logits(config, hidden)
     return hidden
@@ -172,10 +248,12 @@ def _takes_layer_type(rotary_class: type) -> bool:
 
 def _rotary(rotary_emb: nn.Module, config, hidden: torch.Tensor, position_ids: torch.Tensor, layer_indices: list[int]):
     """`index -> (cos, sin)` for the stage's layers: one table, or one per layer type (Gemma-3's
-    `rotary_emb(x, position_ids, layer_type)`), each computed once."""
+    `rotary_emb(x, position_ids, layer_type)`), each computed once; None for a layer type the
+    rotary module has no table for (LFM's convolution layers, listed in its `layer_types`)."""
     if not _takes_layer_type(type(rotary_emb)):
         shared = rotary_emb(hidden, position_ids)
         return lambda index: shared
-    types = config.layer_types
-    tables = {t: rotary_emb(hidden, position_ids, t) for t in dict.fromkeys(types[i] for i in layer_indices)}
-    return lambda index: tables[types[index]]
+    types, rotated = config.layer_types, getattr(rotary_emb, "layer_types", None)
+    wanted = [t for t in dict.fromkeys(types[i] for i in layer_indices) if rotated is None or t in rotated]
+    tables = {t: rotary_emb(hidden, position_ids, t) for t in wanted}
+    return lambda index: tables.get(types[index])

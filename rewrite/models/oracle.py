@@ -21,11 +21,11 @@ from torch import nn
 
 from .hf_llama import find_backbone, run_backbone
 
-__all__ = ["walker_problem", "narrowed_problem", "tiny_clone_config", "TOLERANCE"]
+__all__ = ["exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "tiny_clone_config", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
 _LAYERS = 4  # the clone's layers: enough for each attention type and a two-stage split
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+_TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # in the tiny vocabulary
 _SIZES = {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128, "head_dim": 16}
 
 
@@ -40,12 +40,33 @@ def _clone_layers(config) -> list[int]:
     return sorted((firsts + rest)[: max(min(n, _LAYERS), len(firsts))])
 
 
+def per_head_sizes(config) -> dict[str, int]:
+    """The config's other sizes per head, shrunk by the tiny head_dim's share of its own (even, >= 2).
+
+    GPT-J's `rotary_dim` rotates the same share of each head; multi-head latent attention
+    (`qk_rope_head_dim`, `v_head_dim`, `kv_lora_rank`, ...) keeps its proportions.
+    """
+    data = config.to_dict()
+    heads = _global(config, "num_attention_heads") or 4  # attribute names: GPT-J stores n_head, n_embd
+    head_dim = _global(config, "head_dim") or ((_global(config, "hidden_size") or 0) // heads) or _SIZES["head_dim"]
+    scaled = [k for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool) and (
+        k == "rotary_dim" or (k.endswith("_head_dim") and k != "head_dim") or k.endswith("_lora_rank"))]
+    return {k: max(2, 2 * round(data[k] * _SIZES["head_dim"] / head_dim / 2)) for k in scaled}
+
+
+def _global(config, key: str):
+    try:
+        return getattr(config, key, None)
+    except Exception:  # a per-layer attribute read globally (Gemma-4): no one value
+        return None
+
+
 def tiny_clone_config(config):
     """A config of the same class with the same flags and tiny sizes (64 hidden, 4 heads, 4 layers).
 
     Per-layer lists (`layer_types`, ...) keep the entries of the layers kept, so every
     attention type of the original appears; key/value heads keep their kind (as many as
-    the query heads, one, or fewer); token ids outside the tiny vocabulary are dropped.
+    the query heads, one, or fewer); token ids outside the tiny vocabulary become ids inside it.
     """
     data = config.to_dict()
     n, keep = config.num_hidden_layers, _clone_layers(config)
@@ -54,16 +75,17 @@ def tiny_clone_config(config):
             data[key] = [value[i] for i in keep]
     heads = getattr(config, "num_attention_heads", None) or 4
     kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads) or _SIZES["head_dim"]
-    if isinstance(data.get("rotary_dim"), int):  # GPT-J, CodeGen: rotate the same share of each head
-        data["rotary_dim"] = max(2, 2 * round(data["rotary_dim"] * _SIZES["head_dim"] / head_dim / 2))
+    data.update(per_head_sizes(config))
     data.update({key: size for key, size in _SIZES.items() if key in data or key != "head_dim"})
     data.update(num_hidden_layers=len(keep), num_attention_heads=4, num_key_value_heads=4 if kv == heads else 1 if kv == 1 else 2)
     if data.get("sliding_window") is not None:
         data["sliding_window"] = 4  # shorter than the ids, so the window matters
-    for key in _TOKEN_IDS:
-        if isinstance(data.get(key), int) and not 0 <= data[key] < _SIZES["vocab_size"]:
-            data[key] = None
+    for key, tiny_id in _TOKEN_IDS.items():  # kept an int (strict configs want one), inside the tiny vocabulary
+        value = data.get(key)
+        if isinstance(value, int) and not 0 <= value < _SIZES["vocab_size"]:
+            data[key] = tiny_id
+        elif isinstance(value, list):
+            data[key] = [v if isinstance(v, int) and 0 <= v < _SIZES["vocab_size"] else tiny_id for v in value]
     data.pop("quantization_config", None)
     return type(config).from_dict(data)
 
@@ -79,7 +101,7 @@ def walker_problem(model: nn.Module) -> str | None:
     try:
         tiny = tiny_clone_config(config)
     except Exception as exc:  # a config class that cannot be shrunk: the walker cannot be proven
-        return f"cannot build a tiny {config.model_type} config to check the module walker against ({_why(exc)})"
+        return f"cannot build a tiny {config.model_type} config to check the module walker against ({exception_line(exc)})"
     key = json.dumps(tiny.to_dict(), sort_keys=True, default=str)
     return _check(type(model), type(tiny), key)
 
@@ -97,7 +119,7 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
             ids = torch.randint(0, config.vocab_size, (2, 8))
             reference = tiny(input_ids=ids, use_cache=False).logits
         except Exception as exc:
-            return f"cannot run a tiny {family} model to check the module walker against ({_why(exc)})"
+            return f"cannot run a tiny {family} model to check the module walker against ({exception_line(exc)})"
         bb = find_backbone(tiny)
         if bb is None or not bb.has_head:
             return None  # the walker does not run it (a base model has no logits to compare): nothing to prove
@@ -107,7 +129,7 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
             hidden = run_backbone(tiny, bb, ids, list(range(n // 2)), first=True, last=False)
             split = run_backbone(tiny, bb, hidden, list(range(n // 2, n)), first=False, last=True)
         except Exception as exc:
-            return f"the module walker cannot run {family}'s layers ({_why(exc)})"
+            return f"the module walker cannot run {family}'s layers ({exception_line(exc)})"
     worst = max((got - reference).abs().max().item() for got in (whole, split))
     if worst <= TOLERANCE:
         return None
@@ -134,7 +156,7 @@ def narrowed_problem(model: nn.Module, styles: Mapping[str, str]) -> str | None:
     try:
         tiny = tiny_clone_config(config)
     except Exception as exc:
-        return f"cannot build a tiny {config.model_type} config to check its sharded forward against ({_why(exc)})"
+        return f"cannot build a tiny {config.model_type} config to check its sharded forward against ({exception_line(exc)})"
     return _narrowed(type(model), type(tiny), json.dumps(tiny.to_dict(), sort_keys=True, default=str), narrowed)
 
 
@@ -151,7 +173,7 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
         try:
             tiny = model_class(config).float().eval()
         except Exception as exc:
-            return f"cannot build a tiny {config.model_type} model to check its sharded forward against ({_why(exc)})"
+            return f"cannot build a tiny {config.model_type} model to check its sharded forward against ({exception_line(exc)})"
         for fqn, module in list(tiny.named_modules()):
             style = styles.get(_template(fqn))
             if style is None or not isinstance(module, nn.Linear):
@@ -164,17 +186,18 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
         try:
             model_class(config).eval()(input_ids=ids, use_cache=False)
         except Exception as exc:  # the clone itself does not run: nothing about tp can be said
-            return f"cannot run a tiny {config.model_type} model to check its sharded forward against ({_why(exc)})"
+            return f"cannot run a tiny {config.model_type} model to check its sharded forward against ({exception_line(exc)})"
         try:
             tiny(input_ids=ids, use_cache=False)
         except Exception as exc:
             return (
-                f"{model_class.__name__}.forward fails on one rank's shards of its split linears ({_why(exc)}): its "
+                f"{model_class.__name__}.forward fails on one rank's shards of its split linears ({exception_line(exc)}): its "
                 "layers reshape by the full head or feature count; leave its attention and MLP unsharded (mesh.tp: 1)"
             )
     return None
 
 
-def _why(exc: Exception) -> str:
+def exception_line(exc: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__

@@ -58,20 +58,21 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
     bb, ids, last_id = resolved.backbone, resolved.rank_stages(mesh.pp_rank), resolved.num_stages - 1
     first, last = 0 in ids, last_id in ids
     indices = sorted(i for s in ids for i in resolved.layer_indices[s])
-    base = model.get_submodule(bb.base) if bb.base else model
     tied_weight = None
-    if bb.head and model.lm_head.weight is base.embed_tokens.weight:
-        tied_weight = base.embed_tokens.weight
+    if bb.head and model.get_submodule(bb.head).weight is model.get_submodule(bb.embed).weight:
+        tied_weight = model.get_submodule(bb.embed).weight
     if mesh.pp > 1:
         # Keep the original layer objects under their original indices; drop the rest.
-        base.layers = nn.ModuleDict({str(i): base.layers[i] for i in indices})
+        layers = model.get_submodule(bb.layers)
+        _replace(model, bb.layers, nn.ModuleDict({str(i): layers[i] for i in indices}))
         if not first:
-            base.embed_tokens = None
+            for name in (bb.embed, *bb.after_embed):
+                _replace(model, name, None)
         if not last:
             if not (first and bb.norm_first):  # NanoChat's first stage runs the final norm too
-                base.norm = None
+                _replace(model, bb.norm, None)
             if bb.head:
-                model.lm_head = None
+                _replace(model, bb.head, None)
     tied = []
     if tied_weight is not None and first != last:
         # Each end holds a copy of the shared matrix: start them equal, sum their grads.
@@ -86,6 +87,11 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
         shard = LogitShard(start, start + head.per_rank, head.out_features, head.group)
     forward_fns = {s: _StageForward(model, resolved, s, head) for s in ids}
     return Carved(model=model, module=model, forward_fns=forward_fns, tied=tied, logit_shard=shard)
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module | None) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 class _StageForward:

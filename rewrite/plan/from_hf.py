@@ -20,6 +20,15 @@ def _model_class(config):
         raise ValueError(f"{type(config).__name__} has no causal-LM model class in transformers") from None
 
 
+def _embedding_name(config, base_rules: dict[str, str]) -> str:
+    """The base model's token embedding: the part its `base_model_pp_plan` feeds input_ids, else the
+    module its tp plan splits by vocabulary, else LLaMA's name."""
+    for name, (inputs, _) in (getattr(type(config), "base_model_pp_plan", None) or {}).items():
+        if "input_ids" in inputs:
+            return name
+    return next((k for k, v in base_rules.items() if v == "embedding_rowwise"), "embed_tokens")
+
+
 def plan_from_hf(
     model_or_config,
     *,
@@ -90,7 +99,7 @@ def plan_from_hf(
             )
         heads = list(head_rules) or ["lm_head"]
         rules.update({head: "column" for head in heads})  # the logits stay split by vocabulary
-        embed = f"{prefix}.embed_tokens"
+        embed = f"{prefix}.{_embedding_name(config, base_rules)}"
         if tied and not any(_is_vocab(v) for v in rules.values()):
             rules[embed] = "vocab"  # one matrix: the embedding keeps the same vocabulary rows as the head
     elif tied:

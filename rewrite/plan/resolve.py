@@ -13,8 +13,8 @@ from torch import nn
 
 from ..models import fx_graph
 from ..models.flops import Costs, estimate_costs
-from ..models.hf_llama import Backbone, find_backbone
-from ..models.oracle import narrowed_problem, walker_problem
+from ..models.hf_llama import Backbone, backbone_problem, find_backbone
+from ..models.oracle import exception_line, narrowed_problem, walker_problem
 from ..schedules import placement
 from .cuts import balanced_split, best_split
 from .params import held_parameters
@@ -147,7 +147,13 @@ def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], l
     try:
         traced = fx_graph.trace(model)
     except ValueError as exc:
-        return [], [], [str(exc)]
+        walker = backbone_problem(model)
+        if walker is None:
+            return [], [], [str(exc)]
+        return [], [], [
+            f"{type(model).__name__} ({model.config.model_type}) cannot be split into pipeline stages: {walker}, "
+            f"and torch.fx cannot trace it ({exception_line(exc.__cause__ or exc)}); use mesh.pp: 1"
+        ]
     cuts = plan.pipeline.cut_points
     if cuts is None:
         if len(seq) < pp:
@@ -250,13 +256,13 @@ def resolve(
                 f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses it rather than train a "
                 "different model, and no plan setting changes that"
             ])
-        n = len(model.get_submodule(bb.path("layers")))
+        n = len(model.get_submodule(bb.layers))
         costs = _estimate(plan, model, bb, n, shards)
         layer_sets, cuts, stage_problems = _hf_stages(plan, n, bb, costs)
-        norm = model.get_submodule(bb.path("norm"))
+        norm = model.get_submodule(bb.norm)
         if bb.norm_first and pp > 1 and any(True for _ in norm.parameters()):
             stage_problems.append(
-                f"{plan.where('mesh', 'pp')}mesh.pp={plan.mesh.pp}: {type(model).__name__} runs {bb.path('norm')} "
+                f"{plan.where('mesh', 'pp')}mesh.pp={plan.mesh.pp}: {type(model).__name__} runs {bb.norm} "
                 "before its first layer and after its last, on two ranks, and its weights would be a second copy "
                 "to keep equal; use pp 1"
             )

@@ -12,6 +12,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from ..models.families import embedding_scale
 from .schema import ParallelPlan
 from .tp_whole import kept_whole
 from .wording import common_divisors, either, index_ranges, plural
@@ -87,10 +88,11 @@ def shard_problems(
                     f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}; style 'vocab' "
                     "shards an nn.Embedding's rows"
                 )
-            elif style == "vocab" and type(module).forward is not nn.Embedding.forward:
+            elif style == "vocab" and type(module).forward is not nn.Embedding.forward and embedding_scale(module) is None:
                 problems.append(
                     f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, whose forward does "
-                    "more than look up rows (e.g. a scale); style 'vocab' would drop that: leave the embedding whole"
+                    "more than look up rows (and scale them, as Gemma's scaled embedding does, which 'vocab' keeps); "
+                    "style 'vocab' would drop that: leave the embedding whole"
                 )
             elif isinstance(module, nn.Embedding) and style != "vocab":
                 problems.append(

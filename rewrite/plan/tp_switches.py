@@ -4,13 +4,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 
 from ..models.hf_llama import Backbone
 from .schema import ParallelPlan
 from .tp_rules import ShardSpec, collapse_repeats, match_pattern
 
-__all__ = ["option_problems"]
+__all__ = ["option_problems", "sequence_blocks"]
+
+
+def sequence_blocks(
+    layer: nn.Module, path: str, styles: Mapping[str, str]
+) -> tuple[dict[str, set[str]], dict[str, str]]:
+    """A decoder layer's children as sequence parallelism sees them, by their paths.
+
+    Blocks: children holding linears the plan splits, with the styles found in them ('column',
+    'row'); their input is gathered to the whole sequence, their row layers scatter it again.
+    Others (path -> what it is): parameters that would see only a part of the sequence
+    outside any block: children with weights that are not norms (a convolution over the
+    sequence, an unsplit MLP) and the layer's own parameters. Norms, dropouts and
+    parameterless children run on the rank's part as they are.
+    """
+    blocks: dict[str, set[str]] = {}
+    others = {f"{path}.{n}": "a parameter of the layer itself" for n, _ in layer.named_parameters(recurse=False)}
+    for name, child in layer.named_children():
+        at = f"{path}.{name}"
+        found = (styles.get(f"{at}.{sub}") for sub, _ in child.named_modules())
+        kinds = {style for style in found if style in ("column", "row")}
+        if kinds:
+            blocks[at] = kinds
+        elif any(True for _ in child.parameters()) and "norm" not in type(child).__name__.lower():
+            others[at] = type(child).__name__
+    return blocks, others
 
 
 def option_problems(plan: ParallelPlan, model: nn.Module, bb: Backbone | None, shards: list[ShardSpec]) -> list[str]:
@@ -52,18 +79,31 @@ def _sequence_problems(plan: ParallelPlan, model: nn.Module, bb: Backbone | None
     problems, at = [], plan.where("sequence_parallel")
     if bb.norm_first:
         problems.append(
-            f"{at}sequence_parallel: true gathers the sequence at {bb.path('norm')}, which "
+            f"{at}sequence_parallel: true gathers the sequence at {bb.norm}, which "
             f"{type(model).__name__} also runs before its first layer: remove sequence_parallel"
         )
     for i in range(bb.num_layers):
         layer = bb.layer(i)
-        for block, first in (("self_attn", "q_proj"), ("mlp", "gate_proj")):
-            if styles.get(f"{layer}.{block}.{first}") != "column":
+        blocks, others = sequence_blocks(model.get_submodule(layer), layer, styles)
+        if not blocks:
+            problems.append(
+                f"{at}sequence_parallel: true needs the blocks of {layer} sharded (column in, row out): between "
+                "its blocks a rank holds only its part of the sequence"
+            )
+        for block, kinds in blocks.items():
+            if kinds != {"column", "row"}:
                 problems.append(
-                    f"{at}sequence_parallel: true needs {layer}.{block} sharded (column in, row out): between "
-                    "its blocks a rank holds only its part of the sequence"
+                    f"{at}sequence_parallel: true needs {block} sharded column in and row out (it gathers the "
+                    f"sequence before its column layers and scatters it after its row layer); found "
+                    f"{' and '.join(sorted(kinds))} only"
                 )
-    ends = [bb.path("norm")] + ([bb.head] if bb.head else [])
+        for other, what in others.items():
+            problems.append(
+                f"{at}sequence_parallel: true runs {other} ({what}) on this "
+                "rank's part of the sequence, and only norms may run so: shard it (column in, row out) or remove "
+                "sequence_parallel"
+            )
+    ends = [bb.norm] + ([bb.head] if bb.head else [])
     for pattern in plan.activation_checkpointing:
         for end in ends:
             if match_pattern(pattern, end):

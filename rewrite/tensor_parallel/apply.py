@@ -55,7 +55,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> No
     for parent_name, shared in copies.items():
         add_mixin(model.get_submodule(parent_name), _ForgetsInputCopy).input_copy_cache = shared
     if resolved.plan.sequence_parallel:
-        apply_sequence_parallel(model, resolved.backbone, group)
+        apply_sequence_parallel(model, resolved.backbone, group, {s.fqn: s.style for s in resolved.shards})
 
 
 class _ForgetsInputCopy:

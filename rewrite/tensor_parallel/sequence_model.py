@@ -1,4 +1,4 @@
-"""Sequence parallelism wired into a Hugging Face LLaMA-family model, in place.
+"""Sequence parallelism wired into a Hugging Face decoder-only model, in place.
 
 Between the tensor-parallel blocks each rank holds `c = ceil(s / tp)` rows of the
 hidden states `(b, s, h)`: norms and residual adds run on 1/tp of the tokens.
@@ -16,6 +16,7 @@ their gradients summed over tp.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..models.hf_llama import Backbone
+from ..plan.tp_switches import sequence_blocks
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
 from .replicated import make_grad_allreduce
@@ -115,22 +117,28 @@ def _input_is_reduced(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def apply_sequence_parallel(model: nn.Module, bb: Backbone, group: ProcessGroup) -> SequenceState:
+def apply_sequence_parallel(
+    model: nn.Module, bb: Backbone, group: ProcessGroup, styles: Mapping[str, str]
+) -> SequenceState:
     """Wire sequence parallelism into a model whose blocks are already tensor-parallel, in place.
 
-    Every decoder layer's `self_attn` and `mlp` must hold column layers in and a row
-    layer out (checked when the plan is bound). Returns the shared `SequenceState`.
+    `styles` maps module paths to the plan's styles. Each decoder layer's blocks
+    (`tp_switches.sequence_blocks`: the children holding split linears, column in and row
+    out, checked when the plan was bound) gather the sequence first; its norms run on the
+    rank's part and sum their gradients over tp. Returns the shared `SequenceState`.
     """
     base = model.get_submodule(bb.base) if bb.base else model
     state = SequenceState(group)
     setattr(model, _STATE, state)
     add_mixin(base, _RecordLength).sequence = state
+    layers = model.get_submodule(bb.layers)
     for i in range(bb.num_layers):
-        layer = base.layers[i]
+        layer = layers[i]
         if i == 0:
             add_mixin(layer, _ScatterInput).sequence = state
+        blocks, _ = sequence_blocks(layer, bb.layer(i), styles)
         for name, child in layer.named_children():
-            if name in ("self_attn", "mlp"):
+            if f"{bb.layer(i)}.{name}" in blocks:
                 add_mixin(child, _GatherInput).sequence = state
                 for sub in child.modules():
                     if isinstance(sub, ColumnParallelLinear):
@@ -139,8 +147,8 @@ def apply_sequence_parallel(model: nn.Module, bb: Backbone, group: ProcessGroup)
                         sub.sequence_parallel = True
             elif any(True for _ in child.parameters()):
                 make_grad_allreduce(child, group)  # the layer norms: each rank sees its tokens only
-    make_grad_allreduce(base.norm, group)
-    norm = add_mixin(base.norm, _GatherOutput)
+    make_grad_allreduce(model.get_submodule(bb.norm), group)
+    norm = add_mixin(model.get_submodule(bb.norm), _GatherOutput)
     norm.sequence = state
     head = getattr(model, "lm_head", None) if bb.head else None
     norm.gather_grad = "reduce_scatter" if isinstance(head, ColumnParallelLinear) else "split"

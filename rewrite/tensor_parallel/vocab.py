@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
+from ..models.families import embedding_scale
 from .comm import group_rank, group_size, reduce_from_parallel
 
 __all__ = ["VocabParallelEmbedding"]
@@ -64,6 +65,8 @@ class VocabParallelEmbedding(nn.Module):
         group: process group to split over (default: the default group). Without an
             initialised process group the layer runs as world size 1.
         device, dtype: only used to create the weight when master_weight is None.
+        scale: multiply the looked-up rows by this factor, cast to the weight's dtype as
+            Gemma's scaled embedding does (`models.families.embedding_scale`).
 
     Raises:
         TypeError: non-int sizes or padding_idx, or a master_weight that is not a tensor.
@@ -89,9 +92,11 @@ class VocabParallelEmbedding(nn.Module):
         group: ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        scale: float | None = None,
     ):
         super().__init__()
         self.padding_idx = _check_sizes(num_embeddings, embedding_dim, padding_idx)
+        self.scale = scale
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.group = group
         self.tp_size, self.tp_rank = group_size(group), group_rank(group)
@@ -130,7 +135,8 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, *, group: ProcessGroup | None = None) -> VocabParallelEmbedding:
-        """Shard an existing `nn.Embedding`, keeping its trained rows, padding_idx and requires_grad."""
+        """Shard an existing `nn.Embedding`, keeping its trained rows, padding_idx and requires_grad, and the
+        scale of a scaled embedding (Gemma's)."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding.from_embedding needs an nn.Embedding, got {type(embedding).__name__}")
         unsupported = [
@@ -143,7 +149,10 @@ class VocabParallelEmbedding(nn.Module):
                 f"VocabParallelEmbedding.from_embedding: {', '.join(unsupported)} is not supported "
                 "(each rank sees only its own rows); build the nn.Embedding without it"
             )
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, embedding.weight, group=group)
+        layer = cls(
+            embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, embedding.weight, group=group,
+            scale=embedding_scale(embedding),
+        )
         # A frozen source stays frozen once sharded.
         layer.weight.requires_grad_(embedding.weight.requires_grad)
         return layer
@@ -163,16 +172,23 @@ class VocabParallelEmbedding(nn.Module):
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"VocabParallelEmbedding expects int32/int64 token ids, got {ids.dtype}")
         if self.tp_size == 1:  # no masking: out-of-range ids raise, as in nn.Embedding
-            return F.embedding(ids, self.weight, self._local_padding_idx)
+            return self._scaled(F.embedding(ids, self.weight, self._local_padding_idx))
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         # Foreign ids look up local row 0, then are zeroed; their (zero) gradient adds nothing.
         local = (ids - self.vocab_start).masked_fill_(outside, 0)
         out = F.embedding(local, self.weight, self._local_padding_idx)  # (..., h), partial
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
-        return reduce_from_parallel(out, self.group, inplace=True)  # (..., h), every rank's rows
+        return self._scaled(reduce_from_parallel(out, self.group, inplace=True))  # (..., h), every rank's rows
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return out
+        # As Gemma's embedding: a float32 scalar cast to the weight's dtype (sqrt(3072) is 55.5 in bfloat16).
+        return out * torch.tensor(self.scale, device=out.device).to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        pad += "" if self.scale is None else f", scale={self.scale:g}"
         return (
             f"{self.num_embeddings}, {self.embedding_dim}{pad} "
             f"(rows [{self.vocab_start}, {self.vocab_end}) on rank {self.tp_rank} of {self.tp_size})"

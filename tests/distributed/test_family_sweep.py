@@ -1,6 +1,7 @@
 """Every family of the installed transformers (`tests/families.py`), tiny, at tp 2 (its own
-base_model_tp_plan) and pp 2 (1f1b): the step loss and every gradient equal one process, or the plan
-is refused on every rank before anything runs. Never a crash mid-step, never silently wrong.
+base_model_tp_plan), pp 2 (1f1b), tp 2 with sequence parallelism, and tp 2 with a vocabulary-parallel
+head and loss: the step loss and every gradient equal one process, or the plan is refused on every
+rank before anything runs. Never a crash mid-step, never silently wrong.
 
 With REWRITE_FAMILY_TABLE=path set, each case adds its outcome to that JSON file
 (`python -m bench.families` writes docs/families.md from it)."""
@@ -25,6 +26,8 @@ from tests.reference import assert_grads_match
 PLANS = {
     "tp2": lambda model: rewrite.plan_from_hf(model, tp=2),
     "pp2": lambda model: {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
+    "sp": lambda model: rewrite.plan_from_hf(model, tp=2, sequence_parallel=True),
+    "vocab_loss": lambda model: rewrite.plan_from_hf(model, tp=2, loss_parallel=True),
 }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from ...estimate.activations import activation_problem
 from ...estimate.memory import GIB, SHARDINGS, RankMemory, rank_footprints, rank_memory
 from ...plan.resolve import ResolvedPlan
 from ...plan.wording import index_ranges
@@ -164,9 +165,9 @@ def show_data(
         {"plan", "description", "model", "mesh", "pipeline", "data_parallel", "tensor_parallel",
         "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory", "whole_model",
         "warnings"}; memory sizes are bytes, replica 0's ranks (the other replicas hold the same).
-        `pipeline` holds the run's microbatches and seq_len, and under `planned` the plan's own
-        microbatches and cut_points as written ("auto", a list, or None); `est_compute_seq_len` is
-        the sequence length the stages' est_compute is for (None: no estimate). `memory.fullest`:
+        `memory.activations_not_estimated` says why activations are None. `pipeline` holds the run's
+        microbatches and seq_len, and under `planned` the plan's own microbatches and cut_points as
+        written ("auto", a list, or None); `est_compute_seq_len` is the sequence length the stages' est_compute is for (None: no estimate). `memory.fullest`:
         under each data-parallel sharding, the fullest rank's bytes between steps and at its peak
         (None for mesh.dp = 1).
 
@@ -207,6 +208,9 @@ def show_data(
             "not_fitting": sum(1 for m in ranks if m.fits(limit) is False),
             "ranks": [_memory_entry(m, limit) for m in ranks],
             "fullest": _fullest(resolved, model),
+            "activations_not_estimated": (
+                "no model given" if model is None else activation_problem(resolved, model)
+            ) if not ranks or ranks[0].activations is None else None,
         },
         "whole_model": {"params": resolved.total_params, "bytes": resolved.total_bytes},
         "warnings": list(warnings or []),

@@ -63,8 +63,7 @@ def memory_notes(data: dict) -> list[str]:
             f"{alive}); {UNCOUNTED}"
         )
     else:
-        out.append("  activations: not estimated (a Hugging Face LLaMA-family model split by the module walker "
-                   "is needed, and the model itself)")
+        out.append(f"  activations: not estimated ({memory['activations_not_estimated']})")
     if dp == 1:
         out.append("  total = weights + grads + AdamW + activations")
     else:

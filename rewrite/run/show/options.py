@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...estimate.activations import rank_activations
+from ...estimate.activations import activation_problem, rank_activations
 from ...estimate.memory import rank_footprints
 from ...plan.resolve import ResolvedPlan, resolve
 from ...plan.schema import PlanError, load_plan
@@ -41,7 +41,7 @@ def option_variants(
         return [], []
     data = plan.model_dump(mode="json", exclude_none=True)
     changes: list[tuple[str, dict | None]] = []
-    embed, head = bb.path("embed_tokens"), bb.head
+    embed, head = bb.embed, bb.head
     if resolved.tp == 1:
         changes.append(("vocab + loss_parallel, sequence_parallel", None))
     else:
@@ -53,7 +53,7 @@ def option_variants(
             changes.append((f"vocab + loss_parallel {'on' if on else 'off'}", {"tensor_parallel": rules, "loss_parallel": on}))
         on = not plan.sequence_parallel
         changes.append((f"sequence_parallel {'on' if on else 'off'}", {"sequence_parallel": on}))
-    layers = f"{bb.path('layers')}.*"
+    layers = f"{bb.layers}.*"
     on = not plan.activation_checkpointing
     changes.append((
         f"activation_checkpointing on ({layers})" if on else "activation_checkpointing off",
@@ -102,14 +102,14 @@ def format_options(resolved: ResolvedPlan, model: nn.Module) -> str:
     as planned and with each tensor-parallel option flipped (`option_rows`).
 
     Empty when nothing is to compare: mesh.tp = 1 and the plan sets none of loss_parallel,
-    sequence_parallel, activation_checkpointing; or a model split by torch.fx (no estimate).
+    sequence_parallel, activation_checkpointing; or activations not estimated (`activation_problem`).
 
     Example:
         >>> print(format_options(rewrite.resolve("plans/llama-tp2-sp.yaml", model), model))
     """
     plan = resolved.plan
     wanted = resolved.tp > 1 or plan.loss_parallel or plan.sequence_parallel or plan.activation_checkpointing
-    if resolved.kind != "hf" or not wanted:
+    if not wanted or activation_problem(resolved, model) is not None:
         return ""
     rows, notes = option_rows(resolved, model)
     pipe = plan.pipeline

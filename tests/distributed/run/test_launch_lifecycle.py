@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from rewrite.models.families import embedding_scale
 from rewrite.tensor_parallel import comm
 from rewrite.tensor_parallel.loss import vocab_parallel_cross_entropy
 from rewrite.tensor_parallel.vocab import VocabParallelEmbedding
@@ -180,6 +181,27 @@ def _check_subgroups(rank: int, ws: int) -> None:
     assert_close("subgroup loss", loss, F.cross_entropy(logits, targets))
 
 
+def _check_scaled(rank: int, ws: int) -> None:
+    """Gemma's scaled embedding split by vocabulary: its own forward's values (the scale cast to the
+    weight's dtype, sqrt(3072) = 55.5 in bfloat16) and gradients."""
+    from transformers.models.gemma.modeling_gemma import GemmaTextScaledWordEmbedding
+
+    ids = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        whole = GemmaTextScaledWordEmbedding(V, H, PAD, embed_scale=3072**0.5).to(dtype)
+        assert embedding_scale(whole) == 3072**0.5
+        layer = VocabParallelEmbedding.from_embedding(whole)
+        out, ref = layer(ids), whole(ids)
+        assert torch.equal(out, ref), f"{dtype}: scaled lookup differs by {(out - ref).abs().max()}"
+        grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+        out.backward(grad)
+        ref.backward(grad)
+        assert_close(f"{dtype} scaled weight grad", layer.weight.grad, layer.shard_of("weight", whole.weight.grad))
+    assert "scale=55.4256" in repr(layer)
+    assert embedding_scale(nn.Embedding(V, H)) is None
+
+
 def _contract(rank: int, ws: int) -> str:
     assert dist.get_world_size() == ws and dist.get_rank() == rank
     _check_embedding(rank, ws)
@@ -187,6 +209,7 @@ def _contract(rank: int, ws: int) -> str:
         for dtype in (torch.float32, torch.bfloat16):
             _check_loss(rank, ws, prefix, dtype)
     _check_all_ignored(rank, ws)
+    _check_scaled(rank, ws)
     _check_errors(rank, ws)
     if ws == 4:
         _check_subgroups(rank, ws)

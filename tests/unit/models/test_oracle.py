@@ -11,10 +11,8 @@ import rewrite
 from rewrite.models.oracle import tiny_clone_config, walker_problem
 from rewrite.run.cli import main
 from rewrite.run.presets import build_config, build_model, load_config
+from tests.families import TINY
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 128, "head_dim": 16, "pad_token_id": None, "bos_token_id": None,
-        "eos_token_id": None}
 # Families whose own forward does more than embed -> layers -> norm -> head (`models/families.py`).
 FAMILIES = {
     "cohere": {},  # logit_scale on the logits
@@ -40,6 +38,13 @@ class ScaledLlama(LlamaForCausalLM):
         out = super().forward(*args, **kwargs)
         out.logits = out.logits * 2
         return out
+
+
+class Shifted(torch.nn.Embedding):
+    """An embedding whose forward does more than look up (and scale) rows."""
+
+    def forward(self, ids):
+        return super().forward(ids) + 1
 
 
 class NeedsCacheLlama(LlamaForCausalLM):
@@ -121,10 +126,15 @@ def test_validate_checks_the_family_and_what_its_forward_rules_out(tmp_path, cap
         nanochat.model.norm = torch.nn.RMSNorm(64)
     with pytest.raises(rewrite.PlanError, match="runs model.norm before its first layer and after its last"):
         rewrite.resolve({"mesh": {"pp": 2}}, nanochat)
-    # Gemma's embedding scales its rows: splitting it by the vocabulary would drop the scale.
+    # Gemma's embedding scales its rows: 'vocab' keeps the scale; an embedding doing anything else is refused.
     gemma = _meta("gemma2")
+    vocab = {"mesh": {"tp": 2}, "tensor_parallel": {"model.embed_tokens": "vocab", "lm_head": "column"},
+             "loss_parallel": True}
+    assert {s.fqn: s.style for s in rewrite.resolve(vocab, gemma).shards}["model.embed_tokens"] == "vocab"
+    with torch.device("meta"):
+        gemma.model.embed_tokens = Shifted(128, 64)
     with pytest.raises(rewrite.PlanError, match="whose forward does more than look up rows"):
-        rewrite.resolve({"mesh": {"tp": 2}, "tensor_parallel": {"model.embed_tokens": "vocab"}}, gemma)
+        rewrite.resolve(vocab, gemma)
 
 
 def test_modules_kept_whole_inside_a_split_mlp_sum_their_gradients_or_are_refused():
@@ -180,6 +190,14 @@ def test_a_family_whose_layers_reshape_by_the_full_head_count_is_refused_at_tp()
     gptj = _meta("gptj", rotary_dim=8)
     rewrite.resolve(rewrite.plan_from_hf(gptj, tp=2), gptj)
     assert tiny_clone_config(AutoConfig.for_model("gptj")).rotary_dim == 4  # 64 of 256, then of 16
+    # Latent attention (Youtu) keeps the proportions of its ranks and per-head sizes; a real-sized config
+    # is checked on a clone that runs.
+    youtu = AutoConfig.for_model("youtu")
+    tiny = tiny_clone_config(youtu)
+    assert (tiny.kv_lora_rank, tiny.q_lora_rank, tiny.qk_rope_head_dim, tiny.v_head_dim) == (128, 384, 16, 32)
+    with torch.device("meta"):
+        real = AutoModelForCausalLM.from_config(youtu)
+    assert walker_problem(real) is None
 
 
 def test_a_rule_on_a_module_without_parameters_is_a_warning_not_a_refusal(tmp_path, capsys):
