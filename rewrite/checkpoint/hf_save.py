@@ -239,7 +239,11 @@ def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | 
     local = local.contiguous()
     parts = [torch.empty_like(local) for _ in range(owner.tp_size)] if dist.get_rank() == dst else None
     dist.gather(local, parts, dst=dst, group=group)
-    return torch.cat(parts, dim=entry.dim) if parts is not None else None
+    if parts is None:
+        return None
+    # Packed (gate_up_proj): each rank holds its slice of every part; the full tensor is part after part.
+    return torch.cat([chunk for p in range(entry.parts) for chunk in (t.chunk(entry.parts, entry.dim)[p] for t in parts)],
+                     dim=entry.dim)
 
 
 def _model_class(model: nn.Module) -> type:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..plan.resolve import ResolvedPlan
+from ..plan.styles import COLUMN_STYLES, packed_parts
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -24,15 +25,21 @@ class Entry:
     canonical: str  # the key in the checkpoint (tied weights: the first name sharing it)
     full_shape: tuple[int, ...]
     dim: int | None  # sharded along this dim, None when whole
-    start: int
-    length: int
+    start: int  # in each part
+    length: int  # of each part
+    parts: int = 1  # equal parts packed along `dim` (a fused gate_up_proj: 2), each sliced alike
 
     @property
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.full_shape)
         if self.dim is not None:
-            shape[self.dim] = self.length
+            shape[self.dim] = self.length * self.parts
         return tuple(shape)
+
+    def slices(self) -> list[slice]:
+        """This rank's ranges along `dim` of the full tensor, one per part, in order."""
+        part = self.full_shape[self.dim] // self.parts
+        return [slice(p * part + self.start, p * part + self.start + self.length) for p in range(self.parts)]
 
 
 def shard_file(pp_rank: int, pp: int) -> str:
@@ -64,7 +71,7 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 def split_dim(style: str, leaf: str) -> int | None:
     """The dim along which a tensor-parallel style splits its module's tensor `leaf`; None: replicated."""
-    if style in ("column", "column_gather") and leaf in ("weight", "bias"):
+    if style in COLUMN_STYLES and leaf in ("weight", "bias"):
         return 0
     if style == "vocab" and leaf == "weight":
         return 0  # rows of the vocabulary
@@ -85,8 +92,9 @@ def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank
         owner, _, leaf = name.rpartition(".")
         spec, shape = shards.get(owner), tuple(tensor.shape)
         dim = split_dim(spec.style, leaf) if spec is not None and tp > 1 else None
-        length = shape[dim] // tp if dim is not None else 0
-        entries.append(Entry(name, canonical.get(name, name), shape, dim, tp_rank * length, length))
+        parts = packed_parts(spec.style) if dim is not None else 1
+        length = shape[dim] // (tp * parts) if dim is not None else 0
+        entries.append(Entry(name, canonical.get(name, name), shape, dim, tp_rank * length, length, parts))
     return entries
 
 

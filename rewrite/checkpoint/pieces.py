@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..pipeline.stage import Stage
+from ..plan.styles import packed_parts
 from .layout import split_dim
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like"]
@@ -38,15 +39,31 @@ __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "pie
 
 @dataclass(frozen=True)
 class Piece:
-    """The box `tensor` of a whole tensor of size `size`, starting at `offsets`."""
+    """The box `tensor` of a whole tensor of size `size`, starting at `offsets`.
+
+    A packed layer's rows (a fused gate_up_proj keeps its slice of each part) are several
+    boxes along dim 0: `rows` lists each one's (first local row, local rows, whole-tensor row).
+    """
 
     tensor: torch.Tensor  # this rank's data (a view into the live tensor: loads write through it)
     size: torch.Size  # the whole tensor's
     offsets: torch.Size
+    rows: tuple[tuple[int, int, int], ...] = ()  # several boxes: (local start, length, whole start) each
+
+    def boxes(self) -> list[tuple[torch.Tensor, torch.Size]]:
+        """(data, offsets) of each box: views into `tensor`."""
+        if not self.rows:
+            return [(self.tensor, self.offsets)]
+        rest = tuple(self.offsets[1:])
+        return [(self.tensor[a : a + n], torch.Size((at, *rest))) for a, n, at in self.rows]
+
+    def box_at(self, offsets) -> torch.Tensor:
+        """The data of the box that starts at `offsets`."""
+        return next(t for t, o in self.boxes() if tuple(o) == tuple(offsets))
 
     @property
-    def chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=self.offsets, sizes=self.tensor.size())
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for t, o in self.boxes()]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -55,11 +72,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def piece_like(value: torch.Tensor, box: Piece) -> Piece:
     """`value` (e.g. an optimizer moment of a parameter) in the same box as that parameter's."""
-    return Piece(_local(value).detach(), box.size, box.offsets)
+    return Piece(_local(value).detach(), box.size, box.offsets, box.rows)
 
 
-def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, tp: int, tp_rank: int) -> Piece:
-    """Where this rank's `tensor` sits in the whole: the tp slice along `tp_dim`, then FSDP2's rows of it."""
+def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, tp: int, tp_rank: int, parts: int = 1) -> Piece:
+    """Where this rank's `tensor` sits in the whole: the tp slice along `tp_dim`, then FSDP2's rows of it.
+
+    `parts` > 1 (along dim 0): the tp slice is that many slices, one of each equal part of the whole.
+    """
     shape = list(tensor.shape)  # a DTensor's shape: its whole tp slice
     size, start, extent = list(shape), [0] * len(shape), list(shape)
     if tp_dim is not None:
@@ -80,7 +100,19 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, tp: int, tp_rank: 
             extent[d] = min(lo + chunk, n) - lo
     if list(local.shape) != extent:
         raise ValueError(f"{name}: the local shard has shape {list(local.shape)}, its placement gives {extent}")
-    return Piece(local, torch.Size(size), torch.Size(start))
+    if parts == 1:
+        return Piece(local, torch.Size(size), torch.Size(start))
+    # Rows [lo, hi) of this rank's tp slice are held here; the slice's p-th length rows are part p's.
+    length, whole = shape[0] // parts, size[0] // parts
+    lo = start[0] - tp_rank * shape[0]
+    hi = lo + extent[0]
+    rows = tuple(
+        (a - lo, b - a, p * whole + tp_rank * length + a - p * length)
+        for p in range(parts)
+        for a, b in [(max(lo, p * length), min(hi, (p + 1) * length))]
+        if b > a
+    )
+    return Piece(local, torch.Size(size), torch.Size(start), rows or ((0, 0, start[0]),))
 
 
 def model_pieces(stage: Stage) -> dict[str, Piece]:
@@ -92,7 +124,7 @@ def model_pieces(stage: Stage) -> dict[str, Piece]:
         owner, _, leaf = name.rpartition(".")
         spec = shards.get(owner)
         dim = split_dim(spec.style, leaf) if spec is not None and tp > 1 else None
-        out[name] = _box(name, tensor, dim, tp, tp_rank)
+        out[name] = _box(name, tensor, dim, tp, tp_rank, packed_parts(spec.style) if dim is not None else 1)
     return out
 
 
@@ -124,12 +156,12 @@ class PieceSavePlanner(DefaultSavePlanner):
         items = []
         for key, value in self.state_dict.items():
             if isinstance(value, Piece):
-                if value.tensor.numel() == 0:  # an FSDP2 rank past the end of a short tensor
-                    continue
-                data = TensorWriteData(
-                    chunk=value.chunk, properties=TensorProperties.create_from_tensor(value.tensor), size=value.size
-                )
-                items.append(WriteItem(index=MetadataIndex(key, value.offsets), type=WriteItemType.SHARD, tensor_data=data))
+                for data, chunk in zip((t for t, _ in value.boxes()), value.chunks):
+                    if data.numel() == 0:  # an FSDP2 rank past the end of a short tensor
+                        continue
+                    write = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(data), size=value.size)
+                    items.append(WriteItem(index=MetadataIndex(key, chunk.offsets), type=WriteItemType.SHARD,
+                                           tensor_data=write))
             else:
                 items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items)
@@ -137,7 +169,7 @@ class PieceSavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex):
         value = self.state_dict[index.fqn]
-        return _cpu_own(value.tensor) if isinstance(value, Piece) else value
+        return _cpu_own(value.box_at(index.offset)) if isinstance(value, Piece) else value
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):
@@ -159,8 +191,9 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         stored = self.metadata.state_dict_metadata
         for key, value in self.state_dict.items():
             if isinstance(value, Piece):
-                if value.tensor.numel():
-                    items += create_read_items_for_chunk_list(key, stored[key], [value.chunk])
+                chunks = [c for c in value.chunks if math.prod(c.sizes)]
+                if chunks:
+                    items += create_read_items_for_chunk_list(key, stored[key], chunks)
             else:
                 index = MetadataIndex(key)
                 zero = torch.Size((0,))
@@ -172,4 +205,4 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn].tensor
+        return self.state_dict[index.fqn].box_at(index.offset)

@@ -24,8 +24,8 @@ def read_slice(f, key: str, entry: Entry) -> torch.Tensor:
     if entry.dim is None:
         return f.get_tensor(key)
     part = f.get_slice(key)
-    stop = entry.start + entry.length
-    return part[entry.start : stop] if entry.dim == 0 else part[:, entry.start : stop]
+    pieces = [part[s] if entry.dim == 0 else part[:, s] for s in entry.slices()]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=entry.dim)
 
 
 def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, Source], device) -> list[str]:

@@ -286,7 +286,8 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
             k, r = layer_bytes(
                 z,
                 attention_split=styles.get(f"{layer}.self_attn.q_proj") == "column",
-                mlp_split=styles.get(f"{layer}.mlp.gate_proj") == "column",
+                mlp_split=styles.get(f"{layer}.mlp.gate_proj") == "column"
+                or styles.get(f"{layer}.mlp.gate_up_proj") == "packed_column",
                 first=i == 0,
                 recomputed=_recomputed_parts(resolved, i),
             )

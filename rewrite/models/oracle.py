@@ -150,7 +150,10 @@ def narrowed_problem(model: nn.Module, styles: Mapping[str, str]) -> str | None:
     runs on a few ids. Only shapes are checked here: the values are another rank's business.
     """
     config = model.config
-    narrowed = frozenset((_template(fqn), style) for fqn, style in styles.items() if style in ("column", "row"))
+    narrowed = frozenset(
+        (_template(fqn), "row" if style == "row" else "column") for fqn, style in styles.items()
+        if style in ("column", "packed_column", "row")
+    )
     if not narrowed:
         return None
     try:

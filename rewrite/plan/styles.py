@@ -9,12 +9,14 @@ from pydantic import BeforeValidator
 
 from .files import short
 
-__all__ = ["STYLES", "STYLE_ALIASES", "Style"]
+__all__ = ["STYLES", "STYLE_ALIASES", "COLUMN_STYLES", "Style", "packed_parts"]
 
 STYLES: dict[str, str] = {
     "column": "output features split; output stays sharded, to feed a `row` layer",
     "row": "input features split; input arrives sharded, partial outputs are summed",
     "column_gather": "output features split; output all-gathered (the standalone layer's default)",
+    "packed_column": "output features are two equal parts side by side (a fused gate_up_proj): each part "
+    "split, a rank keeps its slice of both in order; output stays sharded, to feed a `row` layer",
     "row_split": "input features split; the layer splits a full input itself, outputs summed",
     "vocab": "nn.Embedding rows (the vocabulary) split: each rank embeds the ids in its range, "
     "zeros elsewhere, and one all-reduce sums the result",
@@ -34,7 +36,17 @@ STYLE_ALIASES: dict[str, str] = {
     "rowwise_split_input": "row_split",
     "replicated_with_grad_allreduce": "grad_allreduce",
     "embedding_rowwise": "vocab",
+    "packed_colwise": "packed_column",
 }
+
+# The styles that split output features, and how many equal parts a style's output packs.
+COLUMN_STYLES = ("column", "column_gather", "packed_column")
+_PACKED = {"packed_column": 2}
+
+
+def packed_parts(style: str | None) -> int:
+    """Equal parts packed side by side along the output features (gate and up: 2); 1 when not packed."""
+    return _PACKED.get(style, 1)
 
 def _style(value: Any) -> Any:
     """Map HF aliases onto our style names; reject unknown names with a suggestion."""

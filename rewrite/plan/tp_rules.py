@@ -14,6 +14,7 @@ from torch import nn
 
 from ..models.families import embedding_scale
 from .schema import ParallelPlan
+from .styles import COLUMN_STYLES, packed_parts
 from .tp_whole import kept_whole
 from .wording import common_divisors, either, index_ranges, plural
 
@@ -50,7 +51,7 @@ def closest(name: str, candidates: list[str]) -> str:
 
 
 def _output_sharded(style: str | None) -> bool:
-    return style == "column"
+    return style in ("column", "packed_column")
 
 
 def _input_sharded(style: str | None) -> bool:
@@ -137,9 +138,15 @@ def shard_problems(
                 )
             shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, (rows // tp, dim), None))
             continue
-        split_out = style in ("column", "column_gather")
+        split_out, parts = style in COLUMN_STYLES, packed_parts(style)
         dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
-        if size % tp:
+        if parts > 1 and size % (parts * tp):
+            problems.append(
+                f"{at}{fqn} ({style}): out_features={size} must be {parts} equal parts, each divisible by "
+                f"mesh.tp={tp}; use tp {either(common_divisors(size // parts) if size % parts == 0 else [1])}, "
+                f"or shard it as 'column_gather'"
+            )
+        elif size % tp:
             problems.append(
                 f"{at}{fqn} ({style}): {dim}={size} is not divisible by mesh.tp={tp}; use tp "
                 f"{either(common_divisors(size))} (they divide {_dim_meaning(model, size)}), "

@@ -32,7 +32,7 @@ def sequence_blocks(
     for name, child in layer.named_children():
         at = f"{path}.{name}"
         found = (styles.get(f"{at}.{sub}") for sub, _ in child.named_modules())
-        kinds = {style for style in found if style in ("column", "row")}
+        kinds = {"column" if style == "packed_column" else style for style in found if style in ("column", "packed_column", "row")}
         if kinds:
             blocks[at] = kinds
         elif any(True for _ in child.parameters()) and "norm" not in type(child).__name__.lower():

@@ -10,7 +10,8 @@ from torch import nn
 __all__ = ["kept_whole"]
 
 # The linears whose output features split a block over tp (column), and the block's own linears.
-_SPLITTERS = {"q_proj": ("q_proj", "k_proj", "v_proj", "o_proj"), "up_proj": ("gate_proj", "up_proj", "down_proj")}
+_SPLITTERS = {"q_proj": ("q_proj", "k_proj", "v_proj", "o_proj"), "up_proj": ("gate_proj", "up_proj", "down_proj"),
+              "gate_up_proj": ("gate_up_proj", "down_proj")}
 
 
 def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -25,7 +26,7 @@ def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[l
     found, problems = [], []
     for fqn, style in styles.items():
         parent, _, leaf = fqn.rpartition(".")
-        if leaf not in _SPLITTERS or style != "column":
+        if leaf not in _SPLITTERS or style not in ("column", "packed_column"):
             continue
         own, width = _SPLITTERS[leaf], modules[fqn].out_features
         for name, param in modules[parent].named_parameters(recurse=False):

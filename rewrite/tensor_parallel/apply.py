@@ -11,6 +11,7 @@ from collections import Counter
 from torch import nn
 
 from ..plan.resolve import ResolvedPlan
+from ..plan.styles import COLUMN_STYLES, packed_parts
 from .comm import SharedInputCopy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
@@ -27,7 +28,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> No
     A weight shared by two modules (tied embeddings) stays shared: both ends are
     split along the vocabulary alike, so the second end reuses the first's shard.
     """
-    columns = Counter(s.fqn.rpartition(".")[0] for s in resolved.shards if s.style in ("column", "column_gather"))
+    columns = Counter(s.fqn.rpartition(".")[0] for s in resolved.shards if s.style in COLUMN_STYLES)
     # Siblings reading one activation (q/k/v; gate/up) share one backward all-reduce.
     copies = {p: SharedInputCopy(group) for p, n in columns.items() if n > 1 and p}
     sharded: dict[int, nn.Parameter] = {}  # id of a replaced weight -> the shard that replaced it
@@ -40,11 +41,11 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> No
             continue
         if spec.style == "vocab":
             new = VocabParallelEmbedding.from_embedding(module, group=group)
-        elif spec.style in ("column", "column_gather"):
+        elif spec.style in COLUMN_STYLES:
             # The LM head under loss_parallel still gathers for model(...); the runner asks for shards.
             new = ColumnParallelLinear.from_linear(
                 module, group=group, gather_output=spec.style == "column_gather" or spec.fqn == _head(resolved),
-                input_copy=copies.get(parent_name),
+                input_copy=copies.get(parent_name), parts=packed_parts(spec.style),
             )
         else:
             new = RowParallelLinear.from_linear(module, group=group, input_is_parallel=spec.style == "row")

@@ -20,7 +20,8 @@ from torch.nn import functional as F
 
 from .base import _ParallelLinear
 from .comm import (
-    InputCopy, SharedInputCopy, copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel,
+    InputCopy, SharedInputCopy, copy_to_parallel, gather_from_parallel, group_size, reduce_from_parallel,
+    scatter_to_parallel,
 )
 from .sequence import reduce_scatter_to_sequence
 
@@ -43,10 +44,13 @@ class ColumnParallelLinear(_ParallelLinear):
         group: process group to split over (default: the default group). Without an
             initialised process group the layer runs as world size 1.
         device, dtype: only used to create the weight when master_weight is None.
+        parts: the output features are this many equal parts side by side (a fused
+            `gate_up_proj` is 2: `W = [G; U]`); each part is split, and a rank keeps
+            `[G_r; U_r]`, so `y.chunk(parts, -1)` still gives its slice of each part.
 
     Raises:
-        ValueError: out_features not divisible by the world size, or a master_weight
-            of the wrong shape.
+        ValueError: out_features not divisible by the world size (times `parts`), or a
+            master_weight of the wrong shape.
 
     Example:
         >>> layer = ColumnParallelLinear(64, 128, True, torch.randn(128, 64))
@@ -65,9 +69,18 @@ class ColumnParallelLinear(_ParallelLinear):
         group: ProcessGroup | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parts: int = 1,
     ):
         super().__init__()
         self.gather_output = gather_output
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"ColumnParallelLinear: parts must be an int >= 1, got {parts!r}")
+        if parts > 1 and (gather_output or out_features % (parts * max(group_size(group), 1))):
+            raise ValueError(
+                f"ColumnParallelLinear: parts={parts} needs gather_output=False (the packed shards feed a row layer) "
+                f"and out_features={out_features} divisible by parts x the world size {group_size(group)}"
+            )
+        self.parts = parts
         self._build(in_features, out_features, bias, master_weight, group, device, dtype)
         self.out_per_rank = self.per_rank
         # Sibling column layers reading one activation may share this (see comm).
@@ -81,13 +94,14 @@ class ColumnParallelLinear(_ParallelLinear):
         group: ProcessGroup | None = None,
         gather_output: bool = True,
         input_copy: SharedInputCopy | None = None,
+        parts: int = 1,
     ) -> ColumnParallelLinear:
         """Shard an existing `nn.Linear`, keeping its trained weight and bias slices.
 
         `input_copy` lets several layers reading the same activation share one
-        backward all-reduce; it must wrap the same group.
+        backward all-reduce; it must wrap the same group. `parts`: see the class.
         """
-        layer = cls._from(linear, gather_output=gather_output, group=group)
+        layer = cls._from(linear, gather_output=gather_output, group=group, parts=parts)
         if input_copy is not None:
             layer.input_copy = input_copy
         return layer
@@ -95,8 +109,14 @@ class ColumnParallelLinear(_ParallelLinear):
     _split = "out_features"
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        start = self.tp_rank * self.per_rank
-        return full[start : start + self.per_rank]  # rows of the weight, entries of the bias
+        """This rank's rows of the weight, entries of the bias (a view; a copy of each part's rows when packed)."""
+        if self.parts == 1:
+            start = self.tp_rank * self.per_rank
+            return full[start : start + self.per_rank]
+        length = self.per_rank // self.parts
+        part = full.shape[0] // self.parts
+        starts = [p * part + self.tp_rank * length for p in range(self.parts)]
+        return torch.cat([full[s : s + length] for s in starts])  # (parts * out / (parts tp), ...)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -117,6 +137,7 @@ class ColumnParallelLinear(_ParallelLinear):
             f"in_features={self.in_features}, out_features={self.out_features} "
             f"({self.out_per_rank} on rank {self.tp_rank} of {self.tp_size}), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}"
+            + (f", parts={self.parts}" if self.parts > 1 else "")
         )
 
 
