@@ -21,6 +21,8 @@ PARAMS = {
     "smollm2-135m": 134_515_008,
     "qwen2.5-0.5b": 494_032_768,
     "mistral-7b": 7_241_732_096,
+    "llama-3.1-70b": 70_553_706_496,
+    "qwen2.5-7b": 7_615_616_512,
 }
 
 # Plans a config cannot take: tp must divide the attention and key-value heads.
@@ -33,6 +35,8 @@ REFUSED = {
     "smollm2-135m": TP2 | {"llama-tp4"},
     "qwen2.5-0.5b": {"llama-tp4"},
     "mistral-7b": set(),
+    "llama-3.1-70b": set(),  # 64 heads, 8 kv heads
+    "qwen2.5-7b": set(),  # 28 heads, 4 kv heads
 }
 
 SHIPPED = sorted(p.stem for p in PLANS.glob("*.yaml"))
