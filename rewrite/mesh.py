@@ -33,6 +33,8 @@ class Mesh:
     dp: int = 1
     dp_group: ProcessGroup | None = None  # the ranks holding the same part in every replica
     device_mesh: DeviceMesh | None = None  # dims ("dp", "pp", "tp")
+    kv_replicas: int = 1  # tp ranks holding each kv head (tp / kv when tp passes the kv heads)
+    kv_group: ProcessGroup | None = None  # those of this rank's tp group holding its kv head (kv_replicas > 1)
 
     @property
     def tp_rank(self) -> int:
@@ -73,9 +75,15 @@ def _device_type() -> str:
     return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
 
 
-def build_mesh(pp: int, tp: int, dp: int = 1) -> Mesh:
-    """Create the mesh's groups. Collective: every rank must call it, with the same sizes."""
+def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1) -> Mesh:
+    """Create the mesh's groups. Collective: every rank must call it, with the same sizes.
+
+    `kv_replicas` > 1 (dividing tp) adds the groups of `kv_replicas` neighbouring tp ranks that
+    hold the same key/value head: tp ranks `[j * r, (j + 1) * r)` of each tp group.
+    """
     check_world(pp, tp, dp)
+    if isinstance(kv_replicas, bool) or not isinstance(kv_replicas, int) or kv_replicas < 1 or tp % kv_replicas:
+        raise ValueError(f"build_mesh: kv_replicas must be an int >= 1 dividing tp={tp}, got {kv_replicas!r}")
     rank = dist.get_rank()
     device_mesh = init_device_mesh(_device_type(), (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     tied_group = None
@@ -88,13 +96,32 @@ def build_mesh(pp: int, tp: int, dp: int = 1) -> Mesh:
                 group = dist.new_group([global_rank(d, 0, t, pp=pp, tp=tp), global_rank(d, pp - 1, t, pp=pp, tp=tp)])
                 if coordinates(rank, pp=pp, tp=tp) in ((d, 0, t), (d, pp - 1, t)):
                     tied_group = group
+    kv_group = _kv_group(pp, tp, dp, kv_replicas, device_mesh.get_group("tp"))
     return Mesh(
         pp=pp,
         tp=tp,
         rank=rank,
         tp_group=device_mesh.get_group("tp"),
+        kv_replicas=kv_replicas,
+        kv_group=kv_group,
         tied_group=tied_group,
         dp=dp,
         dp_group=device_mesh.get_group("dp"),
         device_mesh=device_mesh,
     )
+
+
+def _kv_group(pp: int, tp: int, dp: int, r: int, tp_group: ProcessGroup) -> ProcessGroup | None:
+    """This rank's group of `r` tp neighbours sharing a kv head; the tp group itself when r == tp."""
+    if r == 1:
+        return None
+    if r == tp:
+        return tp_group
+    mine, here = None, coordinates(dist.get_rank(), pp=pp, tp=tp)
+    for d in range(dp):  # new_group is collective over the world: every rank makes every group, in order
+        for p in range(pp):
+            for slot in range(tp // r):
+                group = dist.new_group([global_rank(d, p, slot * r + j, pp=pp, tp=tp) for j in range(r)])
+                if here[:2] == (d, p) and here[2] // r == slot:
+                    mine = group
+    return mine

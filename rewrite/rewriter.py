@@ -69,9 +69,9 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
             raise  # no group: no peer is waiting
         error = exc
     _agree_on_binding(model, resolved, error)  # the first collective
-    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
+    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, kv_replicas=resolved.kv_replicas)
     if mesh.tp > 1:
-        apply_tensor_parallel(model, resolved, mesh.tp_group)
+        apply_tensor_parallel(model, resolved, mesh.tp_group, kv_group=mesh.kv_group)
     carved = carve_stage(model, resolved, mesh)
     recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)

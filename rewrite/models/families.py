@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["FamilyForward", "embedding_scale", "family_forward"]
+__all__ = ["FamilyForward", "embedding_scale", "family_forward", "set_local_kv_groups"]
 
 
 def _softcap(config, logits: torch.Tensor) -> torch.Tensor:
@@ -83,3 +83,16 @@ def _scales_lookup(cls: type) -> bool:
             return torch.equal(probe(ids), F.embedding(ids, probe.weight) * 3.0)
         except Exception:  # another constructor or forward: not the pattern
             return False
+
+
+def set_local_kv_groups(attention: nn.Module, q_features: int, kv_features: int) -> None:
+    """Tell an attention module how many of its rank's query heads read each of its rank's kv heads, in place.
+
+    HF attention repeats each key/value head `num_key_value_groups` times to meet its query
+    heads (`repeat_kv`). Splitting both tp ways keeps the ratio; with kv heads replicated
+    (each rank holds one kv head and `heads / tp` query heads) it becomes
+    `q_features / kv_features` on the rank, the ratio of its q_proj and k_proj outputs.
+    """
+    if kv_features < 1 or q_features % kv_features:
+        raise ValueError(f"{type(attention).__name__}: {q_features} query features do not fill {kv_features} kv features evenly")
+    attention.num_key_value_groups = q_features // kv_features

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 
 import torch
 from torch import nn
 
+from .families import set_local_kv_groups
 from .hf_llama import find_backbone, run_backbone
 
 __all__ = ["exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "tiny_clone_config", "TOLERANCE"]
@@ -140,19 +141,23 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
     )
 
 
-def narrowed_problem(model: nn.Module, styles: Mapping[str, str]) -> str | None:
+def narrowed_problem(model: nn.Module, styles: Mapping[str, str], replicated: Iterable[str] = ()) -> str | None:
     """Why `model`'s own forward cannot run on one tensor-parallel rank's shards, or None when it can.
 
     A family that reshapes by its full head count (`self.num_heads`) instead of what its
     projections return crashes once q/k/v hold 1/tp of the heads. On a tiny clone, each
     linear the plan splits by output ('column') keeps half its rows and each one split by
     input ('row') half its columns, as on one rank of tp 2; the model's own forward then
-    runs on a few ids. Only shapes are checked here: the values are another rank's business.
+    runs on a few ids. With k/v projections `replicated` (kv heads held by several ranks),
+    the clone is cut as on one rank of tp 4 (one query head per rank) with one whole kv
+    head, its attention told so (`set_local_kv_groups`). Only shapes are checked here:
+    the values are another rank's business.
     """
     config = model.config
+    kv = {_template(fqn) for fqn in replicated}
     narrowed = frozenset(
-        (_template(fqn), "row" if style == "row" else "column") for fqn, style in styles.items()
-        if style in ("column", "packed_column", "row")
+        (_template(fqn), "kv" if _template(fqn) in kv else "row" if style == "row" else "column")
+        for fqn, style in styles.items() if style in ("column", "packed_column", "row")
     )
     if not narrowed:
         return None
@@ -177,14 +182,22 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
             tiny = model_class(config).float().eval()
         except Exception as exc:
             return f"cannot build a tiny {config.model_type} model to check its sharded forward against ({exception_line(exc)})"
+        tp = 4 if "kv" in styles.values() else 2  # the clone's 4 query heads, one per rank, past its kv heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or 1
         for fqn, module in list(tiny.named_modules()):
             style = styles.get(_template(fqn))
             if style is None or not isinstance(module, nn.Linear):
                 continue
-            inputs, outputs = (module.in_features, module.out_features // 2) if style == "column" else (
-                module.in_features // 2, module.out_features)
+            inputs, outputs = {
+                "column": (module.in_features, module.out_features // tp),
+                "row": (module.in_features // tp, module.out_features),
+                "kv": (module.in_features, module.out_features // kv_heads),  # one whole kv head
+            }[style]
             parent, _, leaf = fqn.rpartition(".")
             setattr(tiny.get_submodule(parent) if parent else tiny, leaf, nn.Linear(inputs, outputs, bias=module.bias is not None))
+        for fqn, module in tiny.named_modules():
+            if styles.get(_template(f"{fqn}.k_proj")) == "kv":
+                set_local_kv_groups(module, module.q_proj.out_features, module.k_proj.out_features)
         ids = torch.randint(0, config.vocab_size, (2, 8))
         try:
             model_class(config).eval()(input_ids=ids, use_cache=False)

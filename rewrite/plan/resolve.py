@@ -86,6 +86,11 @@ class ResolvedPlan:
     def world_size(self) -> int:
         return self.plan.mesh.world_size
 
+    @property
+    def kv_replicas(self) -> int:
+        """tp ranks holding each kv head (tp / kv when tp passes the kv heads; 1 when tp divides them)."""
+        return max((s.replicas for s in self.shards), default=1)
+
 
 def _hf_stages(
     plan: ParallelPlan, n: int, bb: Backbone, costs: Costs | str
@@ -243,7 +248,7 @@ def resolve(
     shards, tp_problems = shard_problems(plan, model, modules, notes)
     problems += tp_problems
     if plan.mesh.tp > 1 and not tp_problems and hasattr(getattr(model, "config", None), "model_type"):
-        narrowed = narrowed_problem(model, {s.fqn: s.style for s in shards})
+        narrowed = narrowed_problem(model, {s.fqn: s.style for s in shards}, [s.fqn for s in shards if s.replicas > 1])
         problems += [f"{type(model).__name__} ({model.config.model_type}): {narrowed}"] if narrowed else []
     recomputed, ac_problems = _recomputed(plan, modules)
     problems += ac_problems

@@ -15,8 +15,9 @@ from torch import nn
 from ..models.families import embedding_scale
 from .schema import ParallelPlan
 from .styles import COLUMN_STYLES, packed_parts
+from .heads import head_counts, head_problems, kv_replicas
 from .tp_whole import kept_whole
-from .wording import common_divisors, either, index_ranges, plural
+from .wording import common_divisors, either, index_ranges
 
 __all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats"]
 
@@ -35,6 +36,13 @@ class ShardSpec:
     bias: bool
     weight_shape: tuple[int, ...] | None  # on each rank
     bias_shape: tuple[int, ...] | None  # on each rank
+    replicas: int = 1  # tp ranks holding each slice: a k/v projection past its kv heads, tp / kv
+    tp: int = 1  # the plan's mesh.tp
+
+    @property
+    def slices(self) -> int:
+        """Distinct slices over the tp ranks: rank `i` holds slice `i // replicas`."""
+        return self.tp // self.replicas
 
 
 def match_pattern(pattern: str, fqn: str) -> bool:
@@ -121,6 +129,8 @@ def shard_problems(
         for fqn in implied:
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
     shards, order = [], {name: i for i, name in enumerate(names)}
+    counts = head_counts(getattr(model, "config", None))
+    kv_r = kv_replicas(*counts, tp) if counts else 1
     for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
         lin = modules[fqn]
         if style == "grad_allreduce":
@@ -136,9 +146,11 @@ def shard_problems(
                     f"{at}{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
                     f"use tp {either(common_divisors(rows))} (they divide the vocabulary), or leave the embedding whole"
                 )
-            shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, (rows // tp, dim), None))
+            shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, (rows // tp, dim), None, 1, tp))
             continue
         split_out, parts = style in COLUMN_STYLES, packed_parts(style)
+        replicas = kv_r if style == "column" and _is_kv(fqn, chosen) else 1
+        slices = tp // replicas
         dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
         if parts > 1 and size % (parts * tp):
             problems.append(
@@ -146,17 +158,18 @@ def shard_problems(
                 f"mesh.tp={tp}; use tp {either(common_divisors(size // parts) if size % parts == 0 else [1])}, "
                 f"or shard it as 'column_gather'"
             )
-        elif size % tp:
+        elif size % slices:
             problems.append(
                 f"{at}{fqn} ({style}): {dim}={size} is not divisible by mesh.tp={tp}; use tp "
                 f"{either(common_divisors(size))} (they divide {_dim_meaning(model, size)}), "
                 f"or leave {fqn.rsplit('.', 1)[-1]} whole"
             )
-        weight = (lin.out_features // tp, lin.in_features) if split_out else (lin.out_features, lin.in_features // tp)
+        weight = (lin.out_features // slices, lin.in_features) if split_out else (lin.out_features, lin.in_features // tp)
         bias = None
         if lin.bias is not None:
-            bias = (lin.out_features // tp,) if split_out else (lin.out_features,)
-        shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias))
+            bias = (lin.out_features // slices,) if split_out else (lin.out_features,)
+        shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias,
+                                replicas, tp))
     if tp > 1:
         rule_at = {s.fqn: plan.where("tensor_parallel", s.pattern) for s in shards if s.pattern != "(implied)"}
         problems += _tied_problems(tied, {s.fqn: s.style for s in shards}, rule_at)
@@ -261,25 +274,23 @@ def _block_problems(
                     "(the column outputs are the row layer's sharded input)"
                 )
             if output == "o_proj" and config is not None and _output_sharded(got["q_proj"]):
-                problems += _head_problems(config, tp, tp_at)
+                problems += head_problems(config, tp, tp_at) or _groups_problems(model, parent, config, tp, tp_at)
     return list(dict.fromkeys(problems))  # each config problem once, not once per layer
 
 
-def _head_problems(config, tp: int, tp_at: str) -> list[str]:
-    """tp must divide the query heads and the key/value heads alike: one message naming both and the tp that fit."""
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    if not heads:
+def _is_kv(fqn: str, chosen: dict[str, tuple[str, str]]) -> bool:
+    """A k/v projection beside a q_proj split by output: the ones that hold whole kv heads past the kv count."""
+    parent, _, leaf = fqn.rpartition(".")
+    return leaf in ("k_proj", "v_proj") and chosen.get(f"{parent}.q_proj", ("", ""))[1] == "column"
+
+
+def _groups_problems(model: nn.Module, parent: str, config, tp: int, tp_at: str) -> list[str]:
+    """With kv heads replicated, the attention must read its query heads per kv head from `num_key_value_groups`."""
+    heads, kv = head_counts(config)
+    if kv_replicas(heads, kv, tp) == 1 or isinstance(getattr(model.get_submodule(parent), "num_key_value_groups", None), int):
         return []
-    split = [f"{name}={count}" for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv))
-             if count % tp and not (name == "num_key_value_heads" and kv == heads and heads % tp)]
-    if not split:
-        return []
-    counts = plural(heads, "attention head") + (f" and {plural(kv, 'kv head')}" if kv != heads else "")
-    fits = common_divisors(heads, kv)
     return [
-        f"{tp_at}mesh.tp={tp} does not divide {' nor '.join(split)} (q_proj, k_proj, v_proj, o_proj would split a "
-        f"head); tp must divide {counts}: tp {either(fits)}; set mesh.tp to "
-        + (f"{fits[0]}" if len(fits) == 1 else "one of them")
-        + ", or leave the attention unsharded"
+        f"{tp_at}mesh.tp={tp} holds each of the {kv} kv heads on tp / {kv} ranks, so each rank's attention reads "
+        f"{heads // tp} query heads per kv head; {type(model.get_submodule(parent)).__name__} keeps no "
+        f"num_key_value_groups to tell it so: use tp {either(common_divisors(heads, kv))}"
     ]

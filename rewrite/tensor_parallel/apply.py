@@ -10,6 +10,7 @@ from collections import Counter
 
 from torch import nn
 
+from ..models.families import set_local_kv_groups
 from ..plan.resolve import ResolvedPlan
 from ..plan.styles import COLUMN_STYLES, packed_parts
 from .comm import SharedInputCopy
@@ -22,11 +23,14 @@ from .vocab import VocabParallelEmbedding
 __all__ = ["apply_tensor_parallel"]
 
 
-def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> None:
+def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv_group=None) -> None:
     """Swap each planned module in place for its tensor-parallel version over `group`.
 
     A weight shared by two modules (tied embeddings) stays shared: both ends are
     split along the vocabulary alike, so the second end reuses the first's shard.
+    k/v projections past their kv heads (`ShardSpec.replicas` > 1) hold whole kv heads,
+    their gradients summed over `kv_group` (`Mesh.kv_group`), and their attention is told
+    its rank's query heads per kv head.
     """
     columns = Counter(s.fqn.rpartition(".")[0] for s in resolved.shards if s.style in COLUMN_STYLES)
     # Siblings reading one activation (q/k/v; gate/up) share one backward all-reduce.
@@ -46,6 +50,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> No
             new = ColumnParallelLinear.from_linear(
                 module, group=group, gather_output=spec.style == "column_gather" or spec.fqn == _head(resolved),
                 input_copy=copies.get(parent_name), parts=packed_parts(spec.style),
+                replicas=spec.replicas, replica_group=kv_group if spec.replicas > 1 else None,
             )
         else:
             new = RowParallelLinear.from_linear(module, group=group, input_is_parallel=spec.style == "row")
@@ -53,6 +58,11 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group) -> No
             new.weight = sharded[id(module.weight)]  # tied: the same rows of the same matrix
         sharded[id(module.weight)] = new.weight
         setattr(parent, name, new)
+    for spec in resolved.shards:
+        if spec.replicas > 1 and spec.fqn.endswith(".k_proj"):
+            parent_name = spec.fqn.rpartition(".")[0]
+            attention = model.get_submodule(parent_name)
+            set_local_kv_groups(attention, attention.q_proj.out_per_rank, attention.k_proj.out_per_rank)
     for parent_name, shared in copies.items():
         add_mixin(model.get_submodule(parent_name), _ForgetsInputCopy).input_copy_cache = shared
     if resolved.plan.sequence_parallel:

@@ -55,6 +55,7 @@ class _ParallelLinear(nn.Module):
     """What both layers share: group bookkeeping, slicing, building from nn.Linear."""
 
     _split = ""  # "out_features" (column) or "in_features" (row)
+    replicas = 1  # tp ranks holding the same slice (a column k/v projection past its kv heads)
 
     def _build(self, in_features, out_features, bias, master_weight, group, device, dtype) -> None:
         cls = type(self).__name__
@@ -63,8 +64,12 @@ class _ParallelLinear(nn.Module):
         self.group = group
         self.tp_size, self.tp_rank = group_size(group), group_rank(group)
         split = getattr(self, self._split)
-        _check_divisible(cls, self._split, split, self.tp_size)
-        self.per_rank = split // self.tp_size
+        if self.tp_size % self.replicas:
+            raise ValueError(f"{cls}: replicas={self.replicas} must divide the tensor-parallel world size {self.tp_size}")
+        slices = self.tp_size // self.replicas
+        _check_divisible(cls, self._split, split, slices)
+        self.per_rank = split // slices
+        self.slot = self.tp_rank // self.replicas  # which slice this rank holds
         full = _master(cls, master_weight, out_features, in_features, device, dtype)
         # clone(): this rank's storage holds only its slice, never the full matrix.
         self.weight = nn.Parameter(self.shard_of("weight", full).clone())

@@ -47,10 +47,16 @@ class ColumnParallelLinear(_ParallelLinear):
         parts: the output features are this many equal parts side by side (a fused
             `gate_up_proj` is 2: `W = [G; U]`); each part is split, and a rank keeps
             `[G_r; U_r]`, so `y.chunk(parts, -1)` still gives its slice of each part.
+        replicas: this many neighbouring ranks hold the same slice (a k/v projection with
+            fewer kv heads than ranks: `tp / kv`); the weight is cut into `ws / replicas`
+            slices, rank `i` keeps slice `i // replicas`, and its gradients are summed over
+            `replica_group` (each rank's share comes from its own query heads only).
+        replica_group: the `replicas` ranks holding this rank's slice (needed when replicas > 1).
 
     Raises:
-        ValueError: out_features not divisible by the world size (times `parts`), or a
-            master_weight of the wrong shape.
+        ValueError: out_features not divisible by the world size (times `parts`, over
+            `replicas`), a master_weight of the wrong shape, or replicas with a gathered
+            or packed output, or without a replica group of that size.
 
     Example:
         >>> layer = ColumnParallelLinear(64, 128, True, torch.randn(128, 64))
@@ -70,9 +76,13 @@ class ColumnParallelLinear(_ParallelLinear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         parts: int = 1,
+        replicas: int = 1,
+        replica_group: ProcessGroup | None = None,
     ):
         super().__init__()
         self.gather_output = gather_output
+        _check_replicas(replicas, replica_group, gather_output, parts)
+        self.replicas, self.replica_group = replicas, replica_group
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
             raise ValueError(f"ColumnParallelLinear: parts must be an int >= 1, got {parts!r}")
         if parts > 1 and (gather_output or out_features % (parts * max(group_size(group), 1))):
@@ -95,13 +105,16 @@ class ColumnParallelLinear(_ParallelLinear):
         gather_output: bool = True,
         input_copy: SharedInputCopy | None = None,
         parts: int = 1,
+        replicas: int = 1,
+        replica_group: ProcessGroup | None = None,
     ) -> ColumnParallelLinear:
         """Shard an existing `nn.Linear`, keeping its trained weight and bias slices.
 
         `input_copy` lets several layers reading the same activation share one
-        backward all-reduce; it must wrap the same group. `parts`: see the class.
+        backward all-reduce; it must wrap the same group. `parts`, `replicas`: see the class.
         """
-        layer = cls._from(linear, gather_output=gather_output, group=group, parts=parts)
+        layer = cls._from(linear, gather_output=gather_output, group=group, parts=parts, replicas=replicas,
+                          replica_group=replica_group)
         if input_copy is not None:
             layer.input_copy = input_copy
         return layer
@@ -111,7 +124,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the weight, entries of the bias (a view; a copy of each part's rows when packed)."""
         if self.parts == 1:
-            start = self.tp_rank * self.per_rank
+            start = self.slot * self.per_rank
             return full[start : start + self.per_rank]
         length = self.per_rank // self.parts
         part = full.shape[0] // self.parts
@@ -130,7 +143,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward_shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's `(..., out / tp)` slice of the output, whatever `gather_output` says."""
         x = self.input_copy(x)  # f: identity here, all-reduce of dL/dx in backward
-        return F.linear(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if self.replicas > 1:  # each holder's gradient is its own query heads' share: f sums them
+            weight = copy_to_parallel(weight, self.replica_group)
+            bias = None if bias is None else copy_to_parallel(bias, self.replica_group)
+        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         return (
@@ -138,7 +155,23 @@ class ColumnParallelLinear(_ParallelLinear):
             f"({self.out_per_rank} on rank {self.tp_rank} of {self.tp_size}), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}"
             + (f", parts={self.parts}" if self.parts > 1 else "")
+            + (f", replicas={self.replicas} (slice {self.slot})" if self.replicas > 1 else "")
         )
+
+
+def _check_replicas(replicas, replica_group, gather_output: bool, parts: int) -> None:
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"ColumnParallelLinear: replicas must be an int >= 1, got {replicas!r}")
+    if replicas == 1:
+        return
+    if gather_output or parts > 1:
+        raise ValueError(
+            f"ColumnParallelLinear: replicas={replicas} needs gather_output=False and parts=1 (replicated slices feed "
+            "their own ranks' attention; a gather would repeat them)"
+        )
+    if replica_group is None or group_size(replica_group) != replicas:
+        found = "none" if replica_group is None else f"a group of {group_size(replica_group)}"
+        raise ValueError(f"ColumnParallelLinear: replicas={replicas} needs a replica_group of {replicas} ranks, got {found}")
 
 
 class RowParallelLinear(_ParallelLinear):

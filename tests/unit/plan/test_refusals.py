@@ -47,10 +47,18 @@ def test_tp_names_the_sizes_that_divide_both_head_counts(smollm, qwen):
     message = refusal({"mesh": {"tp": 2}, "tensor_parallel": ATTENTION}, smollm)
     assert message.startswith("plan: 1 problem"), "one message for query and kv heads"
     assert "mesh.tp=2 does not divide num_attention_heads=9 nor num_key_value_heads=3" in message
-    assert "tp must divide 9 attention heads and 3 kv heads: tp 1 or 3; set mesh.tp to one of them" in message
+    assert ("tp must divide the 9 attention heads and either divide the 3 kv heads (tp 1 or 3) or be a multiple of "
+            "them, each kv head then replicated on tp / 3 ranks (tp 9); set mesh.tp to one of these") in message
     message = refusal({"mesh": {"tp": 4}, "tensor_parallel": ATTENTION}, qwen)
-    assert "tp must divide 14 attention heads and 2 kv heads: tp 1 or 2; set mesh.tp to one of them" in message
-    resolve({"mesh": {"tp": 3}, "tensor_parallel": ATTENTION}, smollm)  # a size it named works
+    assert "mesh.tp=4 does not divide num_attention_heads=14 (q_proj" in message, "tp 4 passes the 2 kv heads evenly"
+    assert "either divide the 2 kv heads (tp 1 or 2) or be a multiple of them" in message
+    assert "(tp 14)" in message
+    message = refusal({"mesh": {"tp": 9}, "tensor_parallel": {**ATTENTION, "model.layers.*.self_attn.o_proj": "column"}},
+                      smollm)
+    assert "replicated" not in message, "a layout problem is not a head-count problem"
+    for tp in (3, 9):  # the sizes it named work: 9 holds each of the 3 kv heads on 3 ranks
+        resolved = resolve({"mesh": {"tp": tp}, "tensor_parallel": ATTENTION}, smollm)
+        assert resolved.kv_replicas == tp // 3
 
 
 def test_tp_names_the_sizes_that_divide_a_split_dimension(smollm):
