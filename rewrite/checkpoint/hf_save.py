@@ -55,6 +55,9 @@ def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
         return f"{entry.name}: the plan shards it as {wanted}, the model holds {type(owner).__name__}"
     if owner.tp_rank != tp_rank:
         return f"{entry.name}: the layer is tp rank {owner.tp_rank}, this rank is tp rank {tp_rank} of the plan"
+    replicas = getattr(owner, "replicas", 1)
+    if replicas != entry.replicas:
+        return f"{entry.name}: the layer's slice is held by {replicas} tp ranks, the plan's by {entry.replicas}"
     return None
 
 
@@ -229,7 +232,9 @@ def _gather_dp(local: torch.Tensor) -> torch.Tensor:
 def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | None, dst: int) -> torch.Tensor | None:
     """The full tensor on the stage's tp_rank 0 of replica 0 (None elsewhere): shards gathered over the tp group.
 
-    Called in replica 0 only: `dst` is the global rank of its tp rank 0.
+    Called in replica 0 only: `dst` is the global rank of its tp rank 0. A slice held by
+    `entry.replicas` neighbouring tp ranks (a kv head past the kv heads) arrives that many
+    times, alike; the first of each is written.
     """
     local = local.detach()
     if entry.dim is None:
@@ -241,6 +246,7 @@ def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | 
     dist.gather(local, parts, dst=dst, group=group)
     if parts is None:
         return None
+    parts = parts[:: entry.replicas]  # tp ranks [j * r, (j + 1) * r) hold slice j
     # Packed (gate_up_proj): each rank holds its slice of every part; the full tensor is part after part.
     return torch.cat([chunk for p in range(entry.parts) for chunk in (t.chunk(entry.parts, entry.dim)[p] for t in parts)],
                      dim=entry.dim)

@@ -28,6 +28,7 @@ class Entry:
     start: int  # in each part
     length: int  # of each part
     parts: int = 1  # equal parts packed along `dim` (a fused gate_up_proj: 2), each sliced alike
+    replicas: int = 1  # neighbouring tp ranks holding this same slice (a k/v projection past its kv heads)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -81,7 +82,11 @@ def split_dim(style: str, leaf: str) -> int | None:
 
 
 def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:
-    """Every state-dict tensor pipeline rank `pp_rank` holds (all its stages), with tp rank `tp_rank`'s slice."""
+    """Every state-dict tensor pipeline rank `pp_rank` holds (all its stages), with tp rank `tp_rank`'s slice.
+
+    A tensor split `slices` ways (`spec.slices`: tp, or tp / replicas for a k/v projection
+    past its kv heads) is held by tp rank `i` as slice `i // replicas`.
+    """
     mods = [""] if resolved.pp == 1 else list(resolved.rank_modules(pp_rank))
     shards = {s.fqn: s for s in resolved.shards}
     canonical, tp = canonical_names(meta), resolved.tp
@@ -93,8 +98,10 @@ def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank
         spec, shape = shards.get(owner), tuple(tensor.shape)
         dim = split_dim(spec.style, leaf) if spec is not None and tp > 1 else None
         parts = packed_parts(spec.style) if dim is not None else 1
-        length = shape[dim] // (tp * parts) if dim is not None else 0
-        entries.append(Entry(name, canonical.get(name, name), shape, dim, tp_rank * length, length, parts))
+        length = shape[dim] // (spec.slices * parts) if dim is not None else 0
+        start = tp_rank // spec.replicas * length if dim is not None else 0
+        replicas = spec.replicas if dim is not None else 1
+        entries.append(Entry(name, canonical.get(name, name), shape, dim, start, length, parts, replicas))
     return entries
 
 

@@ -75,16 +75,18 @@ def piece_like(value: torch.Tensor, box: Piece) -> Piece:
     return Piece(_local(value).detach(), box.size, box.offsets, box.rows)
 
 
-def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, tp: int, tp_rank: int, parts: int = 1) -> Piece:
-    """Where this rank's `tensor` sits in the whole: the tp slice along `tp_dim`, then FSDP2's rows of it.
+def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot: int, parts: int = 1) -> Piece:
+    """Where this rank's `tensor` sits in the whole: tp slice `slot` of `slices` along `tp_dim`, then FSDP2's rows.
 
+    `slices` is tp, or tp / replicas for a k/v projection past its kv heads (`slot` = tp_rank //
+    replicas): the replicas then hold the same box, which DCP's deduplication writes once.
     `parts` > 1 (along dim 0): the tp slice is that many slices, one of each equal part of the whole.
     """
     shape = list(tensor.shape)  # a DTensor's shape: its whole tp slice
     size, start, extent = list(shape), [0] * len(shape), list(shape)
     if tp_dim is not None:
-        size[tp_dim] *= tp
-        start[tp_dim] = tp_rank * shape[tp_dim]
+        size[tp_dim] *= slices
+        start[tp_dim] = slot * shape[tp_dim]
     local = _local(tensor).detach()
     if isinstance(tensor, DTensor):
         coordinate = tensor.device_mesh.get_coordinate() or []
@@ -104,10 +106,10 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, tp: int, tp_rank: 
         return Piece(local, torch.Size(size), torch.Size(start))
     # Rows [lo, hi) of this rank's tp slice are held here; the slice's p-th length rows are part p's.
     length, whole = shape[0] // parts, size[0] // parts
-    lo = start[0] - tp_rank * shape[0]
+    lo = start[0] - slot * shape[0]
     hi = lo + extent[0]
     rows = tuple(
-        (a - lo, b - a, p * whole + tp_rank * length + a - p * length)
+        (a - lo, b - a, p * whole + slot * length + a - p * length)
         for p in range(parts)
         for a, b in [(max(lo, p * length), min(hi, (p + 1) * length))]
         if b > a
@@ -124,7 +126,10 @@ def model_pieces(stage: Stage) -> dict[str, Piece]:
         owner, _, leaf = name.rpartition(".")
         spec = shards.get(owner)
         dim = split_dim(spec.style, leaf) if spec is not None and tp > 1 else None
-        out[name] = _box(name, tensor, dim, tp, tp_rank, packed_parts(spec.style) if dim is not None else 1)
+        if dim is None:
+            out[name] = _box(name, tensor, None, 1, 0)
+        else:
+            out[name] = _box(name, tensor, dim, spec.slices, tp_rank // spec.replicas, packed_parts(spec.style))
     return out
 
 

@@ -28,7 +28,9 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
 
     - tensor parallel: a split weight `W = [W_1; ...; W_tp]` contributes `sum_i ||W_i||^2`,
       one slice per tp rank; a weight whole on every tp rank (norms, row biases; their
-      gradients are equal across tp) only from tp_rank 0.
+      gradients are equal across tp) only from tp_rank 0. A k/v projection past its kv
+      heads is split `tp / r` ways, each slice held by `r` neighbouring tp ranks (gradients
+      already summed over them): it counts on the first of each, `tp_rank % r == 0`.
     - pipeline: each rank holds its own stages' parameters; a tied embedding held by the
       first and the last pipeline rank (`stage.tied`, gradients already summed) counts
       once, on the first.
@@ -66,7 +68,7 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
     """
     norm_type = _check(stage, max_norm, norm_type)
     mesh = stage.mesh
-    split = _tp_split_ids(stage.module) if mesh.tp > 1 else set()
+    split = _tp_split_ids(stage.module, mesh.tp_rank) if mesh.tp > 1 else set()
     not_mine = {id(p) for p in stage.tied} if not stage.is_first else set()
     grads, counted, partial = [], [], []
     for name, param in stage.module.named_parameters():  # a tied object once
@@ -123,12 +125,16 @@ def _check(stage: Stage, max_norm, norm_type) -> float:
     return value
 
 
-def _tp_split_ids(module: nn.Module) -> set[int]:
-    """Ids of the parameters split over tp: column weight and bias, row weight, vocabulary rows."""
+def _tp_split_ids(module: nn.Module, tp_rank: int) -> set[int]:
+    """Ids of the parameters split over tp that count on tp rank `tp_rank`: column weight and
+    bias, row weight, vocabulary rows; a slice held by `replicas` ranks only on the first of them."""
     out = set()
     for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            out.add(id(m.weight))
+        if not isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            continue
+        if tp_rank % getattr(m, "replicas", 1):
+            continue  # a replica: the slice counts on the first of its holders
+        out.add(id(m.weight))
         if isinstance(m, ColumnParallelLinear) and m.bias is not None:
             out.add(id(m.bias))  # a row layer's bias is whole on every rank
     return out
