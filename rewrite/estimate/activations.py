@@ -10,7 +10,8 @@ a / g = query / key-value heads of size d, i = intermediate_size, V = vocab_size
 B = bytes per element of the parameters' dtype. Tokens: T = b s. Under sequence_parallel a
 rank holds C = b ceil(s / t) tokens between the blocks and the MLP runs on R = b t ceil(s / t)
 rows (the padding rows too); without it C = R = T. A block whose first linear is split
-('column') divides its inner activations by t' = t; an unsplit block by t' = 1.
+('column') divides its inner activations by t' = t, an unsplit one by t' = 1; r = tp ranks
+holding each kv head of a split attention (t / g when t passes g, else 1; unsplit: 1).
 
 Bytes one decoder layer keeps for its backward:
 
@@ -18,12 +19,12 @@ Bytes one decoder layer keeps for its backward:
                                            and 1 / rms (float32) per token
     attention         T B h                its input, read by q/k/v (under sequence_parallel the
                                            all-gathered input: the column layers keep it whole)
-                    + T (B (a + 2 g) d + 2 B a d + 4 a) / t'
-                                           q and k after RoPE and v (SDPA's inputs; GQA keeps g
-                                           heads), SDPA's output and its copy read by o_proj,
-                                           and SDPA's float32 logsumexp: the flash and
-                                           memory-efficient kernels keep no s x s matrix
-                    + T ((4 + B) (a + g) d + 4 (a + g)) / t'   with per-head q_norm / k_norm (Qwen3)
+                    + T (B (a + 2 g r) d + 2 B a d + 4 a) / t'
+                                           q and k after RoPE and v (SDPA's inputs; GQA keeps
+                                           g r / t' heads a rank), SDPA's output and its copy
+                                           read by o_proj, and SDPA's float32 logsumexp (the flash
+                                           and memory-efficient kernels keep no s x s matrix)
+                    + T ((4 + B) (a + g r) d + 4 (a + g r)) / t'   with per-head q_norm / k_norm (Qwen3)
     MLP               R B h + 4 R B i / t'  its input; gate, SiLU(gate), up and their product
 
 Residual adds keep nothing and LLaMA has no dropout. For LLaMA-7B shapes in bfloat16
@@ -44,7 +45,7 @@ token ids: its output is the first layer's input, counted there. A stage that is
 holds its output, B h per token (C under sequence_parallel), until the backward.
 
 A rank's estimate: the bytes of its (microbatch, stage) pairs alive at once in the plan's
-schedule table (AFAB: every microbatch; 1F1B: at most pp - r on rank r), plus the recompute
+schedule table (AFAB: every microbatch; 1F1B: at most pp - i on pp rank i), plus the recompute
 term. Left out: cos / sin and a causal mask (shared by the layers; SDPA's is_causal needs
 none), token ids and the loss's per-token indices, transient buffers (the float32 logits a loss
 builds in its forward, gradients, collectives' buffers, kernel workspaces), the input a
@@ -96,20 +97,16 @@ class Sizes:
     dtype_bytes: int = 4  # B
     sequence_parallel: bool = False
     qk_norm: bool = False  # per-head q_norm / k_norm (Qwen3)
+    kv_replicas: int = 1  # r: tp ranks holding each kv head when the attention is split
 
     @classmethod
     def of(cls, config, *, seq_len: int, **run) -> Sizes:
-        """From a transformers config; `run` sets batch_size, tp, dtype_bytes, sequence_parallel, qk_norm."""
+        """From a transformers config; `run` sets the fields after seq_len (batch_size, tp, ...)."""
         h, a = _size(config, "hidden_size"), _size(config, "num_attention_heads")
         return cls(
-            hidden=h,
-            heads=a,
-            kv_heads=getattr(config, "num_key_value_heads", None) or a,
+            hidden=h, heads=a, kv_heads=getattr(config, "num_key_value_heads", None) or a,
             head_dim=getattr(config, "head_dim", None) or h // a,  # Mistral's config may hold None
-            intermediate=_size(config, "intermediate_size"),
-            vocab=_size(config, "vocab_size"),
-            seq_len=seq_len,
-            **run,
+            intermediate=_size(config, "intermediate_size"), vocab=_size(config, "vocab_size"), seq_len=seq_len, **run,
         )
 
     @property
@@ -139,8 +136,9 @@ def _norm(z: Sizes, tokens: int) -> int:
 
 def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int]:
     """Bytes each part of one decoder layer keeps, not checkpointed."""
-    B, h, d, a, g = z.dtype_bytes, z.hidden, z.head_dim, z.heads, z.kv_heads
+    B, h, d, a = z.dtype_bytes, z.hidden, z.head_dim, z.heads
     ta, tm, T, R = (z.tp if attention_split else 1), (z.tp if mlp_split else 1), z.tokens, z.mlp_rows
+    g = z.kv_heads * (z.kv_replicas if attention_split else 1)  # g r: a rank holds g r / t' kv heads
     attention = T * B * h + T * (B * (a + 2 * g) * d + 2 * B * a * d + F32 * a) // ta
     if z.qk_norm:
         attention += T * ((F32 + B) * (a + g) * d + F32 * (a + g)) // ta
@@ -275,6 +273,7 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
         dtype_bytes=first.element_size() if first is not None else F32,
         sequence_parallel=plan.sequence_parallel,
         qk_norm=hasattr(attention, "q_norm"),
+        kv_replicas=resolved.kv_replicas,
     )
     styles = {s.fqn: s.style for s in resolved.shards} if resolved.tp > 1 else {}
     last = resolved.num_stages - 1

@@ -99,9 +99,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     model = _meta_model(args.model)
     resolved = resolve(plan, model, world_size=args.world_size)
+    r, n = resolved.kv_replicas, len(resolved.stages)
+    kv = f" (kv heads replicated {r}x: each of the {plan.mesh.tp // r} on {r} tp ranks)" if r > 1 else ""
     print(
         f"{args.plan}: OK for {resolved.model_name} ({args.model}): {_mesh_words(plan)}, "
-        f"{len(resolved.shards)} sharded modules, {len(resolved.stages)} stage{'s' if len(resolved.stages) != 1 else ''}"
+        f"{len(resolved.shards)} sharded modules{kv}, {n} stage{'s' if n != 1 else ''}"
     )
     for warning in [*resolved.warnings, *balance_warnings(resolved, model)]:  # valid, but worth a look
         print(f"warning: {args.plan}: {warning}", file=sys.stderr)

@@ -163,8 +163,9 @@ def show_data(
 
     Returns:
         {"plan", "description", "model", "mesh", "pipeline", "data_parallel", "tensor_parallel",
-        "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory", "whole_model",
-        "warnings"}; memory sizes are bytes, replica 0's ranks (the other replicas hold the same).
+        "kv_replicas", "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory",
+        "whole_model", "warnings"}; memory sizes are bytes, replica 0's ranks (the other replicas hold
+        the same). `kv_replicas`: tp ranks holding each kv head (tp / kv past the kv heads, else 1).
         `memory.activations_not_estimated` says why activations are None. `pipeline` holds the run's
         microbatches and seq_len, and under `planned` the plan's own microbatches and cut_points as
         written ("auto", a list, or None); `est_compute_seq_len` is the sequence length the stages' est_compute is for (None: no estimate). `memory.fullest`:
@@ -197,6 +198,7 @@ def show_data(
         },
         "data_parallel": {"sharding": plan.data_parallel.sharding},
         "tensor_parallel": tp_entries(resolved, model),
+        "kv_replicas": resolved.kv_replicas,
         "sharded_modules": len(resolved.shards),
         "recomputed": collapse_names(resolved.recomputed),
         "recomputed_modules": len(resolved.recomputed),

@@ -96,8 +96,18 @@ def _tensor_parallel_lines(data: dict) -> list[str]:
         f"Tensor parallel: {data['sharded_modules']} modules in {len(rows)} rows (layers alike in one); weight and "
         f"bias shapes whole -> on each of the {tp} tp rank{'s' if tp != 1 else ''}"
         + (" (tp=1: nothing is split)" if tp == 1 else ""),
+        *_kv_lines(tp, data["kv_replicas"]),
         format_table(header, rows),
     ]
+
+
+def _kv_lines(tp: int, r: int) -> list[str]:
+    # Past the kv heads (tp = kv * r), each rank holds one whole kv head, shared with r - 1 neighbours.
+    if r == 1:
+        return []
+    return [f"  kv heads replicated {r}x: each of the {tp // r} kv heads on {r} of the {tp} tp ranks (tp "
+            f"{span(0, r - 1)} hold kv head 0, {span(r, 2 * r - 1)} kv head 1, ...): k_proj and v_proj keep one "
+            f"whole head a rank, their gradients summed over the {r}"]
 
 
 def _pipeline_lines(data: dict) -> list[str]:

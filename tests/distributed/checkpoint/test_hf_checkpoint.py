@@ -229,7 +229,7 @@ def _errors(rank: int, ws: int, root: str) -> dict:
     dist.barrier()  # every rank has looked before rank 0 changes the directory
     if rank == 0:  # a tokenizer is kept, a stale weight file (an earlier pp1 save) removed
         (out / "tokenizer.json").write_text("{}")
-        shutil.copy(root / "kv-heads" / "model.safetensors", out / "model.safetensors")
+        shutil.copy(root / "heads" / "model.safetensors", out / "model.safetensors")
     dist.barrier()  # also shows that nobody was left inside a collective
     checkpoint.save_file = save_file
     rewrite.save_pretrained(stage, PP2, out)
@@ -254,8 +254,9 @@ LOAD_CASES = {
                        "rank 1: {d}: tensor 'model.layers.3.mlp.up_proj.weight' is not in the checkpoint"),
     "wrong-shape": (lambda d: _edit_json(d / "config.json", lambda j: j.update(intermediate_size=96)), PP2,
                     "tensor 'model.layers.0.mlp.up_proj.weight' has shape [128, 64], but config.json implies [96, 64]"),
-    "kv-heads": (None, TP2, "{d}/config.json (LlamaForCausalLM: num_hidden_layers=4, hidden_size=64, "
-                 "num_attention_heads=8, num_key_value_heads=1) does not fit the plan"),
+    # 9 heads, 3 kv heads: tp 2 divides neither, nor is a multiple of the kv heads (tp 1, 3 or 9 would do).
+    "heads": (None, TP2, "{d}/config.json (LlamaForCausalLM: num_hidden_layers=4, hidden_size=72, "
+              "num_attention_heads=9, num_key_value_heads=3) does not fit the plan"),
     "no-config": (lambda d: (d / "config.json").unlink(), TP2, "{d}/config.json: no such file"),
 }
 
@@ -265,7 +266,8 @@ def test_bad_checkpoints_and_failed_saves_change_nothing(tmp_path):
     model.save_pretrained(tmp_path / "good", max_shard_size="200KB")  # ~720 KB: 4 shards
     for case, (breaks, _, _) in LOAD_CASES.items():
         if breaks is None:
-            build_model(build_config("tiny-llama", num_key_value_heads=1)).save_pretrained(tmp_path / case)
+            build_model(build_config("tiny-llama", hidden_size=72, num_attention_heads=9,
+                                     num_key_value_heads=3)).save_pretrained(tmp_path / case)
         else:
             shutil.copytree(tmp_path / "good", tmp_path / case)
             breaks(tmp_path / case)
@@ -275,7 +277,8 @@ def test_bad_checkpoints_and_failed_saves_change_nothing(tmp_path):
             expected = expected.format(d=tmp_path / case)
             assert expected in result["loads"][case], f"rank {r}, {case}: {result['loads'][case]}"
         assert "needs pp=1 x tp=4 = 4 ranks, but the world size is 2" in result["loads"]["world"]
-        assert "mesh.tp=2 does not divide num_key_value_heads=1" in result["loads"]["kv-heads"]
+        assert "mesh.tp=2 does not divide num_attention_heads=9 nor num_key_value_heads=3" in result["loads"]["heads"]
+        assert "kv heads (tp 1 or 3) or be a multiple of them" in result["loads"]["heads"]
         assert "the stage was built with mesh pp=2 x tp=1, the plan says pp=1 x tp=2" in result["saves"][0]
         assert "rank 0: pp_rank 0, tp_rank 0: 14 tensors have other shapes than the plan gives this rank, e.g. " \
             "model.layers.0.self_attn.q_proj.weight: [64, 64] here, [32, 64] in the plan" in result["saves"][1]

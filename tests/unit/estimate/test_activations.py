@@ -47,6 +47,25 @@ def test_hand_computed_figure(llama):
     assert layer_bytes(half)[0] == 2 * 16 * (4 * 64 + 2 * 64 + 4) + half_attention + mlp // 2
 
 
+def test_replicated_kv_heads_count_once_a_rank():
+    # tiny-llama with 2 kv heads at tp 4: each kv head held whole by 2 ranks, so a rank keeps
+    # 8 / 4 = 2 query heads and 2 * 2 / 4 = 1 kv head (not 2 / 4 of one), s = 16, float32.
+    model = build_model(build_config("tiny-llama", num_key_value_heads=2), device="meta")
+    resolved = rewrite.resolve({"mesh": {"tp": 4}, "tensor_parallel": TP_RULES, "pipeline": {"seq_len": 16}}, model)
+    k_proj = next(s for s in resolved.shards if s.fqn == "model.layers.0.self_attn.k_proj")
+    assert resolved.kv_replicas == k_proj.replicas == 2 and k_proj.weight_shape == (8, 64)  # one head of 8
+    norm = 16 * (4 * 64 + 4 * 64 + 4)
+    attention = 16 * 4 * 64 + 16 * (4 * (2 + 2 * 1) * 8 + 2 * 4 * 2 * 8 + 4 * 2)  # input; q k v, out, o_proj in, lse
+    mlp = 16 * 4 * 64 + 4 * 16 * 4 * 128 // 4
+    layer = 2 * norm + attention + mlp
+    assert (attention, layer) == (8320, 37120)
+    end = norm + 16 * 4 * 64 + 4 * 16 * 256
+    (rank,) = rank_activations(resolved, model)
+    assert rank.peak == 4 * layer + end == 177216
+    z = Sizes.of(model.config, seq_len=16, tp=4, kv_replicas=2)
+    assert layer_bytes(z)[0] == layer and layer_bytes(z, attention_split=False)[0] > layer  # unsplit: no replicas
+
+
 def test_sequence_parallel_lowers_activations(llama):
     plan = {"mesh": {"tp": 2}, "tensor_parallel": TP_RULES, "pipeline": {"seq_len": 16, "microbatches": 4}}
     (off,) = _acts(plan, llama)

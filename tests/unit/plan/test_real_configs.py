@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import time
 
 import pytest
 
 from rewrite.plan.resolve import resolve
 from rewrite.plan.schema import PlanError
+from rewrite.run.cli import main
 from rewrite.run.presets import build_model, load_config
 from tests.paths import PLANS, ROOT
 
@@ -25,9 +28,10 @@ PARAMS = {
     "qwen2.5-7b": 7_615_616_512,
 }
 
-# Plans a config cannot take: tp must divide the attention and key-value heads.
-#   smollm2-135m: 9 heads, 3 kv heads: neither tp 2 nor tp 4.
-#   qwen2.5-0.5b: 14 heads, 2 kv heads: tp 2, not tp 4.
+# Plans a config cannot take: tp must divide the attention heads, and either divide the key-value
+# heads or be a multiple of them (each kv head then held whole by tp / kv ranks).
+#   smollm2-135m: 9 heads, 3 kv heads: tp 1, 3 or 9; neither tp 2 nor tp 4.
+#   qwen2.5-0.5b: 14 heads, 2 kv heads: tp 1, 2 or 14; not tp 4.
 TP2 = {"llama-tp2", "llama-tp2-sp", "llama-tp2-pp2", "llama-dp2-tp2", "llama-dp2-tp2-pp2"}
 REFUSED = {
     "llama-3.1-8b": set(),
@@ -37,6 +41,25 @@ REFUSED = {
     "mistral-7b": set(),
     "llama-3.1-70b": set(),  # 64 heads, 8 kv heads
     "qwen2.5-7b": set(),  # 28 heads, 4 kv heads
+}
+
+# The smallest tp past each config's kv heads, and the ranks then holding each kv head (tp / kv).
+REPLICATED = {
+    "llama-3.1-8b": (16, 2),
+    "llama-3.2-1b": (16, 2),
+    "smollm2-135m": (9, 3),
+    "qwen2.5-0.5b": (14, 7),
+    "mistral-7b": (16, 2),
+    "llama-3.1-70b": (16, 2),
+    "qwen2.5-7b": (28, 7),  # 18944 intermediate features: the MLP cannot split 28 ways, the attention can
+}
+ATTENTION = {f"model.layers.*.self_attn.{p}": "column" for p in ("q_proj", "k_proj", "v_proj")}
+ATTENTION["model.layers.*.self_attn.o_proj"] = "row"
+# A tp splitting heads either way: the refusal names the tps dividing both head counts, then those past the kv heads.
+REFUSED_TP = {
+    ("smollm2-135m", 2): ("tp 1 or 3", "(tp 9)"),
+    ("qwen2.5-0.5b", 4): ("tp 1 or 2", "(tp 14)"),
+    ("qwen2.5-7b", 8): ("tp 1, 2 or 4", "(tp 28)"),
 }
 
 SHIPPED = sorted(p.stem for p in PLANS.glob("*.yaml"))
@@ -50,7 +73,7 @@ def meta_model(name: str):
 
 
 def test_every_config_is_listed():
-    assert sorted(p.stem for p in CONFIGS.glob("*.json")) == sorted(PARAMS) == sorted(REFUSED)
+    assert sorted(p.stem for p in CONFIGS.glob("*.json")) == sorted(PARAMS) == sorted(REFUSED) == sorted(REPLICATED)
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS))
@@ -93,3 +116,53 @@ def test_resolving_and_showing_is_quick(name):
         assert text
     slow = {plan: round(s, 2) for plan, s in timings.items() if s >= SECONDS}
     assert not slow, f"{name}: resolve + format_plan took {slow} s (bound {SECONDS} s)"
+
+
+@pytest.mark.parametrize("name", sorted(REPLICATED))
+def test_tp_past_the_kv_heads_holds_each_whole_on_tp_over_kv_ranks(name):
+    model, (tp, replicas) = meta_model(name), REPLICATED[name]
+    resolved = resolve({"mesh": {"tp": tp}, "tensor_parallel": ATTENTION}, model)
+    attn, config = model.get_submodule("model.layers.0.self_attn"), model.config
+    d, h, layers = attn.head_dim, config.hidden_size, config.num_hidden_layers
+    assert resolved.kv_replicas == replicas == tp // config.num_key_value_heads
+    kv_bias = attn.k_proj.bias is not None
+    for s in resolved.shards:
+        if s.fqn.endswith(("k_proj", "v_proj")):  # one whole head a rank
+            assert (s.replicas, s.weight_shape, s.bias_shape) == (replicas, (d, h), (d,) if kv_bias else None), s.fqn
+    # A rank holds 1/tp of q_proj and o_proj and one kv head's k_proj and v_proj; the rest whole.
+    whole = sum(p.numel() for p in attn.parameters())
+    q_o = sum(p.numel() for p in (*attn.q_proj.parameters(), *attn.o_proj.parameters()))
+    per_rank = q_o // tp + 2 * d * (h + kv_bias)
+    assert resolved.stages[0].param_count == PARAMS[name] - layers * (whole - per_rank)
+    assert resolved.total_params == PARAMS[name]
+
+
+@pytest.mark.parametrize(("name", "tp"), sorted(REFUSED_TP))
+def test_a_tp_splitting_a_head_names_the_tps_that_work(name, tp):
+    with pytest.raises(PlanError) as info:
+        resolve({"mesh": {"tp": tp}, "tensor_parallel": ATTENTION}, meta_model(name))
+    plain, past = REFUSED_TP[name, tp]
+    assert f"mesh.tp={tp} does not divide num_attention_heads=" in str(info.value)
+    assert f"kv heads ({plain})" in str(info.value) and "replicated on tp / " in str(info.value)
+    assert f"ranks {past}; set mesh.tp to one of these" in str(info.value)
+
+
+def test_validate_names_the_replication(tmp_path):
+    # The shipped tp-4 plan at tp 16 on Llama-3.1-70B (8 kv heads): OK, each kv head on 2 ranks.
+    plan = tmp_path / "llama-tp16.yaml"
+    plan.write_text((PLANS / "llama-tp4.yaml").read_text().replace("mesh: {pp: 1, tp: 4}", "mesh: {pp: 1, tp: 16}"))
+    config = str(CONFIGS / "llama-3.1-70b.json")
+    resolved = resolve(plan, meta_model("llama-3.1-70b"))
+    k_proj = next(s for s in resolved.shards if s.fqn == "model.layers.0.self_attn.k_proj")
+    assert resolved.kv_replicas == 2 and k_proj.weight_shape == (128, 8192)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["validate", str(plan), "--model", config]) == 0
+    assert out.getvalue() == (
+        f"{plan}: OK for LlamaForCausalLM ({config}): pp=1 x tp=16 = 16 ranks, 560 sharded modules "
+        "(kv heads replicated 2x: each of the 8 on 2 tp ranks), 1 stage\n"
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["validate", str(PLANS / "llama-tp4.yaml"), "--model", config]) == 0
+    assert "replicated" not in out.getvalue() and "560 sharded modules, 1 stage" in out.getvalue()

@@ -173,6 +173,23 @@ def test_the_text_needs_only_the_dict(tiny, plan, with_model, run):
     assert render_text(json.loads(json.dumps(data))) == render_text(data) == format_plan(resolved, model=model, **run)
 
 
+def test_replicated_kv_heads_are_named_and_their_shapes_shown(tiny):
+    # tiny-llama's 4 kv heads at tp 8: each kv head on 2 ranks, k_proj [32, 64] -> one head of 8 rows a rank.
+    rules = dict(rewrite.load_plan(PLANS / "llama-tp4.yaml").tensor_parallel)
+    resolved = rewrite.resolve({"mesh": {"tp": 8}, "tensor_parallel": rules}, tiny)
+    data = show_data(resolved, tiny)
+    assert data["kv_replicas"] == 2
+    k_proj = next(e for e in data["tensor_parallel"] if e["module"] == "model.layers.0-3.self_attn.k_proj")
+    assert (k_proj["weight"], k_proj["weight_per_rank"]) == ([32, 64], [8, 64])
+    text = render_text(json.loads(json.dumps(data)))
+    assert text == format_plan(resolved, model=tiny)
+    assert "  model.layers.0-3.self_attn.v_proj  column  [32, 64] -> [8, 64]" in text
+    assert ("kv heads replicated 2x: each of the 4 kv heads on 2 of the 8 tp ranks (tp ranks 0-1 hold kv head 0, "
+            "ranks 2-3 kv head 1, ...)") in " ".join(text.split())  # unwrapped
+    plain = show_data(rewrite.resolve(PLANS / "llama-tp4.yaml", tiny), tiny)
+    assert plain["kv_replicas"] == 1 and "replicated" not in render_text(plain)
+
+
 def test_show_on_the_8b_config_is_fast(llama_8b):
     _show(str(PLANS / "llama-tp2-pp2.yaml"), "--model", LLAMA_8B)  # imports and the first model build
     start = time.perf_counter()
