@@ -213,3 +213,44 @@ def _explicit_group(rank: int, ws: int) -> tuple[int, int]:
 
 def test_layers_follow_their_group():
     assert run(_explicit_group, 4) == [(2, 0), (2, 1), (2, 0), (2, 1)]
+
+
+def _replicated(rank: int, ws: int) -> str:
+    # Two slices on four ranks: ranks 0, 1 hold rows [0, OUT/2), ranks 2, 3 the rest (kv heads past their count).
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(OUT, IN, generator=gen), torch.randn(OUT, generator=gen)
+    x = torch.randn(3, IN, generator=gen)
+    upstream = [torch.randn(3, OUT // 2, generator=gen) for _ in range(ws)]  # each rank's own share of dL/dy
+    linear = nn.Linear(IN, OUT)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    layer = ColumnParallelLinear.from_linear(linear, gather_output=False, replicas=2, replica_group=groups[rank // 2])
+    rows = slice(rank // 2 * OUT // 2, (rank // 2 + 1) * OUT // 2)
+    assert (layer.slot, layer.per_rank) == (rank // 2, OUT // 2)
+    assert_close("replicated slice", layer.weight, weight[rows])
+    x_tp = x.clone().requires_grad_()
+    y = layer(x_tp)
+    assert_close("replicated output", y, x @ weight[rows].T + bias[rows])
+    y.backward(upstream[rank])
+    mine = upstream[rank // 2 * 2] + upstream[rank // 2 * 2 + 1]  # both holders' shares, summed over the pair
+    assert_close("replicated weight grad", layer.weight.grad, mine.T @ x)
+    assert_close("replicated bias grad", layer.bias.grad, mine.sum(0))
+    full = sum(upstream[r] @ weight[r // 2 * OUT // 2 : (r // 2 + 1) * OUT // 2] for r in range(ws))
+    assert_close("replicated input grad", x_tp.grad, full)  # every rank's share, summed over tp once
+    bad = [
+        (dict(replicas=2, replica_group=groups[rank // 2]), "needs gather_output=False"),
+        (dict(gather_output=False, replicas=2), "needs a replica_group of 2 ranks, got none"),
+        (dict(gather_output=False, replicas=4, replica_group=groups[rank // 2]), "replica_group of 4 ranks, got a group of 2"),
+        (dict(gather_output=False, replicas=3, replica_group=groups[rank // 2]), "replica_group of 3"),
+        (dict(gather_output=False, replicas=0), "replicas must be an int >= 1"),
+    ]
+    for options, words in bad:
+        with pytest.raises(ValueError, match=words):
+            ColumnParallelLinear(IN, OUT, True, weight, **options)
+    return "ok"
+
+
+def test_replicated_column_slices_sum_their_gradients_over_their_holders():
+    assert run(_replicated, 4) == ["ok"] * 4
