@@ -28,7 +28,8 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-COLUMNS = {"tp2": "tp 2", "pp2": "pp 2 (1f1b)", "sp": "tp 2 + sequence parallel", "vocab_loss": "tp 2 + vocab/loss parallel"}
+COLUMNS = {"tp2": "tp 2", "pp2": "pp 2 (1f1b)", "sp": "tp 2 + sequence parallel", "vocab_loss": "tp 2 + vocab/loss parallel",
+           "kv_replicated": "tp 2, 1 kv head (replicated)"}
 
 
 def render(results: dict[str, dict[str, str]], transformers_version: str) -> str:
@@ -41,7 +42,8 @@ def render(results: dict[str, dict[str, str]], transformers_version: str) -> str
         "uses only styles rewrite maps, built tiny from its own config (hidden 64, 4 layers, random weights), "
         "one training step at tp 2 (the family's own `base_model_tp_plan`), at pp 2 (1f1b), at tp 2 with "
         "sequence parallelism, and at tp 2 with the LM head split by vocabulary and the loss computed on the "
-        "shards (`plan_from_hf(..., loss_parallel=True)`), the loss and every gradient compared with one "
+        "shards (`plan_from_hf(..., loss_parallel=True)`), and at tp 2 with one kv head and only the attention "
+        "split (multi-query: each rank holds the kv head whole), the loss and every gradient compared with one "
         "process running the model's own forward. A case either works or is refused on every rank before "
         "anything runs, with the reason below; none trains silently wrong.",
         "",

@@ -85,14 +85,15 @@ def _scales_lookup(cls: type) -> bool:
             return False
 
 
-def set_local_kv_groups(attention: nn.Module, q_features: int, kv_features: int) -> None:
-    """Tell an attention module how many of its rank's query heads read each of its rank's kv heads, in place.
+def set_local_kv_groups(attention: nn.Module, heads: int, kv_heads: int) -> None:
+    """Tell an attention module how many query heads read each kv head on its rank, in place.
 
     HF attention repeats each key/value head `num_key_value_groups` times to meet its query
-    heads (`repeat_kv`). Splitting both tp ways keeps the ratio; with kv heads replicated
-    (each rank holds one kv head and `heads / tp` query heads) it becomes
-    `q_features / kv_features` on the rank, the ratio of its q_proj and k_proj outputs.
+    heads (`repeat_kv`). Splitting both tp ways keeps the ratio; with kv heads replicated a
+    rank holds `heads` query heads (`H / tp`) against `kv_heads` (one) whole kv heads, so
+    the ratio becomes `heads / kv_heads` there. Head counts, not feature counts: a q_proj
+    may carry a gate beside its queries (Qwen3-Next).
     """
-    if kv_features < 1 or q_features % kv_features:
-        raise ValueError(f"{type(attention).__name__}: {q_features} query features do not fill {kv_features} kv features evenly")
-    attention.num_key_value_groups = q_features // kv_features
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{type(attention).__name__}: {heads} query heads do not fill {kv_heads} kv heads evenly")
+    attention.num_key_value_groups = heads // kv_heads

@@ -22,7 +22,7 @@ from torch import nn
 from .families import set_local_kv_groups
 from .hf_llama import find_backbone, run_backbone
 
-__all__ = ["exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "tiny_clone_config", "TOLERANCE"]
+__all__ = ["config_value", "exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "tiny_clone_config", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
 _LAYERS = 4  # the clone's layers: enough for each attention type and a two-stage split
@@ -48,14 +48,15 @@ def per_head_sizes(config) -> dict[str, int]:
     (`qk_rope_head_dim`, `v_head_dim`, `kv_lora_rank`, ...) keeps its proportions.
     """
     data = config.to_dict()
-    heads = _global(config, "num_attention_heads") or 4  # attribute names: GPT-J stores n_head, n_embd
-    head_dim = _global(config, "head_dim") or ((_global(config, "hidden_size") or 0) // heads) or _SIZES["head_dim"]
+    heads = config_value(config, "num_attention_heads") or 4  # attribute names: GPT-J stores n_head, n_embd
+    head_dim = config_value(config, "head_dim") or ((config_value(config, "hidden_size") or 0) // heads) or _SIZES["head_dim"]
     scaled = [k for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool) and (
         k == "rotary_dim" or (k.endswith("_head_dim") and k != "head_dim") or k.endswith("_lora_rank"))]
     return {k: max(2, 2 * round(data[k] * _SIZES["head_dim"] / head_dim / 2)) for k in scaled}
 
 
-def _global(config, key: str):
+def config_value(config, key: str):
+    """`config.key`, or None when absent or not one value (Gemma-4 keeps some per layer and raises)."""
     try:
         return getattr(config, key, None)
     except Exception:  # a per-layer attribute read globally (Gemma-4): no one value
@@ -183,7 +184,7 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
         except Exception as exc:
             return f"cannot build a tiny {config.model_type} model to check its sharded forward against ({exception_line(exc)})"
         tp = 4 if "kv" in styles.values() else 2  # the clone's 4 query heads, one per rank, past its kv heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or 1
+        head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
         for fqn, module in list(tiny.named_modules()):
             style = styles.get(_template(fqn))
             if style is None or not isinstance(module, nn.Linear):
@@ -191,13 +192,13 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
             inputs, outputs = {
                 "column": (module.in_features, module.out_features // tp),
                 "row": (module.in_features // tp, module.out_features),
-                "kv": (module.in_features, module.out_features // kv_heads),  # one whole kv head
+                "kv": (module.in_features, head_dim),  # one whole kv head
             }[style]
             parent, _, leaf = fqn.rpartition(".")
             setattr(tiny.get_submodule(parent) if parent else tiny, leaf, nn.Linear(inputs, outputs, bias=module.bias is not None))
         for fqn, module in tiny.named_modules():
             if styles.get(_template(f"{fqn}.k_proj")) == "kv":
-                set_local_kv_groups(module, module.q_proj.out_features, module.k_proj.out_features)
+                set_local_kv_groups(module, config.num_attention_heads // tp, 1)
         ids = torch.randint(0, config.vocab_size, (2, 8))
         try:
             model_class(config).eval()(input_ids=ids, use_cache=False)

@@ -8,20 +8,35 @@ read it: rank `i` holds kv head `i // (tp / kv)`. Pure: plan/ knows no process g
 
 from __future__ import annotations
 
+from torch import nn
+
+from ..models.oracle import config_value
 from .wording import common_divisors, either, plural
 
-__all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems"]
+__all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems", "kv_replicas_of", "kv_groups_problems"]
 
 _MOST = 8  # tp values named in a message
 
 
-def head_counts(config) -> tuple[int, int] | None:
-    """(query heads, key/value heads) of an attention config; None without `num_attention_heads`."""
-    heads = getattr(config, "num_attention_heads", None)
+def head_counts(config, k_features: int | None = None) -> tuple[int, int] | None:
+    """(query heads, key/value heads) of an attention config; None without `num_attention_heads`.
+
+    With `k_features` (the k projection's output size) the kv heads are what it holds,
+    `k_features / head_dim`, whatever the config says: GPT-J keeps a head per query head
+    and ignores `num_key_value_heads`.
+    """
+    heads = config_value(config, "num_attention_heads")
     if not isinstance(heads, int) or heads < 1:
         return None
-    kv = getattr(config, "num_key_value_heads", None)
-    return heads, kv if isinstance(kv, int) and kv >= 1 else heads
+    kv = config_value(config, "num_key_value_heads")
+    kv = kv if isinstance(kv, int) and kv >= 1 else heads
+    head_dim = config_value(config, "head_dim")
+    if not isinstance(head_dim, int) or head_dim < 1:
+        hidden = config_value(config, "hidden_size")
+        head_dim = hidden // heads if isinstance(hidden, int) and hidden % heads == 0 else None
+    if k_features and head_dim and k_features % head_dim == 0:
+        kv = k_features // head_dim
+    return heads, kv
 
 
 def kv_replicas(heads: int, kv: int, tp: int) -> int:
@@ -47,9 +62,9 @@ def replicated_tps(heads: int, kv: int, most: int = _MOST) -> list[int]:
     return [t for t in common_divisors(heads, most=4096) if t > kv and t % kv == 0][:most]
 
 
-def head_problems(config, tp: int, tp_at: str) -> list[str]:
+def head_problems(config, tp: int, tp_at: str, k_features: int | None = None) -> list[str]:
     """Why tp cannot split `config`'s attention into whole heads: one message naming every tp that can."""
-    counts = head_counts(config)
+    counts = head_counts(config, k_features)
     if counts is None:
         return []
     heads, kv = counts
@@ -74,4 +89,25 @@ def head_problems(config, tp: int, tp_at: str) -> list[str]:
         f"{heads} attention heads and either divide the {plural(kv, 'kv head')} (tp {either(plain)}) or be a multiple "
         f"of {'it' if kv == 1 else 'them'}, each kv head then replicated on tp / {kv} ranks ({past}); set mesh.tp to "
         "one of these, or leave the attention unsharded"
+    ]
+
+
+def kv_replicas_of(model: nn.Module, modules: dict[str, nn.Module], fqn: str, tp: int) -> int:
+    """Ranks holding each kv head of the attention `fqn` (a k/v projection) belongs to."""
+    k_proj = modules.get(f"{fqn.rpartition('.')[0]}.k_proj")
+    counts = head_counts(getattr(model, "config", None), getattr(k_proj, "out_features", None))
+    return kv_replicas(*counts, tp) if counts else 1
+
+
+def kv_groups_problems(model: nn.Module, parent: str, counts: tuple[int, int] | None, tp: int, tp_at: str) -> list[str]:
+    """With kv heads replicated, the attention must read its query heads per kv head from `num_key_value_groups`."""
+    if counts is None:
+        return []
+    heads, kv = counts
+    if kv_replicas(heads, kv, tp) == 1 or isinstance(getattr(model.get_submodule(parent), "num_key_value_groups", None), int):
+        return []
+    return [
+        f"{tp_at}mesh.tp={tp} holds each of the {kv} kv heads on tp / {kv} ranks, so each rank's attention reads "
+        f"{heads // tp} query heads per kv head; {type(model.get_submodule(parent)).__name__} keeps no "
+        f"num_key_value_groups to tell it so: use tp {either(common_divisors(heads, kv))}"
     ]

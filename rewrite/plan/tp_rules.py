@@ -15,7 +15,7 @@ from torch import nn
 from ..models.families import embedding_scale
 from .schema import ParallelPlan
 from .styles import COLUMN_STYLES, packed_parts
-from .heads import head_counts, head_problems, kv_replicas
+from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
 from .tp_whole import kept_whole
 from .wording import common_divisors, either, index_ranges
 
@@ -129,8 +129,6 @@ def shard_problems(
         for fqn in implied:
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
     shards, order = [], {name: i for i, name in enumerate(names)}
-    counts = head_counts(getattr(model, "config", None))
-    kv_r = kv_replicas(*counts, tp) if counts else 1
     for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
         lin = modules[fqn]
         if style == "grad_allreduce":
@@ -149,7 +147,7 @@ def shard_problems(
             shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, (rows // tp, dim), None, 1, tp))
             continue
         split_out, parts = style in COLUMN_STYLES, packed_parts(style)
-        replicas = kv_r if style == "column" and _is_kv(fqn, chosen) else 1
+        replicas = kv_replicas_of(model, modules, fqn, tp) if style == "column" and _is_kv(fqn, chosen) else 1
         slices = tp // replicas
         dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
         if parts > 1 and size % (parts * tp):
@@ -274,7 +272,9 @@ def _block_problems(
                     "(the column outputs are the row layer's sharded input)"
                 )
             if output == "o_proj" and config is not None and _output_sharded(got["q_proj"]):
-                problems += head_problems(config, tp, tp_at) or _groups_problems(model, parent, config, tp, tp_at)
+                k_features = getattr(model.get_submodule(f"{parent}.k_proj"), "out_features", None)
+                problems += (head_problems(config, tp, tp_at, k_features)
+                             or kv_groups_problems(model, parent, head_counts(config, k_features), tp, tp_at))
     return list(dict.fromkeys(problems))  # each config problem once, not once per layer
 
 
@@ -282,15 +282,3 @@ def _is_kv(fqn: str, chosen: dict[str, tuple[str, str]]) -> bool:
     """A k/v projection beside a q_proj split by output: the ones that hold whole kv heads past the kv count."""
     parent, _, leaf = fqn.rpartition(".")
     return leaf in ("k_proj", "v_proj") and chosen.get(f"{parent}.q_proj", ("", ""))[1] == "column"
-
-
-def _groups_problems(model: nn.Module, parent: str, config, tp: int, tp_at: str) -> list[str]:
-    """With kv heads replicated, the attention must read its query heads per kv head from `num_key_value_groups`."""
-    heads, kv = head_counts(config)
-    if kv_replicas(heads, kv, tp) == 1 or isinstance(getattr(model.get_submodule(parent), "num_key_value_groups", None), int):
-        return []
-    return [
-        f"{tp_at}mesh.tp={tp} holds each of the {kv} kv heads on tp / {kv} ranks, so each rank's attention reads "
-        f"{heads // tp} query heads per kv head; {type(model.get_submodule(parent)).__name__} keeps no "
-        f"num_key_value_groups to tell it so: use tp {either(common_divisors(heads, kv))}"
-    ]

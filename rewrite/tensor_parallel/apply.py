@@ -11,6 +11,7 @@ from collections import Counter
 from torch import nn
 
 from ..models.families import set_local_kv_groups
+from ..plan.heads import head_counts
 from ..plan.resolve import ResolvedPlan
 from ..plan.styles import COLUMN_STYLES, packed_parts
 from .comm import SharedInputCopy
@@ -60,9 +61,9 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
         setattr(parent, name, new)
     for spec in resolved.shards:
         if spec.replicas > 1 and spec.fqn.endswith(".k_proj"):
-            parent_name = spec.fqn.rpartition(".")[0]
-            attention = model.get_submodule(parent_name)
-            set_local_kv_groups(attention, attention.q_proj.out_per_rank, attention.k_proj.out_per_rank)
+            heads, kv = head_counts(model.config, spec.out_features)
+            # A rank: H / tp query heads against kv / slices (one) whole kv heads.
+            set_local_kv_groups(model.get_submodule(spec.fqn.rpartition(".")[0]), heads // spec.tp, kv // spec.slices)
     for parent_name, shared in copies.items():
         add_mixin(model.get_submodule(parent_name), _ForgetsInputCopy).input_copy_cache = shared
     if resolved.plan.sequence_parallel:

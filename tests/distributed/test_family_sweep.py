@@ -1,7 +1,8 @@
 """Every family of the installed transformers (`tests/families.py`), tiny, at tp 2 (its own
-base_model_tp_plan), pp 2 (1f1b), tp 2 with sequence parallelism, and tp 2 with a vocabulary-parallel
-head and loss: the step loss and every gradient equal one process, or the plan is refused on every
-rank before anything runs. Never a crash mid-step, never silently wrong.
+base_model_tp_plan), pp 2 (1f1b), tp 2 with sequence parallelism, tp 2 with a vocabulary-parallel
+head and loss, and tp 2 with a single kv head (held by both ranks): the step loss and every gradient
+equal one process, or the plan is refused on every rank before anything runs. Never a crash
+mid-step, never silently wrong.
 
 With REWRITE_FAMILY_TABLE=path set, each case adds its outcome to that JSON file
 (`python -m bench.families` writes docs/families.md from it)."""
@@ -28,7 +29,21 @@ PLANS = {
     "pp2": lambda model: {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
     "sp": lambda model: rewrite.plan_from_hf(model, tp=2, sequence_parallel=True),
     "vocab_loss": lambda model: rewrite.plan_from_hf(model, tp=2, loss_parallel=True),
+    "kv_replicated": lambda model: _attention_only(rewrite.plan_from_hf(model, tp=2)),  # one kv head, on both ranks
 }
+OVERRIDES = {"kv_replicated": {"num_key_value_heads": 1}}
+
+
+def _attention_only(plan) -> dict | None:
+    """The family's own rules for the attention holding k_proj alone (what replication changes), or
+    None without a k_proj rule.
+
+    The other blocks stay whole: their splits are the tp2 column's, and a pure-torch recurrent
+    kernel (Qwen3.5's gated delta rule) would only add its own reduction-order noise here."""
+    data = plan.model_dump(mode="json", exclude_none=True)
+    attention = {p.rpartition(".")[0] for p in data["tensor_parallel"] if p.endswith(".k_proj")}
+    rules = {p: s for p, s in data["tensor_parallel"].items() if p.rpartition(".")[0] in attention}
+    return {**data, "tensor_parallel": rules} if rules else None
 
 
 def _sweep(rank: int, world: int, family: str) -> dict:
@@ -38,13 +53,17 @@ def _sweep(rank: int, world: int, family: str) -> dict:
     out = {}
     for name, plan_of in PLANS.items():
         try:
-            model = tiny_family_model(family)
+            model = tiny_family_model(family, **OVERRIDES.get(name, {}))
         except Exception as exc:  # the tiny config itself is not valid for this family: nothing to run
             out[name] = f"no tiny model: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue
         reference = copy.deepcopy(model)
+        plan = plan_of(model)
+        if plan is None:
+            out[name] = "no k_proj rule in its tp plan: nothing to replicate"
+            continue
         try:
-            stage = rewrite.apply_plan(model, plan_of(model))
+            stage = rewrite.apply_plan(model, plan)
         except rewrite.PlanError as exc:  # refused before any collective but the agreement: every rank alike
             out[name] = "refused: " + (exc.problems[0] if exc.problems else str(exc))
             continue
@@ -53,12 +72,16 @@ def _sweep(rank: int, world: int, family: str) -> dict:
         assert_close(f"{tag} step loss", loss, reference_step(reference, ids, targets))
         assert assert_grads_match(model, reference, prefix=f"{tag} ") > 0
         out[name] = "works"
+        if name == "kv_replicated" and stage.mesh.kv_replicas == 1:
+            style = next(s.style for s in stage.resolved.shards if s.fqn.endswith(".k_proj"))
+            why = "its k_proj keeps a kv head per query head" if style == "column" else f"its k_proj is {style}"
+            out[name] = f"works, not replicated: {why}"
     return out
 
 
 @pytest.mark.parametrize("family", causal_lm_families())
 def test_family_trains_as_itself_or_is_refused(family):
-    results = run(_sweep, 2, family, timeout_s=180)
+    results = run(_sweep, 2, family, timeout_s=300)
     assert results[0] == results[1], results  # a refusal is the same on every rank
     table = os.environ.get("REWRITE_FAMILY_TABLE")
     if table:
