@@ -129,7 +129,7 @@ def test_tp4_by_pp2_under_each_kind_of_schedule():
 
 def _data_parallel(rank: int, world: int) -> list[str]:
     done = []
-    for sharding in ("full", "replicate"):
+    for sharding in ("full", "grad_op", "replicate"):
         model = tiny("qwen3", 2)
         reference = copy.deepcopy(model)
         plan = _plan(model, 4, {"sequence_parallel": True, "activation_checkpointing": True})
@@ -145,9 +145,9 @@ def _data_parallel(rank: int, world: int) -> list[str]:
     return done
 
 
-def test_dp2_by_tp4_full_and_replicate():
+def test_dp2_by_tp4_under_each_sharding():
     done = run(_data_parallel, 8, timeout_s=420)
-    assert done[0] == ["full", "replicate"], done[0]
+    assert done[0] == ["full", "grad_op", "replicate"], done[0]
 
 
 def _refused(rank: int, world: int) -> str:
