@@ -106,20 +106,25 @@ PIPELINES = {  # tp 4 x pp 2 (4 layers): every named schedule: plain, split back
 }
 
 
+def _step_matches(name: str, model, plan: dict, microbatches: int = 2) -> None:
+    """One step of `plan` on the global batch (each replica its share) equals one process's."""
+    reference = copy.deepcopy(model)
+    stage = rewrite.apply_plan(model, plan)
+    ids, targets = _batch(microbatches)
+    per = microbatches // stage.dp
+    mine = slice(per * stage.dp_rank, per * (stage.dp_rank + 1))
+    loss = rewrite.run_schedule(stage, ids[mine], targets[mine])  # the global batch's loss
+    result = parity_check(model, reference, ids, targets, loss)
+    assert result.max_dloss <= 1e-5 and result.max_dgrad <= 1e-5, f"{name}: {result}"
+    assert result.num_params == result.total_params, f"{name}: {result}"
+
+
 def _pipelined(rank: int, world: int) -> list[str]:
-    done = []
     for schedule, pipeline in PIPELINES.items():
         model = tiny("llama", 2, layers=4)
-        reference = copy.deepcopy(model)
         options = ALL_OPTIONS if schedule == "1f1b" else {}
-        stage = rewrite.apply_plan(model, _plan(model, 4, options, pp=2, **pipeline))
-        ids, targets = _batch()
-        loss = rewrite.run_schedule(stage, ids, targets)
-        result = parity_check(model, reference, ids, targets, loss)
-        assert result.max_dloss <= 1e-5 and result.max_dgrad <= 1e-5, f"{schedule}: {result}"
-        assert result.num_params == result.total_params, f"{schedule}: {result}"
-        done.append(schedule)
-    return done
+        _step_matches(schedule, model, _plan(model, 4, options, pp=2, **pipeline))
+    return list(PIPELINES)
 
 
 def test_tp4_by_pp2_under_each_kind_of_schedule():
@@ -128,21 +133,13 @@ def test_tp4_by_pp2_under_each_kind_of_schedule():
 
 
 def _data_parallel(rank: int, world: int) -> list[str]:
-    done = []
-    for sharding in ("full", "grad_op", "replicate"):
+    shardings = ["full", "grad_op", "replicate"]
+    for sharding in shardings:
         model = tiny("qwen3", 2)
-        reference = copy.deepcopy(model)
         plan = _plan(model, 4, {"sequence_parallel": True, "activation_checkpointing": True})
         plan = {**plan, "mesh": {"dp": 2, "tp": 4}, "data_parallel": {"sharding": sharding}}
-        stage = rewrite.apply_plan(model, plan)
-        ids, targets = _batch(microbatches=4)  # the global batch: two microbatches per replica
-        mine = slice(2 * stage.dp_rank, 2 * stage.dp_rank + 2)
-        loss = rewrite.run_schedule(stage, ids[mine], targets[mine])  # the global batch's loss
-        result = parity_check(model, reference, ids, targets, loss)
-        assert result.max_dloss <= 1e-5 and result.max_dgrad <= 1e-5, f"{sharding}: {result}"
-        assert result.num_params == result.total_params, f"{sharding}: {result}"
-        done.append(sharding)
-    return done
+        _step_matches(sharding, model, plan, microbatches=4)  # two microbatches per replica
+    return shardings
 
 
 def test_dp2_by_tp4_under_each_sharding():
