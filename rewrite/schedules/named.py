@@ -162,22 +162,58 @@ def zbv(pp: int, k: int, microbatches: int) -> Table:
     """ZB-V: two stages per rank in a V (rank r holds stages r and 2pp - 1 - r), backwards split into I and W.
 
     Rank 0 holds the first and the last stage, so a microbatch's forward goes down the
-    ranks and back up, and its backward the same way reversed. Made by the same list
-    scheduler as 'zero-bubble': a free rank runs a ready I, else a ready forward (the
-    later stage first, then the older microbatch) while it holds fewer than 2 pp
-    (mb, stage) pairs, else its oldest pending W. Each pair is half a 1F1B stage's
-    activations, so every rank's peak is that of 1F1B's first rank: pp microbatches'.
+    ranks and back up, and its backward the same way reversed. The handcrafted ZB-V of
+    Qi et al. (2024), the order torch's `ScheduleZBVZeroBubble` runs, in phases on rank r
+    (down: its first stage r; up: its second, 2pp - 1 - r):
 
-        rank 0: F0@0 F1@0 F0@3 I0@3 F1@3 I1@3 I0@0 W0@3 I1@0 W1@3 W0@0 W1@0    (pp 2, 2 microbatches)
-        rank 1: F0@1 F0@2 F1@1 F1@2 I0@2 I0@1 I1@2 I1@1 W0@2 W0@1 W1@2 W1@1
+    - warm-up: 2(pp - r) - 1 forwards down; r times a forward up, a forward down; pp - r
+      times a forward up with its I and W;
+    - steady: a forward down (while any is left) with the oldest I and W down, then a
+      forward up with its I and W, until every forward ran;
+    - cool-down: r times an I down, an I up; pp - r times an I down with the oldest W
+      down; then the W left, up first.
+
+    Each W follows its I at once in the steady phase and fills the cool-down's waits, so
+    the table keeps its shape when I, W and the stages cost unlike amounts (a last stage
+    with the LM head and loss). With fewer than 2pp - 1 microbatches the phases are laid
+    out for 2pp - 1 and the missing microbatches' cells left out. Every rank holds at
+    most 2pp (mb, stage) pairs, each half a 1F1B stage: the peak of 1F1B's first rank.
+
+        rank 0: F0@0 F1@0 F2@0 F0@3 I0@3 W0@3 F1@3 I1@3 W1@3 I0@0 W0@0 F2@3 I2@3 W2@3 I1@0 W1@0 I2@0 W2@0
+        rank 1: F0@1 F0@2 F1@1 F1@2 I0@2 W0@2 F2@1 I0@1 W0@1 F2@2 I1@2 W1@2 I1@1 I2@2 I2@1 W1@1 W2@2 W2@1
+                (pp 2, 3 microbatches)
     """
-    stage_rank = placement("zbv", pp, 2)
-    held = [[s for s in range(2 * pp) if stage_rank[s] == r] for r in range(pp)]
-    forwards = [
-        sorted((Action("F", i, s) for s in held[r] for i in range(microbatches)), key=lambda f: (-f.stage, f.mb))
-        for r in range(pp)
-    ]
-    return _greedy(stage_rank, microbatches, [2 * pp] * pp, forwards)
+    n = max(2 * pp - 1, microbatches)
+    rows = []
+    for r in range(pp):
+        down, up = r, 2 * pp - 1 - r
+        made = {down: {"F": 0, "I": 0, "W": 0}, up: {"F": 0, "I": 0, "W": 0}}
+        row: list[Action] = []
+
+        def add(kind: str, stage: int) -> None:
+            row.append(Action(kind, made[stage][kind], stage))
+            made[stage][kind] += 1
+
+        for _ in range(2 * (pp - r) - 1):
+            add("F", down)
+        for _ in range(r):
+            add("F", up), add("F", down)
+        for _ in range(pp - r):
+            add("F", up), add("I", up), add("W", up)
+        while made[up]["F"] < made[down]["F"] or made[down]["F"] < n:
+            if made[down]["F"] < n:
+                add("F", down)
+            add("I", down), add("W", down)
+            add("F", up), add("I", up), add("W", up)
+        for _ in range(r):
+            add("I", down), add("I", up)
+        for _ in range(pp - r):
+            add("I", down), add("W", down)
+        for stage in (up, down):
+            while made[stage]["W"] < made[stage]["I"]:
+                add("W", stage)
+        rows.append(tuple(a for a in row if a.mb < microbatches))
+    return tuple(rows)
 
 
 SCHEDULES: dict[str, Callable[[int, int, int], Table]] = {
