@@ -50,6 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench import common, tp
 from rewrite.tensor_parallel import comm, sequence
+from rewrite.tensor_parallel import loss as tp_loss
 
 __all__ = ["PLANS", "compare", "baselines", "summarize", "table"]
 
@@ -202,7 +203,8 @@ def _collectives(step) -> dict:
 
     rewrite's own are counted where they are made, whatever the transport: `sum`
     (`comm.all_reduce_sum`, P2P swaps on gloo), `sequence all_gather` and `sequence
-    reduce_scatter` (bytes of this rank's chunk and of the whole tensor, respectively).
+    reduce_scatter` (bytes of this rank's chunk and of the whole tensor, respectively), and
+    the vocabulary-parallel loss's `loss all_gather` (bytes gathered).
     gloo's collectives (DTensor's, the loss's, the runner's input check) come from the
     profiler as `gloo <name>` (fp32 bytes of their inputs); a rewrite call that falls back
     to a gloo collective would show in both.
@@ -222,7 +224,7 @@ def _collectives(step) -> dict:
         return run
 
     wrappers = {(comm, "all_reduce_sum"): "sum", (sequence, "_gather"): "sequence all_gather",
-                (sequence, "_reduce_scatter"): "sequence reduce_scatter"}
+                (sequence, "_reduce_scatter"): "sequence reduce_scatter", (tp_loss, "all_gather_into"): "loss all_gather"}
     with patched({key: counting(kind, getattr(*key)) for key, kind in wrappers.items()}):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             step()

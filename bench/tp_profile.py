@@ -9,11 +9,8 @@ Side by side in the same two processes, alternating step by step (`bench.tp_opti
 
 - `vocab+lp` and `vocab+lp+sp` as planned;
 - `... no tp comm`: every tensor-parallel sum, gather and reduce-scatter skipped (each rank
-  uses its own partial values: wrong numbers, the compute alone; the loss's three small
-  all-reduces and the runner's input check stay);
-- `vocab+lp+sp, norm sums skipped`: the norms' per-microbatch gradient sums
-  (`make_grad_allreduce`, 17 per microbatch) skipped (wrong gradients, the same forward), as
-  if they were summed once per step;
+  uses its own partial values: wrong numbers, the compute alone; the loss's small all-gather
+  and the runner's input check stay), the norms' once-per-step gradient sum among them;
 - one process, one thread, for scale.
 
 Then one more step of each with every collective timed where it is called. Patches are
@@ -42,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from bench import common, tp_options
-from rewrite.tensor_parallel import comm, replicated, sequence
+from rewrite.tensor_parallel import comm, sequence
 
 
 def _no_gather(x: torch.Tensor, group, length: int) -> torch.Tensor:
@@ -54,7 +51,6 @@ def _no_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return sequence._chunk(x, comm.group_rank(group), c).clone()
 
 
-_NO_NORM_SUMS = {(replicated, "copy_to_parallel"): lambda x, group=None: x}
 _NO_COMM = {(comm, "all_reduce_sum"): lambda x, group=None: x,
             (sequence, "_gather"): _no_gather, (sequence, "_reduce_scatter"): _no_reduce_scatter}
 
@@ -62,8 +58,7 @@ EXPERIMENTS: dict[str, tuple[str, dict]] = {
     "vocab+lp": ("vocab+lp", {}),
     "vocab+lp, no tp comm": ("vocab+lp", _NO_COMM),
     "vocab+lp+sp": ("vocab+lp+sp", {}),
-    "vocab+lp+sp, norm sums skipped": ("vocab+lp+sp", _NO_NORM_SUMS),
-    "vocab+lp+sp, no tp comm": ("vocab+lp+sp", {**_NO_COMM, **_NO_NORM_SUMS}),
+    "vocab+lp+sp, no tp comm": ("vocab+lp+sp", _NO_COMM),
 }
 
 
@@ -195,7 +190,7 @@ def ops(rank: int, world: int, rounds: int = 3) -> dict:
     runs = {tp_options.ONE: built[tp_options.ONE],
             "vocab+lp, no tp comm": (built["vocab+lp"][0], _with(built["vocab+lp"][1], _NO_COMM)),
             "vocab+lp+sp, no tp comm": (built["vocab+lp+sp"][0],
-                                        _with(built["vocab+lp+sp"][1], {**_NO_COMM, **_NO_NORM_SUMS}))}
+                                        _with(built["vocab+lp+sp"][1], _NO_COMM))}
     for module, step in runs.values():
         step()
         module.zero_grad(set_to_none=True)

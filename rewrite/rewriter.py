@@ -24,6 +24,7 @@ from .pipeline.stage import Stage
 from .plan.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan, load_plan
 from .recompute import apply_activation_checkpointing
+from .tensor_parallel.replicated import StepSums
 from .schedules import splits_backward
 from .tensor_parallel.apply import apply_tensor_parallel
 
@@ -87,6 +88,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
         grad_sync=grad_sync,
         recomputed=recomputed,
         logit_shard=carved.logit_shard,
+        tp_sums=StepSums(carved.module) or None,
     )
 
 

@@ -120,13 +120,22 @@ def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.
         stage.grad_sync.begin()  # backwards only accumulate until the step's end
         if not any(a.kind == "W" for a in row):
             last_backward = max((i for i, a in enumerate(row) if a.kind in ("B", "I")), default=None)
-    for i, action in enumerate(row):
-        if i == last_backward:
-            stage.grad_sync.sync_next_backward()
-        step.run(action)
+    sums = stage.tp_sums
+    if sums is not None:
+        sums.begin()  # the backwards accumulate tp-partial gradients: summed once, below
+    try:
+        for i, action in enumerate(row):
+            if i == last_backward:
+                stage.grad_sync.sync_next_backward()
+            step.run(action)
+    finally:
+        if sums is not None:
+            sums.end()  # model(...) outside a step sums at every use again
     step.finish()
     if stage.grad_sync is not None:
         stage.grad_sync.finish()  # once per step: gradients averaged over the replicas
+    if sums is not None:
+        sums.finish()
     _sum_tied_grads(stage, stash)
     return _step_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
 

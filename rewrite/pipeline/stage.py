@@ -18,6 +18,7 @@ from torch import nn
 
 from ..mesh import Mesh
 from ..plan.resolve import ResolvedPlan
+from ..tensor_parallel.replicated import StepSums
 from .loss import LogitShard
 
 __all__ = ["ForwardFn", "GradientSync", "Stage", "TimelineEvent"]
@@ -27,7 +28,7 @@ ForwardFn = Callable[..., torch.Tensor]  # runs one stage on a microbatch: fn(x)
 
 @runtime_checkable
 class GradientSync(Protocol):
-    """What the runner calls to synchronise gradients once per step (`data_parallel.GradSync`).
+    """What the runner calls to synchronise gradients once per step (`data_parallel.GradSync`, `DdpSync`).
 
     Declared here, not imported from `data_parallel/`: the pipeline sits below it and
     knows only these three calls.
@@ -78,6 +79,10 @@ class Stage:
             backward (`activation_checkpointing`); their weight gradients come with the I, W is empty.
         logit_shard: the last stage's vocabulary slice of the logits (`loss_parallel`);
             None when the last stage's output is the full logits, or on other ranks.
+        tp_sums: the parameters whose gradients each tp rank holds only in part (norms
+            under sequence parallelism, per-head norms, `grad_allreduce`, k/v projections
+            replicated past the kv heads), which the runner sums once per step
+            (`tensor_parallel.replicated.StepSums`); None when there are none.
 
     `apply_plan` builds it once, every field given. Not frozen: the runner replaces
     `timeline` each step, and loading a checkpoint re-points `tied` at the tensors it
@@ -99,6 +104,7 @@ class Stage:
     grad_sync: GradientSync | None = None
     recomputed: tuple[str, ...] = ()
     logit_shard: LogitShard | None = None
+    tp_sums: StepSums | None = None
 
     def __call__(self, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
         """Run this rank's stage on one microbatch: model input on the first stage, else hidden states."""

@@ -64,6 +64,8 @@ class ColumnParallelLinear(_ParallelLinear):
         torch.Size([2, 5, 128])
     """
 
+    deferred = False  # replicas > 1, inside a step that sums their gradients once (`replicated.StepSums`)
+
     def __init__(
         self,
         in_features: int,
@@ -144,7 +146,7 @@ class ColumnParallelLinear(_ParallelLinear):
         """This rank's `(..., out / tp)` slice of the output, whatever `gather_output` says."""
         x = self.input_copy(x)  # f: identity here, all-reduce of dL/dx in backward
         weight, bias = self.weight, self.bias
-        if self.replicas > 1:  # each holder's gradient is its own query heads' share: f sums them
+        if self.replicas > 1 and not self.deferred:  # each holder's gradient is its own query heads' share: f sums them
             weight = copy_to_parallel(weight, self.replica_group)
             bias = None if bias is None else copy_to_parallel(bias, self.replica_group)
         return F.linear(x, weight, bias)

@@ -1,14 +1,14 @@
 """Cross-entropy over vocabulary-parallel logits: each rank holds a `[..., V/tp]` slice and
-the full `[tokens, V]` logits are never built (three small all-reduces over `[tokens]`).
+the full `[tokens, V]` logits are never built (one small all-gather of `[2, tokens]`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .comm import group_size
+from .exchange import all_gather_into
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -16,12 +16,13 @@ __all__ = ["vocab_parallel_cross_entropy"]
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean over non-ignored tokens `t` of `lse_t - z[t, y_t]`, with `lse_t = log sum_j exp z[t, j]`.
 
-    Rank `i` holds columns `[s_i, s_i + n)`. Forward: `m_t = max_i max_local z` (all-reduce
-    MAX), then `sum_j exp(z[t, j] - m_t)` and `z[t, y_t] - m_t` (nonzero only on the rank
-    owning `y_t`) summed in one all-reduce of a `[2, tokens]` tensor. Backward needs no
-    communication: `dL/dz[t, j] = (softmax(z_t)_j - 1[j = y_t]) * grad / count` for the
-    local columns `j`, recomputed from the saved logits and `lse_t` (no float32 softmax is
-    kept between forward and backward).
+    Rank `i` holds columns `[s_i, s_i + n)`. Forward: each rank's own `lse_i,t` over its
+    columns and `z[t, y_t]` where it owns `y_t` (0 elsewhere), both gathered in one
+    all-gather of a `[2, tokens]` tensor; then on every rank alike, from the same gathered
+    values in the same order, `lse_t = logsumexp_i lse_i,t` and the target logit as their sum
+    (one rank's is nonzero). Backward needs no communication: `dL/dz[t, j] = (softmax(z_t)_j
+    - 1[j = y_t]) * grad / count` for the local columns `j`, recomputed from the saved
+    logits and `lse_t` (no float32 softmax is kept between forward and backward).
     """
 
     @staticmethod
@@ -29,23 +30,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         n = logits.shape[-1]
         z = logits.reshape(-1, n)  # (tokens, V / tp), logits' dtype
         y = targets.reshape(-1)  # (tokens,)
-        distributed = group_size(group) > 1
-        m = z.detach().max(dim=-1).values.float()  # (tokens,)
-        if distributed:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        shifted = z.float() - m.unsqueeze(-1)  # (tokens, V / tp) float32, <= 0 everywhere
         kept = y != ignore_index
         local = y.long() - vocab_start  # gather and scatter take int64 indices
         owned = kept & (local >= 0) & (local < n)
         local = local.masked_fill(~owned, 0)
-        target_shifted = shifted.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(~owned, 0.0)
-        packed = torch.stack([shifted.exp_().sum(dim=-1), target_shifted])  # (2, tokens)
-        if distributed:
-            dist.all_reduce(packed, group=group)
-        sum_exp, target_shifted = packed.unbind(0)
-        log_sum_exp = sum_exp.log()  # (tokens,), of the shifted logits
-        lse = m + log_sum_exp  # log sum_j exp z[t, j]
-        per_token = (log_sum_exp - target_shifted).masked_fill_(~kept, 0.0)
+        zf = z.detach().float()
+        mine = torch.stack([
+            torch.logsumexp(zf, dim=-1),  # over this rank's columns
+            zf.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(~owned, 0.0),
+        ])  # (2, tokens)
+        if group_size(group) > 1:
+            every = all_gather_into(mine.new_empty((group_size(group) * 2, mine.shape[1])), mine, group)
+            every = every.view(-1, 2, mine.shape[1])  # (tp, 2, tokens), in rank order
+            lse, target = torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(dim=0)
+        else:
+            lse, target = mine.unbind(0)
+        per_token = (lse - target).masked_fill_(~kept, 0.0)
         count = kept.sum()
         ctx.save_for_backward(logits, lse, local, owned, kept, count)
         # 0 / 0 = nan when every token is ignored, as F.cross_entropy gives.

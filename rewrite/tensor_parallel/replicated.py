@@ -1,27 +1,41 @@
 """Modules kept whole on every tensor-parallel rank while their input is sharded.
 
-Qwen3's per-head `q_norm`/`k_norm` run on each rank's own heads, so each rank's
-weight gradient is a partial sum. Routing the parameters through f (identity
-forward, all-reduce backward) makes every rank's gradient the full one.
+Qwen3's per-head `q_norm`/`k_norm` run on each rank's own heads, and under sequence
+parallelism every norm runs on each rank's own tokens, so each rank's weight gradient
+is a partial sum. Routing the parameters through f (identity forward, all-reduce
+backward) makes every rank's gradient the full one, at every use.
+
+A k/v projection past its kv heads (`ColumnParallelLinear(replicas=r)`) is the same
+over its replica group: each holder's gradient comes from its own query heads.
+
+A training step can do better (`StepSums`): its uses only accumulate the partial
+gradients, and one sum per group at the step's end, of all of them at once, completes
+them: one collective per step instead of one per module, use and microbatch.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from . import comm
 from .comm import copy_to_parallel
+from .layers import ColumnParallelLinear
 from .mixins import add_mixin
 
-__all__ = ["make_grad_allreduce", "GradAllReduce"]
+__all__ = ["make_grad_allreduce", "GradAllReduce", "StepSums"]
 
 
 class GradAllReduce:
-    """Mixin: during forward, each parameter is read through f over `tp_group`."""
+    """Mixin: during forward, each parameter is read through f over `tp_group` (unless deferred)."""
 
     tp_group: ProcessGroup
+    deferred = False  # inside a step that sums the gradients once at its end (`StepSums`)
 
     def forward(self, *args, **kwargs):
+        if self.deferred:
+            return super().forward(*args, **kwargs)
         params = self._parameters
         saved = dict(params)
         try:
@@ -43,3 +57,70 @@ def make_grad_allreduce(module: nn.Module, group: ProcessGroup) -> nn.Module:
     add_mixin(module, GradAllReduce)
     module.tp_group = group
     return module
+
+
+class StepSums:
+    """One step's partial gradients in `root` (`GradAllReduce` modules, replicated k/v
+    projections), summed over their group once.
+
+    `begin()` sets aside the gradients they already hold (complete ones) and defers
+    the modules' sums; the step's backwards then only accumulate this rank's part.
+    `end()` lifts the deferral (call it however the step ends); `finish()` then sums
+    the step's parts of every such parameter in one collective per tp group, after any
+    data-parallel reduction (both are sums, so their order does not matter), and adds
+    back what was set aside. A gradient sharded by FSDP2 is summed as its local shard:
+    every tp rank of a replica holds the same rows.
+
+    Collective: `finish` on every rank of each tp group, at the same point of the step.
+    """
+
+    def __init__(self, root: nn.Module):
+        self.modules = [m for m in root.modules() if _partial_group(m) is not None]
+        self.stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.modules)
+
+    def _params(self) -> dict[ProcessGroup, list[nn.Parameter]]:
+        groups: dict[ProcessGroup, list[nn.Parameter]] = {}
+        for m in self.modules:
+            for p in m.parameters(recurse=False):  # the registered parameters: FSDP2's sharded ones between uses
+                if p.requires_grad:
+                    groups.setdefault(_partial_group(m), []).append(p)
+        return groups
+
+    def begin(self) -> None:
+        self.stash = [(p, p.grad) for ps in self._params().values() for p in ps]
+        for p, _ in self.stash:
+            p.grad = None
+        for m in self.modules:
+            m.deferred = True
+
+    def end(self) -> None:
+        for m in self.modules:
+            m.deferred = False
+
+    def finish(self) -> None:
+        for group, params in self._params().items():
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+            flat = torch.cat([t.reshape(-1) for t in local])
+            comm.all_reduce_sum(flat, group)
+            offset = 0
+            for p, grad, t in zip(params, grads, local):
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+                p.grad = grad
+        for p, before in self.stash:
+            if before is not None:
+                p.grad = before.add_(p.grad)
+        self.stash = []
+
+
+def _partial_group(module: nn.Module) -> ProcessGroup | None:
+    """The group `module`'s parameter gradients are partial over, if they are."""
+    if isinstance(module, GradAllReduce):
+        return module.tp_group
+    if isinstance(module, ColumnParallelLinear) and module.replicas > 1:
+        return module.replica_group
+    return None

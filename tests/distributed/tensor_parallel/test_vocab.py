@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from rewrite.models.families import embedding_scale
 from rewrite.tensor_parallel import comm
+from rewrite.tensor_parallel import loss as loss_module
 from rewrite.tensor_parallel.loss import vocab_parallel_cross_entropy
 from rewrite.tensor_parallel.vocab import VocabParallelEmbedding
 from tests.asserts import assert_close
@@ -110,8 +111,8 @@ def _check_loss(rank: int, ws: int, prefix: tuple[int, ...], dtype: torch.dtype)
     assert loss.dtype == torch.float32 and loss.shape == (), tag
     assert_close(f"{tag} value", loss, expected)
     _same_on_every_rank(tag, loss.detach())
-    n_bwd = _count_calls(dist, "all_reduce", loss.backward)
-    assert n_bwd == 0, f"{tag}: backward called all_reduce {n_bwd} times"
+    n_bwd = _count_calls(loss_module, "all_gather_into", lambda: _count_calls(dist, "all_reduce", loss.backward))
+    assert n_bwd == 0, f"{tag}: backward communicated {n_bwd} times"
     assert local.grad.dtype == dtype, tag
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert_close(f"{tag} logits grad", local.grad, full_ref.grad[..., cols], atol=tol, rtol=tol)
@@ -119,8 +120,10 @@ def _check_loss(rank: int, ws: int, prefix: tuple[int, ...], dtype: torch.dtype)
         if targets.view(-1)[i] == -100:
             assert torch.count_nonzero(local.grad.reshape(-1, V // ws)[i]) == 0, f"{tag}: ignored token {i} has a grad"
 
-    n_fwd = _count_calls(dist, "all_reduce", lambda: vocab_parallel_cross_entropy(local, targets, vocab_start=cols.start))
-    assert n_fwd == (2 if ws > 1 else 0), f"{tag}: forward called all_reduce {n_fwd} times (max, then sum-exp + target)"
+    forward = lambda: vocab_parallel_cross_entropy(local, targets, vocab_start=cols.start)  # noqa: E731
+    n_fwd = _count_calls(loss_module, "all_gather_into", forward)
+    assert n_fwd == (1 if ws > 1 else 0), f"{tag}: forward gathered {n_fwd} times (each rank's lse and target logit, once)"
+    assert _count_calls(dist, "all_reduce", forward) == 0, f"{tag}: forward all-reduced"
 
 
 def _check_all_ignored(rank: int, ws: int) -> None:

@@ -1,0 +1,98 @@
+"""Gradients each tp rank holds only in part (the norms under sequence parallelism, Qwen3's
+per-head norms): summed over tp once per step under the runner, at every use under model(...);
+both equal one process, and a step that raises leaves the modules summing at every use again."""
+
+from __future__ import annotations
+
+import copy
+
+
+import rewrite
+from rewrite.run.parity import reference_step
+from rewrite.run.presets import build_config, build_model
+from rewrite.tensor_parallel.layers import local_shard
+from tests.asserts import assert_close
+from tests.collectives import CountCollectives
+from tests.distributed.pipeline.test_pipeline import _batch
+from tests.multiproc import run
+
+M = 3  # microbatches
+
+
+def _counting_sums(fn) -> int:
+    with CountCollectives() as seen:
+        fn()
+    return seen.counts["all_reduce"]
+
+
+def _grads_match(name: str, model, reference) -> None:
+    ref = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        assert_close(f"{name} {pname}.grad", param.grad, local_shard(model, pname, ref[pname].grad))
+
+
+def _case(rank: int, world: int, plan: dict, **overrides) -> dict:
+    config = build_config("tiny-llama", **overrides)
+    model = build_model(config, seed=3)
+    reference = copy.deepcopy(model)
+    stage = rewrite.apply_plan(model, plan)
+    partial = stage.tp_sums.modules if stage.tp_sums is not None else []
+    assert partial and stage.tp_sums is not None
+    ids, targets = _batch(config, M)
+
+    # The runner: the partial gradients accumulate, then one sum per step completes them all.
+    step_sums = _counting_sums(lambda: rewrite.run_schedule(stage, ids, targets))
+    reference_step(reference, ids, targets)
+    _grads_match("run_schedule", model, reference)
+    assert not any(m.deferred for m in partial)
+
+    # A second step accumulates onto complete gradients: what they held stays whole.
+    rewrite.run_schedule(stage, ids, targets)
+    reference_step(reference, ids, targets)
+    _grads_match("two steps", model, reference)
+
+    # model(...) with its own backward: each use sums (f), no step is there to do it.
+    model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
+
+    def loop():
+        for x, y in zip(ids, targets):
+            (rewrite.causal_lm_loss(model(input_ids=x).logits, y) / M).backward()
+
+    use_sums = _counting_sums(loop)
+    reference_step(reference, ids, targets)
+    _grads_match("model(...)", model, reference)
+
+    # A step that raises mid-way lifts the deferral: model(...) is whole again afterwards.
+    calls = []
+
+    def failing(logits, target):  # the same on every rank: the second microbatch's loss raises
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a loss that fails")
+        return rewrite.causal_lm_loss(logits, target)
+
+    try:
+        rewrite.run_schedule(stage, ids, targets, failing)
+    except RuntimeError as exc:
+        assert "a loss that fails" in str(exc)
+    assert len(calls) == 2 and not any(m.deferred for m in partial)
+    return {"step_sums": step_sums, "use_sums": use_sums, "modules": len(partial)}
+
+
+def _cases(rank: int, world: int) -> dict:
+    plan = {"mesh": {"tp": 2}, "tensor_parallel": rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel,
+            "pipeline": {"microbatches": M}}
+    return {"sp": _case(rank, world, {**plan, "sequence_parallel": True}),
+            "kv": _case(rank, world, plan, num_key_value_heads=1)}  # k/v held whole by both ranks
+
+
+def test_partial_gradients_summed_once_per_step_and_at_every_use_outside():
+    first, second = run(_cases, 2, timeout_s=180)
+    assert first == second
+    sp, kv = first["sp"], first["kv"]
+    # tiny-llama: 4 layers x 2 norms + the final norm, all in one sum per step; the rest of
+    # sequence parallelism's traffic is gathers and reduce-scatters.
+    assert sp["modules"] == 9 and sp["step_sums"] == 1 and sp["use_sums"] == 9 * M, sp
+    # k_proj and v_proj of 4 layers: their weights' sums (one each per use) become one per step,
+    # beside the layers' own sums, which both ways make alike.
+    assert kv["modules"] == 8 and kv["use_sums"] - kv["step_sums"] == 8 * M - 1, kv
