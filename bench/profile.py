@@ -6,6 +6,8 @@
     .venv/bin/python -m bench.profile pp-path     # PP: the critical path from the timeline
     .venv/bin/python -m bench.profile pp-path --schedule 1f1b   # the same under 1F1B (also: pp)
     .venv/bin/python -m bench.profile pp-path --schedule zbv    # virtual stages: busy time per rank
+    .venv/bin/python -m bench.profile dp --sharding replicate  # DP=2: ours against torch DDP, op by op
+    .venv/bin/python -m bench.profile dp --sharding full       # the same against FSDP2 by hand
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from bench import common, pp, tp
+from bench import common, dp, pp, tp
 
 
 def _summary(prof, rows: int) -> dict:
@@ -89,6 +91,43 @@ def _pp_path(rank: int, world: int, rows: int, schedule: str = "afab") -> dict:
     }
 
 
+_TORCH_DP = {"replicate": ("torch DDP", dp._ddp), "full": ("torch FSDP2", dp._fsdp2), "grad_op": ("torch FSDP2", dp._fsdp2)}
+
+
+def _dp_ops(rank: int, world: int, rows: int, sharding: str = "replicate", steps: int = 3) -> dict:
+    """Per operator, self CPU ms per step (mean of `steps` profiled steps) and calls, ours and torch's."""
+    name, torch_side = _TORCH_DP[sharding]
+    sides = {f"rewrite {sharding}": lambda: dp._ours(rank, sharding), name: lambda: torch_side(rank)}
+    out = {}
+    for side, build in sides.items():
+        module, step = build()
+        for _ in range(2):  # warm up
+            step()
+            module.zero_grad(set_to_none=True)
+        ops: dict[str, list] = {}
+        for _ in range(steps):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+                module.zero_grad(set_to_none=True)
+            for e in prof.key_averages():
+                ops.setdefault(e.key, [0.0, e.count])[0] += e.self_cpu_time_total / 1e3 / steps
+        out[side] = ops
+    return out
+
+
+def _print_dp(results: list[dict], rows: int) -> None:
+    """The operators whose time differs most between the two sides, rank 0."""
+    ours, theirs = results[0].values()
+    names = list(results[0])
+    print(f"self CPU ms per step, rank 0: {names[0]} {sum(v[0] for v in ours.values()):.0f}, "
+          f"{names[1]} {sum(v[0] for v in theirs.values()):.0f}")
+    print(f"  {'difference':>10}  {names[0]:>22}  {names[1]:>22}  operator")
+    keys = sorted(set(ours) | set(theirs), key=lambda k: -abs(ours.get(k, [0])[0] - theirs.get(k, [0])[0]))
+    for key in keys[:rows]:
+        a, b = ours.get(key, [0.0, 0]), theirs.get(key, [0.0, 0])
+        print(f"  {a[0] - b[0]:10.1f}  {a[0]:12.1f} ms {a[1]:5d}x  {b[0]:12.1f} ms {b[1]:5d}x  {key[:60]}")
+
+
 def _print_top(results: list[dict]) -> None:
     for rank, summary in enumerate(results):
         print(f"rank {rank}: {summary['total_ms']:.0f} ms of self CPU time, {summary['gloo_ms']:.0f} ms in gloo")
@@ -120,15 +159,20 @@ def _print_path(results: list[dict], schedule: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=["tp", "pp", "tp-sums", "pp-path"])
+    parser.add_argument("which", choices=["tp", "pp", "tp-sums", "pp-path", "dp"])
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--schedule", choices=list(pp.TORCH_SCHEDULES), default="afab", help="for pp and pp-path")
+    parser.add_argument("--sharding", choices=list(_TORCH_DP), default="replicate", help="for dp")
     args = parser.parse_args()
-    fn = {"tp": _profile_tp, "pp": _profile_pp, "tp-sums": _tp_sums, "pp-path": _pp_path}[args.which]
+    fn = {"tp": _profile_tp, "pp": _profile_pp, "tp-sums": _tp_sums, "pp-path": _pp_path, "dp": _dp_ops}[args.which]
     if args.which.startswith("pp"):
         fn = functools.partial(fn, schedule=args.schedule)
+    if args.which == "dp":
+        fn = functools.partial(fn, sharding=args.sharding)
     results = common.launch(fn, 2, args.rows)
-    if args.which in ("tp", "pp"):
+    if args.which == "dp":
+        _print_dp(results, args.rows)
+    elif args.which in ("tp", "pp"):
         _print_top(results)
     elif args.which == "pp-path":
         _print_path(results, args.schedule)

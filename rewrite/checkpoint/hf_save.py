@@ -91,9 +91,11 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int) -> tuple[li
         problems = _summary(f"{where}: {{n}} layers are not what the plan makes of them:",
                             [p for e in mine if (p := _expected_layer(model, e, tp_rank))])
     split = f"not split over its {dp} data-parallel ranks" if dp > 1 else "split over data-parallel ranks"
+    ddp = dp > 1 and plan.data_parallel.sharding == "replicate"  # torch's DDP keeps plain parameters
     problems += _summary(
         f"{where}: the plan has mesh.dp={dp}, but {{n}} parameters are {split}, e.g.",
-        [f"{n}: {_dp_text(p)}" for n, p in model.named_parameters() if _dp_size(p) != dp],
+        [f"{n}: {_dp_text(p)}" for n, p in model.named_parameters()
+         if _dp_size(p) != dp and not (ddp and not isinstance(p, DTensor))],
     )
     if problems:
         problems[-1] += "; pass the plan the model was rewritten with"
@@ -103,7 +105,7 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int) -> tuple[li
 
 
 def _dp_size(param: torch.Tensor) -> int:
-    """Over how many data-parallel ranks FSDP2 (or replicate) spread `param`: 1 for a plain tensor."""
+    """Over how many data-parallel ranks FSDP2 (or its replicate) spread `param`: 1 for a plain tensor."""
     return param.device_mesh.size() if isinstance(param, DTensor) else 1
 
 

@@ -1,5 +1,6 @@
-"""Data parallelism over the mesh's dp dimension, on torch's own FSDP2 and replicate."""
+"""Data parallelism over the mesh's dp dimension, on torch's own FSDP2, replicate and DDP."""
 
 from .apply import GradSync, apply_data_parallel
+from .ddp import DdpSync
 
-__all__ = ["GradSync", "apply_data_parallel"]
+__all__ = ["DdpSync", "GradSync", "apply_data_parallel"]

@@ -3,15 +3,16 @@
 Each decoder layer (each module of a traced model's layer sequence) becomes one torch
 FSDP2 unit, and the model itself the root unit holding the rest (embeddings, final
 norm, LM head): `fully_shard` for `full` and `grad_op`, torch's FSDP-based composable
-`replicate` for `replicate`. The pipeline runs a stage through a method of the model
-registered with FSDP (`register_fsdp_forward_method`), so the root gathers its
-parameters as `model(...)` would, and each layer's own hooks gather the layer's.
+`replicate` for `replicate` where torch's DDP does not fit (`ddp.py`). The pipeline runs
+a stage through a method of the model registered with FSDP (`register_fsdp_forward_method`),
+so the root gathers its parameters as `model(...)` would, and each layer's own hooks
+gather the layer's.
 
 Gradients are synchronised once per step, whatever the schedule: the runner calls
 `GradSync.begin` before a step's first action (every backward then only accumulates)
 and `GradSync.finish` after its last (one reduce-scatter, or all-reduce for
 `replicate`, per unit, as torch.distributed.pipelining does for its own stages).
-`GradSync` is the pipeline's `GradientSync`.
+`GradSync` (and `ddp.DdpSync`) is the pipeline's `GradientSync`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..agreement import agree
 from ..mesh import Mesh
 from ..pipeline.carve import Carved
 from ..plan.resolve import ResolvedPlan
+from .ddp import DdpSync, ddp_fits
 
 __all__ = ["GradSync", "apply_data_parallel", "data_parallel_units"]
 
@@ -92,7 +94,7 @@ def _loose_parameters(carved: Carved, resolved: ResolvedPlan, units: list[nn.Mod
 
 def apply_data_parallel(
     carved: Carved, resolved: ResolvedPlan, mesh: Mesh, *, split_backward: bool
-) -> tuple[Carved, GradSync | None]:
+) -> tuple[Carved, GradSync | DdpSync | None]:
     """Shard (or replicate) this rank's modules over dp, in place.
 
     Args:
@@ -105,11 +107,15 @@ def apply_data_parallel(
     Returns:
         `(carved, grad_sync)`: the parts with the forward functions and tied parameters
         the stage must now use (FSDP2 replaced the parameters), and the step's gradient
-        sync; with dp = 1 the parts unchanged and None (nothing installed).
+        sync; with dp = 1 the parts unchanged and None (nothing installed). `replicate`
+        on one stage per rank with whole backwards: the parts unchanged (plain
+        parameters) and torch's DDP, built at the first step (`ddp.DdpSync`).
     """
     if mesh.dp == 1:
         return carved, None
     sharding = resolved.plan.data_parallel.sharding
+    if sharding == "replicate" and ddp_fits(len(carved.forward_fns), split_backward):
+        return carved, DdpSync(carved.module, mesh.device_mesh["dp"].get_group())
     units = data_parallel_units(carved.model, resolved, sorted(carved.forward_fns))
     loose = _loose_parameters(carved, resolved, units)
     agree(
@@ -126,7 +132,9 @@ def apply_data_parallel(
         if sharding == "replicate":
             replicate(module, mesh=dp_mesh)
         else:
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3)
+            # The root's parameters are needed again by the backward right after the forward:
+            # kept gathered in between, as fully_shard does for a root by default.
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3 and module is not model)
     forward_fns = carved.forward_fns
     if any(fn is not model for fn in forward_fns.values()):
         fns = dict(forward_fns)

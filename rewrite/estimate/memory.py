@@ -9,7 +9,8 @@ With data parallelism each rank's parameters become torch FSDP2 units
 multiple of dp, so a rank holds `ceil(d0 / dp) * d1 * ...` elements of a `[d0, d1, ...]`
 parameter. Gradients are synchronised once per step, so during a step each unit
 accumulates whole gradients and stays gathered from its first backward to the step's
-one reduce (`replicate` too: its gathered copy is a second buffer beside the parameter).
+one reduce. `replicate` holds a second, gradient-sized buffer beside the parameters:
+DDP's gradient buckets (one stage per rank, whole backwards), or FSDP2's gathered copy.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def footprint(
     Returns:
         A `Footprint`. The peak, with dp = 1: weights + gradients + AdamW. With dp > 1:
         weights + AdamW held + gathered parameters (padded) + the rank's whole gradients,
-        accumulated until the one reduce per step. Gathered: under `full` the largest unit
-        (each is let go after its forward and after its backward); under `grad_op` (or
+        accumulated until the one reduce per step. Gathered: under `full` the root unit
+        (`"root"`: kept from its forward to its backward, as torch's FSDP2 keeps a root) and
+        the largest other unit (each let go after its forward and after its backward); under `grad_op` (or
         `full` with split backwards) all of the rank's, kept from forward to the step's
         end. Sharded gradients of the previous step are assumed freed (`zero_grad()`).
 
@@ -87,7 +89,7 @@ def footprint(
     whole = sum(math.prod(p[0]) for p in params)
     whole_bytes = sum(math.prod(p[0]) * p[1] for p in params)
     if dp == 1 or sharding == "replicate":
-        gathered = whole_bytes if dp > 1 else 0  # replicate's second, gathered copy during the step
+        gathered = whole_bytes if dp > 1 else 0  # replicate's second copy: DDP's buckets, or FSDP2's gathered one
         return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
                          2 * whole_bytes + ADAMW_BYTES * whole + gathered)
     held = sum(_dp_shard(p[0], dp) for p in params)
@@ -95,7 +97,11 @@ def footprint(
     units: dict = {}
     for p in params:
         units[p[2] if len(p) > 2 else None] = units.get(p[2] if len(p) > 2 else None, 0) + _dp_shard(p[0], dp) * p[1]
-    gathered = dp * (max(units.values(), default=0) if sharding == "full" and not split else held_bytes)
+    if sharding == "full" and not split:  # one layer at a time, beside the root (kept from forward to backward)
+        root = units.pop("root", 0)
+        gathered = dp * (root + max(units.values(), default=0))
+    else:
+        gathered = dp * held_bytes
     return Footprint(held, held_bytes, held_bytes, ADAMW_BYTES * held,
                      held_bytes + ADAMW_BYTES * held + gathered + whole_bytes)
 

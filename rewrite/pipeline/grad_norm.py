@@ -34,8 +34,9 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
     - pipeline: each rank holds its own stages' parameters; a tied embedding held by the
       first and the last pipeline rank (`stage.tied`, gradients already summed) counts
       once, on the first.
-    - data parallel (FSDP2 DTensors): a gradient sharded over dp contributes every shard;
-      one replicated over dp (`sharding: replicate`, already averaged) only once.
+    - data parallel: a gradient sharded over dp (FSDP2 DTensors) contributes every shard;
+      one replicated over dp (`sharding: replicate`, already averaged: a DTensor, or a
+      plain tensor under DDP) only once, on dp_rank 0.
 
     With norm_type 2 the total is `sqrt(sum of squares)` over every rank, with inf
     `max |g|`: one all-reduce of one float32 tensor on the default group. When
@@ -74,7 +75,7 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
     for name, param in stage.module.named_parameters():  # a tied object once
         if param.grad is None:
             continue
-        grad, once = _local_grad(param)
+        grad, once = _local_grad(param, mesh.dp_rank)
         if once is None:
             partial.append(name)
             continue
@@ -140,15 +141,16 @@ def _tp_split_ids(module: nn.Module, tp_rank: int) -> set[int]:
     return out
 
 
-def _local_grad(param: nn.Parameter) -> tuple[torch.Tensor, bool | None]:
+def _local_grad(param: nn.Parameter, dp_rank: int) -> tuple[torch.Tensor, bool | None]:
     """This rank's gradient storage, and whether it counts here as far as dp is concerned.
 
     A DTensor gradient counts on every shard, and for each mesh dimension it is
     replicated over, only at coordinate 0 there; None when it is partial (unreduced).
+    A plain one is whole on every replica (dp = 1, or DDP's): it counts on dp_rank 0.
     """
     grad = param.grad
     if not isinstance(grad, DTensor):
-        return grad, True
+        return grad, dp_rank == 0
     coordinate = grad.device_mesh.get_coordinate()
     once = coordinate is not None
     for dim, placement in enumerate(grad.placements):

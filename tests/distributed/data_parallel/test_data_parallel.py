@@ -72,7 +72,7 @@ CASES = {
                             ({"dp": 2, "tp": 2}, "replicate", "afab", 1, {})]),
     "dp2xpp2": (4, [({"dp": 2, "pp": 2}, "full", "afab", 1, {}), ({"dp": 2, "pp": 2}, "full", "1f1b", 1, {}),
                     ({"dp": 2, "pp": 2}, "full", "zbv", 2, {}), ({"dp": 2, "pp": 2}, "replicate", "zero-bubble", 1, {}),
-                    ({"dp": 2, "pp": 2}, "full", "1f1b", 1, TIED)]),
+                    ({"dp": 2, "pp": 2}, "full", "1f1b", 1, TIED), ({"dp": 2, "pp": 2}, "replicate", "1f1b", 1, TIED)]),
     "dp2xpp2xtp2": (8, [({"dp": 2, "pp": 2, "tp": 2}, "full", "1f1b", 1, {})]),
 }
 

@@ -53,13 +53,14 @@ def test_footprint_pads_dim_0_to_a_multiple_of_dp():
     # one unit here, so full (the largest unit gathered) and grad_op (all of them) gather alike.
     assert full.peak == 36 + 72 + 72 + 52
     assert footprint([((3, 4), 4), ((), 4)], dp=2, sharding="grad_op") == full
-    # Two units: full gathers the largest (2 x 8 x 4), grad_op or a split schedule all (2 x 9 x 4).
-    units = [((3, 4), 4, "layer"), ((), 4, "root")]
-    assert footprint(units, dp=2, sharding="full").peak == 36 + 72 + 64 + 52
-    assert footprint(units, dp=2, sharding="grad_op").peak == footprint(units, dp=2, split=True).peak == 36 + 72 + 72 + 52
+    # Two layers and the root: full gathers the root and the larger layer (2 x (1 + 8) x 4), grad_op
+    # or a split schedule all (2 x 13 x 4); held 18 x 4, whole gradients 21 x 4.
+    units = [((3, 4), 4, "layer 0"), ((2, 4), 4, "layer 1"), ((), 4, "root")]
+    assert footprint(units, dp=2, sharding="full").peak == 52 + 104 + 72 + 84
+    assert footprint(units, dp=2, sharding="grad_op").peak == footprint(units, dp=2, split=True).peak == 52 + 104 + 104 + 84
     rep = footprint([((3, 4), 4), ((), 4)], dp=2, sharding="replicate")
     assert (rep.params, rep.weights, rep.grads, rep.adamw) == (13, 52, 52, 104)
-    assert rep.peak == 52 + 104 + 52 + 52  # replicate's gathered copy beside the parameters
+    assert rep.peak == 52 + 104 + 52 + 52  # replicate's second copy (DDP's buckets) beside the parameters
     alone = footprint([((3, 4), 2)], dp=1, sharding="full")
     assert (alone.params, alone.weights, alone.adamw, alone.peak, alone.at_rest) == (12, 24, 96, 144, 144)
     with pytest.raises(ValueError, match="use one of full, grad_op, replicate"):
@@ -79,12 +80,14 @@ def test_each_sharding_per_rank(llama, sharding):
         assert foot.peak == 4 * whole * 3 + 8 * whole
     else:
         assert held > whole / dp and (foot.params, foot.weights, foot.adamw) == (held, 4 * held, 8 * held)
-        # Gathered: under full the largest unit (the root: embeddings, norm, head), under grad_op all.
+        # Gathered: under full the root (embeddings, norm, head; kept from forward to backward)
+        # and the largest layer, under grad_op all.
         units: dict[str, int] = {}
         for name, p in llama.named_parameters():
             unit = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "root"
             units[unit] = units.get(unit, 0) + math.ceil(p.shape[0] / dp) * math.prod(p.shape[1:])
-        gathered = max(units.values()) if sharding == "full" else held
+        root = units.pop("root")
+        gathered = root + max(units.values()) if sharding == "full" else held
         assert foot.peak == 4 * held + 8 * held + dp * 4 * gathered + 4 * whole
     text = format_plan(resolved, model=llama)
     assert "mesh: dp=3 x pp=1 x tp=1 = 3 ranks; 4 microbatches per step per replica" in text

@@ -1,0 +1,72 @@
+"""`sharding: replicate` on torch's own DistributedDataParallel, where it fits the stage.
+
+DDP buckets the gradients (the first bucket small, the rest 25 MiB, in backward order)
+and starts each bucket's all-reduce as soon as its last gradient is accumulated, so
+the reduction runs beside the rest of the backward; FSDP2's `replicate` reduces unit
+by unit, and on a CPU backend each reduction waits for itself. DDP fits a rank that
+runs one stage with whole backwards (every schedule without W, one stage per rank):
+the step's last backward then reaches every parameter the rank trains. Split
+backwards and virtual stages keep FSDP2's `replicate` (`apply.GradSync`).
+
+The step drives DDP as `torch.distributed.pipelining` does for its DDP stages: every
+backward but the last accumulates locally (`require_backward_grad_sync` off, as in
+`no_sync`), and the reducer is prepared (`prepare_for_backward`) right before the last.
+The stage never runs through DDP's `forward`; DDP is built at the first step, once
+the parameters have storage (a model loaded from a checkpoint is rewritten on meta).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["DdpSync", "ddp_fits"]
+
+
+def ddp_fits(stages_on_rank: int, split_backward: bool) -> bool:
+    """Whether a rank's last backward of a step reaches all its parameters: one stage, no W."""
+    return stages_on_rank == 1 and not split_backward
+
+
+class DdpSync:
+    """The pipeline's `GradientSync` for `replicate` on DDP: one bucketed, overlapped all-reduce per step."""
+
+    sharding = "replicate"
+
+    def __init__(self, module: nn.Module, group: ProcessGroup):
+        self.module, self.group = module, group
+        self.ddp: DistributedDataParallel | None = None
+        self.armed = False
+
+    def begin(self) -> None:
+        """Every backward of the step accumulates local gradients; DDP is built on the first call.
+
+        Collective over the dp group on the first call (DDP checks the replicas' parameter
+        shapes and starts them from dp rank 0's values); every rank calls it at its first step.
+        """
+        if self.ddp is None:
+            self.ddp = DistributedDataParallel(self.module, process_group=self.group, forward_sync_buffers=False)
+        self.ddp.require_backward_grad_sync = False
+        self.armed = False
+
+    def sync_next_backward(self) -> None:
+        """The next backward is the step's last: DDP all-reduces each bucket as it fills."""
+        self.ddp.require_backward_grad_sync = True
+        self.ddp.reducer.prepare_for_backward([])
+        self.armed = True
+
+    def finish(self) -> None:
+        """Check that the last backward reduced every bucket (DDP averaged them over dp)."""
+        if not self.armed:
+            raise RuntimeError("replicate on DDP: the step had no whole last backward to reduce in")
+        self.armed = False
+        try:
+            self.ddp.reducer._check_reducer_finalized()
+        except RuntimeError:
+            missing = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+            raise RuntimeError(
+                "data_parallel.sharding replicate: the step's last backward did not reach every trainable "
+                f"parameter ({', '.join(missing[:4]) or 'some of them'}), so their gradients were not averaged "
+                "over the replicas; freeze parameters the model does not use (requires_grad_(False))"
+            ) from None
