@@ -4,13 +4,14 @@ simulating and printing tables. No process group, no model: shared by plan/, the
 
 from .actions import KINDS, Action, Table, placement
 from .named import SCHEDULE_NAMES, SCHEDULES, STAGES_PER_RANK, stages_needed
+from .simulate import bubble, simulate
 from .table import (
     build_table, custom_table, format_table, parse_row, peak_in_flight, plan_table, rows_from_csv, schedule_rules,
-    simulate, splits_backward, table_problems,
+    splits_backward, table_problems,
 )
 
 __all__ = [
-    "Action", "Table", "KINDS", "SCHEDULES", "SCHEDULE_NAMES", "STAGES_PER_RANK", "stages_needed", "placement", "build_table", "custom_table",
+    "Action", "Table", "bubble", "KINDS", "SCHEDULES", "SCHEDULE_NAMES", "STAGES_PER_RANK", "stages_needed", "placement", "build_table", "custom_table",
     "parse_row", "rows_from_csv", "format_table", "table_problems", "simulate", "peak_in_flight", "plan_table",
     "schedule_rules", "splits_backward",
 ]

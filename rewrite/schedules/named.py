@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from .actions import Action, Table, done_key, needs, placement
+from .actions import Action, Table, placement
 
 __all__ = ["SCHEDULES", "SCHEDULE_NAMES", "STAGES_PER_RANK", "stages_needed"]
 
@@ -100,27 +100,37 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
     stage's); else the first ready forward in its `rank_forwards[r]` order, if fewer than
     `limit[r]` of its (mb, stage) pairs are in flight (forward run, W not yet); else its
     oldest pending W. Each step every rank runs at most one action, ready by the step before.
+    An I becomes ready when the backward it waits for has run (the last stage's: its own
+    forward): it is found by that event, not by scanning, so long tables build quickly.
     """
     pp, num_stages = len(limit), len(stage_rank)
-    done: set[Action] = set()
+    done: set[tuple[str, int, int]] = set()  # ("F" | "B", mb, stage): forwards run, input gradients handed on
     rows: list[list[Action]] = [[] for _ in range(pp)]
     live, pending_w = [0] * pp, [deque() for _ in range(pp)]
-    waiting_b: list[set[Action]] = [set() for _ in range(pp)]  # forward run, I not yet
+    waiting_b: list[set[tuple[int, int]]] = [set() for _ in range(pp)]  # (mb, stage): forward run, I not yet
+    ready_b: list[set[tuple[int, int]]] = [set() for _ in range(pp)]  # of those, the I's that can run
     todo = [list(rank_forwards[r]) for r in range(pp)]
     left = 3 * microbatches * num_stages
+
+    def awaited(mb: int, stage: int) -> tuple[str, int, int]:  # what the I of (mb, stage) waits for
+        return ("B", mb, stage + 1) if stage < num_stages - 1 else ("F", mb, stage)
+
     while left:
         ran = []
         for r in range(pp):
-            ready_b = [b for b in waiting_b[r] if needs(b, num_stages) in done]
-            forward = next((f for f in todo[r] if f.stage == 0 or needs(f, num_stages) in done), None)
-            if ready_b:
-                action = min(ready_b, key=lambda b: (b.mb, -b.stage))
-                waiting_b[r].discard(action)
-                pending_w[r].append(Action("W", action.mb, action.stage))
-            elif forward is not None and live[r] < limit[r]:
+            forward = None
+            if not ready_b[r] and live[r] < limit[r]:  # looked for only when it could run
+                forward = next((f for f in todo[r] if f.stage == 0 or ("F", f.mb, f.stage - 1) in done), None)
+            if ready_b[r]:
+                mb, stage = min(ready_b[r], key=lambda b: (b[0], -b[1]))
+                ready_b[r].discard((mb, stage))
+                waiting_b[r].discard((mb, stage))
+                action = Action("I", mb, stage)
+                pending_w[r].append(Action("W", mb, stage))
+            elif forward is not None:
                 action = forward
                 todo[r].remove(forward)
-                waiting_b[r].add(Action("I", forward.mb, forward.stage))
+                waiting_b[r].add((forward.mb, forward.stage))
                 live[r] += 1
             elif pending_w[r]:
                 action = pending_w[r].popleft()
@@ -131,7 +141,18 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
             ran.append(action)
         if not ran:  # a bug in the limits, never a user's error: the named schedules are tested
             raise RuntimeError(f"schedule generator stuck with {left} actions left; rows so far: {rows}")
-        done.update(done_key(a) for a in ran)
+        for a in ran:
+            if a.kind == "W":
+                continue
+            key = ("B" if a.kind == "I" else "F", a.mb, a.stage)
+            done.add(key)
+            if a.kind == "F":  # this I, once its forward ran, may already have what it waits for
+                if awaited(a.mb, a.stage) in done:
+                    ready_b[stage_rank[a.stage]].add((a.mb, a.stage))
+            if a.kind == "I" and a.stage > 0:  # the previous stage's I of this microbatch waited for this one
+                target = (a.mb, a.stage - 1)
+                if target in waiting_b[stage_rank[target[1]]]:
+                    ready_b[stage_rank[target[1]]].add(target)
         left -= len(ran)
     return tuple(tuple(row) for row in rows)
 

@@ -23,16 +23,18 @@ stage in the row; `parse_row` reads such a `B` as the `I` it is, so they run unc
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import re
 import reprlib
 from collections.abc import Sequence
 
-from .actions import Action, Table, done_key, ends_pair, needs, placement
+from .actions import Action, Table, ends_pair, placement
 from .named import SCHEDULE_NAMES, SCHEDULES, STAGES_PER_RANK, stages_needed
+from .simulate import layout, simulate
 
 __all__ = [
-    "build_table", "parse_row", "rows_from_csv", "format_table", "table_problems", "simulate", "peak_in_flight",
+    "build_table", "parse_row", "rows_from_csv", "format_table", "table_problems", "peak_in_flight",
     "plan_table", "schedule_rules", "splits_backward", "ROWS",
 ]
 
@@ -85,6 +87,7 @@ def schedule_rules(name: str, pp: int, k: int, microbatches: int) -> list[str]:
     return []
 
 
+@functools.lru_cache(maxsize=512)  # pure, and its tables are tuples: a plan search builds the same ones often
 def build_table(name: str, pp: int, microbatches: int, k: int = 1) -> Table:
     """The table of a named schedule (see `SCHEDULES`).
 
@@ -146,60 +149,10 @@ def rows_from_csv(text: str) -> list[str]:
     return [r for r in rows if r and not r.startswith("#")]
 
 
-def _layout(table: Table, stage_rank: Sequence[int] | None) -> tuple[tuple[int, ...], bool]:
-    """The stage placement (default: inferred from the table, looped) and whether cells must name stages."""
-    if stage_rank is None:
-        highest = max((a.stage for row in table for a in row), default=len(table) - 1)
-        stage_rank = tuple(s % max(len(table), 1) for s in range(max(highest + 1, len(table))))
-    stage_rank = tuple(stage_rank)
-    return stage_rank, any(stage_rank.count(r) > 1 for r in set(stage_rank))
-
-
 def format_table(table: Table, stage_rank: Sequence[int] | None = None) -> str:
     """One line per rank: `rank 0: F0 F1 B0 B1`, or `rank 0: F0@0 F0@2 ...` when a rank holds several stages."""
-    at = _layout(table, stage_rank)[1]
+    at = layout(table, stage_rank)[1]
     return "\n".join(f"rank {r}: " + " ".join(a.cell(at) for a in row) for r, row in enumerate(table))
-
-
-def simulate(
-    table: Table, stage_rank: Sequence[int] | None = None, cost: dict[str, float] | None = None
-) -> tuple[dict[Action, tuple[float, float]], list[str]]:
-    """Run the table on paper: each action's (start, end).
-
-    Ranks run their rows in order; an action starts when its rank is free and what it
-    waits for (`actions.needs`) has ended; transfers cost nothing, between ranks or on
-    one. `cost` per kind defaults to F 1, B 2, W 1, and I the B less the W.
-
-    Returns:
-        The times, and one problem per stuck rank naming its first cell that cannot run
-        (empty when the table runs to the end).
-    """
-    cost = {"F": 1.0, "B": 2.0, "W": 1.0, **(cost or {})}
-    cost.setdefault("I", cost["B"] - cost["W"])
-    stage_rank, at = _layout(table, stage_rank)
-    last, pp = len(stage_rank), len(table)
-    times: dict[Action, tuple[float, float]] = {}
-    ended: dict[Action, float] = {}  # by `done_key`: an I ends a backward as a B does
-    free, position = [0.0] * pp, [0] * pp
-    while any(position[r] < len(table[r]) for r in range(pp)):
-        moved = False
-        for r in range(pp):
-            while position[r] < len(table[r]):
-                action = table[r][position[r]]
-                need = needs(action, last)
-                if need != action and need not in ended:
-                    break
-                start = max(free[r], ended[need] if need != action else 0.0)
-                times[action] = (start, start + cost[action.kind])
-                ended[done_key(action)] = start + cost[action.kind]
-                free[r], position[r], moved = start + cost[action.kind], position[r] + 1, True
-        if not moved:
-            stuck = [(r, position[r], table[r][position[r]]) for r in range(pp) if position[r] < len(table[r])]
-            return times, [
-                f"rank {r}, cell {pos} ({a.cell(at)}) waits forever for {needs(a, last)} of stage {needs(a, last).stage}"
-                for r, pos, a in stuck
-            ]
-    return times, []
 
 
 def _row_problems(row: tuple[Action, ...], rank: int, microbatches: int, held: list[int], at: bool) -> list[str]:
@@ -250,7 +203,7 @@ def table_problems(table: Table, pp: int, microbatches: int, stage_rank: Sequenc
     """
     if len(table) != pp:
         return [ROWS.format(rows=len(table), pp=pp)]
-    stage_rank, at = _layout(table, tuple(range(pp)) if stage_rank is None else stage_rank)
+    stage_rank, at = layout(table, tuple(range(pp)) if stage_rank is None else stage_rank)
     held = [[s for s, r in enumerate(stage_rank) if r == rank] for rank in range(pp)]
     problems = [p for r, row in enumerate(table) for p in _row_problems(row, r, microbatches, held[r], at)]
     if problems:
@@ -262,11 +215,31 @@ def table_problems(table: Table, pp: int, microbatches: int, stage_rank: Sequenc
 def peak_in_flight(row: tuple[Action, ...]) -> int:
     """Most (mb, stage) pairs whose forward ran and whose B (or the W after its I) did not, at once:
     the activations a rank holds."""
-    live = peak = 0
-    for action in row:
-        live += 1 if action.kind == "F" else -1 if ends_pair(action) else 0
-        peak = max(peak, live)
-    return peak
+    return max((sum(n for _, n in counts) for counts in alive_counts(row)), default=0)
+
+
+_ALIVE: dict[int, tuple] = {}  # id(row) -> (row, its counts): rows of cached tables recur in a plan search
+
+
+def alive_counts(row: tuple[Action, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The (stage, pairs alive) counts at each moment the row stops running forwards: where peaks can be."""
+    held = _ALIVE.get(id(row))
+    if held is not None and held[0] is row:
+        return held[1]
+    live: dict[int, int] = {}
+    found = set()
+    for i, action in enumerate(row):
+        if action.kind == "F":
+            live[action.stage] = live.get(action.stage, 0) + 1
+            if i + 1 == len(row) or row[i + 1].kind != "F":
+                found.add(tuple(sorted(live.items())))
+        elif ends_pair(action):
+            live[action.stage] -= 1
+    counts = tuple(found)
+    if len(_ALIVE) > 4096:
+        _ALIVE.clear()
+    _ALIVE[id(row)] = (row, counts)
+    return counts
 
 
 def custom_table(rows: Sequence[str], stage_rank: Sequence[int]) -> tuple[Table, list[str]]:

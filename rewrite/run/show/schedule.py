@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...plan.schema import ParallelPlan
-from ...schedules import KINDS, Table, peak_in_flight, placement, plan_table, simulate
+from ...schedules import KINDS, Table, bubble, peak_in_flight, placement, plan_table, simulate
 from .columns import format_table
 
 __all__ = ["format_schedule"]
@@ -41,8 +41,7 @@ def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> s
         busy = sum(times[a][1] - times[a][0] for a in row if a in times)
         idle = 1 - busy / span if span else 0.0
         rows.append([str(rank), " ".join(a.cell(k > 1) for a in row), str(peak_in_flight(row)), f"{idle:.0%}"])
-    busy_all = sum(end - start for start, end in times.values())
-    bubble = 1 - busy_all / (pp * span) if span else 0.0
+    idle_share = bubble(table, times)
     kinds = {a.kind for row in table for a in row}
     n = pp * k
     ranks = f", {k} on each of {pp} rank{'s' if pp != 1 else ''}" if k > 1 else ""
@@ -51,5 +50,5 @@ def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> s
         f"Schedule {pipe.schedule}: {m} microbatch{'es' if m != 1 else ''} on {n} stage{'s' if n != 1 else ''}{ranks} "
         f"({words}{'; F3@2: on stage 2' if k > 1 else ''})",
         format_table(["rank", "actions, in order", "alive at most", "idle"], rows),
-        f"  predicted bubble: {bubble:.0%} of the step ({_costs(table)}; transfers free)",
+        f"  predicted bubble: {idle_share:.0%} of the step ({_costs(table)}; transfers free)",
     ])
