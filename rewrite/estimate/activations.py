@@ -65,15 +65,15 @@ from torch import nn
 
 from ..models.flops import config_size
 from ..plan.resolve import ResolvedPlan
+from .plan_parts import LAYER_PARTS, block_splits, loss_sharded, recomputed_parts, shard_styles
 from ..schedules import peak_in_flight, plan_table
-from ..schedules.actions import ends_pair
+from ..schedules.table import alive_counts
 
 __all__ = [
     "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations", "activation_problem",
+    "plan_sizes",
 ]
 
-# The children of a decoder layer that activation checkpointing is estimated for.
-LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
 
 
@@ -205,16 +205,21 @@ class RankActivations:
     peak: int  # the estimate: the most bytes alive at once, recompute included
 
 
-def _recomputed_parts(resolved: ResolvedPlan, index: int) -> set[str]:
-    """"" when layer `index` is checkpointed whole, else its checkpointed parts."""
-    layer = resolved.backbone.layer(index)
-    found = set()
-    for fqn in resolved.recomputed:
-        if fqn == layer:
-            found.add("")
-        elif fqn.startswith(layer + ".") and fqn[len(layer) + 1 :] in LAYER_PARTS:
-            found.add(fqn[len(layer) + 1 :])
-    return found
+def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1) -> Sizes:
+    """The `Sizes` of a resolved plan's run: the model's config and dtype, the plan's seq_len, tp and switches."""
+    first = next(iter(model.parameters()), None)
+    attention = model.get_submodule(f"{resolved.backbone.layer(0)}.self_attn")
+    plan = resolved.plan
+    return Sizes.of(
+        model.config,
+        seq_len=plan.pipeline.seq_len,
+        batch_size=batch_size,
+        tp=resolved.tp,
+        dtype_bytes=first.element_size() if first is not None else F32,
+        sequence_parallel=plan.sequence_parallel,
+        qk_norm=hasattr(attention, "q_norm"),
+        kv_replicas=resolved.kv_replicas,
+    )
 
 
 def activation_problem(resolved: ResolvedPlan, model: nn.Module) -> str | None:
@@ -263,37 +268,22 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
     if problem:
         raise ValueError(problem)
     bb, plan = resolved.backbone, resolved.plan
-    first = next(iter(model.parameters()), None)
-    attention = model.get_submodule(f"{bb.layer(0)}.self_attn")
-    z = Sizes.of(
-        model.config,
-        seq_len=plan.pipeline.seq_len,
-        batch_size=batch_size,
-        tp=resolved.tp,
-        dtype_bytes=first.element_size() if first is not None else F32,
-        sequence_parallel=plan.sequence_parallel,
-        qk_norm=hasattr(attention, "q_norm"),
-        kv_replicas=resolved.kv_replicas,
-    )
-    styles = {s.fqn: s.style for s in resolved.shards} if resolved.tp > 1 else {}
+    z = plan_sizes(resolved, model, batch_size=batch_size)
+    styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
     last = resolved.num_stages - 1
-    kept, rebuilt = {}, {}
+    kept, rebuilt, memo = {}, {}, {}
     for stage, layers in enumerate(resolved.layer_indices):
         kept[stage], rebuilt[stage] = 0, 0
         for i in layers:
             layer = bb.layer(i)
-            k, r = layer_bytes(
-                z,
-                attention_split=styles.get(f"{layer}.self_attn.q_proj") == "column",
-                mlp_split=styles.get(f"{layer}.mlp.gate_proj") == "column"
-                or styles.get(f"{layer}.mlp.gate_up_proj") == "packed_column",
-                first=i == 0,
-                recomputed=_recomputed_parts(resolved, i),
-            )
+            splits, parts = block_splits(styles, layer), frozenset(recomputed.get(i, ()))
+            key = (tuple(splits.values()), i == 0, parts)
+            if key not in memo:  # decoder layers alike in shape: one computation each
+                memo[key] = layer_bytes(z, **splits, first=i == 0, recomputed=parts)
+            k, r = memo[key]
             kept[stage], rebuilt[stage] = kept[stage] + k, max(rebuilt[stage], r)
         if stage == last:
-            sharded = plan.loss_parallel and bb.head is not None and styles.get(bb.head) == "column"
-            kept[stage] += end_bytes(z, has_head=bb.has_head, loss_parallel=sharded)
+            kept[stage] += end_bytes(z, has_head=bb.has_head, loss_parallel=loss_sharded(resolved, styles))
         else:
             kept[stage] += z.chunk * z.dtype_bytes * z.hidden  # the output, held for its backward
     pipe = plan.pipeline
@@ -308,11 +298,4 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
 
 def _peak(row, stage_bytes: dict[int, int]) -> int:
     """Most bytes alive at once: a (mb, stage) pair from its F to its B (or the W after its I)."""
-    live = peak = 0
-    for action in row:
-        if action.kind == "F":
-            live += stage_bytes[action.stage]
-        elif ends_pair(action):
-            live -= stage_bytes[action.stage]
-        peak = max(peak, live)
-    return peak
+    return max((sum(n * stage_bytes[s] for s, n in counts) for counts in alive_counts(row)), default=0)

@@ -27,7 +27,7 @@ from ..schedules import splits_backward
 from .activations import activation_problem, rank_activations
 
 __all__ = [
-    "Footprint", "RankMemory", "SHARDINGS", "GIB", "footprint", "rank_footprints", "rank_memory", "rank_parameters",
+    "Footprint", "RankMemory", "SHARDINGS", "GIB", "footprint", "rank_footprints", "rank_memory", "rank_parameters", "rank_held", "param_unit",
     "with_run",
 ]
 
@@ -114,11 +114,28 @@ def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> l
     layer (a traced model: the module of its layer sequence) holding it, else "root".
     """
     layers = {m for s in resolved.stages for m in s.layers}
-    modules = resolved.rank_modules(pp_rank) if resolved.pp > 1 else ("",)
-    return [
-        (p.shape, p.element_size, next((m for m in layers if p.name.startswith(m + ".")), "root"))
-        for p in held_parameters(model, modules, resolved.shards)
-    ]
+    held = rank_held(resolved, pp_rank) if all(s.held or not s.param_count for s in resolved.stages) else None
+    if held is None:  # a ResolvedPlan built by hand, without its stages' parameters
+        modules = resolved.rank_modules(pp_rank) if resolved.pp > 1 else ("",)
+        held = held_parameters(model, modules, resolved.shards)
+    return [(p.shape, p.element_size, param_unit(p.name, layers)) for p in held]
+
+
+def param_unit(name: str, layers: set[str]) -> str:
+    """The FSDP2 unit a parameter belongs to: the decoder layer holding it, else "root"."""
+    parts = name.split(".")
+    return next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in layers), "root")
+
+
+def rank_held(resolved: ResolvedPlan, pp_rank: int) -> list:
+    """The parameters (`HeldParameter`) the stages of `pp_rank` hold, a parameter two of them share once."""
+    seen, out = set(), []
+    for s in resolved.rank_stages(pp_rank):
+        for p in resolved.stages[s].held:
+            if p.ident not in seen:
+                seen.add(p.ident)
+                out.append(p)
+    return out
 
 
 def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, sharding: str | None = None) -> list[Footprint]:

@@ -7,14 +7,14 @@ sharding (memory) and sums per stage or rank (balance) on top of the same walk.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from .tp_rules import ShardSpec
 
-__all__ = ["HeldParameter", "held_parameters", "held_count"]
+__all__ = ["HeldParameter", "held_parameters", "held_by_stage", "held_count"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,11 @@ class HeldParameter:
     name: str  # its first path in the model (a tied parameter's other paths are skipped)
     shape: tuple[int, ...]  # on each tp rank: the shard's shape where the plan splits it
     element_size: int  # bytes per element
+    ident: int = field(default=0, compare=False, repr=False)  # id() of the parameter: one tied to another is one
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
 
     @property
     def numel(self) -> int:
@@ -43,19 +48,39 @@ def held_parameters(
     Example:
         >>> sum(p.numel for p in held_parameters(model, ["model.layers.0"], resolved.shards))
     """
-    modules = tuple(modules)
+    return held_by_stage(model, [modules], shards)[0]
+
+
+def held_by_stage(
+    model: nn.Module, module_sets: Sequence[Iterable[str]], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = ()
+) -> list[list[HeldParameter]]:
+    """`held_parameters` of each set of modules (a stage's), in one walk over the model's parameters.
+
+    A parameter shared by two sets (tied embeddings on the first and last stage) is in both;
+    `HeldParameter.ident` tells a rank holding both stages that it is one.
+    """
+    sets = [set(m) for m in module_sets]
     specs = shards.values() if isinstance(shards, Mapping) else shards
     split = {s.fqn: s for s in specs if s.style != "grad_allreduce"}
-    seen, out = set(), []
+    seen: list[set[int]] = [set() for _ in sets]
+    out: list[list[HeldParameter]] = [[] for _ in sets]
     for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen or not any(not m or name == m or name.startswith(m + ".") for m in modules):
-            continue
-        seen.add(id(param))
+        prefixes = _prefixes(name)
         owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
         shard = split.get(owner)
         shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
-        out.append(HeldParameter(name, tuple(shape or param.shape), param.element_size()))
+        for i, modules in enumerate(sets):
+            if id(param) in seen[i] or not ("" in modules or not modules.isdisjoint(prefixes)):
+                continue
+            seen[i].add(id(param))
+            out[i].append(HeldParameter(name, tuple(shape or param.shape), param.element_size(), id(param)))
     return out
+
+
+def _prefixes(name: str) -> set[str]:
+    """`a.b.c` -> {a, a.b, a.b.c}: the module paths a parameter named `name` is inside (and itself)."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
 
 
 def held_count(model: nn.Module, modules: Iterable[str], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = ()) -> int:

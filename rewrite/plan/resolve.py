@@ -17,7 +17,7 @@ from ..models.hf_llama import Backbone, backbone_problem, find_backbone
 from ..models.oracle import exception_line, narrowed_problem, walker_problem
 from ..schedules import placement
 from .cuts import balanced_split, best_split
-from .params import held_parameters
+from .params import HeldParameter, held_by_stage, held_parameters
 from .schema import ParallelPlan, PlanError, load_plan
 from .size_checks import by_line, stage_count, stages_words, too_many_stages, world_problem
 from .tp_rules import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
@@ -39,6 +39,7 @@ class StageSpec:
     param_count: int  # on each rank of the stage, after tensor-parallel sharding
     param_bytes: int
     est_compute: float | None = None  # share of the step's estimated training FLOPs; "hf" only
+    held: tuple[HeldParameter, ...] = field(default=(), compare=False, repr=False)  # its parameters, as a rank holds them
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def _hf_stages(
                 f"this model's compute: {costs}; list the "
                 f"pp - 1 = {pp - 1} layers where stages start (e.g. {names[n // 2]!r}), or omit cut_points"
             ]
-        starts = [sum(best_split(costs.folded(), pp)[:s]) for s in range(pp)]
+        sizes = best_split(costs.folded(), pp)
+        starts = [sum(sizes[:s]) for s in range(pp)]
     else:
         problems, at = [], plan.where("pipeline", "cut_points")
         for k, cut in enumerate(cuts):
@@ -282,10 +284,9 @@ def resolve(
     costs = costs if isinstance(costs, Costs) else None
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)
     stages = []
-    for s, mods in enumerate(module_sets):
-        held = held_parameters(model, mods if pp > 1 else [""], shards)
-        count, size = sum(p.numel for p in held), sum(p.numel * p.element_size for p in held)
-        stages.append(StageSpec(s, tuple(mods), tuple(layer_names[s]), count, size, shares[s]))
+    for s, held in enumerate(held_by_stage(model, module_sets if pp > 1 else [[""]], shards)):
+        count, size = sum(p.numel for p in held), sum(p.nbytes for p in held)
+        stages.append(StageSpec(s, tuple(module_sets[s]), tuple(layer_names[s]), count, size, shares[s], tuple(held)))
     whole = held_parameters(model, [""])
     total, total_bytes = sum(p.numel for p in whole), sum(p.numel * p.element_size for p in whole)
     return ResolvedPlan(

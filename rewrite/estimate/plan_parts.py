@@ -1,0 +1,47 @@
+"""What the estimates read of a resolved plan: which blocks tp splits, the loss, the checkpointed layers.
+
+Shared by the activation estimate (`activations`) and the step-time model (`stage_time`).
+"""
+
+from __future__ import annotations
+
+from ..plan.resolve import ResolvedPlan
+
+__all__ = ["LAYER_PARTS", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
+
+# The children of a decoder layer that activation checkpointing is estimated for.
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def shard_styles(resolved: ResolvedPlan) -> dict[str, str]:
+    """fqn -> style of every module the plan splits (empty at tp 1: nothing is split)."""
+    return {s.fqn: s.style for s in resolved.shards} if resolved.tp > 1 else {}
+
+
+def block_splits(styles: dict[str, str], layer: str) -> dict[str, bool]:
+    """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their first linear is a column."""
+    return {
+        "attention_split": styles.get(f"{layer}.self_attn.q_proj") == "column",
+        "mlp_split": styles.get(f"{layer}.mlp.gate_proj") == "column"
+        or styles.get(f"{layer}.mlp.gate_up_proj") == "packed_column",
+    }
+
+
+def loss_sharded(resolved: ResolvedPlan, styles: dict[str, str]) -> bool:
+    """Whether the runner's loss works on vocabulary shards: loss_parallel with the head a column."""
+    head = resolved.backbone.head
+    return resolved.plan.loss_parallel and head is not None and styles.get(head) == "column"
+
+
+def recomputed_parts(resolved: ResolvedPlan) -> dict[int, set[str]]:
+    """Per decoder layer index: {""} when the layer is checkpointed whole, else its checkpointed parts
+    (`LAYER_PARTS`); layers with none are left out."""
+    bb, found = resolved.backbone, {}
+    prefix = bb.layers + "."
+    for fqn in resolved.recomputed:
+        if not fqn.startswith(prefix):
+            continue
+        index, _, part = fqn[len(prefix):].partition(".")
+        if index.isdigit() and (not part or part in LAYER_PARTS):
+            found.setdefault(int(index), set()).add(part)
+    return found
