@@ -11,6 +11,9 @@ from .checkpoint.hf_load import from_pretrained
 from .checkpoint.export import export_checkpoint
 from .checkpoint.hf_save import save_pretrained
 from .checkpoint.training_state import latest_checkpoint, load_training_state, save_training_state
+from .estimate.hardware import Hardware, load_hardware
+from .estimate.search import Candidate, NoPlanFits, suggest_plans
+from .estimate.step_time import StepPrediction, predict_step
 from .mesh import Mesh, build_mesh
 from .pipeline.batches import microbatches
 from .pipeline.grad_norm import clip_grad_norm_
@@ -62,5 +65,12 @@ __all__ = [
     "export_checkpoint",
     "launch",
     "LaunchError",
+    "suggest_plans",
+    "Candidate",
+    "NoPlanFits",
+    "predict_step",
+    "StepPrediction",
+    "Hardware",
+    "load_hardware",
 ]
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .hf_llama import Backbone
 
-__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "head_flops", "embed_flops", "TRAINING"]
+__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops", "TRAINING"]
 
 # The backward computes two products for each forward one (input and weight gradients).
 TRAINING = 3
@@ -66,26 +66,32 @@ def config_size(config, name: str, *, purpose: str = "the compute estimate") -> 
     return value
 
 
-def layer_flops(config, *, seq_len: int) -> int:
-    """Forward FLOPs of one decoder layer over `seq_len` tokens (a multiply-add counts 2).
+def layer_flop_parts(config, *, seq_len: int) -> dict[str, int]:
+    """Forward FLOPs of one decoder layer over `seq_len` tokens, by part (a multiply-add counts 2).
 
     With h = hidden_size, a / kv = query / key-value heads of size d, i = intermediate_size,
     s = seq_len:
-        q, k, v, o projections   2 s h d (2 a + 2 kv)        (GQA: k and v have kv heads)
-        scores and weighted sum  4 s s a d                   (dense s x s, as the eager and masked
-                                                              SDPA kernels compute it)
-        MLP gate, up, down       6 s h i
-        two RMSNorms             2 * NORM_FLOPS s h
+        q_o     q and o projections        2 s h d (2 a)
+        k_v     k and v projections        2 s h d (2 kv)     (GQA: k and v have kv heads)
+        scores  scores and weighted sum    4 s s a d          (dense s x s, as the eager and masked
+                                                               SDPA kernels compute it)
+        mlp     MLP gate, up, down         6 s h i
+        norms   two RMSNorms               2 * NORM_FLOPS s h
     Elementwise work (RoPE, SiLU, residuals, the score softmax) is left out: ~1% here.
     """
     h, a, i = config_size(config, "hidden_size"), config_size(config, "num_attention_heads"), config_size(config, "intermediate_size")
     kv = getattr(config, "num_key_value_heads", None) or a
     d = getattr(config, "head_dim", None) or h // a  # Mistral's config may hold head_dim=None
     s = seq_len
-    projections = 2 * s * h * d * (2 * a + 2 * kv)
-    attention = 4 * s * s * a * d
-    mlp = 6 * s * h * i
-    return projections + attention + mlp + 2 * NORM_FLOPS * s * h
+    return {
+        "q_o": 2 * s * h * d * 2 * a, "k_v": 2 * s * h * d * 2 * kv, "scores": 4 * s * s * a * d,
+        "mlp": 6 * s * h * i, "norms": 2 * NORM_FLOPS * s * h,
+    }
+
+
+def layer_flops(config, *, seq_len: int) -> int:
+    """Forward FLOPs of one decoder layer over `seq_len` tokens: the sum of `layer_flop_parts`."""
+    return sum(layer_flop_parts(config, seq_len=seq_len).values())
 
 
 def head_flops(config, *, seq_len: int, has_head: bool = True) -> int:

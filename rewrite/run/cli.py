@@ -45,7 +45,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     resolved = resolve(args.plan, model, world_size=args.world_size)
     data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                      microbatches=args.microbatches, memory_limit=args.memory_limit,
-                     warnings=[*resolved.warnings, *balance_warnings(resolved, model)])
+                     warnings=[*resolved.warnings, *balance_warnings(resolved, model)],
+                     hardware=args.hardware, gpus_per_node=args.gpus_per_node)
     if args.json:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
@@ -142,6 +143,7 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .plan_cmd import add_calibrate_parser, add_hardware_flags, add_plan_parser
     from .presets import PRESETS
     from .train_flags import MODEL_HELP, PLAN_HELP, add_train_flags
 
@@ -169,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true",
                       help="print the same content as one JSON document (sizes in bytes) instead of tables")
     show.add_argument("--schedule", action="store_true", help="also print the schedule table: each rank's actions and the predicted bubble")
+    add_hardware_flags(show, "predict the step time on this hardware: a profile name")
     show.set_defaults(func=_cmd_show)
 
     validate = sub.add_parser("validate", help="check a plan (against a model); exit 1 listing every problem")
@@ -203,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--data", default=None, help="text to train the tokenizer on (default: data/alice29.txt)")
     init.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default %(default)s)")
     init.set_defaults(func=_cmd_init_model)
+    add_plan_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 

@@ -13,12 +13,14 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from ...estimate.activations import activation_problem
+from ...estimate.hardware import load_hardware
 from ...estimate.memory import GIB, SHARDINGS, RankMemory, rank_footprints, rank_memory
+from ...estimate.step_time import predict_step
 from ...plan.resolve import ResolvedPlan
 from ...plan.wording import index_ranges
 from ...schedules import splits_backward
 
-__all__ = ["collapse_names", "tp_entries", "stage_entries", "show_data"]
+__all__ = ["collapse_names", "tp_entries", "stage_entries", "show_data", "predicted"]
 
 _INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")  # a whole dotted segment that is a number
 
@@ -150,6 +152,8 @@ def show_data(
     microbatches: int | None = None,
     memory_limit: float | None = None,
     warnings: Sequence[str] | None = None,
+    hardware=None,
+    gpus_per_node: int | None = None,
 ) -> dict:
     """What `rewrite show` prints, as data: `--json` prints this dict, `report.render_text` lays it out.
 
@@ -160,12 +164,16 @@ def show_data(
         batch_size: sequences per microbatch; seq_len, microbatches: override the plan's.
         memory_limit: GiB per rank; each rank's `fits` says whether its total is within it.
         warnings: lines to pass on (e.g. from a stage-balance check).
+        hardware: a profile, its name or file: adds `predicted` (`estimate.step_time`), with
+            gpus_per_node devices per node (default the profile's).
 
     Returns:
         {"plan", "description", "model", "mesh", "pipeline", "data_parallel", "tensor_parallel",
         "kv_replicas", "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory",
         "whole_model", "warnings"}; memory sizes are bytes, replica 0's ranks (the other replicas hold
-        the same). `kv_replicas`: tp ranks holding each kv head (tp / kv past the kv heads, else 1).
+        the same); with `hardware` also "predicted": {"hardware", "step_s", "tokens_per_s" (per
+        device), "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s"}, or {"hardware", "problem"}
+        where the step is not timed. `kv_replicas`: tp ranks holding each kv head (tp / kv past the kv heads, else 1).
         `memory.activations_not_estimated` says why activations are None. `pipeline` holds the run's
         microbatches and seq_len, and under `planned` the plan's own microbatches and cut_points as
         written ("auto", a list, or None); `est_compute_seq_len` is the sequence length the stages' est_compute is for (None: no estimate). `memory.fullest`:
@@ -183,7 +191,7 @@ def show_data(
     limit = None if memory_limit is None else memory_limit * GIB
     ranks = rank_memory(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches)
     first = next(iter(model.parameters()), None) if model is not None else None
-    return {
+    out = {
         "plan": plan.source,
         "description": plan.description,
         "model": {"name": resolved.model_name, "label": model_label},
@@ -217,3 +225,20 @@ def show_data(
         "whole_model": {"params": resolved.total_params, "bytes": resolved.total_bytes},
         "warnings": list(warnings or []),
     }
+    if hardware is not None:
+        out["predicted"] = predicted(resolved, model, hardware, batch_size=batch_size, seq_len=seq_len,
+                                     microbatches=microbatches, gpus_per_node=gpus_per_node)
+    return out
+
+
+def predicted(resolved: ResolvedPlan, model: nn.Module | None, hardware, **run) -> dict:
+    """`show_data`'s "predicted": the step-time model's figures on `hardware`, or why there are none."""
+    hw = load_hardware(hardware)
+    if model is None:
+        return {"hardware": hw.name, "problem": "no model given"}
+    try:
+        return {"hardware": hw.name, **predict_step(resolved, model, hw, **run).as_dict()}
+    except ValueError as exc:
+        if activation_problem(resolved, model) is None:
+            raise
+        return {"hardware": hw.name, "problem": str(exc)}

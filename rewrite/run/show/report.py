@@ -17,7 +17,7 @@ from .columns import WIDTH, format_bytes, format_table, span, wrap_list, wrap_pr
 from .data import show_data
 from .memory import memory_lines
 
-__all__ = ["render_text", "format_plan", "shard_rows", "stage_rows"]
+__all__ = ["render_text", "format_plan", "shard_rows", "stage_rows", "prediction_line"]
 
 
 def _shape(shape: Sequence[int] | None) -> str:
@@ -163,9 +163,25 @@ def render_text(data: dict) -> str:
     out += ["", *_pipeline_lines(data), "", *memory_lines(data)]
     whole = data["whole_model"]
     out.append(f"  whole model: {whole['params']:,} parameters, {format_bytes(whole['bytes'])}")
+    if "predicted" in data:
+        out += ["", prediction_line(data)]
     if data["warnings"]:
         out += ["", "Warnings:", *(f"  - {w}" for w in data["warnings"])]
     return wrap_prose("\n".join(out))
+
+
+def prediction_line(data: dict) -> str:
+    """`Predicted step on h100-sxm: 0.42 s ...` from `show_data(..., hardware=...)["predicted"]`."""
+    p, pipe = data["predicted"], data["pipeline"]
+    if "problem" in p:
+        return f"Predicted step on {p['hardware']}: not predicted: {p['problem']}"
+    seqs = data["mesh"]["dp"] * pipe["microbatches"] * pipe["batch_size"]
+    return (
+        f"Predicted step on {p['hardware']} ({seqs} sequence{'s' if seqs != 1 else ''} of {pipe['seq_len']} tokens): "
+        f"{p['step_s']:.3g} s, {p['tokens_per_s']:,.0f} tokens/s per device, MFU {p['mfu']:.0%}; the schedule "
+        f"{p['pipeline_s']:.3g} s with a {p['bubble']:.0%} bubble, data parallelism {p['dp_s']:.2g} s exposed, "
+        f"AdamW {p['optimizer_s']:.2g} s (estimated from FLOPs and the profile's bandwidths: rewrite.estimate.step_time)"
+    )
 
 
 def format_plan(resolved: ResolvedPlan, *, model: nn.Module | None = None, **run) -> str:

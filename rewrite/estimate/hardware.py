@@ -1,0 +1,104 @@
+"""Hardware profiles as data: a device's memory, peak FLOP/s, bandwidths and links, and the
+fractions of them a training step reaches. What the step-time model (`step_time`) and the plan
+search (`search`) read; shipped as YAML in `profiles/`, `rewrite calibrate` writes one for this machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = ["Link", "Efficiency", "Hardware", "HARDWARE_NAMES", "PROFILES", "load_hardware"]
+
+PROFILES = Path(__file__).with_name("profiles")
+HARDWARE_NAMES = tuple(sorted(p.stem for p in PROFILES.glob("*.yaml")))
+
+_Positive = Annotated[float, Field(gt=0)]
+_Fraction = Annotated[float, Field(gt=0, le=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Link(_Strict):
+    """One device's share of a link: what it sends per second in one direction, and a message's fixed cost."""
+
+    bandwidth: Annotated[float, Field(gt=0, description="bytes per second, per device, one direction")]
+    latency: Annotated[float, Field(ge=0, description="seconds per message (per ring step of a collective)")]
+
+
+class Efficiency(_Strict):
+    """The fractions of the peaks a training step reaches."""
+
+    matmul: Annotated[float, Field(gt=0, le=1, description="of the peak FLOP/s, at transformer shapes")]
+    collective: Annotated[float, Field(gt=0, le=1, description="of the link bandwidth, for large messages")]
+
+
+class Hardware(_Strict):
+    """A device and how it is connected (`rewrite show --hardware`, `rewrite plan --hardware`).
+
+    Example:
+        >>> load_hardware("h100-sxm").peak_flops["bfloat16"]
+        989400000000000.0
+    """
+
+    name: str
+    description: str = ""
+    memory_gib: Annotated[float, Field(gt=0, description="memory per device a process can allocate, GiB")]
+    peak_flops: Annotated[dict[str, _Positive], Field(description="dense FLOP/s per dtype (float32, bfloat16, float16)")]
+    memory_bandwidth: Annotated[float, Field(gt=0, description="device memory, bytes per second")]
+    devices_per_node: Annotated[int, Field(ge=1, description="devices joined by the intra-node link")]
+    intra_node: Link
+    inter_node: Link
+    efficiency: Efficiency
+
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s in `dtype` ('float32', 'bfloat16', ...; a torch dtype's name).
+
+        Raises:
+            ValueError: the profile gives no peak for it.
+        """
+        dtype = str(dtype).removeprefix("torch.")
+        if dtype not in self.peak_flops:
+            raise ValueError(
+                f"hardware {self.name!r} gives no peak FLOP/s for {dtype} (it has {', '.join(self.peak_flops)}); "
+                f"add peak_flops.{dtype} to the profile, or use --dtype with one of those"
+            )
+        return self.peak_flops[dtype]
+
+
+def load_hardware(source: str | Path | Hardware) -> Hardware:
+    """A hardware profile by name (`HARDWARE_NAMES`: h100-sxm, h200, a100-80g, cpu) or from a YAML file.
+
+    Raises:
+        ValueError: neither a shipped name nor a readable file, or a file that is not a valid
+            profile (every problem named with its field).
+
+    Example:
+        >>> load_hardware("a100-80g").devices_per_node
+        8
+    """
+    if isinstance(source, Hardware):
+        return source
+    path = PROFILES / f"{source}.yaml" if str(source) in HARDWARE_NAMES else Path(source)
+    if not path.is_file():
+        raise ValueError(
+            f"unknown hardware {str(source)!r}: use one of {', '.join(HARDWARE_NAMES)}, or a profile file "
+            "(`rewrite calibrate --out FILE` writes one for this machine)"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read the hardware profile: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a hardware profile is a mapping of keys (name, memory_gib, peak_flops, ...)")
+    data.setdefault("name", path.stem)
+    try:
+        return Hardware.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)]
+        raise ValueError(f"{path}: {len(problems)} problem(s) in the hardware profile: " + "; ".join(problems)) from None

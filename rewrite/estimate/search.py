@@ -1,0 +1,245 @@
+"""The plan search: every valid (dp, pp, tp), schedule, microbatch count, sharding and switch,
+the ones whose busiest rank fits the device memory, ranked by predicted step time.
+
+For each mesh (tp within a node, each layout `resolve` accepts) and each choice of
+vocab + loss parallelism and sequence parallelism the plan is bound once (`auto` cuts, per
+virtual-stage count); schedules, microbatch counts, data-parallel sharding and activation
+checkpointing (off, every other layer, every layer) vary on that binding. Each candidate's
+memory is `estimate.memory.rank_memory`'s, its time `estimate.step_time.predict_step`'s.
+Checkpointing only adds time, so a candidate takes the least of it that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..plan.resolve import ResolvedPlan, resolve
+from ..plan.schema import ParallelPlan, load_plan
+from ..schedules import splits_backward
+from .activations import activation_problem
+from .hardware import Hardware, load_hardware
+from .memory import GIB, rank_memory
+from .search_space import CHECKPOINTING, SCHEDULES_BY_STAGES, Bound, bind, binds_sp, meshes, microbatch_counts, variant
+from .stage_time import stage_times
+from .step_time import predict_step
+
+__all__ = ["Candidate", "NoPlanFits", "suggest_plans", "check_arguments"]
+
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan with its predicted step and its busiest rank's memory."""
+
+    plan: ParallelPlan
+    batch_size: int  # sequences per microbatch: the global batch / (dp x microbatches)
+    step_s: float
+    tokens_per_s: float  # per device
+    mfu: float
+    bubble: float
+    peak_bytes: int  # the busiest rank's estimated peak
+    fits: bool
+    checkpointing: str  # one of CHECKPOINTING
+
+    def as_dict(self) -> dict:
+        """`{"plan": {...}, "batch_size", "step_s", "tokens_per_s", "mfu", "bubble", "peak_bytes", "fits", ...}`."""
+        return {"plan": self.plan.model_dump(mode="json", exclude_none=True), "batch_size": self.batch_size,
+                "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble,
+                "peak_bytes": self.peak_bytes, "fits": self.fits, "checkpointing": self.checkpointing,
+                "summary": self.summary()}
+
+    def summary(self) -> str:
+        """`dp=2 x pp=2 x tp=2, 1f1b, 8 x 2 seqs, full, sp + vocab/loss, checkpointing off`."""
+        plan, pipe = self.plan, self.plan.pipeline
+        switches = [name for on, name in ((plan.sequence_parallel, "sp"), (plan.loss_parallel, "vocab/loss")) if on]
+        k = f" x{pipe.virtual_stages} stages" if pipe.virtual_stages > 1 else ""
+        return (f"{plan.mesh.shape_text()}, {pipe.schedule}{k}, {pipe.microbatches} x {self.batch_size} seq, "
+                f"{plan.data_parallel.sharding if plan.mesh.dp > 1 else 'no dp'}, "
+                f"{' + '.join(switches) or 'no switches'}, checkpointing {self.checkpointing}")
+
+
+class NoPlanFits(ValueError):
+    """No candidate's busiest rank fits the device memory; `advice` says what would fit."""
+
+    def __init__(self, message: str, advice: str) -> None:
+        super().__init__(f"{message}; {advice}" if advice else message)
+        self.advice = advice
+
+
+def _model(model_or_config, dtype: str | None) -> nn.Module:
+    if isinstance(model_or_config, nn.Module):
+        return model_or_config
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_or_config, **kwargs)
+
+
+def check_arguments(world, device_memory, seq_len, global_batch, gpus_per_node) -> None:
+    """ValueError naming the first of `suggest_plans`' sizes that is not a whole number >= 1 (memory: > 0)."""
+    for name, value in (("world", world), ("seq_len", seq_len), ("global_batch", global_batch),
+                        ("gpus_per_node", gpus_per_node)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name.replace('_', '-')} is {value!r}; use a whole number >= 1")
+    if device_memory is not None and not (isinstance(device_memory, (int, float)) and device_memory > 0):
+        raise ValueError(f"device-memory is {device_memory!r} GiB; use a number above 0")
+
+
+def suggest_plans(
+    model_or_config,
+    *,
+    world: int,
+    device_memory: float | None = None,
+    gpus_per_node: int | None = None,
+    seq_len: int = 2048,
+    global_batch: int | None = None,
+    hardware: Hardware | str = "h100-sxm",
+    dtype: str | None = None,
+) -> list[Candidate]:
+    """The plans that fit, fastest first by predicted step time: the best of each (dp, pp, tp).
+
+    Args:
+        model_or_config: a transformers causal LM (meta will do) or its config.
+        world: devices.
+        device_memory: GiB per device (default: the profile's memory_gib).
+        gpus_per_node: devices per node (default: the profile's); tp stays within a node.
+        seq_len: tokens per sequence.
+        global_batch: sequences per step over all replicas (default 4 x world); each replica's
+            share is split into microbatches of equal size.
+        hardware: a profile, its name or file (`estimate.hardware.load_hardware`).
+        dtype: the parameters' dtype for a config (default: the config's torch_dtype).
+
+    Returns:
+        One `Candidate` per (dp, pp, tp) that fits, ranked by `step_s`: for each, the schedule,
+        microbatch count, sharding, switches and least checkpointing that predict the fastest step.
+
+    Raises:
+        ValueError: a bad argument (world, memory, ...), an unknown hardware, or a model whose
+            layers the estimates do not cover.
+        NoPlanFits: nothing fits; its `advice` names the smallest world that would, or the
+            sequence length that fits on this one.
+
+    Example:
+        >>> best = rewrite.suggest_plans(LlamaConfig(...), world=8, device_memory=80)[0]
+        >>> best.plan.mesh.shape_text(), round(best.step_s, 3)
+    """
+    check_arguments(world, device_memory, seq_len, global_batch, gpus_per_node)
+    hw = load_hardware(hardware)
+    model = _model(model_or_config, dtype)
+    G = gpus_per_node or hw.devices_per_node
+    limit = (device_memory or hw.memory_gib) * GIB
+    batch = global_batch or 4 * world
+    best = _search(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True)
+    if not best:
+        raise NoPlanFits(
+            f"no plan fits: no layout of {world} device(s) at {limit / GIB:g} GiB each holds "
+            f"{type(model).__name__} at {seq_len} tokens x {batch} sequences",
+            _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch),
+        )
+    ranked = sorted(best.values(), key=lambda c: c.step_s)
+    _verify(ranked[0], model)
+    return ranked
+
+
+def _verify(best: Candidate, model: nn.Module) -> None:
+    """The best plan bound afresh, from its own data, must hold what the search estimated for it."""
+    resolved = resolve(load_plan(best.plan.model_dump(mode="json", exclude_none=True)), model)
+    peak = max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size))
+    if peak != best.peak_bytes:
+        raise RuntimeError(f"the plan search estimated {best.peak_bytes} bytes for {best.summary()}, its plan binds to "
+                           f"{peak}: a bug in rewrite.estimate.search")
+
+
+def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: bool = False) -> dict:
+    """The best fitting candidate per (dp, pp, tp); `timed` False: fit only (unit
+    times), `frugal`: the least memory per mesh only (full sharding, every layer checkpointed)."""
+    from ..models.hf_llama import find_backbone
+
+    num_layers = find_backbone(model).num_layers
+    best: dict = {}
+    sp_binds: dict = {}  # (tp, vocab_loss) -> whether sequence parallelism binds
+    for dp, pp, tp in meshes(world, G, num_layers):
+        if batch % dp:
+            continue
+        n = batch // dp
+        for vocab_loss in ((True,) if frugal else (False, True)) if tp > 1 else (False,):
+            for k in (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,):
+                base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len)
+                if isinstance(base, str):
+                    continue
+                problem = activation_problem(base, model)
+                if problem:
+                    raise ValueError(f"the planner estimates LLaMA-shaped layers only: {problem}")
+                bases = [] if frugal and tp > 1 else [base]
+                if tp > 1 and (tp, vocab_loss) not in sp_binds:
+                    sp_binds[tp, vocab_loss] = binds_sp(model, base)
+                if tp > 1 and sp_binds[tp, vocab_loss]:
+                    # Sequence parallelism changes no shard or stage: the same binding with the switch on.
+                    plan = base.plan.model_copy(update={"sequence_parallel": True})
+                    bases.append(dataclasses.replace(base, plan=plan))
+                for b in bases:
+                    _candidates(Bound(b, model), hw, G=G, limit=limit, n=n, k=k, best=best, timed=timed, frugal=frugal)
+    return best
+
+
+def _candidates(bound: Bound, hw, *, G, limit, n, k, best, timed, frugal) -> None:
+    base = bound.base
+    dp, pp = base.plan.mesh.dp, base.pp
+    schedules = ("1f1b",) if frugal else SCHEDULES_BY_STAGES[k] if pp > 1 else ("1f1b", "afab")
+    shardings = ("full",) if dp == 1 or frugal else ("replicate", "grad_op", "full")  # the fastest first
+    for schedule in schedules:
+        key = (dp, pp, base.tp)
+        split = splits_backward(schedule)
+        for m in (n,) if frugal else sorted(microbatch_counts(n, pp * k), reverse=True):
+            for sharding in shardings:
+                for mode in CHECKPOINTING[-1:] if frugal else CHECKPOINTING:
+                    v = variant(base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode)
+                    feet = bound.footprint_peaks(v, sharding, split)
+                    if min(feet) > limit:
+                        break  # the parameters alone do not fit: checkpointing cannot help
+                    acts = bound.activation_peaks(v, schedule, m, mode, n // m)
+                    peak = max(f + a for f, a in zip(feet, acts))
+                    if peak > limit:
+                        continue
+                    if not timed:
+                        best[key] = Candidate(v.plan, n // m, 0.0, 0.0, 0.0, 0.0, peak, True, mode)
+                        return
+                    held = best.get(key)
+                    if held is None or _ideal_s(v, bound, hw, G, n // m) < held.step_s:
+                        got = predict_step(v, bound.model, hw, batch_size=n // m, gpus_per_node=G,
+                                           parameters=bound.parameters, sim_cache=bound.sims)
+                        if held is None or got.step_s < held.step_s:
+                            best[key] = Candidate(v.plan, n // m, got.step_s, got.tokens_per_s, got.mfu, got.bubble,
+                                                  peak, True, mode)
+                    break  # more checkpointing only adds time
+
+
+def _ideal_s(v: ResolvedPlan, bound: Bound, hw, G: int, batch_size: int) -> float:
+    """A lower bound of the step: the busiest rank's compute after its pipeline fill, nothing exposed."""
+    times = stage_times(v, bound.model, hw, batch_size=batch_size, gpus_per_node=G,
+                        layer_weights=bound.parameters[1], root_weights=bound.parameters[2])
+    m = v.plan.pipeline.microbatches
+    # A rank starts once the first microbatch's forward has run through the stages before its first.
+    return max(sum(times[s].forward for s in range(min(v.rank_stages(r))))
+               + m * sum(times[s].forward + times[s].backward for s in v.rank_stages(r)) for r in range(v.pp))
+
+
+def _advice(model, hw, *, world, G, limit, seq_len, batch) -> str:
+    """What would fit: the sequence length on this world, else the smallest world (doubling, up to 64x)."""
+    fits = lambda **kw: bool(_search(model, hw, G=G, limit=limit, timed=False, frugal=True, **kw))  # noqa: E731
+    if fits(world=world, seq_len=1, batch=batch):  # the parameters fit: some sequence length does
+        s = seq_len // 2
+        while s > 1 and not fits(world=world, seq_len=s, batch=batch):
+            s //= 2
+        return f"at --seq-len {max(s, 1)} a plan fits on these {world} device(s)"
+    for times in (2, 4, 8, 16, 32, 64):
+        bigger = world * times
+        if fits(world=bigger, seq_len=seq_len, batch=max(batch, bigger)):
+            return (f"the smallest world that fits at this memory is {bigger} devices (--world {bigger}, "
+                    f"--global-batch a multiple of the data-parallel size)")
+    return f"not even {world * 64} devices fit at this memory; use devices with more memory"

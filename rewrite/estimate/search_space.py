@@ -1,0 +1,130 @@
+"""The search space of `search`: meshes, microbatch counts, checkpointing, and a plan bound once
+per mesh and switches with its variants (schedule, microbatches, sharding, checkpointing) derived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from ..plan.from_hf import plan_from_hf
+from ..plan.resolve import ResolvedPlan, resolve
+from ..plan.schema import PlanError, load_plan
+from ..schedules import placement
+from .activations import rank_activations
+from .memory import rank_footprints
+from .step_time import stage_parameters
+
+__all__ = ["CHECKPOINTING", "SCHEDULES_BY_STAGES", "Bound", "divisors", "microbatch_counts", "meshes", "bind", "binds_sp",
+           "variant", "checkpointed"]
+
+CHECKPOINTING = ("off", "every other layer", "every layer")  # in the order tried: each adds recompute
+SCHEDULES_BY_STAGES = {1: ("1f1b", "afab", "zero-bubble"), 2: ("interleaved-1f1b", "zbv", "zero-bubble")}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch_counts(per_replica: int, stages: int) -> list[int]:
+    """Microbatch counts tried for `per_replica` sequences over `stages` pipeline stages: the smallest
+    divisors at or above the stage count and 2 and 4 times it (a 1F1B bubble of at most 1 / 5), capped
+    at every sequence its own; without a pipeline 1, 2, 4 and every sequence its own (less memory each)."""
+    found = divisors(per_replica)
+    wanted = [stages, 2 * stages, 4 * stages] if stages > 1 else [1, 2, 4, per_replica]
+    return sorted({next((d for d in found if d >= w), per_replica) for w in wanted})
+
+
+def checkpointed(resolved: ResolvedPlan, mode: str) -> tuple[dict, tuple[str, ...]]:
+    """The plan's activation_checkpointing patterns for `mode` and the layers they match."""
+    bb = resolved.backbone
+    indices = [i for s in resolved.layer_indices for i in s]
+    if mode == "off":
+        return {}, ()
+    if mode == "every layer":
+        return {f"{bb.layers}.*": "full"}, tuple(bb.layer(i) for i in sorted(indices))
+    even = sorted(i for i in indices if i % 2 == 0)  # `*4` matches 4, 14, 24 ...: the even indices by last digit
+    return {f"{bb.layers}.*{d}": "full" for d in sorted({i % 10 for i in even})}, tuple(bb.layer(i) for i in even)
+
+
+def _rules(model: nn.Module, tp: int, vocab_loss: bool) -> dict:
+    if tp == 1:
+        return {}
+    rules = dict(plan_from_hf(model, tp=tp, loss_parallel=vocab_loss).tensor_parallel)
+    if vocab_loss:
+        from ..models.hf_llama import find_backbone
+
+        rules[find_backbone(model).embed] = "vocab"
+    return rules
+
+
+def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len) -> ResolvedPlan | str:
+    """The mesh and switches bound to the model (the reason it does not bind, as text)."""
+    try:
+        data = {
+            "mesh": {"dp": dp, "pp": pp, "tp": tp},
+            "tensor_parallel": _rules(model, tp, vocab_loss),
+            "pipeline": {"schedule": SCHEDULES_BY_STAGES[k][0], "virtual_stages": k, "seq_len": seq_len,
+                         **({"cut_points": "auto"} if pp > 1 else {})},
+            "loss_parallel": vocab_loss, "sequence_parallel": sp,
+        }
+        return resolve(load_plan(data), model)
+    except (PlanError, ValueError) as exc:
+        return exc.problems[0] if isinstance(exc, PlanError) and exc.problems else str(exc)
+
+
+def binds_sp(model: nn.Module, base: ResolvedPlan) -> bool:
+    """Whether `base`'s plan binds with sequence_parallel on (the model's layers allow it)."""
+    data = base.plan.model_dump(mode="json", exclude_none=True)
+    try:
+        resolve(load_plan({**data, "sequence_parallel": True}), model)
+        return True
+    except (PlanError, ValueError):
+        return False
+
+
+def variant(base: ResolvedPlan, *, schedule: str, microbatches: int, sharding: str, checkpointing: str) -> ResolvedPlan:
+    """`base` with another schedule, microbatch count, sharding and checkpointing: what `resolve` gives
+    for that plan (the stages and shards stay; the placement, recomputed layers and plan change)."""
+    plan, pipe = base.plan, base.plan.pipeline
+    patterns, layers = checkpointed(base, checkpointing)
+    new = plan.model_copy(update={
+        "pipeline": pipe.model_copy(update={"schedule": schedule, "microbatches": microbatches}),
+        "data_parallel": plan.data_parallel.model_copy(update={"sharding": sharding}),
+        "activation_checkpointing": patterns,
+    })
+    return dataclasses.replace(base, plan=new, recomputed=layers,
+                               stage_rank=placement(schedule, base.pp, pipe.virtual_stages))
+
+
+class Bound:
+    """What a search shares across candidates of one binding: parameters per stage, footprints per sharding."""
+
+    def __init__(self, base: ResolvedPlan, model: nn.Module) -> None:
+        self.base, self.model = base, model
+        self.parameters = stage_parameters(base, model)
+        self.sims: dict = {}
+        self._feet: dict = {}
+        self._acts: dict = {}
+
+    def activation_peaks(self, variant: ResolvedPlan, schedule: str, m: int, mode: str, batch_size: int) -> list[int]:
+        key = (schedule, m, mode, batch_size)  # the sharding changes no activation
+        if key not in self._acts:
+            self._acts[key] = [a.peak for a in rank_activations(variant, self.model, batch_size=batch_size)]
+        return self._acts[key]
+
+    def footprint_peaks(self, variant: ResolvedPlan, sharding: str, split: bool) -> list[int]:
+        key = (sharding, split, variant.stage_rank)
+        if key not in self._feet:
+            self._feet[key] = [f.peak for f in rank_footprints(variant, self.model, sharding=sharding)]
+        return self._feet[key]
+
+
+def meshes(world: int, G: int, num_layers: int):
+    for tp in divisors(world):
+        if tp > G or G % tp:
+            continue  # tp within a node
+        for pp in divisors(world // tp):
+            if pp <= num_layers:
+                yield world // (tp * pp), pp, tp

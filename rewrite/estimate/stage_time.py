@@ -1,0 +1,175 @@
+"""Per stage and microbatch: how long its forward, input-backward and weight-backward take on one rank.
+
+Compute from FLOPs (`rewrite.models.flops.layer_flop_parts`) at the profile's peak for the
+parameters' dtype times its matmul efficiency, plus memory traffic at its bandwidth; then the
+tensor-parallel collectives the plan's styles and switches make, over the link the tp group spans.
+
+Per decoder layer over T = b s tokens (a part split over tp divides by t; k/v held by r ranks
+each under kv replication divide by t / r):
+    F   q_o + k_v + scores + mlp + norms            matmul FLOPs / (peak x matmul efficiency)
+    I   q_o + k_v + 2 scores + mlp + 2 norms        the input gradients (attention's are twice its forward)
+    W   q_o + k_v + mlp                             the weight gradients
+Memory traffic, at the bandwidth: F writes and reads back what the layer keeps for its backward
+(`activations.layer_bytes`) and reads the weights; I reads it and writes as much again; W reads
+and accumulates the gradients (2x the weights). A checkpointed layer adds its forward to its I.
+Collectives per split block (attention, MLP) and microbatch, of T h B bytes:
+    plain tp             F: 1 all-reduce (row out)           I: 1 all-reduce (column in)
+    sequence parallel    F: all-gather in, reduce-scatter out; I: the same two in reverse
+The first stage adds the embedding (a vocab-split one: an all-reduce of its output); the last
+the final norm, LM head and loss: a whole-vocabulary head gathered over tp ('column_gather')
+all-gathers T V B of logits, the vocabulary-parallel loss gathers 2 floats per token, and the
+split head's input gradient is all-reduced (reduce-scattered under sequence parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
+from ..plan.resolve import ResolvedPlan
+from .activations import F32, Sizes, end_bytes, layer_bytes, plan_sizes
+from .plan_parts import block_splits, loss_sharded, recomputed_parts, shard_styles
+from .collectives import all_gather_s, all_reduce_s, groups_link
+from .hardware import Hardware
+
+__all__ = ["StageTimes", "stage_times", "tp_groups"]
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds one microbatch spends on a stage, on each of its tp ranks (collectives included)."""
+
+    forward: float
+    input_backward: float  # with the recomputed forwards of checkpointed layers
+    weight_backward: float
+    tp_comm: float  # of the three above, the tensor-parallel collectives
+    flops: float  # training FLOPs the stage runs per microbatch, without recompute (for MFU)
+
+    @property
+    def backward(self) -> float:
+        """A whole backward (B): the input and weight gradients together."""
+        return self.input_backward + self.weight_backward
+
+
+def tp_groups(resolved: ResolvedPlan) -> list[list[int]]:
+    """The global ranks of every tp group: contiguous runs of tp."""
+    tp = resolved.tp
+    return [list(range(start, start + tp)) for start in range(0, resolved.world_size, tp)]
+
+
+class _Clock:
+    """Seconds for FLOPs and bytes on the profile's device, and for the tp group's collectives."""
+
+    def __init__(self, hardware: Hardware, dtype: str, tp: int, link) -> None:
+        self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
+        self.bandwidth, self.tp, self.link, self.eff = hardware.memory_bandwidth, tp, link, hardware.efficiency.collective
+
+    def run(self, flops: float, nbytes: float) -> float:
+        return flops / self.rate + nbytes / self.bandwidth
+
+    def all_reduce(self, nbytes: float) -> float:
+        return all_reduce_s(nbytes, self.tp, self.link, self.eff)
+
+    def gather(self, nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` whole
+        return all_gather_s(nbytes, self.tp, self.link, self.eff) if self.tp > 1 else 0.0
+
+
+def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomputed: set[str], weights: int):
+    """(F, I, W, tp collectives, training FLOPs) of one decoder layer."""
+    parts = {k: v * z.batch_size for k, v in layer_flop_parts(config, seq_len=z.seq_len).items()}
+    ta = z.tp if splits["attention_split"] else 1
+    tm = z.tp if splits["mlp_split"] else 1
+    kv_share = z.kv_replicas if splits["attention_split"] else 1
+    proj = (parts["q_o"] + parts["k_v"] * kv_share) / ta
+    scores, mlp = parts["scores"] / ta, parts["mlp"] / tm
+    norms = parts["norms"] / (z.tp if z.split_sequence else 1)
+    kept, _ = layer_bytes(z, **splits, first=first)
+    block = z.tokens * z.dtype_bytes * z.hidden  # T h B: what a block's collective moves
+    blocks = int(ta > 1) + int(tm > 1)
+    if z.split_sequence:
+        fwd_comm = bwd_comm = blocks * 2 * clock.gather(block)
+    else:
+        fwd_comm = bwd_comm = blocks * clock.all_reduce(block)
+    forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm
+    input_backward = clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm
+    weight_backward = clock.run(proj + mlp, 2 * weights)
+    # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
+    share = 1.0 if "" in recomputed else len(recomputed & {"self_attn", "mlp"}) / 2
+    input_backward += share * forward
+    tp_comm = fwd_comm + bwd_comm + share * fwd_comm
+    flops = (proj + scores + mlp + norms) + (proj + 2 * scores + mlp + 2 * norms) + (proj + mlp)
+    return forward, input_backward, weight_backward, tp_comm, flops
+
+
+def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool, weights: int, has_head: bool):
+    """(F, I, W, tp collectives, FLOPs) of the final norm, LM head and loss on the last stage."""
+    T, h, V, B = z.tokens, z.hidden, z.vocab, z.dtype_bytes
+    norm = NORM_FLOPS * T * h / (z.tp if z.split_sequence else 1)
+    kept = end_bytes(z, has_head=has_head, loss_parallel=sharded_loss)
+    if not has_head:
+        return clock.run(norm, 2 * kept), clock.run(2 * norm, 2 * kept), 0.0, 0.0, 3 * norm
+    t = z.tp if head_style in ("column", "column_gather") else 1
+    product = 2 * T * h * V / t
+    loss = LOSS_FLOPS * T * V / (t if sharded_loss else 1)
+    fwd_comm = bwd_comm = 0.0
+    if t > 1:
+        split_input = T * h * B
+        fwd_comm = clock.gather(split_input) if z.split_sequence else 0.0
+        bwd_comm = clock.gather(split_input) if z.split_sequence else clock.all_reduce(split_input)
+        fwd_comm += clock.gather(T * 2 * F32 * t) if sharded_loss else clock.gather(T * V * B)
+    forward = clock.run(product + loss + norm, 2 * kept + weights) + fwd_comm
+    input_backward = clock.run(product + loss + 2 * norm, 2 * kept + weights) + bwd_comm
+    weight_backward = clock.run(product, 2 * weights)
+    return forward, input_backward, weight_backward, fwd_comm + bwd_comm, 3 * product + 2 * loss + 3 * norm
+
+
+def stage_times(
+    resolved: ResolvedPlan, model: nn.Module, hardware: Hardware, *, batch_size: int = 1, gpus_per_node: int | None = None,
+    layer_weights: dict[int, int] | None = None, root_weights: tuple[int, int] = (0, 0),
+) -> list[StageTimes]:
+    """Each stage's times for one microbatch of `batch_size` sequences of pipeline.seq_len tokens.
+
+    Args:
+        resolved: a LLaMA-family plan (`activations.activation_problem` is None), its run
+            settings applied (`memory.with_run`).
+        model: the model it was resolved against (meta will do).
+        hardware: the profile.
+        gpus_per_node: devices per node (default the profile's), for the tp group's link.
+        layer_weights: per decoder layer, the bytes of its weights on a rank (default 0: no weight traffic).
+        root_weights: bytes of (the embedding, the final norm and head) on a rank.
+
+    Example:
+        >>> [round(t.forward, 4) for t in stage_times(resolved, model, load_hardware("h100-sxm"))]
+    """
+    bb, config = resolved.backbone, model.config
+    z = plan_sizes(resolved, model, batch_size=batch_size)
+    styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
+    dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
+    link = groups_link(hardware, tp_groups(resolved), gpus_per_node or hardware.devices_per_node)
+    clock = _Clock(hardware, dtype, resolved.tp, link)
+    layer_weights = layer_weights or {}
+    last, out, memo = resolved.num_stages - 1, [], {}
+    for stage, layers in enumerate(resolved.layer_indices):
+        f = i = w = comm = flops = 0.0
+        for index in layers:
+            splits, parts = block_splits(styles, bb.layer(index)), frozenset(recomputed.get(index, ()))
+            key = (tuple(splits.values()), index == 0, parts, layer_weights.get(index, 0))
+            if key not in memo:  # decoder layers alike in shape: one computation each
+                memo[key] = _layer(z, config, clock, splits, first=index == 0, recomputed=parts, weights=key[3])
+            lf, li, lw, lc, lflops = memo[key]
+            f, i, w, comm, flops = f + lf, i + li, w + lw, comm + lc, flops + lflops
+        if stage == 0:
+            embed = z.tokens * z.dtype_bytes * z.hidden
+            vocab_comm = clock.all_reduce(embed) if styles.get(bb.embed) == "vocab" else 0.0
+            f += clock.run(0, 2 * embed) + vocab_comm
+            w += clock.run(0, 2 * embed)  # the backward scatter-adds the output gradient into the table
+            comm += vocab_comm
+        if stage == last:
+            hf, hi, hw, hc, hflops = _head(z, clock, head_style=styles.get(bb.head) if bb.head else None,
+                                           sharded_loss=loss_sharded(resolved, styles), weights=root_weights[1],
+                                           has_head=bb.has_head)
+            f, i, w, comm, flops = f + hf, i + hi, w + hw, comm + hc, flops + hflops
+        out.append(StageTimes(f, i, w, comm, flops))
+    return out

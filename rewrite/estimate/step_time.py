@@ -1,0 +1,197 @@
+"""The step-time model: a plan's training step on a hardware profile, in seconds, tokens/s and MFU.
+
+Each stage's forward, input- and weight-backward per microbatch (`stage_time`) become the
+durations of the plan's schedule table, simulated on paper with the pipeline's transfers (the
+simulator that checks tables, `rewrite.schedules.simulate`). Data parallelism then adds, per
+rank, what torch does not hide:
+    full        each F all-gathers its stage's FSDP2 units and each backward the layers again
+                (the root stays gathered), the next unit's gather beside this one's compute; a
+                split backward keeps them gathered through the step, as grad_op does
+    grad_op     the first forward of a stage gathers its units once a step
+    replicate   one all-reduce of the gradients (DDP's buckets) beside the last backward
+and full / grad_op one reduce-scatter of the gradients beside the last backward; what exceeds
+that backward is exposed, and at least the last unit's (or bucket's) share. Then AdamW, bound by
+memory traffic over the parameters the rank holds. The step is the slowest rank's end.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..models.flops import TRAINING, head_flops, layer_flops
+from ..plan.params import held_parameters
+from ..plan.ranks import global_rank
+from ..plan.resolve import ResolvedPlan
+from ..schedules import Action, bubble, plan_table, simulate, splits_backward
+from .activations import activation_problem, plan_sizes
+from .collectives import all_gather_s, all_reduce_s, groups_link, p2p_s, reduce_scatter_s
+from .hardware import Hardware, load_hardware
+from .memory import param_unit, with_run
+from .stage_time import StageTimes, stage_times
+
+__all__ = ["StepPrediction", "predict_step", "model_flops", "stage_parameters"]
+
+DDP_BUCKET = 25 * 1024**2  # DistributedDataParallel's default bucket_cap_mb
+ADAMW_TRAFFIC = 16  # float32 moments, each read and written, per element; plus 3x the dtype (w r/w, g r)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """What a step is predicted to take (`predict_step`)."""
+
+    step_s: float
+    tokens_per_s: float  # per device
+    mfu: float  # model FLOPs (no recompute) / (step x devices x peak)
+    bubble: float  # the idle share of the simulated schedule
+    pipeline_s: float  # the simulated table's span
+    dp_s: float  # data-parallel time exposed on the slowest rank
+    optimizer_s: float
+    stages: tuple[StageTimes, ...]
+
+    def as_dict(self) -> dict:
+        """`{"step_s", "tokens_per_s", "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s"}`."""
+        return {k: getattr(self, k) for k in ("step_s", "tokens_per_s", "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s")}
+
+
+def model_flops(config, *, seq_len: int, num_layers: int, has_head: bool = True) -> int:
+    """Training FLOPs of one sequence through the whole model, without recompute (MFU's numerator)."""
+    per = layer_flops(config, seq_len=seq_len) * num_layers + head_flops(config, seq_len=seq_len, has_head=has_head)
+    return TRAINING * per
+
+
+def stage_parameters(resolved: ResolvedPlan, model: nn.Module) -> tuple[list[dict[str, int]], dict[int, int], tuple[int, int]]:
+    """Per stage, FSDP2 unit -> bytes on a rank; per layer index its bytes; (embedding, head + norm) bytes.
+
+    What `predict_step` reads of the parameters; it depends on the stages and shards only, so a
+    search passes it once for plans that differ in schedule, microbatches or sharding.
+    """
+    bb, stages, layer_bytes, root = resolved.backbone, [], {}, [0, 0]
+    for spec in resolved.stages:
+        units: dict[str, int] = {}
+        layers = set(spec.layers)
+        for p in spec.held or held_parameters(model, spec.modules, resolved.shards):
+            unit = param_unit(p.name, layers)
+            units[unit] = units.get(unit, 0) + p.nbytes
+            if unit != "root":
+                layer_bytes[int(unit.rsplit(".", 1)[1])] = units[unit]
+            else:
+                root[0 if p.name.startswith(bb.embed + ".") else 1] += p.nbytes
+        stages.append(units)
+    return stages, layer_bytes, (root[0], root[1])
+
+
+def predict_step(
+    resolved: ResolvedPlan,
+    model: nn.Module,
+    hardware: Hardware | str,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    microbatches: int | None = None,
+    gpus_per_node: int | None = None,
+    parameters: tuple | None = None,
+    sim_cache: dict | None = None,
+) -> StepPrediction:
+    """The predicted time of one training step of `resolved` on `hardware`.
+
+    Args:
+        resolved: `rewrite.resolve(plan, model)` of a Hugging Face LLaMA-family model.
+        model: the model it was resolved against (meta will do); its dtype is the compute dtype.
+        hardware: a profile, its name or file (`hardware.load_hardware`).
+        batch_size: sequences per microbatch; seq_len, microbatches: override the plan's.
+        gpus_per_node: devices per node (default the profile's): which groups cross nodes.
+        parameters: `stage_parameters(resolved, model)`, when the caller has it.
+        sim_cache: a dict kept across calls: tables timed alike are simulated once.
+
+    Raises:
+        ValueError: a layout the model does not time (torch.fx splits, non-LLaMA layers), a
+            dtype the profile has no peak for, a run setting below 1.
+
+    Example:
+        >>> predict_step(rewrite.resolve("plans/llama-tp2.yaml", model), model, "h100-sxm").step_s
+    """
+    hw = load_hardware(hardware)
+    problem = activation_problem(resolved, model)
+    if problem:
+        raise ValueError(problem.replace("activations are estimated", "step time is predicted", 1))
+    run = with_run(resolved, seq_len=seq_len, microbatches=microbatches)
+    plan, pipe = run.plan, run.plan.pipeline
+    G = gpus_per_node or hw.devices_per_node
+    units, layer_weights, root_weights = parameters or stage_parameters(run, model)
+    times = stage_times(run, model, hw, batch_size=batch_size, gpus_per_node=G, layer_weights=layer_weights,
+                        root_weights=root_weights)
+    dp, pp, tp, m = plan.mesh.dp, run.pp, run.tp, pipe.microbatches
+    eff, split = hw.efficiency.collective, splits_backward(pipe.schedule, pipe.table)
+    sharding = plan.data_parallel.sharding if dp > 1 else None
+    dp_link = groups_link(hw, [[global_rank(d, p, t, pp=pp, tp=tp) for d in range(dp)] for p in range(pp) for t in range(tp)], G)
+    gather = {s: [all_gather_s(b, dp, dp_link, eff) for b in u.values()] for s, u in enumerate(units)}
+    layers_only = {s: [all_gather_s(b, dp, dp_link, eff) for name, b in u.items() if name != "root"] for s, u in enumerate(units)}
+    per_step_gather = sharding == "grad_op" or (sharding == "full" and split)
+    per_microbatch_gather = sharding == "full" and not split
+
+    def cost(a: Action) -> float:
+        t = times[a.stage]
+        base = {"F": t.forward, "B": t.backward, "I": t.input_backward, "W": t.weight_backward}[a.kind]
+        if per_microbatch_gather and a.kind != "W":
+            ags = gather[a.stage] if a.kind == "F" else layers_only[a.stage]
+            base = max(base, sum(ags)) + (ags[0] if ags else 0.0)
+        return base
+
+    z = plan_sizes(run, model, batch_size=batch_size)
+    hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp rank its sequence chunk)
+
+    @functools.cache
+    def hop_s(a: int, b: int) -> float:  # pp rank a to pp rank b, over the slowest pair of global ranks
+        pairs = [[global_rank(d, a, t, pp=pp, tp=tp), global_rank(d, b, t, pp=pp, tp=tp)] for d in range(dp) for t in range(tp)]
+        return p2p_s(hop, groups_link(hw, pairs, G), eff)
+
+    def delay(need: Action, action: Action) -> float:
+        return hop_s(run.stage_rank[need.stage], run.stage_rank[action.stage])
+
+    table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)
+    # The table's timing depends on these durations only: plans alike in them (dp 1, replicate and grad_op
+    # sharding) share one simulation through `sim_cache`.
+    key = (id(table), run.stage_rank, hop, tuple((t.forward, t.input_backward, t.weight_backward) for t in times),
+           per_microbatch_gather and tuple(map(tuple, gather.values())))
+    if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
+        sim = sim_cache[key][1]
+    else:
+        sim, stuck = simulate(table, run.stage_rank, cost, delay)
+        if stuck:
+            raise ValueError("the schedule table deadlocks: " + "; ".join(stuck))
+        if sim_cache is not None:
+            sim_cache[key] = (table, sim)
+    span = max(end for _, end in sim.values())
+    ends, worst_dp, worst_opt = [], 0.0, 0.0
+    for r, row in enumerate(table):
+        held = sum(b for s in run.rank_stages(r) for b in units[s].values())
+        window = sim[row[-1]][1] - sim[row[-1]][0] if row else 0.0
+        exposed = 0.0
+        if per_step_gather:  # the stage's units gathered once, beside the first forward's compute
+            for st in run.rank_stages(r):
+                ags = gather[st]
+                exposed += max(0.0, sum(ags) - times[st].forward) + (ags[0] if ags else 0.0)
+        if sharding == "replicate":
+            whole = all_reduce_s(held, dp, dp_link, eff)
+            exposed += max(whole - window, all_reduce_s(min(held, DDP_BUCKET), dp, dp_link, eff))
+        elif sharding is not None:
+            last_unit = min((b for s in run.rank_stages(r) for b in units[s].values()), default=0)
+            exposed += max(reduce_scatter_s(held, dp, dp_link, eff) - window, reduce_scatter_s(last_unit, dp, dp_link, eff))
+        held_elems = held / z.dtype_bytes / (dp if sharding in ("full", "grad_op") else 1)
+        optimizer = held_elems * (3 * z.dtype_bytes + ADAMW_TRAFFIC) / hw.memory_bandwidth
+        end = max((sim[a][1] for a in row), default=0.0)
+        ends.append(end + exposed + optimizer)
+        worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)
+    step = max(ends)
+    sequences = dp * m * batch_size
+    num_layers = sum(len(x) for x in run.layer_indices)
+    flops = model_flops(model.config, seq_len=z.seq_len, num_layers=num_layers, has_head=run.backbone.has_head) * sequences
+    world = dp * pp * tp
+    return StepPrediction(
+        step_s=step, tokens_per_s=sequences * z.seq_len / step / world,
+        mfu=flops / (step * world * hw.flops(str(next(iter(model.parameters())).dtype))),
+        bubble=bubble(table, sim), pipeline_s=span, dp_s=worst_dp, optimizer_s=worst_opt, stages=tuple(times),
+    )

@@ -1,0 +1,146 @@
+"""`rewrite plan` (the fastest plan that fits, `rewrite.estimate.search`) and `rewrite calibrate`
+(this machine as a hardware profile), and the `--hardware` flags `show` shares with them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["add_hardware_flags", "add_plan_parser", "add_calibrate_parser", "plan_file_text", "BAD_ARGUMENTS"]
+
+BAD_ARGUMENTS = 2  # argparse's own status for a usage error
+
+
+def add_hardware_flags(parser: argparse.ArgumentParser, help: str, default: str | None = None) -> None:
+    from ..estimate.hardware import HARDWARE_NAMES
+
+    parser.add_argument("--hardware", default=default, metavar="NAME|FILE",
+                        help=f"{help} ({', '.join(HARDWARE_NAMES)}) or a profile file from `rewrite calibrate`"
+                        + (" (default %(default)s)" if default else ""))
+    parser.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                        help="devices per node (default: the profile's); tensor parallelism stays within one")
+
+
+def add_plan_parser(sub) -> None:
+    from .cli import _DTYPES
+    from .train_flags import MODEL_HELP
+
+    plan = sub.add_parser("plan", help="the fastest plan that fits: a model, the devices and their memory in, a plan file out")
+    plan.add_argument("--model", required=True, metavar="MODEL", help=MODEL_HELP)
+    plan.add_argument("--world", required=True, type=int, metavar="N", help="devices (ranks) to plan for")
+    plan.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                      help="memory per device in GiB (default: the hardware profile's)")
+    add_hardware_flags(plan, "the devices: a profile name", default="h100-sxm")
+    plan.add_argument("--seq-len", type=int, default=2048, metavar="TOKENS", help="tokens per sequence (default %(default)s)")
+    plan.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES",
+                      help="sequences per step over all replicas (default: 4 per device)")
+    plan.add_argument("--dtype", choices=_DTYPES, default=None,
+                      help="parameter and compute dtype (default: the config's torch_dtype, else float32)")
+    plan.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table printed (default %(default)s)")
+    plan.add_argument("--out", default=None, metavar="FILE", help="write the best plan here (default: print it)")
+    plan.add_argument("--json", action="store_true", help='print {"candidates": [...]} ranked by step_s instead of tables')
+    plan.set_defaults(func=_cmd_plan)
+
+
+def add_calibrate_parser(sub) -> None:
+    cal = sub.add_parser("calibrate", help="measure this machine (matmuls, memory, links between local ranks) into a hardware profile")
+    cal.add_argument("--world", type=int, default=2, metavar="N", help="local ranks measured together (default %(default)s)")
+    cal.add_argument("--out", default=None, metavar="FILE", help="write the profile here (default: print it)")
+    cal.add_argument("--name", default="calibrated", help="the profile's name (default %(default)s)")
+    cal.set_defaults(func=_cmd_calibrate)
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..estimate.hardware import load_hardware
+    from ..estimate.search import NoPlanFits, check_arguments, suggest_plans
+    from .presets import load_config
+
+    try:
+        if args.top < 1:
+            raise ValueError(f"--top is {args.top}; use a whole number >= 1")
+        hardware = load_hardware(args.hardware)
+        config = load_config(args.model)
+        kwargs = dict(world=args.world, device_memory=args.device_memory, gpus_per_node=args.gpus_per_node,
+                      seq_len=args.seq_len, global_batch=args.global_batch)
+        check_arguments(**kwargs)
+    except ValueError as exc:  # a bad argument: one line, no traceback
+        return _fail(str(exc), BAD_ARGUMENTS)
+    try:
+        found = suggest_plans(config, hardware=hardware, dtype=args.dtype, **kwargs)
+    except NoPlanFits as exc:
+        return _fail(str(exc), 1)
+    best = found[0]
+    text = plan_file_text(best, args, hardware.name)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        sys.stdout.write(json.dumps({"candidates": [c.as_dict() for c in found]}, indent=2) + "\n")
+        return 0
+    print(format_candidates(found[: args.top], hardware=hardware.name, total=len(found), args=args))
+    print()
+    print(f"wrote {args.out}" if args.out else text.rstrip())
+    return 0
+
+
+def format_candidates(found, *, hardware: str, total: int, args: argparse.Namespace) -> str:
+    """The top candidates as a table: mesh, schedule, microbatches, sharding, switches, time, memory."""
+    from .show.columns import format_bytes, format_table
+
+    rows = []
+    for i, c in enumerate(found, 1):
+        plan, pipe = c.plan, c.plan.pipeline
+        switches = " + ".join(n for on, n in ((plan.sequence_parallel, "sp"), (plan.loss_parallel, "vocab/loss")) if on)
+        rows.append([
+            str(i), plan.mesh.shape_text(), pipe.schedule + (f" x{pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""),
+            f"{pipe.microbatches} x {c.batch_size}", plan.data_parallel.sharding if plan.mesh.dp > 1 else "-",
+            switches or "-", c.checkpointing, f"{c.step_s:.3g}", f"{c.tokens_per_s:,.0f}", f"{c.mfu:.0%}",
+            format_bytes(c.peak_bytes),
+        ])
+    head = (f"Plans for {args.model} on {args.world} x {hardware} ({total} fitting, fastest first; predicted by "
+            "rewrite.estimate.step_time, memory by rewrite.estimate.memory)")
+    return "\n".join([head, format_table(
+        ["#", "mesh", "schedule", "microbatches x seqs", "sharding", "switches", "checkpointing", "step s",
+         "tokens/s/device", "MFU", "busiest rank"], rows)])
+
+
+def plan_file_text(best, args: argparse.Namespace, hardware: str) -> str:
+    """The best candidate as a commented plan file: what it predicts and the commands that run and show it."""
+    plan, pipe = best.plan, best.plan.pipeline
+    world = plan.mesh.world_size
+    dtype = f" --dtype {args.dtype}" if args.dtype else ""
+    name = args.out or "plan.yaml"
+    described = plan.model_copy(update={"description": f"planned by rewrite plan for {args.model} on {world} x {hardware}"})
+    return "\n".join([
+        f"# Planned by `rewrite plan --model {args.model} --world {world} --seq-len {pipe.seq_len}"
+        f"{' --device-memory ' + format(args.device_memory, 'g') if args.device_memory else ''} --hardware {hardware}`:",
+        f"# {best.summary()}.",
+        f"# Predicted on {hardware}: a step of {best.step_s:.3g} s ({plan.mesh.dp * pipe.microbatches * best.batch_size} "
+        f"sequences of {pipe.seq_len} tokens), {best.tokens_per_s:,.0f} tokens/s per device, MFU {best.mfu:.0%}, "
+        f"bubble {best.bubble:.0%};",
+        f"# the busiest rank holds {best.peak_bytes / 1024**3:.2f} GiB at its peak (weights, gradients, AdamW, activations).",
+        f"#   rewrite show {name} --model {args.model} --batch-size {best.batch_size}{dtype} --hardware {hardware}",
+        f"#   torchrun --nproc-per-node {world} -m rewrite train {name} --model {args.model} "
+        f"--batch-size {best.batch_size} --seq-len {pipe.seq_len}",
+        described.to_yaml(),
+    ])
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate, profile_yaml
+
+    if args.world < 2:
+        return _fail(f"--world {args.world}: calibrating the links needs at least 2 local ranks", BAD_ARGUMENTS)
+    text = profile_yaml(calibrate(args.world), name=args.name)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}: use it as --hardware {args.out}")
+    else:
+        print(text.rstrip())
+    return 0

@@ -1,0 +1,70 @@
+"""Hardware profiles: the shipped ones, files, bad input, and what `rewrite calibrate` writes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from rewrite.estimate.hardware import HARDWARE_NAMES, PROFILES, Hardware, load_hardware
+from rewrite.run.calibrate import profile_yaml
+from tests.paths import ROOT
+
+
+def test_the_shipped_profiles_load_and_cite_a_source_for_every_number():
+    assert set(HARDWARE_NAMES) == {"h100-sxm", "h200", "a100-80g", "cpu"}
+    for name in HARDWARE_NAMES:
+        hw = load_hardware(name)
+        assert isinstance(hw, Hardware) and hw.name == name
+        assert hw.flops("float32") > 0 and 0 < hw.efficiency.matmul <= 1
+        lines = (PROFILES / f"{name}.yaml").read_text().splitlines()
+        for i, line in enumerate(lines):
+            if not re.match(r"\s*\w+:\s*[0-9.]+(e[+-]?\d+)?\s*(#|$)", line):
+                continue
+            indent = len(line) - len(line.lstrip())
+            parent = next((p for p in reversed(lines[:i]) if p.strip() and len(p) - len(p.lstrip()) < indent), "")
+            assert "#" in line or (indent and "#" in parent), f"{name}: no source for {line.strip()!r}"
+    h100 = load_hardware("h100-sxm")
+    assert h100.peak_flops["bfloat16"] == 989.4e12 and h100.devices_per_node == 8
+    assert load_hardware("h200").memory_gib > load_hardware("h100-sxm").memory_gib
+
+
+def test_a_profile_file_works_where_a_name_does(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text((PROFILES / "a100-80g.yaml").read_text().replace("name: a100-80g", "name: mine"))
+    assert load_hardware(str(path)).name == "mine"
+    assert load_hardware(path).intra_node.bandwidth == 300e9
+
+
+def test_bad_profiles_and_names_are_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown hardware 'h1000': use one of a100-80g, cpu, h100-sxm, h200"):
+        load_hardware("h1000")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmemory_gib: -1\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: \d+ problem\(s\).*memory_gib: Input should be greater than 0"):
+        load_hardware(bad)
+    with pytest.raises(ValueError, match=r"gives no peak FLOP/s for float64 .*add peak_flops.float64"):
+        load_hardware("cpu").flops("float64")
+
+
+def test_a_calibrated_profile_reads_back():
+    found = {
+        "flops": {"float32": 5e10}, "memory_bandwidth": 2e10, "latency": 1e-4, "link": 2e9, "collective": 0.6,
+        "memory_gib": 12.0, "world": 2, "measured": {"p2p": {4: 1e-4}, "all_reduce": {4: 2e-4}},
+    }
+    hw = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found, name="here")))
+    assert hw.name == "here" and hw.flops("float32") == 5e10 and hw.inter_node == hw.intra_node
+
+
+def test_rewrite_calibrate_measures_this_machine(tmp_path):
+    out = tmp_path / "here.yaml"
+    run = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "2", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    hw = load_hardware(out)
+    assert hw.devices_per_node == 2 and hw.flops("float32") > 1e8 and hw.intra_node.latency > 0
+    bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "at least 2" in bad.stderr

@@ -1,0 +1,119 @@
+"""The plan search (`rewrite.suggest_plans`, `rewrite plan`) on real configs and a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import rewrite
+from rewrite.estimate.memory import GIB, rank_memory
+from rewrite.estimate.search import NoPlanFits
+from rewrite.estimate.search_space import microbatch_counts
+from rewrite.run.presets import build_model, load_config
+from tests.paths import ROOT
+from tests.unit.run.test_cli import rewrite_cmd
+
+CONFIGS = ROOT / "tests" / "configs"
+
+
+def _meshes(found):
+    return {(c.plan.mesh.dp, c.plan.mesh.pp, c.plan.mesh.tp) for c in found}
+
+
+def test_llama_8b_over_8_devices_of_80_gib():
+    found = rewrite.suggest_plans(load_config(CONFIGS / "llama-3.1-8b.json"), world=8, device_memory=80)
+    assert [c.step_s for c in found] == sorted(c.step_s for c in found)
+    assert all(c.fits and c.peak_bytes <= 80 * GIB and c.plan.mesh.world_size == 8 for c in found)
+    assert len(_meshes(found)) == len(found) >= 6  # the best of every mesh that fits
+    assert {tp for _, _, tp in _meshes(found)} == {1, 2, 4, 8}
+    assert all(0 < c.mfu < 1 and c.tokens_per_s > 0 for c in found)
+    best = found[0]
+    model = build_model(load_config(CONFIGS / "llama-3.1-8b.json"), device="meta")
+    resolved = rewrite.resolve(rewrite.load_plan(best.plan.model_dump(mode="json")), model)
+    assert max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size)) == best.peak_bytes
+    assert best.plan.mesh.dp * best.plan.pipeline.microbatches * best.batch_size == 32  # 4 sequences a device
+
+
+def test_llama_70b_fits_on_64_devices_with_tp_within_a_node_and_not_on_8():
+    config = load_config(CONFIGS / "llama-3.1-70b.json")
+    with pytest.raises(NoPlanFits, match=r"no plan fits.*the smallest world that fits at this memory is 16 devices"):
+        rewrite.suggest_plans(config, world=8, device_memory=80)
+    found = rewrite.suggest_plans(config, world=64, device_memory=80, gpus_per_node=8)
+    assert found and all(c.plan.mesh.tp <= 8 and c.peak_bytes <= 80 * GIB for c in found)
+    assert found[0].plan.mesh.tp > 1 and found[0].plan.mesh.pp > 1
+
+
+def test_smollm2_is_never_split_2_or_4_ways():
+    found = rewrite.suggest_plans(load_config(CONFIGS / "smollm2-135m.json"), world=8, device_memory=80)
+    assert found and {c.plan.mesh.tp for c in found} == {1}  # 9 heads, 3 kv heads: tp 3 or 9, neither divides 8
+    found = rewrite.suggest_plans(load_config(CONFIGS / "smollm2-135m.json"), world=6, device_memory=80, gpus_per_node=6)
+    assert {c.plan.mesh.tp for c in found} == {1, 3}
+
+
+def test_a_tiny_model_on_the_cpu_profile_gets_dp_pp_and_tp_candidates():
+    found = rewrite.suggest_plans(build_model("tiny-llama", device="meta"), world=4, device_memory=1,
+                                  hardware="cpu", seq_len=128)
+    meshes = _meshes(found)
+    assert any(dp > 1 for dp, _, _ in meshes) and any(pp > 1 for _, pp, _ in meshes)
+    assert any(tp > 1 for _, _, tp in meshes)
+    schedules = {c.plan.pipeline.schedule for c in found if c.plan.mesh.pp > 1}
+    assert schedules <= {"afab", "1f1b", "zero-bubble", "interleaved-1f1b", "zbv"}
+    tight = rewrite.suggest_plans(build_model("tiny-llama", device="meta"), world=2, device_memory=0.004,
+                                  hardware="cpu", seq_len=256)
+    assert all(c.peak_bytes <= 0.004 * GIB for c in tight)
+    assert any(c.checkpointing != "off" or c.plan.mesh.dp == 1 for c in tight)
+
+
+def test_microbatch_counts_divide_the_replicas_share():
+    assert microbatch_counts(64, 4) == [4, 8, 16]
+    assert microbatch_counts(6, 4) == [6]
+    assert microbatch_counts(8, 1) == [1, 2, 4, 8]
+
+
+def test_bad_arguments_are_refused():
+    config = load_config(CONFIGS / "llama-3.1-8b.json")
+    for kwargs, match in (({"world": 0}, "world is 0"), ({"world": 8, "device_memory": -1}, "device-memory is -1"),
+                          ({"world": 8, "seq_len": 0}, "seq-len is 0")):
+        with pytest.raises(ValueError, match=match):
+            rewrite.suggest_plans(config, **kwargs)
+    with pytest.raises(ValueError, match="unknown hardware"):
+        rewrite.suggest_plans(config, world=8, hardware="tpu")
+
+
+def test_rewrite_plan_writes_a_plan_that_validates_and_shows_the_memory_it_predicted(tmp_path):
+    out = tmp_path / "best.yaml"
+    run = rewrite_cmd("plan", "--model", "tiny-llama", "--world", "4", "--device-memory", "1", "--hardware", "cpu",
+                      "--seq-len", "128", "--out", str(out), "--json")
+    assert run.returncode == 0, run.stderr
+    candidates = json.loads(run.stdout)["candidates"]
+    best = candidates[0]
+    assert {"plan", "step_s", "tokens_per_s", "mfu", "peak_bytes", "fits"} <= set(best)
+    assert [c["step_s"] for c in candidates] == sorted(c["step_s"] for c in candidates)
+    text = out.read_text()
+    assert text.startswith("# Planned by `rewrite plan --model tiny-llama --world 4") and "# Predicted on cpu" in text
+    assert rewrite.load_plan(out).model_dump(mode="json")["mesh"] == best["plan"]["mesh"]
+    valid = rewrite_cmd("validate", str(out), "--model", "tiny-llama", "--world-size", "4")
+    assert valid.returncode == 0, valid.stderr
+    shown = rewrite_cmd("show", str(out), "--model", "tiny-llama", "--batch-size", str(best["batch_size"]), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert max(r["total"] for r in json.loads(shown.stdout)["memory"]["ranks"]) == best["peak_bytes"]
+    table = rewrite_cmd("plan", "--model", "tiny-llama", "--world", "2", "--hardware", "cpu", "--seq-len", "64",
+                        "--top", "2")
+    assert table.returncode == 0 and "Plans for tiny-llama on 2 x cpu" in table.stdout
+    assert "mesh:" in table.stdout and "# Predicted on cpu" in table.stdout  # no --out: the plan is printed
+
+
+def test_rewrite_plan_nothing_fits_and_bad_arguments(tmp_path):
+    out = tmp_path / "never.yaml"
+    none = rewrite_cmd("plan", "--model", "tests/configs/llama-3.1-70b.json", "--world", "8", "--device-memory", "80",
+                       "--out", str(out))
+    assert none.returncode == 1 and "no plan fits" in none.stderr and "16 devices" in none.stderr
+    assert not out.exists() and "Traceback" not in none.stderr
+    for args, words in ((["--world", "0"], "world is 0"), (["--world", "2", "--device-memory", "0"], "device-memory is 0"),
+                        (["--world", "2", "--hardware", "tpu9"], "unknown hardware 'tpu9'"),
+                        (["--world", "2", "--model", "tiny-lama"], "tiny-lama")):
+        model = [] if "--model" in args else ["--model", "tiny-llama"]
+        bad = rewrite_cmd("plan", *model, *args)
+        assert bad.returncode == 2, (args, bad.stderr)
+        assert words in bad.stderr and bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
