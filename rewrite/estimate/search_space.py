@@ -13,7 +13,7 @@ from ..plan.resolve import ResolvedPlan, resolve
 from ..plan.schema import PlanError, load_plan
 from ..schedules import placement
 from .activations import rank_activations
-from .memory import rank_footprints
+from .memory import footprint, rank_parameters
 from .step_time import stage_parameters
 
 __all__ = ["CHECKPOINTING", "SCHEDULES_BY_STAGES", "Bound", "divisors", "microbatch_counts", "meshes", "bind", "binds_sp",
@@ -107,6 +107,7 @@ class Bound:
         self.sims: dict = {}
         self._feet: dict = {}
         self._acts: dict = {}
+        self._params: dict = {}
 
     def activation_peaks(self, variant: ResolvedPlan, schedule: str, m: int, mode: str, batch_size: int) -> list[int]:
         key = (schedule, m, mode, batch_size)  # the sharding changes no activation
@@ -117,7 +118,11 @@ class Bound:
     def footprint_peaks(self, variant: ResolvedPlan, sharding: str, split: bool) -> list[int]:
         key = (sharding, split, variant.stage_rank)
         if key not in self._feet:
-            self._feet[key] = [f.peak for f in rank_footprints(variant, self.model, sharding=sharding)]
+            if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
+                self._params[variant.stage_rank] = [rank_parameters(variant, self.model, r) for r in range(variant.pp)]
+            dp = variant.plan.mesh.dp
+            self._feet[key] = [footprint(p, dp=dp, sharding=sharding, split=split).peak
+                               for p in self._params[variant.stage_rank]]
         return self._feet[key]
 
 

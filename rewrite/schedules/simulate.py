@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .actions import Action, Table, done_key, needs
+from .actions import Action, Table, needs
 
 __all__ = ["simulate", "bubble", "layout"]
 
@@ -62,14 +62,14 @@ def simulate(
         for r in range(pp):
             row = steps[r]
             while position[r] < len(row):
-                action, need, done, need_action = row[position[r]]
+                action, need, done = row[position[r]]
                 ready = 0.0
                 if need is not None:
                     if need not in ended:
                         break
                     ready = ended[need]
                     if delay is not None and stage_rank[need[2]] != r:
-                        ready += delay(need_action, action)
+                        ready += delay(Action(*need), action)
                 start = max(free[r], ready)
                 end = start + duration(action)
                 times[action] = (start, end)
@@ -95,18 +95,25 @@ _STEPS: dict[int, tuple] = {}  # id(table) -> (table, its steps): a search simul
 
 
 def _steps(table: Table, num_stages: int) -> list[list[tuple]]:
-    """Per rank, per action: (action, what it waits for as a tuple key or None, what its end provides, the
-    awaited action). Tuples hash in C: the simulation of a long table stays quick."""
+    """Per rank, per action: (action, what it waits for as a `(kind, mb, stage)` key or None, what its end
+    provides). The keys are `actions.needs` and `done_key` written as tuples, which hash in C: the
+    simulation of a long table stays quick."""
     held = _STEPS.get(id(table))
     if held is not None and held[0] is table and held[1] == num_stages:
         return held[2]
-    key = lambda a: (a.kind, a.mb, a.stage)  # noqa: E731
+    last = num_stages - 1
     steps = []
     for row in table:
         out = []
-        for action in row:
-            need = needs(action, num_stages)
-            out.append((action, None if need == action else key(need), key(done_key(action)), need))
+        for a in row:
+            kind, mb, s = a.kind, a.mb, a.stage
+            if kind == "F":
+                need = ("F", mb, s - 1) if s > 0 else None
+            elif kind == "W":
+                need = ("B", mb, s)
+            else:  # B or I: the next stage's backward, or on the last stage its own forward
+                need = ("B", mb, s + 1) if s < last else ("F", mb, s)
+            out.append((a, need, ("B", mb, s) if kind == "I" else (kind, mb, s)))
         steps.append(out)
     if len(_STEPS) > 1024:
         _STEPS.clear()
