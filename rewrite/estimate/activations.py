@@ -65,13 +65,13 @@ from torch import nn
 
 from ..models.flops import config_size
 from ..plan.resolve import ResolvedPlan
-from .plan_parts import LAYER_PARTS, block_splits, loss_sharded, recomputed_parts, shard_styles
+from .plan_parts import LAYER_PARTS, activation_problem, block_splits, loss_sharded, recomputed_parts, shard_styles
 from ..schedules import peak_in_flight, plan_table
 from ..schedules.table import alive_counts
 
 __all__ = [
     "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations", "activation_problem",
-    "plan_sizes",
+    "plan_sizes", "stage_activations", "place_activations",
 ]
 
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
@@ -222,27 +222,6 @@ def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1)
     )
 
 
-def activation_problem(resolved: ResolvedPlan, model: nn.Module) -> str | None:
-    """Why `rank_activations` cannot estimate this plan's activations, or None when it can.
-
-    The model above is of LLaMA-shaped layers: `self_attn` and `mlp` between two norms.
-    Other layouts (GPT-NeoX's `attention`, GPT-J's `attn` beside its MLP) are not estimated.
-    """
-    bb = resolved.backbone
-    if resolved.kind != "hf" or bb is None:
-        return (
-            f"activations are estimated for Hugging Face LLaMA-family models (the module walker); "
-            f"{resolved.model_name} is split by torch.fx"
-        )
-    layer = model.get_submodule(bb.layer(0))
-    if not all(isinstance(getattr(layer, name, None), nn.Module) for name in ("self_attn", "mlp")):
-        return (
-            f"activations are estimated for LLaMA-shaped layers (self_attn, then mlp); {type(layer).__name__} "
-            f"holds {', '.join(layer._modules)}"
-        )
-    return None
-
-
 def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1) -> list[RankActivations]:
     """The estimated activation bytes of each pp rank, in pp-rank order.
 
@@ -267,13 +246,20 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
     problem = activation_problem(resolved, model)
     if problem:
         raise ValueError(problem)
-    bb, plan = resolved.backbone, resolved.plan
+    return place_activations(resolved, *stage_activations(resolved, model, batch_size=batch_size))
+
+
+def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1) -> tuple[list[int], list[int]]:
+    """Per stage: the bytes one microbatch keeps until its backward, and the bytes its largest recomputed
+    module holds again during the backward. Independent of the schedule and the microbatch count: a
+    search computes them once per batch size and checkpointing (`place_activations` adds the schedule)."""
+    bb = resolved.backbone
     z = plan_sizes(resolved, model, batch_size=batch_size)
     styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
     last = resolved.num_stages - 1
-    kept, rebuilt, memo = {}, {}, {}
+    kept, rebuilt, memo = [], [], {}
     for stage, layers in enumerate(resolved.layer_indices):
-        kept[stage], rebuilt[stage] = 0, 0
+        k_sum, r_max = 0, 0
         for i in layers:
             layer = bb.layer(i)
             splits, parts = block_splits(styles, layer), frozenset(recomputed.get(i, ()))
@@ -281,12 +267,19 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
             if key not in memo:  # decoder layers alike in shape: one computation each
                 memo[key] = layer_bytes(z, **splits, first=i == 0, recomputed=parts)
             k, r = memo[key]
-            kept[stage], rebuilt[stage] = kept[stage] + k, max(rebuilt[stage], r)
+            k_sum, r_max = k_sum + k, max(r_max, r)
         if stage == last:
-            kept[stage] += end_bytes(z, has_head=bb.has_head, loss_parallel=loss_sharded(resolved, styles))
+            k_sum += end_bytes(z, has_head=bb.has_head, loss_parallel=loss_sharded(resolved, styles))
         else:
-            kept[stage] += z.chunk * z.dtype_bytes * z.hidden  # the output, held for its backward
-    pipe = plan.pipeline
+            k_sum += z.chunk * z.dtype_bytes * z.hidden  # the output, held for its backward
+        kept.append(k_sum)
+        rebuilt.append(r_max)
+    return kept, rebuilt
+
+
+def place_activations(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int]) -> list[RankActivations]:
+    """Each pp rank's `RankActivations` from `stage_activations`, under the plan's schedule table and placement."""
+    pipe = resolved.plan.pipeline
     table = plan_table(pipe.schedule, pipe.table, resolved.pp, pipe.virtual_stages, pipe.microbatches)
     out = []
     for pp_rank, row in enumerate(table):

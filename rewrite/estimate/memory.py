@@ -86,17 +86,20 @@ def footprint(
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"data_parallel.sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
-    whole = sum(math.prod(p[0]) for p in params)
-    whole_bytes = sum(math.prod(p[0]) * p[1] for p in params)
+    whole = whole_bytes = 0
+    for p in params:
+        count = math.prod(p[0])
+        whole, whole_bytes = whole + count, whole_bytes + count * p[1]
     if dp == 1 or sharding == "replicate":
         gathered = whole_bytes if dp > 1 else 0  # replicate's second copy: DDP's buckets, or FSDP2's gathered one
         return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
                          2 * whole_bytes + ADAMW_BYTES * whole + gathered)
-    held = sum(_dp_shard(p[0], dp) for p in params)
-    held_bytes = sum(_dp_shard(p[0], dp) * p[1] for p in params)
+    held = held_bytes = 0
     units: dict = {}
-    for p in params:
-        units[p[2] if len(p) > 2 else None] = units.get(p[2] if len(p) > 2 else None, 0) + _dp_shard(p[0], dp) * p[1]
+    for p in params:  # one pass: a search sizes thousands of parameters per rank, per sharding
+        count = _dp_shard(p[0], dp)
+        unit = p[2] if len(p) > 2 else None
+        held, held_bytes, units[unit] = held + count, held_bytes + count * p[1], units.get(unit, 0) + count * p[1]
     if sharding == "full" and not split:  # one layer at a time, beside the root (kept from forward to backward)
         root = units.pop("root", 0)
         gathered = dp * (root + max(units.values(), default=0))

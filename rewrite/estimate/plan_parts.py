@@ -1,13 +1,16 @@
-"""What the estimates read of a resolved plan: which blocks tp splits, the loss, the checkpointed layers.
+"""What the estimates read of a resolved plan: whether its layers are LLaMA-shaped, which blocks tp
+splits, the loss, the checkpointed layers.
 
 Shared by the activation estimate (`activations`) and the step-time model (`stage_time`).
 """
 
 from __future__ import annotations
 
+from torch import nn
+
 from ..plan.resolve import ResolvedPlan
 
-__all__ = ["LAYER_PARTS", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
+__all__ = ["LAYER_PARTS", "activation_problem", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
 
 # The children of a decoder layer that activation checkpointing is estimated for.
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -45,3 +48,24 @@ def recomputed_parts(resolved: ResolvedPlan) -> dict[int, set[str]]:
         if index.isdigit() and (not part or part in LAYER_PARTS):
             found.setdefault(int(index), set()).add(part)
     return found
+
+
+def activation_problem(resolved: ResolvedPlan, model: nn.Module) -> str | None:
+    """Why `rank_activations` cannot estimate this plan's activations, or None when it can.
+
+    The model above is of LLaMA-shaped layers: `self_attn` and `mlp` between two norms.
+    Other layouts (GPT-NeoX's `attention`, GPT-J's `attn` beside its MLP) are not estimated.
+    """
+    bb = resolved.backbone
+    if resolved.kind != "hf" or bb is None:
+        return (
+            f"activations are estimated for Hugging Face LLaMA-family models (the module walker); "
+            f"{resolved.model_name} is split by torch.fx"
+        )
+    layer = model.get_submodule(bb.layer(0))
+    if not all(isinstance(getattr(layer, name, None), nn.Module) for name in ("self_attn", "mlp")):
+        return (
+            f"activations are estimated for LLaMA-shaped layers (self_attn, then mlp); {type(layer).__name__} "
+            f"holds {', '.join(layer._modules)}"
+        )
+    return None

@@ -23,7 +23,6 @@ from .activations import activation_problem
 from .hardware import Hardware, load_hardware
 from .memory import GIB, rank_memory
 from .search_space import CHECKPOINTING, SCHEDULES_BY_STAGES, Bound, bind, binds_sp, meshes, microbatch_counts, variant
-from .stage_time import stage_times
 from .step_time import predict_step
 
 __all__ = ["Candidate", "NoPlanFits", "suggest_plans", "check_arguments"]
@@ -163,13 +162,15 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
     num_layers = find_backbone(model).num_layers
     best: dict = {}
     sp_binds: dict = {}  # (tp, vocab_loss) -> whether sequence parallelism binds
+    binds: dict = {}  # resolve's cache: the shards per (tp, switches), the parameters per stage set
     for dp, pp, tp in meshes(world, G, num_layers):
         if batch % dp:
             continue
         n = batch // dp
         for vocab_loss in ((True,) if frugal else (False, True)) if tp > 1 else (False,):
             for k in (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,):
-                base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len)
+                base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len,
+                            cache=binds)
                 if isinstance(base, str):
                     continue
                 problem = activation_problem(base, model)
@@ -177,7 +178,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
                     raise ValueError(f"the planner estimates LLaMA-shaped layers only: {problem}")
                 bases = [] if frugal and tp > 1 else [base]
                 if tp > 1 and (tp, vocab_loss) not in sp_binds:
-                    sp_binds[tp, vocab_loss] = binds_sp(model, base)
+                    sp_binds[tp, vocab_loss] = binds_sp(model, base, binds)
                 if tp > 1 and sp_binds[tp, vocab_loss]:
                     # Sequence parallelism changes no shard or stage: the same binding with the switch on.
                     plan = base.plan.model_copy(update={"sequence_parallel": True})
@@ -202,27 +203,26 @@ def _candidates(bound: Bound, hw, *, G, limit, n, k, best, timed, frugal) -> Non
                     feet = bound.footprint_peaks(v, sharding, split)
                     if min(feet) > limit:
                         break  # the parameters alone do not fit: checkpointing cannot help
-                    acts = bound.activation_peaks(v, schedule, m, mode, n // m)
+                    held = best.get(key)
+                    if timed and held is not None and _ideal_s(v, bound.stage_times(v, mode, n // m, hw, G)) >= held.step_s:
+                        break  # neither this nor more checkpointing (more recompute) can beat the mesh's best
+                    acts = bound.activation_peaks(v, schedule, m, mode, n // m)  # builds the schedule's table
                     peak = max(f + a for f, a in zip(feet, acts))
                     if peak > limit:
                         continue
                     if not timed:
                         best[key] = Candidate(v.plan, n // m, 0.0, 0.0, 0.0, 0.0, peak, True, mode)
                         return
-                    held = best.get(key)
-                    if held is None or _ideal_s(v, bound, hw, G, n // m) < held.step_s:
-                        got = predict_step(v, bound.model, hw, batch_size=n // m, gpus_per_node=G,
-                                           parameters=bound.parameters, sim_cache=bound.sims)
-                        if held is None or got.step_s < held.step_s:
-                            best[key] = Candidate(v.plan, n // m, got.step_s, got.tokens_per_s, got.mfu, got.bubble,
-                                                  peak, True, mode)
+                    got = predict_step(v, bound.model, hw, batch_size=n // m, gpus_per_node=G,
+                                       parameters=bound.parameters, sim_cache=bound.sims)
+                    if held is None or got.step_s < held.step_s:
+                        best[key] = Candidate(v.plan, n // m, got.step_s, got.tokens_per_s, got.mfu, got.bubble,
+                                              peak, True, mode)
                     break  # more checkpointing only adds time
 
 
-def _ideal_s(v: ResolvedPlan, bound: Bound, hw, G: int, batch_size: int) -> float:
+def _ideal_s(v: ResolvedPlan, times: list) -> float:
     """A lower bound of the step: the busiest rank's compute after its pipeline fill, nothing exposed."""
-    times = stage_times(v, bound.model, hw, batch_size=batch_size, gpus_per_node=G,
-                        layer_weights=bound.parameters[1], root_weights=bound.parameters[2])
     m = v.plan.pipeline.microbatches
     # A rank starts once the first microbatch's forward has run through the stages before its first.
     return max(sum(times[s].forward for s in range(min(v.rank_stages(r))))

@@ -12,8 +12,10 @@ from ..plan.from_hf import plan_from_hf
 from ..plan.resolve import ResolvedPlan, resolve
 from ..plan.schema import PlanError, load_plan
 from ..schedules import placement
-from .activations import rank_activations
+from .activations import place_activations, stage_activations
+from .hardware import Hardware
 from .memory import footprint, rank_parameters
+from .stage_time import StageTimes, stage_times
 from .step_time import stage_parameters
 
 __all__ = ["CHECKPOINTING", "SCHEDULES_BY_STAGES", "Bound", "divisors", "microbatch_counts", "meshes", "bind", "binds_sp",
@@ -59,8 +61,9 @@ def _rules(model: nn.Module, tp: int, vocab_loss: bool) -> dict:
     return rules
 
 
-def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len) -> ResolvedPlan | str:
-    """The mesh and switches bound to the model (the reason it does not bind, as text)."""
+def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, cache: dict | None = None) -> ResolvedPlan | str:
+    """The mesh and switches bound to the model (the reason it does not bind, as text); `cache`: `resolve`'s,
+    kept across the binds of one search."""
     try:
         data = {
             "mesh": {"dp": dp, "pp": pp, "tp": tp},
@@ -69,16 +72,16 @@ def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len) -> ResolvedPlan | str
                          **({"cut_points": "auto"} if pp > 1 else {})},
             "loss_parallel": vocab_loss, "sequence_parallel": sp,
         }
-        return resolve(load_plan(data), model)
+        return resolve(load_plan(data), model, cache=cache)
     except (PlanError, ValueError) as exc:
         return exc.problems[0] if isinstance(exc, PlanError) and exc.problems else str(exc)
 
 
-def binds_sp(model: nn.Module, base: ResolvedPlan) -> bool:
+def binds_sp(model: nn.Module, base: ResolvedPlan, cache: dict | None = None) -> bool:
     """Whether `base`'s plan binds with sequence_parallel on (the model's layers allow it)."""
     data = base.plan.model_dump(mode="json", exclude_none=True)
     try:
-        resolve(load_plan({**data, "sequence_parallel": True}), model)
+        resolve(load_plan({**data, "sequence_parallel": True}), model, cache=cache)
         return True
     except (PlanError, ValueError):
         return False
@@ -108,12 +111,23 @@ class Bound:
         self._feet: dict = {}
         self._acts: dict = {}
         self._params: dict = {}
+        self._stages: dict = {}  # (checkpointing, batch size) -> per stage activations
+        self._times: dict = {}  # (checkpointing, batch size) -> `stage_times`
 
     def activation_peaks(self, variant: ResolvedPlan, schedule: str, m: int, mode: str, batch_size: int) -> list[int]:
         key = (schedule, m, mode, batch_size)  # the sharding changes no activation
         if key not in self._acts:
-            self._acts[key] = [a.peak for a in rank_activations(variant, self.model, batch_size=batch_size)]
+            if (mode, batch_size) not in self._stages:  # nor do the schedule and microbatches a stage's bytes
+                self._stages[mode, batch_size] = stage_activations(variant, self.model, batch_size=batch_size)
+            self._acts[key] = [a.peak for a in place_activations(variant, *self._stages[mode, batch_size])]
         return self._acts[key]
+
+    def stage_times(self, variant: ResolvedPlan, mode: str, batch_size: int, hw: Hardware, G: int) -> list[StageTimes]:
+        """`stage_times` of a variant: they depend on its checkpointing and batch size only (one hardware a search)."""
+        if (mode, batch_size) not in self._times:
+            self._times[mode, batch_size] = stage_times(variant, self.model, hw, batch_size=batch_size, gpus_per_node=G,
+                                                        layer_weights=self.parameters[1], root_weights=self.parameters[2])
+        return self._times[mode, batch_size]
 
     def footprint_peaks(self, variant: ResolvedPlan, sharding: str, split: bool) -> list[int]:
         key = (sharding, split, variant.stage_rank)

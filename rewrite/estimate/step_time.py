@@ -16,7 +16,6 @@ memory traffic over the parameters the rank holds. The step is the slowest rank'
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from torch import nn
@@ -25,7 +24,7 @@ from ..models.flops import TRAINING, head_flops, layer_flops
 from ..plan.params import held_parameters
 from ..plan.ranks import global_rank
 from ..plan.resolve import ResolvedPlan
-from ..schedules import Action, bubble, plan_table, simulate, splits_backward
+from ..schedules import bubble, plan_table, simulate, splits_backward
 from .activations import activation_problem, plan_sizes
 from .collectives import all_gather_s, all_reduce_s, groups_link, p2p_s, reduce_scatter_s
 from .hardware import Hardware, load_hardware
@@ -132,24 +131,20 @@ def predict_step(
     per_step_gather = sharding == "grad_op" or (sharding == "full" and split)
     per_microbatch_gather = sharding == "full" and not split
 
-    def cost(a: Action) -> float:
-        t = times[a.stage]
-        base = {"F": t.forward, "B": t.backward, "I": t.input_backward, "W": t.weight_backward}[a.kind]
-        if per_microbatch_gather and a.kind != "W":
-            ags = gather[a.stage] if a.kind == "F" else layers_only[a.stage]
+    def cost(kind: str, stage: int) -> float:
+        t = times[stage]
+        base = {"F": t.forward, "B": t.backward, "I": t.input_backward, "W": t.weight_backward}[kind]
+        if per_microbatch_gather and kind != "W":
+            ags = gather[stage] if kind == "F" else layers_only[stage]
             base = max(base, sum(ags)) + (ags[0] if ags else 0.0)
         return base
 
     z = plan_sizes(run, model, batch_size=batch_size)
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp rank its sequence chunk)
 
-    @functools.cache
     def hop_s(a: int, b: int) -> float:  # pp rank a to pp rank b, over the slowest pair of global ranks
         pairs = [[global_rank(d, a, t, pp=pp, tp=tp), global_rank(d, b, t, pp=pp, tp=tp)] for d in range(dp) for t in range(tp)]
         return p2p_s(hop, groups_link(hw, pairs, G), eff)
-
-    def delay(need: Action, action: Action) -> float:
-        return hop_s(run.stage_rank[need.stage], run.stage_rank[action.stage])
 
     table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)
     # The table's timing depends on these durations only: plans alike in them (dp 1, replicate and grad_op
@@ -159,7 +154,13 @@ def predict_step(
     if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
         sim = sim_cache[key][1]
     else:
-        sim, stuck = simulate(table, run.stage_rank, cost, delay)
+        # Durations per (kind, stage) and transfers per pair of pp ranks: each computed once, not per cell.
+        costs = {(kind, s): cost(kind, s) for s in range(len(times)) for kind in "FBIW"}
+        # An action waits on the stage before or after its own: the pairs of neighbouring stages' ranks, both ways.
+        hops = {pair for s in range(1, len(times)) for pair in ((run.stage_rank[s - 1], run.stage_rank[s]),
+                                                                  (run.stage_rank[s], run.stage_rank[s - 1]))}
+        delays = {(a, b): hop_s(a, b) for a, b in hops if a != b}
+        sim, stuck = simulate(table, run.stage_rank, costs, delays)
         if stuck:
             raise ValueError("the schedule table deadlocks: " + "; ".join(stuck))
         if sim_cache is not None:
@@ -182,7 +183,7 @@ def predict_step(
             exposed += max(reduce_scatter_s(held, dp, dp_link, eff) - window, reduce_scatter_s(last_unit, dp, dp_link, eff))
         held_elems = held / z.dtype_bytes / (dp if sharding in ("full", "grad_op") else 1)
         optimizer = held_elems * (3 * z.dtype_bytes + ADAMW_TRAFFIC) / hw.memory_bandwidth
-        end = max((sim[a][1] for a in row), default=0.0)
+        end = sim[row[-1]][1] if row else 0.0  # a row's actions run one after another: its last ends last
         ends.append(end + exposed + optimizer)
         worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)
     step = max(ends)

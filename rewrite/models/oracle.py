@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -28,6 +29,20 @@ TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a d
 _LAYERS = 4  # the clone's layers: enough for each attention type and a two-stage split
 _TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # in the tiny vocabulary
 _SIZES = {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128, "head_dim": 16}
+
+
+@contextmanager
+def _tiny_run() -> Iterator[None]:
+    """The global RNG left as it was, no autograd, one intra-op thread: a tiny clone's matmuls gain nothing
+    from a thread pool, and on a busy machine each hand-off to it costs ~10 ms (a whole check 1-2 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _clone_layers(config) -> list[int]:
@@ -112,8 +127,7 @@ def walker_problem(model: nn.Module) -> str | None:
 def _check(model_class: type, config_class: type, key: str) -> str | None:
     config = config_class.from_dict(json.loads(key))
     family = config.model_type
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(0)
+    with _tiny_run():
         try:
             tiny = model_class(config).float().eval()
             for param in tiny.parameters():  # off their constant initial values (ones, zeros), so each counts
@@ -177,8 +191,7 @@ def _template(fqn: str) -> str:
 def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozenset) -> str | None:
     config = config_class.from_dict(json.loads(key))
     styles = dict(narrowed)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(0)
+    with _tiny_run():
         try:
             tiny = model_class(config).float().eval()
         except Exception as exc:

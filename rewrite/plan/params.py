@@ -62,25 +62,34 @@ def held_by_stage(
     sets = [set(m) for m in module_sets]
     specs = shards.values() if isinstance(shards, Mapping) else shards
     split = {s.fqn: s for s in specs if s.style != "grad_allreduce"}
+    # Which sets hold each module path: a parameter is looked up by its few prefixes, not tested against
+    # every set (a 70B model over 32 stages: 700 parameters x 32 sets per walk otherwise).
+    everything = {i for i, modules in enumerate(sets) if "" in modules}
+    holders: dict[str, set[int]] = {}
+    for i, modules in enumerate(sets):
+        for module in modules:
+            holders.setdefault(module, set()).add(i)
     seen: list[set[int]] = [set() for _ in sets]
     out: list[list[HeldParameter]] = [[] for _ in sets]
     for name, param in model.named_parameters(remove_duplicate=False):
-        prefixes = _prefixes(name)
+        found = everything.union(*(holders.get(prefix, ()) for prefix in _prefixes(name)))
+        if not found:
+            continue
         owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
         shard = split.get(owner)
         shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
-        for i, modules in enumerate(sets):
-            if id(param) in seen[i] or not ("" in modules or not modules.isdisjoint(prefixes)):
-                continue
-            seen[i].add(id(param))
-            out[i].append(HeldParameter(name, tuple(shape or param.shape), param.element_size(), id(param)))
+        held = HeldParameter(name, tuple(shape or param.shape), param.element_size(), id(param))
+        for i in sorted(found):
+            if id(param) not in seen[i]:
+                seen[i].add(id(param))
+                out[i].append(held)
     return out
 
 
-def _prefixes(name: str) -> set[str]:
-    """`a.b.c` -> {a, a.b, a.b.c}: the module paths a parameter named `name` is inside (and itself)."""
+def _prefixes(name: str) -> list[str]:
+    """`a.b.c` -> [a, a.b, a.b.c]: the module paths a parameter named `name` is inside (and itself)."""
     parts = name.split(".")
-    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def held_count(model: nn.Module, modules: Iterable[str], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = ()) -> int:

@@ -6,20 +6,20 @@ it needs no process group. Every problem is collected and raised once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import nn
 
-from ..models import fx_graph
 from ..models.flops import Costs, estimate_costs
-from ..models.hf_llama import Backbone, backbone_problem, find_backbone
-from ..models.oracle import exception_line, narrowed_problem, walker_problem
+from ..models.hf_llama import Backbone, find_backbone
+from ..models.oracle import narrowed_problem, walker_problem
 from ..schedules import placement
-from .cuts import balanced_split, best_split
 from .params import HeldParameter, held_by_stage, held_parameters
 from .schema import ParallelPlan, PlanError, load_plan
-from .size_checks import by_line, stage_count, stages_words, too_many_stages, world_problem
+from .size_checks import by_line, stage_count, world_problem
+from .stage_split import fx_stages, hf_stages
 from .tp_rules import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 from .tp_switches import option_problems
 
@@ -93,95 +93,6 @@ class ResolvedPlan:
         return max((s.replicas for s in self.shards), default=1)
 
 
-def _hf_stages(
-    plan: ParallelPlan, n: int, bb: Backbone, costs: Costs | str
-) -> tuple[list[list[int]], list[str], list[str]]:
-    """Layer indices per stage, the cut layers, and problems. `costs` is a message when unknown."""
-    pp, cuts = stage_count(plan), plan.pipeline.cut_points
-    names = [bb.layer(i) for i in range(n)]
-    if pp > n:
-        return [], [], [too_many_stages(plan, n, "layers")]
-    if cuts is None:
-        starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
-    elif cuts == "auto":
-        if isinstance(costs, str):
-            return [], [], [
-                f"{plan.where('pipeline', 'cut_points')}pipeline.cut_points: 'auto' cannot estimate "
-                f"this model's compute: {costs}; list the "
-                f"pp - 1 = {pp - 1} layers where stages start (e.g. {names[n // 2]!r}), or omit cut_points"
-            ]
-        sizes = best_split(costs.folded(), pp)
-        starts = [sum(sizes[:s]) for s in range(pp)]
-    else:
-        problems, at = [], plan.where("pipeline", "cut_points")
-        for k, cut in enumerate(cuts):
-            if cut not in names:
-                problems.append(
-                    f"{plan.where('pipeline', 'cut_points', k)}pipeline.cut_points[{k}] {cut!r} is not a layer of "
-                    "the model's layer sequence "
-                    f"({names[0]} .. {names[-1]}){closest(cut, names)}"
-                )
-        if problems:
-            return [], [], problems
-        starts = [0] + [names.index(c) for c in cuts]
-        if starts != sorted(starts):
-            return [], [], [
-                f"{at}pipeline.cut_points {cuts} are out of order; list them as the layers run: "
-                f"{sorted(cuts, key=names.index)}"
-            ]
-        if starts[1] == 0:
-            return [], [], [
-                f"{at}pipeline.cut_points[0] {cuts[0]!r} leaves stage 0 without a layer; cut after {names[0]}"
-            ]
-    bounds = starts + [n]
-    return [list(range(bounds[s], bounds[s + 1])) for s in range(pp)], [names[i] for i in starts[1:]], []
-
-
-def _fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], list[str], list[str]]:
-    pp, seq = stage_count(plan), fx_graph.layer_sequence(model)
-    if plan.pipeline.cut_points == "auto":
-        shown = ", ".join(seq[:4]) + (", ..." if len(seq) > 4 else "")
-        fix = "omit cut_points: one stage needs none" if pp == 1 else (
-            f"list the pp - 1 = {pp - 1} module paths where stages start (its layer sequence: {shown}), "
-            "or omit cut_points for a balanced split"
-        )
-        return [], [], [
-            "pipeline.cut_points: 'auto' balances the estimated compute of Hugging Face LLaMA-family layers, "
-            f"but {type(model).__name__} is split by torch.fx and its modules have no cost estimate; {fix}"
-        ]
-    if pp == 1:
-        return [[name for name, _ in model.named_children()]], [], []
-    try:
-        traced = fx_graph.trace(model)
-    except ValueError as exc:
-        walker = backbone_problem(model)
-        if walker is None:
-            return [], [], [str(exc)]
-        return [], [], [
-            f"{type(model).__name__} ({model.config.model_type}) cannot be split into pipeline stages: {walker}, "
-            f"and torch.fx cannot trace it ({exception_line(exc.__cause__ or exc)}); use mesh.pp: 1"
-        ]
-    cuts = plan.pipeline.cut_points
-    if cuts is None:
-        if len(seq) < pp:
-            return [], [], [
-                f"{stages_words(plan)}: a balanced split needs a layer sequence of at least {pp} modules, found "
-                f"{len(seq)} in {type(model).__name__}; list pipeline.cut_points instead, or use at most "
-                f"{len(seq)} stages (pp x virtual_stages)"
-            ]
-        cuts = [seq[sum(balanced_split(len(seq), pp)[:s])] for s in range(1, pp)]
-    problems = fx_graph.split_problems(traced, list(cuts))
-    if problems:
-        return [], list(cuts), problems
-    stages = []
-    for s in range(pp):
-        graph = fx_graph.stage_graph(traced, list(cuts), s)
-        used = [n.target for n in graph.nodes if n.op in ("call_module", "get_attr")]
-        collapsed = [next((e for e in seq if t == e or t.startswith(e + ".")), t) for t in used]
-        stages.append(list(dict.fromkeys(collapsed)))
-    return stages, list(cuts), []
-
-
 def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list[str], list[str]]:
     """Modules `activation_checkpointing` matches (the outermost of nested matches), and problems."""
     names, hits, problems = [n for n in modules if n], [], []
@@ -208,8 +119,32 @@ def _estimate(plan: ParallelPlan, model: nn.Module, bb: Backbone, n: int, shards
         return str(exc)
 
 
+def _memo(cache: dict | None, key: tuple | None, make: Callable):
+    """`make()`, computed once per key when a cache is given (None: not cached)."""
+    if cache is None or key is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _bind_shards(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[tuple, tuple, tuple]:
+    """(shards, problems, notes) of the plan's tensor_parallel rules, the model's own forward checked on them."""
+    notes: list[str] = []
+    shards, problems = shard_problems(plan, model, modules, notes)
+    if plan.mesh.tp > 1 and not problems and hasattr(getattr(model, "config", None), "model_type"):
+        narrowed = narrowed_problem(model, {s.fqn: s.style for s in shards}, [s.fqn for s in shards if s.replicas > 1])
+        problems += [f"{type(model).__name__} ({model.config.model_type}): {narrowed}"] if narrowed else []
+    return tuple(shards), tuple(problems), tuple(notes)
+
+
+def _totals(model: nn.Module) -> tuple[int, int]:
+    whole = held_parameters(model, [""])
+    return sum(p.numel for p in whole), sum(p.numel * p.element_size for p in whole)
+
+
 def resolve(
-    plan: ParallelPlan | str | Path | dict, model: nn.Module, *, world_size: int | None = None
+    plan: ParallelPlan | str | Path | dict, model: nn.Module, *, world_size: int | None = None, cache: dict | None = None
 ) -> ResolvedPlan:
     """Bind a plan to a model, checking everything that needs the model.
 
@@ -217,6 +152,9 @@ def resolve(
         plan: a `ParallelPlan`, or anything `load_plan` takes.
         model: the model to bind to (it is not changed; a meta-device model works).
         world_size: when given, must equal `mesh.dp * mesh.pp * mesh.tp`.
+        cache: a dict kept across calls on the same, unchanged model (a plan search): what depends only on
+            the tensor_parallel rules and tp (shards, their checks, costs) or on the stages' modules
+            (their parameters) is computed once, not per mesh, schedule or switch.
 
     Returns:
         A `ResolvedPlan`: per module its style and per-rank shapes, per stage its modules.
@@ -241,31 +179,37 @@ def resolve(
             f"the model was already rewritten by apply_plan (it holds {applied}); "
             "apply a plan to a model that has not been rewritten (build or load it again)"
         ])
-    modules = dict(model.named_modules())
+    modules = _memo(cache, ("modules",), lambda: dict(model.named_modules()))
     # Parallel layers expose `shard_of` (the slicing rule of tensor_parallel.layers).
-    done = [f for f, m in modules.items() if callable(getattr(m, "shard_of", None))]
+    done = _memo(cache, ("done",), lambda: [f for f, m in modules.items() if callable(getattr(m, "shard_of", None))])
     if done:
         raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
-    notes: list[str] = []
-    shards, tp_problems = shard_problems(plan, model, modules, notes)
+    rules = plan.tensor_parallel
+    # Everything `shard_problems` reads of the plan: tp, the rules and their lines (for the messages).
+    tp_key = ("tp", plan.mesh.tp, tuple(rules.items()), tuple(plan.where("tensor_parallel", r) for r in rules),
+              plan.where("mesh", "tp"))
+    shards, tp_problems, notes = _memo(cache, tp_key, lambda: _bind_shards(plan, model, modules))
     problems += tp_problems
-    if plan.mesh.tp > 1 and not tp_problems and hasattr(getattr(model, "config", None), "model_type"):
-        narrowed = narrowed_problem(model, {s.fqn: s.style for s in shards}, [s.fqn for s in shards if s.replicas > 1])
-        problems += [f"{type(model).__name__} ({model.config.model_type}): {narrowed}"] if narrowed else []
     recomputed, ac_problems = _recomputed(plan, modules)
     problems += ac_problems
     bb = find_backbone(model)
     costs: Costs | str | None = None
     if bb is not None:
-        guard = walker_problem(model)
+        guard = _memo(cache, ("walker",), lambda: walker_problem(model))
         if guard:  # every other problem would be moot: no plan runs this family correctly
             raise PlanError(plan.source, [
                 f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses it rather than train a "
                 "different model, and no plan setting changes that"
             ])
         n = len(model.get_submodule(bb.layers))
-        costs = _estimate(plan, model, bb, n, shards)
-        layer_sets, cuts, stage_problems = _hf_stages(plan, n, bb, costs)
+        costs_key = (*tp_key, "costs", plan.pipeline.seq_len)
+        costs = _memo(cache, costs_key, lambda: _estimate(plan, model, bb, n, shards))
+        cut = plan.pipeline.cut_points
+        # Everything `hf_stages` reads of the plan, when its cuts are not a list of layers.
+        split_key = (*costs_key, "split", plan.mesh.pp, plan.pipeline.virtual_stages, cut, plan.where("mesh", "pp"),
+                     plan.where("pipeline", "cut_points")) if cut is None or isinstance(cut, str) else None
+        layer_sets, cuts, stage_problems = _memo(cache, split_key, lambda: hf_stages(plan, n, bb, costs))
+        stage_problems = list(stage_problems)
         norm = model.get_submodule(bb.norm)
         if bb.norm_first and pp > 1 and any(True for _ in norm.parameters()):
             stage_problems.append(
@@ -276,19 +220,20 @@ def resolve(
         module_sets = [bb.stage_modules(ls, first=s == 0, last=s == pp - 1) for s, ls in enumerate(layer_sets)]
         layer_names = [[bb.layer(i) for i in ls] for ls in layer_sets]
     else:
-        module_sets, cuts, stage_problems = _fx_stages(plan, model)
+        module_sets, cuts, stage_problems = fx_stages(plan, model)
         layer_sets, layer_names = [], module_sets
-    problems += stage_problems + option_problems(plan, model, bb, shards)
+    problems += stage_problems + option_problems(plan, model, bb, list(shards))
     if problems:
         raise PlanError(plan.source, by_line(collapse_repeats(problems)))
     costs = costs if isinstance(costs, Costs) else None
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)
+    sets = module_sets if pp > 1 else [[""]]
+    held_sets = _memo(cache, (*tp_key, "held", tuple(map(tuple, sets))), lambda: held_by_stage(model, sets, shards))
     stages = []
-    for s, held in enumerate(held_by_stage(model, module_sets if pp > 1 else [[""]], shards)):
+    for s, held in enumerate(held_sets):
         count, size = sum(p.numel for p in held), sum(p.nbytes for p in held)
         stages.append(StageSpec(s, tuple(module_sets[s]), tuple(layer_names[s]), count, size, shares[s], tuple(held)))
-    whole = held_parameters(model, [""])
-    total, total_bytes = sum(p.numel for p in whole), sum(p.numel * p.element_size for p in whole)
+    total, total_bytes = _memo(cache, ("totals",), lambda: _totals(model))
     return ResolvedPlan(
         plan=plan,
         model_name=type(model).__name__,
@@ -303,5 +248,5 @@ def resolve(
         costs=costs,
         stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
         recomputed=tuple(recomputed),
-        warnings=tuple(collapse_repeats(notes)),
+        warnings=tuple(collapse_repeats(list(notes))),
     )

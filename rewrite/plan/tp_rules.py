@@ -9,6 +9,7 @@ import difflib
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from functools import lru_cache
 
 from torch import nn
 
@@ -45,6 +46,7 @@ class ShardSpec:
         return self.tp // self.replicas
 
 
+@lru_cache(maxsize=1 << 17)  # a plan search binds the same few rules to every module of a model dozens of times
 def match_pattern(pattern: str, fqn: str) -> bool:
     """`*` matches within one dotted segment; segment counts must agree."""
     pat, parts = pattern.split("."), fqn.split(".")

@@ -6,7 +6,7 @@ prints, and what the step-time model (`rewrite.estimate.step_time`) times a plan
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .actions import Action, Table, needs
 
@@ -25,8 +25,8 @@ def layout(table: Table, stage_rank: Sequence[int] | None) -> tuple[tuple[int, .
 def simulate(
     table: Table,
     stage_rank: Sequence[int] | None = None,
-    cost: dict[str, float] | Callable[[Action], float] | None = None,
-    delay: Callable[[Action, Action], float] | None = None,
+    cost: Mapping[str, float] | Mapping[tuple[str, int], float] | Callable[[Action], float] | None = None,
+    delay: Mapping[tuple[int, int], float] | Callable[[Action, Action], float] | None = None,
 ) -> tuple[dict[Action, tuple[float, float]], list[str]]:
     """Run the table on paper: each action's (start, end).
 
@@ -37,51 +37,93 @@ def simulate(
     Args:
         table, stage_rank: the table and the pp rank of each stage (default: inferred, looped).
         cost: each action's duration: per kind (default F 1, B 2, W 1, and I the B less
-            the W), or a function of the action (per stage and kind: the step-time model).
-        delay: the transfer an action waits for after what it needs ended on another rank,
-            `delay(need, action)`; default none (transfers are free).
+            the W), per (kind, stage) (the step-time model's), or a function of the action.
+        delay: the transfer an action waits for after what it needs ended on another rank:
+            `delay(need, action)`, or per (pp rank of the need, pp rank of the action); default
+            none (transfers are free).
 
     Returns:
         The times, and one problem per stuck rank naming its first cell that cannot run
         (empty when the table runs to the end).
     """
+    stage_rank, _ = layout(table, stage_rank)
+    run = _order(table, stage_rank)
     if callable(cost):
-        duration = cost
+        durations = list(map(cost, run.actions))
+    elif cost and isinstance(next(iter(cost)), tuple):
+        durations = [cost[a.kind, a.stage] for a in run.actions]
     else:
         kinds = {"F": 1.0, "B": 2.0, "W": 1.0, **(cost or {})}
         kinds.setdefault("I", kinds["B"] - kinds["W"])
-        duration = lambda a: kinds[a.kind]  # noqa: E731
-    stage_rank, at = layout(table, stage_rank)
+        durations = [kinds[a.kind] for a in run.actions]
+    if delay is None:
+        lags = [0.0] * len(run.actions)
+    elif callable(delay):
+        lags = [delay(need, a) if need is not None else 0.0 for need, a in zip(run.crossing, run.actions)]
+    else:
+        lags = [delay[stage_rank[need.stage], stage_rank[a.stage]] if need is not None else 0.0
+                for need, a in zip(run.crossing, run.actions)]
+    free, ends, starts = [0.0] * len(table), [], []
+    for r, j, lag, d in zip(run.ranks, run.provider, lags, durations):
+        ready = 0.0 if j < 0 else ends[j] + lag
+        start = free[r] if free[r] >= ready else ready  # max(free, ready), as the rows run
+        free[r] = start + d
+        starts.append(start)
+        ends.append(start + d)
+    return dict(zip(run.actions, zip(starts, ends))), list(run.stuck)
+
+
+class _Run:
+    """A table's actions in the order they can run, what each waits for, and where it gets stuck."""
+
+    def __init__(self, actions, ranks, provider, crossing, stuck) -> None:
+        self.actions, self.ranks, self.provider, self.crossing, self.stuck = actions, ranks, provider, crossing, stuck
+
+
+_RUNS: dict[tuple, tuple] = {}  # (id(table), stage_rank) -> (table, its _Run): a search times the same tables often
+
+
+def _order(table: Table, stage_rank: tuple[int, ...]) -> _Run:
+    """Each rank runs its row while what the next action waits for has ended, rank after rank, until all
+    have run or none can. Independent of durations, so found once per table and placement: `provider` is,
+    per action, the position (in this order) of the action whose end it waits for (-1: none), and
+    `crossing` the `needs` it waits for from another rank (None: none, or on its own rank)."""
+    held = _RUNS.get((id(table), stage_rank))
+    if held is not None and held[0] is table:
+        return held[1]
+    _, at = layout(table, stage_rank)
     last, pp = len(stage_rank), len(table)
     steps = _steps(table, last)
-    times: dict[Action, tuple[float, float]] = {}
-    ended: dict[tuple, float] = {}  # by `done_key`: an I ends a backward as a B does
-    free, position = [0.0] * pp, [0] * pp
+    actions, ranks, provider, crossing = [], [], [], []
+    ended: dict[tuple, int] = {}  # by `done_key`: an I ends a backward as a B does
+    position = [0] * pp
+    stuck: list[str] = []
     while any(position[r] < len(table[r]) for r in range(pp)):
         moved = False
         for r in range(pp):
             row = steps[r]
             while position[r] < len(row):
                 action, need, done = row[position[r]]
-                ready = 0.0
-                if need is not None:
-                    if need not in ended:
-                        break
-                    ready = ended[need]
-                    if delay is not None and stage_rank[need[2]] != r:
-                        ready += delay(Action(*need), action)
-                start = max(free[r], ready)
-                end = start + duration(action)
-                times[action] = (start, end)
-                ended[done] = end
-                free[r], position[r], moved = end, position[r] + 1, True
+                if need is not None and need not in ended:
+                    break
+                provider.append(-1 if need is None else ended[need])
+                crossing.append(Action(*need) if need is not None and stage_rank[need[2]] != r else None)
+                ended[done] = len(actions)
+                actions.append(action)
+                ranks.append(r)
+                position[r], moved = position[r] + 1, True
         if not moved:
-            stuck = [(r, position[r], table[r][position[r]]) for r in range(pp) if position[r] < len(table[r])]
-            return times, [
-                f"rank {r}, cell {pos} ({a.cell(at)}) waits forever for {needs(a, last)} of stage {needs(a, last).stage}"
-                for r, pos, a in stuck
+            stuck = [
+                f"rank {r}, cell {position[r]} ({table[r][position[r]].cell(at)}) waits forever for "
+                f"{needs(table[r][position[r]], last)} of stage {needs(table[r][position[r]], last).stage}"
+                for r in range(pp) if position[r] < len(table[r])
             ]
-    return times, []
+            break
+    run = _Run(actions, ranks, provider, crossing, tuple(stuck))
+    if len(_RUNS) > 1024:
+        _RUNS.clear()
+    _RUNS[id(table), stage_rank] = (table, run)
+    return run
 
 
 def bubble(table: Table, times: dict[Action, tuple[float, float]]) -> float:
@@ -91,16 +133,9 @@ def bubble(table: Table, times: dict[Action, tuple[float, float]]) -> float:
     return 1 - busy / (len(table) * span) if span else 0.0
 
 
-_STEPS: dict[int, tuple] = {}  # id(table) -> (table, its steps): a search simulates the same cached tables
-
-
 def _steps(table: Table, num_stages: int) -> list[list[tuple]]:
     """Per rank, per action: (action, what it waits for as a `(kind, mb, stage)` key or None, what its end
-    provides). The keys are `actions.needs` and `done_key` written as tuples, which hash in C: the
-    simulation of a long table stays quick."""
-    held = _STEPS.get(id(table))
-    if held is not None and held[0] is table and held[1] == num_stages:
-        return held[2]
+    provides). The keys are `actions.needs` and `done_key` written as tuples, which hash in C."""
     last = num_stages - 1
     steps = []
     for row in table:
@@ -115,7 +150,4 @@ def _steps(table: Table, num_stages: int) -> list[list[tuple]]:
                 need = ("B", mb, s + 1) if s < last else ("F", mb, s)
             out.append((a, need, ("B", mb, s) if kind == "I" else (kind, mb, s)))
         steps.append(out)
-    if len(_STEPS) > 1024:
-        _STEPS.clear()
-    _STEPS[id(table)] = (table, num_stages, steps)
     return steps
