@@ -80,7 +80,8 @@ class SavedTensors:
     """
 
     def __init__(self, module: torch.nn.Module):
-        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        # A DTensor parameter (FSDP2's shard) keeps its storage in its local tensor.
+        self.params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in module.parameters()}
         self.refs: dict[int, int] = {}  # storage address -> saved tensors holding it
         self.live = self.peak = 0
 
@@ -97,7 +98,9 @@ class SavedTensors:
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
         self.refs[ptr] = self.refs.get(ptr, 0) + 1
-        return _Saved(self, tensor, ptr, storage.nbytes())
+        # Detached: a saved output holding its own grad_fn would keep its graph alive in a cycle
+        # autograd cannot break (a graph kept for a split backward never frees it).
+        return _Saved(self, tensor.detach(), ptr, storage.nbytes())
 
     def _drop(self, ptr: int, nbytes: int) -> None:
         self.refs[ptr] -= 1

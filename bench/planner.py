@@ -1,0 +1,200 @@
+"""The planner against the clock: candidate plans' predicted step times against their measured
+ones, side by side, with a profile calibrated on this machine first.
+
+    .venv/bin/python -m bench.planner                 # about 10 minutes on 2 cores
+    .venv/bin/python -m bench.planner --worlds 2 --steps 3
+
+For each world (2 and 4 local ranks, one thread each): `rewrite.run.calibrate` measures a
+profile with that many ranks at once; every plan the search space holds for the bench model
+(`seq_len` 128, a global batch of 16 sequences: meshes, schedules, microbatch counts,
+sharding, switches, checkpointing) is predicted on it (`estimate.step_time.predict_step`);
+`rewrite.suggest_plans` picks its top plan. Measured: the top pick, the best of every other
+mesh, and plans spread over the predicted range, at least 8, all in the same processes,
+taking turns step by step (a step: `run_schedule` and an AdamW update). Targets: the top
+pick's measured step within 10 % of the best measured; Spearman correlation of predicted and
+measured >= 0.7. Writes the "planner" entry of bench/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+import rewrite
+from bench import common
+from rewrite.estimate.memory import SHARDINGS, rank_memory
+from rewrite.estimate.search_space import (CHECKPOINTING, SCHEDULES_BY_STAGES, bind, binds_sp, meshes,
+                                           microbatch_counts, variant)
+from rewrite.run.calibrate import calibrate, profile_yaml
+from rewrite.schedules import schedule_rules
+
+SEQ, BATCH, MEASURED = 128, 16, 10
+
+
+def every_plan(meta, hw, world: int) -> list[dict]:
+    """Every candidate of the search space on `world` ranks, predicted: plan, batch_size, step_s, peak."""
+    out = []
+    layers = meta.config.num_hidden_layers
+    for dp, pp, tp in meshes(world, world, layers):
+        n = BATCH // dp
+        for k in (1, 2) if pp > 1 else (1,):
+            for vocab_loss in (False, True) if tp > 1 else (False,):
+                base = bind(meta, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=SEQ)
+                if isinstance(base, str):
+                    continue
+                bases = [base]
+                if tp > 1 and binds_sp(meta, base):
+                    bases.append(bind(meta, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=True, seq_len=SEQ))
+                for b in bases:
+                    out += _variants(b, meta, hw, n, k)
+    return sorted(out, key=lambda c: c["step_s"])
+
+
+def _variants(base, meta, hw, n: int, k: int) -> list[dict]:
+    dp, pp = base.plan.mesh.dp, base.pp
+    out = []
+    for schedule in SCHEDULES_BY_STAGES[k] if pp > 1 else ("1f1b", "afab"):
+        for m in microbatch_counts(n, pp * k):
+            if schedule_rules(schedule, pp, k, m):
+                continue
+            for sharding in SHARDINGS if dp > 1 else ("full",):
+                for mode in CHECKPOINTING:
+                    v = variant(base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode)
+                    got = rewrite.predict_step(v, meta, hw, batch_size=n // m)
+                    peak = max(r.total for r in rank_memory(v, meta, batch_size=n // m))
+                    plan = v.plan.model_dump(mode="json", exclude_none=True)
+                    out.append({"plan": plan, "batch_size": n // m, "step_s": got.step_s, "peak": peak,
+                                "summary": rewrite.Candidate(v.plan, n // m, 0, 0, 0, 0, peak, True, mode).summary()})
+    return out
+
+
+def choose(every: list[dict], picks: list[rewrite.Candidate], count: int) -> list[dict]:
+    """The planner's picks (its top first, then the best of each other mesh), then plans spread
+    evenly over the predicted ranking, `count` in all, each once."""
+    chosen = [{"plan": p.plan.model_dump(mode="json", exclude_none=True), "batch_size": p.batch_size,
+               "step_s": p.step_s, "peak": p.peak_bytes, "summary": p.summary()} for p in picks][:count]
+    known = {c["summary"] for c in chosen}
+    spread = [every[round(i * (len(every) - 1) / max(count - 1, 1))] for i in range(count)]
+    for c in spread + every:
+        if len(chosen) >= count:
+            break
+        if c["summary"] not in known:
+            known.add(c["summary"])
+            chosen.append(c)
+    return chosen
+
+
+def measure(rank: int, world: int, chosen: list[dict], warmup: int, steps: int) -> list[list[float]]:
+    """Seconds of each step of each chosen plan, taking turns (every other round in reverse)."""
+    runs = [_step(c) for c in chosen]
+    times: list[list[float]] = [[] for _ in chosen]
+    for i in range(warmup + steps):
+        order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
+        for j in order:
+            t = common.timed(runs[j], warmup=0, steps=1)[0]
+            if i >= warmup:
+                times[j].append(t)
+    return times
+
+
+def _step(candidate: dict):
+    stage = rewrite.apply_plan(common.model(), candidate["plan"])
+    m, b = candidate["plan"]["pipeline"]["microbatches"], candidate["batch_size"]
+    gen = torch.Generator().manual_seed(0)
+    vocab = common.build_config(common.MODEL).vocab_size
+    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=gen)
+    mine = tokens[stage.mesh.dp_rank * m * b:(stage.mesh.dp_rank + 1) * m * b]  # this replica's share
+    ids = [mine[i * b:(i + 1) * b, :-1].contiguous() for i in range(m)]
+    targets = [mine[i * b:(i + 1) * b, 1:].contiguous() for i in range(m)]
+    optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-4)
+
+    def step():
+        rewrite.run_schedule(stage, ids, targets)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for t in range(i, j + 1):
+                out[order[t]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def run_world(world: int, warmup: int, steps: int) -> dict:
+    found = calibrate(world)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(profile_yaml(found, name=f"this machine, {world} ranks"))
+    hw = rewrite.load_hardware(f.name)
+    Path(f.name).unlink()
+    meta = common.build_model(common.MODEL, device="meta")
+    every = every_plan(meta, hw, world)
+    picks = rewrite.suggest_plans(meta, world=world, seq_len=SEQ, global_batch=BATCH, hardware=hw)
+    chosen = choose(every, picks, MEASURED)
+    per_rank = common.launch(measure, world, chosen, warmup, steps)
+    rows = []
+    for j, c in enumerate(chosen):
+        slow = [max(r[j][i] for r in per_rank) for i in range(steps)]  # a step is its slowest rank's
+        rows.append({"summary": c["summary"], "predicted_s": c["step_s"], "measured_s": common.median(slow),
+                     "range_s": [min(slow), max(slow)], "peak_bytes": c["peak"], "top_pick": j == 0})
+    best = min(r["measured_s"] for r in rows)
+    return {
+        "world": world, "profile": {k: v for k, v in found.items() if k != "measured"}, "candidates": len(every),
+        "rows": rows, "top_pick_over_best": rows[0]["measured_s"] / best,
+        "spearman": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+    }
+
+
+def table(res: dict) -> str:
+    lines = [f"world {res['world']}: {res['candidates']} candidates predicted, {len(res['rows'])} measured",
+             "", "| plan | predicted (s) | measured (s), median (range) | measured / predicted |", "|---|---|---|---|"]
+    for r in sorted(res["rows"], key=lambda r: r["measured_s"]):
+        mark = " **(top pick)**" if r["top_pick"] else ""
+        lo, hi = r["range_s"]
+        lines.append(f"| {r['summary']}{mark} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} ({lo:.3f}-{hi:.3f}) "
+                     f"| {r['measured_s'] / r['predicted_s']:.2f} |")
+    lines.append(f"\ntop pick / best measured {res['top_pick_over_best']:.2f} (target <= 1.10); "
+                 f"Spearman {res['spearman']:.2f} (target >= 0.7)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="2,4", help="comma-separated local rank counts")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--out", default="bench/results.json", help="its 'planner' entry is replaced")
+    args = parser.parse_args()
+    found = []
+    for world in (int(w) for w in args.worlds.split(",")):
+        found.append(run_world(world, args.warmup, args.steps))
+        print(table(found[-1]) + "\n", flush=True)
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results["planner"] = found
+    out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
