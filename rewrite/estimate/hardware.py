@@ -55,6 +55,9 @@ class Hardware(_Strict):
     intra_node: Link
     inter_node: Link
     efficiency: Efficiency
+    layer_overhead_s: Annotated[float, Field(ge=0, description=(
+        "seconds one decoder layer's forward and backward cost a microbatch beyond their FLOPs and memory "
+        "traffic: operator dispatch, kernel launches (0: not modelled)"))] = 0.0
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s in `dtype` ('float32', 'bfloat16', ...; a torch dtype's name).

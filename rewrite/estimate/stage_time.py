@@ -12,6 +12,8 @@ each under kv replication divide by t / r):
 Memory traffic, at the bandwidth: F writes and reads back what the layer keeps for its backward
 (`activations.layer_bytes`) and reads the weights; I reads it and writes as much again; W reads
 and accumulates the gradients (2x the weights). A checkpointed layer adds its forward to its I.
+A layer also costs the profile's fixed `layer_overhead_s` per microbatch (operator dispatch, which
+eager CPU runs pay in full), a third in each of F, I and W.
 Collectives per split block (attention, MLP) and microbatch, of T h B bytes:
     plain tp             F: 1 all-reduce (row out)           I: 1 all-reduce (column in)
     sequence parallel    F: all-gather in, reduce-scatter out; I: the same two in reverse
@@ -65,6 +67,7 @@ class _Clock:
     def __init__(self, hardware: Hardware, dtype: str, tp: int, link) -> None:
         self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
         self.bandwidth, self.tp, self.link, self.eff = hardware.memory_bandwidth, tp, link, hardware.efficiency.collective
+        self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
 
     def run(self, flops: float, nbytes: float) -> float:
         return flops / self.rate + nbytes / self.bandwidth
@@ -92,9 +95,9 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
         fwd_comm = bwd_comm = blocks * 2 * clock.gather(block)
     else:
         fwd_comm = bwd_comm = blocks * clock.all_reduce(block)
-    forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm
-    input_backward = clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm
-    weight_backward = clock.run(proj + mlp, 2 * weights)
+    forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm + clock.overhead
+    input_backward = clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm + clock.overhead
+    weight_backward = clock.run(proj + mlp, 2 * weights) + clock.overhead
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
     share = 1.0 if "" in recomputed else len(recomputed & {"self_attn", "mlp"}) / 2
     input_backward += share * forward

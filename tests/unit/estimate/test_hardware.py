@@ -26,6 +26,8 @@ def test_the_shipped_profiles_load_and_cite_a_source_for_every_number():
             indent = len(line) - len(line.lstrip())
             parent = next((p for p in reversed(lines[:i]) if p.strip() and len(p) - len(p.lstrip()) < indent), "")
             assert "#" in line or (indent and "#" in parent), f"{name}: no source for {line.strip()!r}"
+    assert all(load_hardware(n).layer_overhead_s == 0 for n in ("h100-sxm", "h200", "a100-80g"))
+    assert 0 < load_hardware("cpu").layer_overhead_s < 0.01  # eager dispatch, measured
     h100 = load_hardware("h100-sxm")
     assert h100.peak_flops["bfloat16"] == 989.4e12 and h100.devices_per_node == 8
     assert load_hardware("h200").memory_gib > load_hardware("h100-sxm").memory_gib
@@ -56,6 +58,9 @@ def test_a_calibrated_profile_reads_back():
     }
     hw = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found, name="here")))
     assert hw.name == "here" and hw.flops("float32") == 5e10 and hw.inter_node == hw.intra_node
+    assert hw.layer_overhead_s == 0  # not measured: not modelled
+    found["layer_overhead_s"] = 0.0025
+    assert Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found))).layer_overhead_s == 0.0025
 
 
 def test_rewrite_calibrate_measures_this_machine(tmp_path):
@@ -65,6 +70,7 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     assert run.returncode == 0, run.stderr
     hw = load_hardware(out)
     assert hw.devices_per_node == 2 and hw.flops("float32") > 1e8 and hw.intra_node.latency > 0
+    assert 0 < hw.layer_overhead_s < 1  # eager CPU dispatch: milliseconds per layer, not seconds
     bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "at least 2" in bad.stderr

@@ -65,6 +65,24 @@ def test_stage_times_are_flops_at_the_peak(llama):
     assert ckpt.input_backward - t.input_backward == pytest.approx(4 * layer_f / 1e9)
 
 
+def test_a_layer_overhead_costs_each_layer_a_third_in_each_of_f_i_w(llama):
+    (t,) = stage_times(_resolved(llama), llama, UNIT)
+    slow = UNIT.model_copy(update={"layer_overhead_s": 0.003})
+    (o,) = stage_times(_resolved(llama), llama, slow)
+    for part in ("forward", "input_backward", "weight_backward"):
+        assert getattr(o, part) - getattr(t, part) == pytest.approx(4 * 0.001)  # 4 layers, a third each
+    assert o.flops == t.flops  # FLOPs (and so MFU's numerator) do not change
+    # A checkpointed layer dispatches its forward again in the backward.
+    ckpt = _resolved(llama, activation_checkpointing={"model.layers.*": "full"})
+    (c,), (co,) = stage_times(ckpt, llama, UNIT), stage_times(ckpt, llama, slow)
+    assert co.input_backward - c.input_backward == pytest.approx(4 * 0.002)
+    # Eight microbatches of one sequence pay it eight times; one of eight sequences once.
+    many = predict_step(_resolved(llama, m=8), llama, slow).step_s - predict_step(_resolved(llama, m=8), llama, UNIT).step_s
+    one = predict_step(_resolved(llama, m=1), llama, slow, batch_size=8).step_s
+    assert many == pytest.approx(8 * 4 * 0.003)
+    assert one - predict_step(_resolved(llama, m=1), llama, UNIT, batch_size=8).step_s == pytest.approx(4 * 0.003)
+
+
 def test_one_all_reduce_and_the_tp_collectives_of_a_layer(llama):
     link = Link(bandwidth=1e9, latency=1e-3)
     assert all_reduce_s(1e9, 4, link, 0.5) == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4 * 1e9 / 0.5e9)
