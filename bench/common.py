@@ -5,12 +5,14 @@ Every measurement runs one torch thread per rank, on CPU with gloo.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import statistics
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -197,3 +199,11 @@ class _NoGroup:
 
     def __call__(self, rank, world, *args):
         return self.fn(*args)
+
+
+def save_result(out: str | Path, key: str, value) -> None:
+    """Replace the `key` entry of the results file `out` (JSON; made if missing), keeping the others."""
+    path = Path(out)
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results[key] = value
+    path.write_text(json.dumps(results, indent=2) + "\n")

@@ -19,9 +19,7 @@ Writes the "dp" entry of bench/results.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -172,10 +170,7 @@ def main() -> None:
     single = common.single_process(one_process, args.warmup, args.steps)
     res = summarize(runs, single)
     print(table(res))
-    path = Path(args.out)
-    results = json.loads(path.read_text()) if path.exists() else {}
-    results["dp"] = res
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    common.save_result(args.out, "dp", res)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -179,10 +178,7 @@ def main() -> None:
             print(f"{path.stem}: {len(runnable)} cases on {world} ranks", flush=True)
     res = summarize(rows, refused)
     print(table(res))
-    out = Path(args.out)
-    results = json.loads(out.read_text()) if out.exists() else {}
-    results["memory_truth"] = res
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    common.save_result(args.out, "memory_truth", res)
 
 
 if __name__ == "__main__":

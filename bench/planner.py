@@ -18,7 +18,6 @@ measured >= 0.7. Writes the "planner" entry of bench/results.json.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -190,10 +189,7 @@ def main() -> None:
     for world in (int(w) for w in args.worlds.split(",")):
         found.append(run_world(world, args.warmup, args.steps))
         print(table(found[-1]) + "\n", flush=True)
-    out = Path(args.out)
-    results = json.loads(out.read_text()) if out.exists() else {}
-    results["planner"] = found
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    common.save_result(args.out, "planner", found)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Writes the "schedules" entry of bench/results.json (`bench.run` runs it too).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -115,9 +114,7 @@ def main() -> None:
     res["one_process_times"] = single["times"]
     res["wall_s"] = time.time() - start
     if out is not None:
-        results = json.loads(out.read_text()) if out.exists() else {}
-        results["schedules"] = res
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        common.save_result(out, "schedules", res)
     print(table(res))
     if out is None:
         print("(a partial run: nothing written; pass --out to keep it)")

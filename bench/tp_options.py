@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -370,13 +368,6 @@ def baselines_table(runs: list[dict]) -> str:
     return "\n".join(rows) + f"\n\nattention implementation: {runs[0]['attn_implementation']}"
 
 
-def _write(key: str, value, out: str) -> None:
-    path = Path(out)
-    results = json.loads(path.read_text()) if path.exists() else {}
-    results[key] = value
-    path.write_text(json.dumps(results, indent=2) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
@@ -392,8 +383,8 @@ def main() -> None:
         runs = common.launch(baselines, 2, args.warmup, args.steps)
         print(baselines_table(runs))
         keys = list(runs[0]["times"])
-        _write("tp_baselines", {"median_s": {k: common.median(_slow(runs, k)) for k in keys}, "raw": runs,
-                                "wall_s": time.time() - start}, args.out)
+        common.save_result(args.out, "tp_baselines", {"median_s": {k: common.median(_slow(runs, k)) for k in keys},
+                                                      "raw": runs, "wall_s": time.time() - start})
         return
     names = tuple(n.strip() for n in args.runs.split(",")) if args.runs else None
     runs = common.launch(compare, 2, args.warmup, args.steps, args.schedule, names)
@@ -403,7 +394,7 @@ def main() -> None:
     print()
     print(targets(res))
     if names is None:
-        _write("tp_options", res, args.out)
+        common.save_result(args.out, "tp_options", res)
 
 
 if __name__ == "__main__":
