@@ -1,7 +1,5 @@
 """`python -m rewrite ...` is the `rewrite` command."""
 
-import sys
+from .run.cli import console
 
-from .run.cli import main
-
-sys.exit(main())
+console()

@@ -71,7 +71,7 @@ from ..schedules.table import alive_counts
 
 __all__ = [
     "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations", "activation_problem",
-    "plan_sizes", "stage_activations", "place_activations",
+    "plan_sizes", "stage_activations", "place_activations", "place_peaks",
 ]
 
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
@@ -279,14 +279,22 @@ def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: i
 
 def place_activations(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int]) -> list[RankActivations]:
     """Each pp rank's `RankActivations` from `stage_activations`, under the plan's schedule table and placement."""
+    return [RankActivations(r, held, peak_in_flight(row), recompute, _peak(row, held) + recompute)
+            for r, row, held, recompute in _placed(resolved, kept, rebuilt)]
+
+
+def place_peaks(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int]) -> list[int]:
+    """`place_activations`' peaks alone (what a plan search compares with the device memory)."""
+    return [_peak(row, held) + recompute for _, row, held, recompute in _placed(resolved, kept, rebuilt)]
+
+
+def _placed(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int]):
+    """Per pp rank: (rank, its table row, bytes per held stage, its largest recompute)."""
     pipe = resolved.plan.pipeline
     table = plan_table(pipe.schedule, pipe.table, resolved.pp, pipe.virtual_stages, pipe.microbatches)
-    out = []
     for pp_rank, row in enumerate(table):
         held = {s: kept[s] for s in resolved.rank_stages(pp_rank)}
-        recompute = max((rebuilt[s] for s in held), default=0)
-        out.append(RankActivations(pp_rank, held, peak_in_flight(row), recompute, _peak(row, held) + recompute))
-    return out
+        yield pp_rank, row, held, max((rebuilt[s] for s in held), default=0)
 
 
 def _peak(row, stage_bytes: dict[int, int]) -> int:

@@ -16,6 +16,7 @@ DDP's gradient buckets (one stage per rank, whole backwards), or FSDP2's gathere
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from ..schedules import splits_backward
 from .activations import activation_problem, rank_activations
 
 __all__ = [
-    "Footprint", "RankMemory", "SHARDINGS", "GIB", "footprint", "rank_footprints", "rank_memory", "rank_parameters", "rank_held", "param_unit",
+    "Footprint", "ParamSums", "RankMemory", "SHARDINGS", "GIB", "footprint", "param_sums", "rank_footprints", "rank_memory", "rank_parameters", "rank_held", "param_unit",
     "with_run",
 ]
 
@@ -57,15 +58,40 @@ def _dp_shard(shape: tuple[int, ...], dp: int) -> int:
     return math.ceil(shape[0] / dp) * math.prod(shape[1:])
 
 
+@dataclass(frozen=True)
+class ParamSums:
+    """One rank's parameters summed for `footprint`: whole, and as FSDP2 shards over dp (per unit)."""
+
+    dp: int
+    whole: int  # elements
+    whole_bytes: int
+    held: int  # elements of the dp shards
+    held_bytes: int
+    unit_bytes: tuple[tuple[str | None, int], ...]  # per FSDP2 unit, of the dp shards
+
+
+def param_sums(params: list[tuple], dp: int) -> ParamSums:
+    """`footprint`'s sums of (shape, bytes per element[, unit]) parameters: one pass over them."""
+    whole = whole_bytes = held = held_bytes = 0
+    units: dict = {}
+    for p in params:
+        count, shard = math.prod(p[0]), _dp_shard(p[0], dp)
+        unit = p[2] if len(p) > 2 else None
+        whole, whole_bytes = whole + count, whole_bytes + count * p[1]
+        held, held_bytes, units[unit] = held + shard, held_bytes + shard * p[1], units.get(unit, 0) + shard * p[1]
+    return ParamSums(dp, whole, whole_bytes, held, held_bytes, tuple(units.items()))
+
+
 def footprint(
-    params: list[tuple], *, dp: int = 1, sharding: str = "full", split: bool = False
+    params: list[tuple] | ParamSums, *, dp: int = 1, sharding: str = "full", split: bool = False
 ) -> Footprint:
     """One rank's parameter memory for one data-parallel sharding.
 
     Args:
         params: (shape on this rank after tensor parallelism, bytes per element[, unit])
             of each parameter the rank holds, each once; `unit` names the FSDP2 unit it
-            belongs to (a decoder layer, or the root), default one unit for all.
+            belongs to (a decoder layer, or the root), default one unit for all. Or their
+            `param_sums` for this dp, which a search sizes once for every sharding.
         dp: data-parallel replicas; 1 shares nothing (the sharding is then ignored).
         sharding: `full`, `grad_op` or `replicate` (`data_parallel.sharding`).
         split: the schedule splits backwards (zero-bubble, zbv): `full` then keeps
@@ -86,21 +112,17 @@ def footprint(
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"data_parallel.sharding {sharding!r}: use one of {', '.join(SHARDINGS)}")
-    whole = whole_bytes = 0
-    for p in params:
-        count = math.prod(p[0])
-        whole, whole_bytes = whole + count, whole_bytes + count * p[1]
+    z = params if isinstance(params, ParamSums) else param_sums(params, dp)
+    if z.dp != dp:
+        raise ValueError(f"parameter sums made for dp {z.dp}, asked for dp {dp}")
+    whole, whole_bytes = z.whole, z.whole_bytes
     if dp == 1 or sharding == "replicate":
         gathered = whole_bytes if dp > 1 else 0  # replicate's second copy: DDP's buckets, or FSDP2's gathered one
         return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
                          2 * whole_bytes + ADAMW_BYTES * whole + gathered)
-    held = held_bytes = 0
-    units: dict = {}
-    for p in params:  # one pass: a search sizes thousands of parameters per rank, per sharding
-        count = _dp_shard(p[0], dp)
-        unit = p[2] if len(p) > 2 else None
-        held, held_bytes, units[unit] = held + count, held_bytes + count * p[1], units.get(unit, 0) + count * p[1]
+    held, held_bytes = z.held, z.held_bytes
     if sharding == "full" and not split:  # one layer at a time, beside the root (kept from forward to backward)
+        units = dict(z.unit_bytes)
         root = units.pop("root", 0)
         gathered = dp * (root + max(units.values(), default=0))
     else:
@@ -116,7 +138,7 @@ def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> l
     the rank holds (tied embeddings on one rank) counts once. The unit is the decoder
     layer (a traced model: the module of its layer sequence) holding it, else "root".
     """
-    layers = {m for s in resolved.stages for m in s.layers}
+    layers = frozenset(m for s in resolved.stages for m in s.layers)
     held = rank_held(resolved, pp_rank) if all(s.held or not s.param_count for s in resolved.stages) else None
     if held is None:  # a ResolvedPlan built by hand, without its stages' parameters
         modules = resolved.rank_modules(pp_rank) if resolved.pp > 1 else ("",)
@@ -124,7 +146,8 @@ def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> l
     return [(p.shape, p.element_size, param_unit(p.name, layers)) for p in held]
 
 
-def param_unit(name: str, layers: set[str]) -> str:
+@functools.lru_cache(maxsize=1 << 16)  # a plan search asks for the same names under the same layers often
+def param_unit(name: str, layers: frozenset[str]) -> str:
     """The FSDP2 unit a parameter belongs to: the decoder layer holding it, else "root"."""
     parts = name.split(".")
     return next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in layers), "root")

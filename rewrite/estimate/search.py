@@ -11,7 +11,10 @@ Checkpointing only adds time, so a candidate takes the least of it that fits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import heapq
 from dataclasses import dataclass
 
 from torch import nn
@@ -133,16 +136,31 @@ def suggest_plans(
     G = gpus_per_node or hw.devices_per_node
     limit = (device_memory or hw.memory_gib) * GIB
     batch = global_batch or 4 * world
-    best = _search(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True)
-    if not best:
-        raise NoPlanFits(
-            f"no plan fits: no layout of {world} device(s) at {limit / GIB:g} GiB each holds "
-            f"{type(model).__name__} at {seq_len} tokens x {batch} sequences",
-            _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch),
-        )
+    with _collector_paused():
+        best = _search(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True)
+        if not best:
+            raise NoPlanFits(
+                f"no plan fits: no layout of {world} device(s) at {limit / GIB:g} GiB each holds "
+                f"{type(model).__name__} at {seq_len} tokens x {batch} sequences",
+                _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch),
+            )
     ranked = sorted(best.values(), key=lambda c: c.step_s)
     _verify(ranked[0], model)
     return ranked
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off for the search, as it was after. The search makes millions
+    of short-lived objects without cycles (reference counting frees them), and each collection they
+    set off walked every object alive, the model's too: a quarter of a 70B search's time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _verify(best: Candidate, model: nn.Module) -> None:
@@ -167,6 +185,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
         if batch % dp:
             continue
         n = batch // dp
+        bounds = []  # every binding of this mesh: switches and virtual stages
         for vocab_loss in ((True,) if frugal else (False, True)) if tp > 1 else (False,):
             for k in (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,):
                 base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len,
@@ -183,50 +202,91 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
                     # Sequence parallelism changes no shard or stage: the same binding with the switch on.
                     plan = base.plan.model_copy(update={"sequence_parallel": True})
                     bases.append(dataclasses.replace(base, plan=plan))
-                for b in bases:
-                    _candidates(Bound(b, model), hw, G=G, limit=limit, n=n, k=k, best=best, timed=timed, frugal=frugal)
+                bounds += [Bound(b, model) for b in bases]
+        if not timed:
+            found = next(filter(None, (_first_fit(b, G=G, limit=limit, n=n, frugal=frugal) for b in bounds)), None)
+        else:
+            found = _fastest(bounds, hw, G=G, limit=limit, n=n)
+        if found is not None:
+            best[dp, pp, tp] = found
     return best
 
 
-def _candidates(bound: Bound, hw, *, G, limit, n, k, best, timed, frugal) -> None:
-    base = bound.base
-    dp, pp = base.plan.mesh.dp, base.pp
+def _groups(bound: Bound, n: int, frugal: bool = False):
+    """(schedule, microbatches, sharding) of one binding, in the order the search names them."""
+    dp, pp, k = bound.base.plan.mesh.dp, bound.base.pp, bound.base.plan.pipeline.virtual_stages
     schedules = ("1f1b",) if frugal else SCHEDULES_BY_STAGES[k] if pp > 1 else ("1f1b", "afab")
     shardings = ("full",) if dp == 1 or frugal else ("replicate", "grad_op", "full")  # the fastest first
     for schedule in schedules:
-        key = (dp, pp, base.tp)
-        split = splits_backward(schedule)
         for m in (n,) if frugal else sorted(microbatch_counts(n, pp * k), reverse=True):
             for sharding in shardings:
-                for mode in CHECKPOINTING[-1:] if frugal else CHECKPOINTING:
-                    v = variant(base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode)
-                    feet = bound.footprint_peaks(v, sharding, split)
-                    if min(feet) > limit:
-                        break  # the parameters alone do not fit: checkpointing cannot help
-                    held = best.get(key)
-                    if timed and held is not None and _ideal_s(v, bound.stage_times(v, mode, n // m, hw, G)) >= held.step_s:
-                        break  # neither this nor more checkpointing (more recompute) can beat the mesh's best
-                    acts = bound.activation_peaks(v, schedule, m, mode, n // m)  # builds the schedule's table
-                    peak = max(f + a for f, a in zip(feet, acts))
-                    if peak > limit:
-                        continue
-                    if not timed:
-                        best[key] = Candidate(v.plan, n // m, 0.0, 0.0, 0.0, 0.0, peak, True, mode)
-                        return
-                    got = predict_step(v, bound.model, hw, batch_size=n // m, gpus_per_node=G,
-                                       parameters=bound.parameters, sim_cache=bound.sims)
-                    if held is None or got.step_s < held.step_s:
-                        best[key] = Candidate(v.plan, n // m, got.step_s, got.tokens_per_s, got.mfu, got.bubble,
-                                              peak, True, mode)
-                    break  # more checkpointing only adds time
+                yield schedule, m, sharding
 
 
-def _ideal_s(v: ResolvedPlan, times: list) -> float:
-    """A lower bound of the step: the busiest rank's compute after its pipeline fill, nothing exposed."""
-    m = v.plan.pipeline.microbatches
-    # A rank starts once the first microbatch's forward has run through the stages before its first.
-    return max(sum(times[s].forward for s in range(min(v.rank_stages(r))))
-               + m * sum(times[s].forward + times[s].backward for s in v.rank_stages(r)) for r in range(v.pp))
+def _fits(bound: Bound, v: ResolvedPlan, mode: str, batch_size: int, limit: float) -> tuple[bool, int | None]:
+    """(the parameters fit, the busiest rank's peak when the activations fit too, else None)."""
+    pipe, sharding = v.plan.pipeline, v.plan.data_parallel.sharding
+    feet = bound.footprint_peaks(v, sharding, splits_backward(pipe.schedule))
+    if min(feet) > limit:
+        return False, None
+    acts = bound.activation_peaks(v, pipe.schedule, pipe.microbatches, mode, batch_size)  # builds the table
+    peak = max(f + a for f, a in zip(feet, acts))
+    return True, (peak if peak <= limit else None)
+
+
+def _first_fit(bound: Bound, *, G, limit, n, frugal) -> Candidate | None:
+    """Fit only: the first candidate of this binding that fits (no times)."""
+    for schedule, m, sharding in _groups(bound, n, frugal):
+        for mode in CHECKPOINTING[-1:] if frugal else CHECKPOINTING:
+            v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode)
+            params_fit, peak = _fits(bound, v, mode, n // m, limit)
+            if not params_fit:
+                break  # the parameters alone do not fit: checkpointing cannot help
+            if peak is not None:
+                return Candidate(v.plan, n // m, 0.0, 0.0, 0.0, 0.0, peak, True, mode)
+    return None
+
+
+def _fastest(bounds: list[Bound], hw, *, G, limit, n) -> Candidate | None:
+    """The fastest fitting candidate over a mesh's bindings, each (schedule, microbatches, sharding)
+    with the least checkpointing that fits. Candidates are tried by their lower bound, least first,
+    and the search stops once no bound can beat the best found; equal steps go to the one named first
+    (the order of `_groups`), as an exhaustive pass in that order would choose."""
+    heap, best, best_key = [], None, None
+
+    def push(order, bound, group, mode_index):
+        low = bound.lower_bound(*group, CHECKPOINTING[mode_index], n // group[1], hw, G)
+        heapq.heappush(heap, (low, order, mode_index, group, bound))
+
+    order = 0
+    for bound in bounds:
+        for group in _groups(bound, n):
+            push(order, bound, group, 0)
+            order += 1
+    while heap:
+        low, order, mode_index, group, bound = heapq.heappop(heap)
+        if best_key is not None and (low, order) >= best_key:
+            break  # neither this nor any candidate left (their bounds are at least this one) beats the best
+        schedule, m, sharding = group
+        v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding,
+                    checkpointing=CHECKPOINTING[mode_index])
+        params_fit, peak = _fits(bound, v, CHECKPOINTING[mode_index], n // m, limit)
+        if not params_fit:
+            continue  # the parameters alone do not fit: checkpointing cannot help
+        if peak is None:  # the activations do not fit: the next checkpointing mode, if any
+            if mode_index + 1 < len(CHECKPOINTING):
+                push(order, bound, group, mode_index + 1)
+            continue
+        got = predict_step(v, bound.model, hw, batch_size=n // m, gpus_per_node=G,
+                           parameters=bound.parameters, sim_cache=bound.sims, dp_time=bound.dp_time(hw, G))
+        if got.step_s < low:
+            raise RuntimeError(f"the plan search bounded {got.step_s} s from below by {low} s for {v.plan.mesh.shape_text()}, "
+                               f"{schedule}, {m} microbatches: a bug in rewrite.estimate.step_bound")
+        if best_key is None or (got.step_s, order) < best_key:
+            best_key = (got.step_s, order)
+            best = Candidate(v.plan, n // m, got.step_s, got.tokens_per_s, got.mfu, got.bubble, peak, True,
+                             CHECKPOINTING[mode_index])
+    return best
 
 
 def _advice(model, hw, *, world, G, limit, seq_len, batch) -> str:

@@ -11,11 +11,13 @@ from torch import nn
 from ..plan.from_hf import plan_from_hf
 from ..plan.resolve import ResolvedPlan, resolve
 from ..plan.schema import PlanError, load_plan
-from ..schedules import placement
-from .activations import place_activations, stage_activations
+from ..schedules import placement, splits_backward
+from .activations import place_peaks, stage_activations
+from .dp_time import DpTime
 from .hardware import Hardware
-from .memory import footprint, rank_parameters
+from .memory import footprint, param_sums, rank_parameters
 from .stage_time import StageTimes, stage_times
+from .step_bound import step_lower_bound
 from .step_time import stage_parameters
 
 __all__ = ["CHECKPOINTING", "SCHEDULES_BY_STAGES", "Bound", "divisors", "microbatch_counts", "meshes", "bind", "binds_sp",
@@ -113,28 +115,59 @@ class Bound:
         self._params: dict = {}
         self._stages: dict = {}  # (checkpointing, batch size) -> per stage activations
         self._times: dict = {}  # (checkpointing, batch size) -> `stage_times`
+        self._dp: DpTime | None = None
+        self._costs: dict = {}  # (sharding, split, checkpointing, batch size) -> `DpTime.costs`
+        self._tails: dict = {}  # the same and the placement -> each rank's least tail
+        self.dtype_bytes = next(iter(model.parameters())).element_size()
+
+    def dp_time(self, hw: Hardware, G: int) -> DpTime:
+        """The binding's `DpTime` (one hardware and node size a search)."""
+        if self._dp is None:
+            self._dp = DpTime(self.base, self.parameters[0], hw, G)
+        return self._dp
 
     def activation_peaks(self, variant: ResolvedPlan, schedule: str, m: int, mode: str, batch_size: int) -> list[int]:
         key = (schedule, m, mode, batch_size)  # the sharding changes no activation
         if key not in self._acts:
             if (mode, batch_size) not in self._stages:  # nor do the schedule and microbatches a stage's bytes
                 self._stages[mode, batch_size] = stage_activations(variant, self.model, batch_size=batch_size)
-            self._acts[key] = [a.peak for a in place_activations(variant, *self._stages[mode, batch_size])]
+            self._acts[key] = place_peaks(variant, *self._stages[mode, batch_size])
         return self._acts[key]
 
-    def stage_times(self, variant: ResolvedPlan, mode: str, batch_size: int, hw: Hardware, G: int) -> list[StageTimes]:
-        """`stage_times` of a variant: they depend on its checkpointing and batch size only (one hardware a search)."""
+    def stage_times(self, mode: str, batch_size: int, hw: Hardware, G: int) -> list[StageTimes]:
+        """`stage_times` of the variants with this checkpointing and batch size (one hardware a search)."""
         if (mode, batch_size) not in self._times:
-            self._times[mode, batch_size] = stage_times(variant, self.model, hw, batch_size=batch_size, gpus_per_node=G,
+            pipe = self.base.plan.pipeline
+            v = variant(self.base, schedule=pipe.schedule, microbatches=pipe.microbatches,
+                        sharding=self.base.plan.data_parallel.sharding, checkpointing=mode)
+            self._times[mode, batch_size] = stage_times(v, self.model, hw, batch_size=batch_size, gpus_per_node=G,
                                                         layer_weights=self.parameters[1], root_weights=self.parameters[2])
         return self._times[mode, batch_size]
+
+    def lower_bound(self, schedule: str, m: int, sharding: str, mode: str, batch_size: int, hw: Hardware,
+                    G: int) -> float:
+        """`step_lower_bound` of a variant, from what it shares with others: costs per sharding, checkpointing
+        and batch size, each rank's tail per placement too."""
+        split, pp, k = splits_backward(schedule), self.base.pp, self.base.plan.pipeline.virtual_stages
+        stage_rank = placement(schedule, pp, k)
+        dpt = self.dp_time(hw, G)
+        key = (sharding if dpt.dp > 1 else None, split, mode, batch_size)
+        times = self.stage_times(mode, batch_size, hw, G)
+        if key not in self._costs:
+            self._costs[key] = dpt.costs(times, key[0], split)
+        if key + (stage_rank,) not in self._tails:
+            self._tails[key + (stage_rank,)] = [
+                sum(dpt.tail(tuple(s for s, o in enumerate(stage_rank) if o == r), times, key[0], split, float("inf"),
+                             self.dtype_bytes)) for r in range(pp)]
+        return step_lower_bound(stage_rank, split, m, self._costs[key], self._tails[key + (stage_rank,)])
 
     def footprint_peaks(self, variant: ResolvedPlan, sharding: str, split: bool) -> list[int]:
         key = (sharding, split, variant.stage_rank)
         if key not in self._feet:
-            if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
-                self._params[variant.stage_rank] = [rank_parameters(variant, self.model, r) for r in range(variant.pp)]
             dp = variant.plan.mesh.dp
+            if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
+                self._params[variant.stage_rank] = [param_sums(rank_parameters(variant, self.model, r), dp)
+                                                    for r in range(variant.pp)]
             self._feet[key] = [footprint(p, dp=dp, sharding=sharding, split=split).peak
                                for p in self._params[variant.stage_rank]]
         return self._feet[key]

@@ -26,15 +26,14 @@ from ..plan.ranks import global_rank
 from ..plan.resolve import ResolvedPlan
 from ..schedules import bubble, plan_table, simulate, splits_backward
 from .activations import activation_problem, plan_sizes
-from .collectives import all_gather_s, all_reduce_s, groups_link, p2p_s, reduce_scatter_s
+from .collectives import groups_link, p2p_s
 from .hardware import Hardware, load_hardware
+from .dp_time import DpTime
 from .memory import param_unit, with_run
 from .stage_time import StageTimes, stage_times
 
 __all__ = ["StepPrediction", "predict_step", "model_flops", "stage_parameters"]
 
-DDP_BUCKET = 25 * 1024**2  # DistributedDataParallel's default bucket_cap_mb
-ADAMW_TRAFFIC = 16  # float32 moments, each read and written, per element; plus 3x the dtype (w r/w, g r)
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ def stage_parameters(resolved: ResolvedPlan, model: nn.Module) -> tuple[list[dic
     bb, stages, layer_bytes, root = resolved.backbone, [], {}, [0, 0]
     for spec in resolved.stages:
         units: dict[str, int] = {}
-        layers = set(spec.layers)
+        layers = frozenset(spec.layers)
         for p in spec.held or held_parameters(model, spec.modules, resolved.shards):
             unit = param_unit(p.name, layers)
             units[unit] = units.get(unit, 0) + p.nbytes
@@ -93,6 +92,7 @@ def predict_step(
     gpus_per_node: int | None = None,
     parameters: tuple | None = None,
     sim_cache: dict | None = None,
+    dp_time: DpTime | None = None,
 ) -> StepPrediction:
     """The predicted time of one training step of `resolved` on `hardware`.
 
@@ -104,6 +104,7 @@ def predict_step(
         gpus_per_node: devices per node (default the profile's): which groups cross nodes.
         parameters: `stage_parameters(resolved, model)`, when the caller has it.
         sim_cache: a dict kept across calls: tables timed alike are simulated once.
+        dp_time: `DpTime(resolved, parameters[0], hardware, gpus_per_node)`, when the caller has it.
 
     Raises:
         ValueError: a layout the model does not time (torch.fx splits, non-LLaMA layers), a
@@ -124,20 +125,8 @@ def predict_step(
                         root_weights=root_weights)
     dp, pp, tp, m = plan.mesh.dp, run.pp, run.tp, pipe.microbatches
     eff, split = hw.efficiency.collective, splits_backward(pipe.schedule, pipe.table)
-    sharding = plan.data_parallel.sharding if dp > 1 else None
-    dp_link = groups_link(hw, [[global_rank(d, p, t, pp=pp, tp=tp) for d in range(dp)] for p in range(pp) for t in range(tp)], G)
-    gather = {s: [all_gather_s(b, dp, dp_link, eff) for b in u.values()] for s, u in enumerate(units)}
-    layers_only = {s: [all_gather_s(b, dp, dp_link, eff) for name, b in u.items() if name != "root"] for s, u in enumerate(units)}
-    per_step_gather = sharding == "grad_op" or (sharding == "full" and split)
-    per_microbatch_gather = sharding == "full" and not split
-
-    def cost(kind: str, stage: int) -> float:
-        t = times[stage]
-        base = {"F": t.forward, "B": t.backward, "I": t.input_backward, "W": t.weight_backward}[kind]
-        if per_microbatch_gather and kind != "W":
-            ags = gather[stage] if kind == "F" else layers_only[stage]
-            base = max(base, sum(ags)) + (ags[0] if ags else 0.0)
-        return base
+    dpt = dp_time or DpTime(run, units, hw, G)
+    sharding = dpt.sharding(run)
 
     z = plan_sizes(run, model, batch_size=batch_size)
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp rank its sequence chunk)
@@ -150,12 +139,12 @@ def predict_step(
     # The table's timing depends on these durations only: plans alike in them (dp 1, replicate and grad_op
     # sharding) share one simulation through `sim_cache`.
     key = (id(table), run.stage_rank, hop, tuple((t.forward, t.input_backward, t.weight_backward) for t in times),
-           per_microbatch_gather and tuple(map(tuple, gather.values())))
+           dpt.per_microbatch(sharding, split) and tuple(map(tuple, dpt.gather.values())))
     if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
         sim = sim_cache[key][1]
     else:
         # Durations per (kind, stage) and transfers per pair of pp ranks: each computed once, not per cell.
-        costs = {(kind, s): cost(kind, s) for s in range(len(times)) for kind in "FBIW"}
+        costs = dpt.costs(times, sharding, split)
         # An action waits on the stage before or after its own: the pairs of neighbouring stages' ranks, both ways.
         hops = {pair for s in range(1, len(times)) for pair in ((run.stage_rank[s - 1], run.stage_rank[s]),
                                                                   (run.stage_rank[s], run.stage_rank[s - 1]))}
@@ -168,21 +157,8 @@ def predict_step(
     span = max(end for _, end in sim.values())
     ends, worst_dp, worst_opt = [], 0.0, 0.0
     for r, row in enumerate(table):
-        held = sum(b for s in run.rank_stages(r) for b in units[s].values())
         window = sim[row[-1]][1] - sim[row[-1]][0] if row else 0.0
-        exposed = 0.0
-        if per_step_gather:  # the stage's units gathered once, beside the first forward's compute
-            for st in run.rank_stages(r):
-                ags = gather[st]
-                exposed += max(0.0, sum(ags) - times[st].forward) + (ags[0] if ags else 0.0)
-        if sharding == "replicate":
-            whole = all_reduce_s(held, dp, dp_link, eff)
-            exposed += max(whole - window, all_reduce_s(min(held, DDP_BUCKET), dp, dp_link, eff))
-        elif sharding is not None:
-            last_unit = min((b for s in run.rank_stages(r) for b in units[s].values()), default=0)
-            exposed += max(reduce_scatter_s(held, dp, dp_link, eff) - window, reduce_scatter_s(last_unit, dp, dp_link, eff))
-        held_elems = held / z.dtype_bytes / (dp if sharding in ("full", "grad_op") else 1)
-        optimizer = held_elems * (3 * z.dtype_bytes + ADAMW_TRAFFIC) / hw.memory_bandwidth
+        exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, z.dtype_bytes)
         end = sim[row[-1]][1] if row else 0.0  # a row's actions run one after another: its last ends last
         ends.append(end + exposed + optimizer)
         worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)

@@ -14,7 +14,7 @@ from torch import nn
 
 from .tp_rules import ShardSpec
 
-__all__ = ["HeldParameter", "held_parameters", "held_by_stage", "held_count"]
+__all__ = ["HeldParameter", "held_parameters", "held_by_stage", "held_count", "parameter_walk"]
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,22 @@ def held_parameters(
     return held_by_stage(model, [modules], shards)[0]
 
 
+def parameter_walk(model: nn.Module) -> tuple[tuple, ...]:
+    """(name, shape, bytes per element, id, the module paths it is inside, owner, leaf) of every parameter
+    path of `model`, tied ones at each path: what `held_by_stage` reads, kept by a search across calls."""
+    out = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        out.append((name, tuple(param.shape), param.element_size(), id(param), tuple(_prefixes(name)), owner, leaf))
+    return tuple(out)
+
+
 def held_by_stage(
-    model: nn.Module, module_sets: Sequence[Iterable[str]], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = ()
+    model: nn.Module, module_sets: Sequence[Iterable[str]], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = (),
+    walk: tuple[tuple, ...] | None = None,
 ) -> list[list[HeldParameter]]:
-    """`held_parameters` of each set of modules (a stage's), in one walk over the model's parameters.
+    """`held_parameters` of each set of modules (a stage's), in one walk over the model's parameters
+    (`walk`: `parameter_walk(model)`, when the caller keeps it).
 
     A parameter shared by two sets (tied embeddings on the first and last stage) is in both;
     `HeldParameter.ident` tells a rank holding both stages that it is one.
@@ -71,17 +83,16 @@ def held_by_stage(
             holders.setdefault(module, set()).add(i)
     seen: list[set[int]] = [set() for _ in sets]
     out: list[list[HeldParameter]] = [[] for _ in sets]
-    for name, param in model.named_parameters(remove_duplicate=False):
-        found = everything.union(*(holders.get(prefix, ()) for prefix in _prefixes(name)))
+    for name, whole, element_size, ident, prefixes, owner, leaf in walk or parameter_walk(model):
+        found = everything.union(*(holders.get(prefix, ()) for prefix in prefixes))
         if not found:
             continue
-        owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
         shard = split.get(owner)
         shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
-        held = HeldParameter(name, tuple(shape or param.shape), param.element_size(), id(param))
+        held = HeldParameter(name, tuple(shape or whole), element_size, ident)
         for i in sorted(found):
-            if id(param) not in seen[i]:
-                seen[i].add(id(param))
+            if ident not in seen[i]:
+                seen[i].add(ident)
                 out[i].append(held)
     return out
 

@@ -16,7 +16,7 @@ from ..models.flops import Costs, estimate_costs
 from ..models.hf_llama import Backbone, find_backbone
 from ..models.oracle import narrowed_problem, walker_problem
 from ..schedules import placement
-from .params import HeldParameter, held_by_stage, held_parameters
+from .params import HeldParameter, held_by_stage, held_parameters, parameter_walk
 from .schema import ParallelPlan, PlanError, load_plan
 from .size_checks import by_line, stage_count, world_problem
 from .stage_split import fx_stages, hf_stages
@@ -228,7 +228,8 @@ def resolve(
     costs = costs if isinstance(costs, Costs) else None
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)
     sets = module_sets if pp > 1 else [[""]]
-    held_sets = _memo(cache, (*tp_key, "held", tuple(map(tuple, sets))), lambda: held_by_stage(model, sets, shards))
+    walk = _memo(cache, ("walk",), lambda: parameter_walk(model)) if cache is not None else None
+    held_sets = _memo(cache, (*tp_key, "held", tuple(map(tuple, sets))), lambda: held_by_stage(model, sets, shards, walk))
     stages = []
     for s, held in enumerate(held_sets):
         count, size = sum(p.numel for p in held), sum(p.nbytes for p in held)

@@ -7,6 +7,7 @@ checks and simulates tables.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable
 
@@ -101,15 +102,18 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
     `limit[r]` of its (mb, stage) pairs are in flight (forward run, W not yet); else its
     oldest pending W. Each step every rank runs at most one action, ready by the step before.
     An I becomes ready when the backward it waits for has run (the last stage's: its own
-    forward): it is found by that event, not by scanning, so long tables build quickly.
+    forward), a forward when the stage before ran it: each is found by that event, not by
+    scanning, so long tables build quickly.
     """
     pp, num_stages = len(limit), len(stage_rank)
     done: set[tuple[str, int, int]] = set()  # ("F" | "B", mb, stage): forwards run, input gradients handed on
     rows: list[list[Action]] = [[] for _ in range(pp)]
     live, pending_w = [0] * pp, [deque() for _ in range(pp)]
     waiting_b: list[set[tuple[int, int]]] = [set() for _ in range(pp)]  # (mb, stage): forward run, I not yet
-    ready_b: list[set[tuple[int, int]]] = [set() for _ in range(pp)]  # of those, the I's that can run
-    todo = [list(rank_forwards[r]) for r in range(pp)]
+    ready_b: list[list[tuple[int, int]]] = [[] for _ in range(pp)]  # of those, the I's that can run: (mb, -stage) heaps
+    # Each rank's forwards that can run (stage 0, or the stage before ran it), by their place in its order.
+    where = {(f.mb, f.stage): (r, i) for r in range(pp) for i, f in enumerate(rank_forwards[r])}
+    startable = [[i for i, f in enumerate(rank_forwards[r]) if f.stage == 0] for r in range(pp)]
     left = 3 * microbatches * num_stages
 
     def awaited(mb: int, stage: int) -> tuple[str, int, int]:  # what the I of (mb, stage) waits for
@@ -119,17 +123,17 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
         ran = []
         for r in range(pp):
             forward = None
-            if not ready_b[r] and live[r] < limit[r]:  # looked for only when it could run
-                forward = next((f for f in todo[r] if f.stage == 0 or ("F", f.mb, f.stage - 1) in done), None)
+            if not ready_b[r] and live[r] < limit[r] and startable[r]:  # the first in the rank's order
+                forward = rank_forwards[r][startable[r][0]]
             if ready_b[r]:
-                mb, stage = min(ready_b[r], key=lambda b: (b[0], -b[1]))
-                ready_b[r].discard((mb, stage))
+                mb, stage = heapq.heappop(ready_b[r])
+                stage = -stage
                 waiting_b[r].discard((mb, stage))
                 action = Action("I", mb, stage)
                 pending_w[r].append(Action("W", mb, stage))
             elif forward is not None:
                 action = forward
-                todo[r].remove(forward)
+                heapq.heappop(startable[r])
                 waiting_b[r].add((forward.mb, forward.stage))
                 live[r] += 1
             elif pending_w[r]:
@@ -148,11 +152,14 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
             done.add(key)
             if a.kind == "F":  # this I, once its forward ran, may already have what it waits for
                 if awaited(a.mb, a.stage) in done:
-                    ready_b[stage_rank[a.stage]].add((a.mb, a.stage))
+                    heapq.heappush(ready_b[stage_rank[a.stage]], (a.mb, -a.stage))
+                if a.stage + 1 < num_stages:  # and the next stage's forward of this microbatch can start
+                    nr, i = where[a.mb, a.stage + 1]
+                    heapq.heappush(startable[nr], i)
             if a.kind == "I" and a.stage > 0:  # the previous stage's I of this microbatch waited for this one
                 target = (a.mb, a.stage - 1)
                 if target in waiting_b[stage_rank[target[1]]]:
-                    ready_b[stage_rank[target[1]]].add(target)
+                    heapq.heappush(ready_b[stage_rank[target[1]]], (a.mb, -target[1]))
         left -= len(ran)
     return tuple(tuple(row) for row in rows)
 

@@ -1,0 +1,76 @@
+"""What data parallelism adds to a step: the all-gathers inside each action's duration, and per rank
+the gradient reduction torch does not hide, then AdamW (see `step_time` for the model).
+
+One `DpTime` per binding (mesh, stages, shards): the sharding, the schedule and the rank's last
+backward window vary per call. `step_time.predict_step` times a plan with it; the plan search
+bounds candidates by it before simulating their tables.
+"""
+
+from __future__ import annotations
+
+from ..plan.ranks import global_rank
+from ..plan.resolve import ResolvedPlan
+from .collectives import all_gather_s, all_reduce_s, groups_link, reduce_scatter_s
+from .hardware import Hardware
+
+__all__ = ["DpTime", "DDP_BUCKET", "ADAMW_TRAFFIC"]
+
+DDP_BUCKET = 25 * 1024**2  # DistributedDataParallel's default bucket_cap_mb
+ADAMW_TRAFFIC = 16  # float32 moments, each read and written, per element; plus 3x the dtype (w r/w, g r)
+
+
+class DpTime:
+    """Data-parallel costs of one binding: `units` per stage (FSDP2 unit -> bytes on a rank)."""
+
+    def __init__(self, resolved: ResolvedPlan, units: list[dict[str, int]], hw: Hardware, gpus_per_node: int) -> None:
+        dp, pp, tp = resolved.plan.mesh.dp, resolved.pp, resolved.tp
+        self.dp, self.units, self.hw, self.eff = dp, units, hw, hw.efficiency.collective
+        groups = [[global_rank(d, p, t, pp=pp, tp=tp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        self.link = groups_link(hw, groups, gpus_per_node)
+        self.gather = {s: [self._ag(b) for b in u.values()] for s, u in enumerate(units)}
+        self.layers_only = {s: [self._ag(b) for name, b in u.items() if name != "root"] for s, u in enumerate(units)}
+
+    def _ag(self, nbytes: float) -> float:
+        return all_gather_s(nbytes, self.dp, self.link, self.eff)
+
+    def sharding(self, resolved: ResolvedPlan) -> str | None:
+        """The plan's data-parallel sharding, None without data parallelism."""
+        return resolved.plan.data_parallel.sharding if self.dp > 1 else None
+
+    def per_microbatch(self, sharding: str | None, split: bool) -> bool:
+        """Whether each F and B gathers its stage's units again (full sharding, whole backwards)."""
+        return sharding == "full" and not split
+
+    def costs(self, times: list, sharding: str | None, split: bool) -> dict[tuple[str, int], float]:
+        """Each (kind, stage)'s duration: its compute, or under per-microbatch gathers the gather
+        beside it when that is longer, plus the first unit's gather, which nothing hides."""
+        gathers = self.per_microbatch(sharding, split)
+        out = {}
+        for s, t in enumerate(times):
+            for kind, base in (("F", t.forward), ("B", t.backward), ("I", t.input_backward), ("W", t.weight_backward)):
+                if gathers and kind != "W":
+                    ags = self.gather[s] if kind == "F" else self.layers_only[s]
+                    base = max(base, sum(ags)) + (ags[0] if ags else 0.0)
+                out[kind, s] = base
+        return out
+
+    def tail(self, stages: tuple[int, ...], times: list, sharding: str | None, split: bool,
+             window: float, dtype_bytes: int) -> tuple[float, float]:
+        """(data-parallel seconds exposed after a rank's last action, AdamW's seconds) for a rank holding
+        `stages`. `window`: that action's duration, beside which the gradients reduce; an infinite one
+        gives the least exposed."""
+        dp, link, eff = self.dp, self.link, self.eff
+        held = sum(b for s in stages for b in self.units[s].values())
+        exposed = 0.0
+        if sharding == "grad_op" or (sharding == "full" and split):  # gathered once, beside the first forward
+            for st in stages:
+                ags = self.gather[st]
+                exposed += max(0.0, sum(ags) - times[st].forward) + (ags[0] if ags else 0.0)
+        if sharding == "replicate":
+            whole = all_reduce_s(held, dp, link, eff)
+            exposed += max(whole - window, all_reduce_s(min(held, DDP_BUCKET), dp, link, eff))
+        elif sharding is not None:
+            last_unit = min((b for s in stages for b in self.units[s].values()), default=0)
+            exposed += max(reduce_scatter_s(held, dp, link, eff) - window, reduce_scatter_s(last_unit, dp, link, eff))
+        held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1)
+        return exposed, held_elems * (3 * dtype_bytes + ADAMW_TRAFFIC) / self.hw.memory_bandwidth
