@@ -22,7 +22,8 @@ from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.stage import Stage
 from .plan.resolve import APPLIED, ResolvedPlan, resolve
-from .plan.schema import ParallelPlan, load_plan
+from .plan.schema import ParallelPlan
+from .plan.unmatched import load_plan_for
 from .recompute import apply_activation_checkpointing
 from .tensor_parallel.replicated import StepSums
 from .schedules import splits_backward
@@ -62,7 +63,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
     """
     resolved, error = None, None
     try:
-        plan = load_plan(plan)
+        plan = load_plan_for(plan, model)
         check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
         resolved = resolve(plan, model, world_size=dist.get_world_size())
     except (ValueError, TypeError) as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import reprlib
 import weakref
@@ -14,7 +15,7 @@ import yaml
 from ..schedules import rows_from_csv
 from .limits import MAX_PLAN_DEPTH, MAX_PLAN_VALUES, expansion_problem, read_plan_bytes, too_deep, too_many_values
 
-__all__ = ["PlanError", "read_plan_file", "read_table_file", "line_of", "key_lines", "dotted", "short"]
+__all__ = ["PlanError", "missing_plan_problem", "read_plan_file", "read_table_file", "line_of", "key_lines", "dotted", "short"]
 
 # Values quoted in messages come from the file and may be any size: show their start only.
 _SHORT = reprlib.Repr()
@@ -93,14 +94,33 @@ def read_plan_file(path: Path) -> tuple[Any, Any]:
         raise PlanError(str(path), [f"unknown plan file type {path.suffix!r}: use .yaml, .yml or .json"])
     try:
         raw = read_plan_bytes(path)
+    except FileNotFoundError:
+        raise PlanError(str(path), [missing_plan_problem(path)]) from None
     except OSError as exc:
-        raise PlanError(str(path), [f"cannot read the plan file: {exc.strerror or exc}"]) from None
+        raise PlanError(str(path), [f"cannot read the plan file {path.absolute()}: {exc.strerror or exc}"]) from None
     except ValueError as exc:
         raise PlanError(str(path), [str(exc)]) from None
     text = _decode(path, raw)
     if path.suffix == ".json":
         return _read_json(path, text), _compose(text)
     return _read_yaml(path, text)
+
+
+def missing_plan_problem(path: Path) -> str:
+    """No file at `path`: where that was looked for, and the plans beside it (else in ./plans), the closest named."""
+    folder, plans = None, []
+    for folder in (path.parent, Path("plans")):
+        plans = sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml", ".json")
+                       and not p.name.endswith(".schema.json")) if folder.is_dir() else []
+        if plans:
+            break
+    text = f"no plan file at {path.absolute()}"
+    close = difflib.get_close_matches(path.name, plans, n=1, cutoff=0.6)
+    if close:
+        text += f"; did you mean {folder / close[0]}?"
+    if plans:
+        text += f"{' The' if close else '; the'} plans in {folder}/: {', '.join(plans)}"
+    return text
 
 
 def _decode(path: Path, raw: bytes) -> str:

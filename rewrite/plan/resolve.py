@@ -17,11 +17,12 @@ from ..models.hf_llama import Backbone, find_backbone
 from ..models.oracle import narrowed_problem, walker_problem
 from ..schedules import placement
 from .params import HeldParameter, held_by_stage, held_parameters, parameter_walk
-from .schema import ParallelPlan, PlanError, load_plan
+from .schema import ParallelPlan, PlanError
 from .size_checks import by_line, stage_count, world_problem
 from .stage_split import fx_stages, hf_stages
 from .tp_rules import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 from .tp_switches import option_problems
+from .unmatched import load_plan_for
 
 __all__ = ["ResolvedPlan", "StageSpec", "resolve", "APPLIED"]
 
@@ -167,9 +168,9 @@ def resolve(
         >>> resolved.shards[0].weight_shape
         (32, 64)
     """
-    plan = load_plan(plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"resolve() needs an nn.Module, got {type(model).__name__}")
+    plan = load_plan_for(plan, model)  # a refused file's problems and the model's, so all are fixed in one go
     pp, problems = stage_count(plan), []
     if world_size is not None and world_size != plan.mesh.world_size:
         problems.append(world_problem(plan, world_size))

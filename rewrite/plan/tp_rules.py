@@ -17,12 +17,14 @@ from ..models.families import embedding_scale
 from .schema import ParallelPlan
 from .styles import COLUMN_STYLES, packed_parts
 from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
+from .tp_fits import fitting_tps
 from .tp_whole import kept_whole
-from .wording import common_divisors, either, index_ranges
+from .wording import either, index_ranges
 
 __all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats"]
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+_FITS = "the sizes at which every module the plan shards splits evenly, heads whole"
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def shard_problems(
 
     A problem about one rule starts with that rule's line when the plan came from a file.
     """
+    from .unmatched import unmatched_problem  # it builds on this module's matching
+
     tp, problems, chosen = plan.mesh.tp, [], {}
     names = list(modules)
     tied = _tied_names(model)
@@ -85,7 +89,7 @@ def shard_problems(
         at = plan.where("tensor_parallel", pattern)
         hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
         if not hits:
-            problems.append(f"{at}tensor_parallel[{pattern!r}] matches no module{closest(pattern, names)}")
+            problems.append(unmatched_problem(at, pattern, names))
         for fqn in hits:
             module = modules[fqn]
             if style == "grad_allreduce":
@@ -131,6 +135,13 @@ def shard_problems(
         for fqn in implied:
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
     shards, order = [], {name: i for i, name in enumerate(names)}
+    fitting: list[int] = []
+
+    def fits() -> list[int]:  # every size refusal names the same tp sizes: those the whole plan fits, heads too
+        if not fitting:
+            fitting.extend(fitting_tps(model, modules, {f: st for f, (_, st) in chosen.items()}))
+        return fitting
+
     for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
         lin = modules[fqn]
         if style == "grad_allreduce":
@@ -144,7 +155,7 @@ def shard_problems(
             if rows % tp:
                 problems.append(
                     f"{at}{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
-                    f"use tp {either(common_divisors(rows))} (they divide the vocabulary), or leave the embedding whole"
+                    f"use tp {either(fits())} ({_FITS}), or leave the embedding whole"
                 )
             shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, (rows // tp, dim), None, 1, tp))
             continue
@@ -155,14 +166,12 @@ def shard_problems(
         if parts > 1 and size % (parts * tp):
             problems.append(
                 f"{at}{fqn} ({style}): out_features={size} must be {parts} equal parts, each divisible by "
-                f"mesh.tp={tp}; use tp {either(common_divisors(size // parts) if size % parts == 0 else [1])}, "
-                f"or shard it as 'column_gather'"
+                f"mesh.tp={tp}; use tp {either(fits())} ({_FITS}), or shard it as 'column_gather'"
             )
         elif size % slices:
             problems.append(
-                f"{at}{fqn} ({style}): {dim}={size} is not divisible by mesh.tp={tp}; use tp "
-                f"{either(common_divisors(size))} (they divide {_dim_meaning(model, size)}), "
-                f"or leave {fqn.rsplit('.', 1)[-1]} whole"
+                f"{at}{fqn} ({style}): {dim}={size}{_dim_meaning(model, size)} is not divisible by mesh.tp={tp}; "
+                f"use tp {either(fits())} ({_FITS}), or leave {fqn.rsplit('.', 1)[-1]} whole"
             )
         weight = (lin.out_features // slices, lin.in_features) if split_out else (lin.out_features, lin.in_features // tp)
         bias = None
@@ -202,14 +211,11 @@ def collapse_repeats(problems: list[str]) -> list[str]:
 
 
 def _dim_meaning(model: nn.Module, size: int) -> str:
-    """'the vocabulary' or 'intermediate_size=1536' when the config says what a dimension is, else the size."""
+    """' (the vocabulary)' or ' (intermediate_size)' when the config says what a dimension is, else ''."""
     config = getattr(model, "config", None)
     if getattr(config, "vocab_size", None) == size:
-        return "the vocabulary"
-    for key in ("intermediate_size", "hidden_size"):
-        if getattr(config, key, None) == size:
-            return f"{key}={size}"
-    return str(size)
+        return " (the vocabulary)"
+    return next((f" ({key})" for key in ("intermediate_size", "hidden_size") if getattr(config, key, None) == size), "")
 
 
 def _tied_problems(tied: dict[str, str], styles: dict[str, str], rule_at: dict[str, str]) -> list[str]:

@@ -121,7 +121,9 @@ def test_bad_files(tmp_path):
     assert "line 3, column 3: malformed YAML: duplicate key 'pp' (first on line 2)" in message
     message = problems_of(write(tmp_path, '{"mesh": {"tp": 2}, "mesh": {}}', "plan.json"))
     assert "duplicate key(s) ['mesh']" in message
-    assert "cannot read the plan file" in problems_of(tmp_path / "missing.yaml")
+    missing = problems_of(tmp_path / "missing.yaml")
+    assert f"no plan file at {tmp_path / 'missing.yaml'}; the plans in {tmp_path}/: plan.json, plan.yaml" in missing
+    assert f"did you mean {tmp_path / 'plan.yaml'}?" in problems_of(tmp_path / "plam.yaml")
     assert "unknown plan file type '.toml'" in problems_of(write(tmp_path, "", "plan.toml"))
     assert "a plan is a mapping" in problems_of(write(tmp_path, "- 1\n- 2\n"))
     assert "is not a module-path pattern" in problems_of({"tensor_parallel": {"model..x": "row"}})
@@ -140,8 +142,15 @@ def test_shipped_plans_load(name):
     assert plan.mesh.world_size == SHIPPED_WORLD[name]
 
 
-def test_every_shipped_plan_is_listed():
+def test_every_shipped_plan_is_listed_and_names_its_schema_for_editors():
     assert sorted(p.stem for p in PLANS.glob("*.yaml")) == sorted(SHIPPED_WORLD)
+    for path in PLANS.glob("*.yaml"):
+        assert path.read_text().startswith("# yaml-language-server: $schema=plan.schema.json\n"), path.name
+
+
+def test_what_the_readme_examples_make_is_ignored_by_git():
+    ignored = (PLANS.parent / ".gitignore").read_text().split()
+    assert {"/out/", "/models/", "/runs/"} <= set(ignored)
 
 
 def test_shipped_data_parallel_plans():

@@ -63,13 +63,23 @@ def test_tp_names_the_sizes_that_divide_both_head_counts(smollm, qwen):
 
 def test_tp_names_the_sizes_that_divide_a_split_dimension(smollm):
     message = refusal({"mesh": {"tp": 5}, "tensor_parallel": {**MLP, "model.embed_tokens": "vocab"}}, smollm)
-    assert ("model.layers.*.mlp.gate_proj (column): out_features=1536 is not divisible by mesh.tp=5; use tp "
-            "1, 2, 3, 4, 6, 8, 12 or 16 (they divide intermediate_size=1536), or leave gate_proj whole "
-            "[* = 0-29]") in message
-    assert ("down_proj (row): in_features=1536 is not divisible by mesh.tp=5; "
-            "use tp 1, 2, 3, 4, 6, 8, 12 or 16") in message
-    assert ("model.embed_tokens (vocab): num_embeddings=49152 is not divisible by mesh.tp=5; use tp 1, 2, 3, 4, 6, 8, "
-            "12 or 16 (they divide the vocabulary), or leave the embedding whole") in message
+    fits = "use tp 1, 2, 3, 4, 6, 8, 12 or 16 (the sizes at which every module the plan shards splits evenly, heads whole)"
+    assert ("model.layers.*.mlp.gate_proj (column): out_features=1536 (intermediate_size) is not divisible by "
+            f"mesh.tp=5; {fits}, or leave gate_proj whole [* = 0-29]") in message
+    assert f"down_proj (row): in_features=1536 (intermediate_size) is not divisible by mesh.tp=5; {fits}" in message
+    assert f"model.embed_tokens (vocab): num_embeddings=49152 is not divisible by mesh.tp=5; {fits}, or leave the embedding whole" in message
+
+
+def test_every_size_refusal_names_the_sizes_the_heads_line_names():
+    # Llama-3.2-1B at tp 3: 32 heads, 8 kv heads; its 2048 / 512 / 8192 features would split up to 128 ways alone.
+    model = build_model(load_config(CONFIGS / "llama-3.2-1b.json"), device="meta")
+    message = refusal({"mesh": {"tp": 3}, "tensor_parallel": {**ATTENTION, **MLP}}, model)
+    heads = next(line for line in message.splitlines() if "would split a head" in line)
+    assert "(tp 1, 2, 4 or 8)" in heads and "(tp 16 or 32)" in heads
+    sizes = [line for line in message.splitlines() if "is not divisible by mesh.tp=3" in line]
+    assert len(sizes) == 7 and all("use tp 1, 2, 4, 8, 16 or 32 (" in line for line in sizes), sizes
+    for tp in (16, 32):  # the sizes named bind
+        assert resolve({"mesh": {"tp": tp}, "tensor_parallel": {**ATTENTION, **MLP}}, model).kv_replicas == tp // 8
 
 
 def test_pp_names_the_pp_values_that_fit(smollm, qwen):

@@ -95,10 +95,11 @@ def test_divisibility_and_heads():
                           intermediate_size=90)
     model = build_model(config, device="meta")
     message = problems({"mesh": {"tp": 4}, "tensor_parallel": TP_RULES}, model)
-    assert ("model.layers.*.mlp.gate_proj (column): out_features=90 is not divisible by mesh.tp=4; "
-            "use tp 1, 2, 3, 5, 6, 9, 10 or 15 (they divide intermediate_size=90), or leave gate_proj whole "
-            "[* = 0-3]") in message
-    assert "model.layers.*.mlp.down_proj (row): in_features=90 is not divisible by mesh.tp=4" in message
+    # The MLP's 90 splits 1, 2, 3, 5, 6 ... ways, the heads only 1, 2 or 6: every line names what fits both.
+    assert ("model.layers.*.mlp.gate_proj (column): out_features=90 (intermediate_size) is not divisible by mesh.tp=4; "
+            "use tp 1, 2 or 6 (the sizes at which every module the plan shards splits evenly, heads whole), or leave "
+            "gate_proj whole [* = 0-3]") in message
+    assert "model.layers.*.mlp.down_proj (row): in_features=90 (intermediate_size) is not divisible by mesh.tp=4" in message
     assert message.startswith("plan: 4 problems"), "one line per rule, not one per layer"
     assert ("mesh.tp=4 does not divide num_attention_heads=6 (q_proj, k_proj, v_proj, o_proj would split a head); tp "
             "must divide the 6 attention heads and either divide the 2 kv heads (tp 1 or 2) or be a multiple of them, "
