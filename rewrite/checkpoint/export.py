@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from .pieces import Piece, PieceLoadPlanner
-from .training_state import latest_checkpoint
+from .training_state import latest_checkpoint, saved_steps, step_dir
 
 __all__ = ["export_checkpoint", "checkpoint_path"]
 
@@ -24,7 +24,12 @@ def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
     """
     checkpoint = Path(checkpoint)
     if step is not None:
-        path = checkpoint / f"step-{step:08d}"
+        path = step_dir(checkpoint, step)
+        if not (path / ".metadata").is_file():
+            steps = saved_steps(checkpoint)
+            raise ValueError(f"{checkpoint} has no complete checkpoint of step {step}; "
+                             + (f"its saved steps: {', '.join(map(str, steps))} (--step N, or leave --step out for "
+                                f"the latest, {steps[-1]})" if steps else "it holds no saved step"))
     elif (checkpoint / ".metadata").is_file():
         path = checkpoint
     else:

@@ -29,14 +29,24 @@ from ..pipeline.stage import Stage
 from .optimizer_state import fit_problems, fresh_optimizer_pieces, optimizer_pieces
 from .pieces import PieceLoadPlanner, PieceSavePlanner, model_pieces
 
-__all__ = ["save_training_state", "load_training_state", "latest_checkpoint", "LATEST"]
+__all__ = ["save_training_state", "load_training_state", "latest_checkpoint", "saved_steps", "step_dir", "LATEST"]
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
-def _step_dir(directory: Path, step: int) -> Path:
+def step_dir(directory: Path, step: int) -> Path:
+    """Where step `step`'s checkpoint lives under a run's checkpoint directory."""
     return directory / f"step-{step:08d}"
+
+
+def saved_steps(directory: str | Path) -> list[int]:
+    """The steps with a complete checkpoint (a `step-N` directory holding .metadata) under `directory`, in order."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(_STEP_DIR.match(p.name), p) for p in directory.iterdir()]
+    return sorted(int(m[1]) for m, p in found if m and (p / ".metadata").is_file())
 
 
 def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
@@ -141,7 +151,7 @@ def save_training_state(
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
     agree(problems, f"save_training_state({str(directory)!r})")  # the first collective
-    path = _step_dir(directory, step)
+    path = step_dir(directory, step)
     if dist.get_rank() == 0 and path.exists():
         shutil.rmtree(path)  # a save of this step that died before `latest` named it
     dist.barrier()
@@ -190,7 +200,7 @@ def _prune(directory: Path, step: int, keep: int) -> None:
     """Delete checkpoints older than the `keep` newest (never a newer, unfinished one)."""
     steps = sorted(int(m[1]) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m[1]) <= step)
     for old in steps[:-keep]:
-        shutil.rmtree(_step_dir(directory, old), ignore_errors=True)
+        shutil.rmtree(step_dir(directory, old), ignore_errors=True)
 
 
 def load_training_state(
@@ -231,7 +241,7 @@ def load_training_state(
                 raise ValueError(f"no checkpoint in {directory} (no {LATEST} file); save one first, or start fresh")
             path = found[1]
         else:
-            path = _step_dir(directory, step)
+            path = step_dir(directory, step)
         stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         state = {f"model/{name}": box for name, box in model_pieces(stage).items()}
         moments, fresh = fresh_optimizer_pieces(stage, optimizer, state, stored)

@@ -87,7 +87,10 @@ def _local_problems(stage: Stage, inputs, targets, default_loss: bool) -> list[s
     if not isinstance(stage, Stage):
         return [f"needs the Stage returned by apply_plan, got {type(stage).__name__}"]
     if not _is_tensor_list(inputs):
-        return ["inputs must be a non-empty list of tensors, one per microbatch (on every rank)"]
+        got = f"a tensor of shape {list(inputs.shape)}" if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        return [f"inputs must be a non-empty list of tensors, one per microbatch (on every rank), got {got}; "
+                "cut a [batch, seq] batch of token ids with `inputs, targets = rewrite.microbatches(ids, "
+                "stage.resolved.plan.pipeline.microbatches, dp_rank=stage.dp_rank, dp=stage.dp)`"]
     problems = []
     if stage.takes_token_ids:
         vocab = stage.vocab_size

@@ -42,7 +42,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from .show.report import render_text
     from .show.schedule import format_schedule
 
-    model = _meta_model(args.model, args.dtype)
+    model = _meta_model(args.model, args.dtype or "float32")  # what `rewrite train` holds, whatever the config says
     resolved = resolve(args.plan, model, world_size=args.world_size)
     data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                      microbatches=args.microbatches, memory_limit=args.memory_limit,
@@ -52,7 +52,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
     print(render_text(data))
-    options = format_options(resolved, model)
+    options = format_options(resolved, model, batch_size=args.batch_size, seq_len=args.seq_len,
+                             microbatches=args.microbatches)
     if options:
         print()
         print(wrap_prose(options))
@@ -88,8 +89,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from ..plan.schema import load_plan
     from ..plan.resolve import resolve
 
-    plan = load_plan(args.plan)
     if args.model is None:
+        plan = load_plan(args.plan)
         if args.world_size is not None and args.world_size != plan.mesh.world_size:
             from ..plan.schema import PlanError
             from ..plan.size_checks import world_problem
@@ -100,8 +101,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from ..estimate.balance import balance_warnings
 
     model = _meta_model(args.model)
-    resolved = resolve(plan, model, world_size=args.world_size)
-    r, n = resolved.kv_replicas, len(resolved.stages)
+    resolved = resolve(args.plan, model, world_size=args.world_size)  # the file's problems and the model's at once
+    plan, r, n = resolved.plan, resolved.kv_replicas, len(resolved.stages)
     kv = f" (kv heads replicated {r}x: each of the {plan.mesh.tp // r} on {r} tp ranks)" if r > 1 else ""
     print(
         f"{args.plan}: OK for {resolved.model_name} ({args.model}): {_mesh_words(plan)}, "
@@ -159,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--model", required=True, metavar="MODEL", help=MODEL_HELP)
     show.add_argument("--world-size", type=int, default=None, help="check the mesh against this many ranks")
     show.add_argument("--dtype", choices=_DTYPES, default=None,
-                      help="parameter and activation dtype for the memory table (default: the config's "
-                      "torch_dtype, else float32)")
+                      help="parameter and activation dtype for the memory table (default float32: `rewrite train` "
+                      "keeps float32 weights, gradients and AdamW state, also under --dtype bfloat16, where its "
+                      "activations take about half the float32 figure); bfloat16 for a loop of your own in it")
     show.add_argument("--batch-size", type=_at_least_one(int), default=1, metavar="N",
                       help="sequences per microbatch, for the activations (default %(default)s)")
     show.add_argument("--seq-len", type=_at_least_one(int), default=None, metavar="TOKENS",

@@ -5,12 +5,13 @@ Used by the CLI (`--model tiny-llama`), the demo, notebooks and tests.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["PRESETS", "build_config", "build_model", "load_config"]
+__all__ = ["PRESETS", "build_config", "build_model", "load_config", "model_problem"]
 
 _TINY = dict(
     hidden_size=64,
@@ -67,10 +68,26 @@ def load_config(model: str | Path):
         return AutoConfig.from_pretrained(str(path.parent) if path.name == "config.json" else str(path))
     if path.is_dir() and (path / "config.json").is_file():
         return AutoConfig.from_pretrained(str(path))
-    raise ValueError(
-        f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}), a config.json file, "
-        "nor a directory holding one"
-    )
+    raise ValueError(model_problem(model))
+
+
+def model_problem(model: str | Path) -> str:
+    """Why `--model` names nothing `load_config` reads, and what would: a close preset, a GGUF file's conversion."""
+    path = Path(model)
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else [path] if path.suffix == ".gguf" else []
+    if ggufs:
+        folder, name = ggufs[0].parent, ggufs[0].name
+        out = f"models/{path.stem if path.suffix else path.name}"
+        return (f"{ggufs[0]} is a GGUF file (llama.cpp's format), which rewrite does not read; convert it to a "
+                "Hugging Face checkpoint once (transformers dequantizes it; needs `pip install gguf`): python -c "
+                f"\"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{folder}', gguf_file='{name}')"
+                f".save_pretrained('{out}')\", the same with AutoTokenizer for its tokenizer, then --model {out}")
+    close = difflib.get_close_matches(str(model), list(PRESETS), n=1, cutoff=0.7)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    if path.is_dir():
+        return f"model folder {str(model)!r} holds no config.json: point --model at a Hugging Face checkpoint's folder{hint}"
+    return (f"model {str(model)!r} is neither a preset ({', '.join(PRESETS)}), a config.json file, "
+            f"nor a directory holding one{hint}")
 
 
 def build_model(config, *, seed: int = 0, device: str | torch.device | None = None, dtype=None) -> nn.Module:

@@ -9,14 +9,17 @@ from pathlib import Path
 __all__ = ["Progress", "plot_loss", "write_outputs"]
 
 
-def plot_loss(losses: list[float], *, title: str = "training loss", path: str | Path | None = None, first: int = 1):
-    """The loss per step (the first being step `first`) as a line; returns the matplotlib Figure (saved as PNG to `path`)."""
+def plot_loss(losses: list[float], *, title: str = "training loss", path: str | Path | None = None, first: int = 1,
+              steps: list[int] | None = None):
+    """The loss per step (the first being step `first`, or each at its own of `steps`) as a line; returns the
+    matplotlib Figure (saved as PNG to `path`). Steps are whole numbers on the axis."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.add_subplot()
-    steps = range(first, first + len(losses))
-    ax.plot(steps, losses, marker="o", markersize=3)
+    ax.plot(steps or range(first, first + len(losses)), losses, marker="o", markersize=3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per token)")
     ax.set_title(title)
@@ -71,8 +74,9 @@ def write_outputs(config, metrics: dict, events, plan) -> None:
         f"{plan.pipeline.microbatches} microbatches"
     )
     plot_timeline(events, tp=plan.mesh.tp, title=title, path=out / "timeline.png")
-    plot_loss(losses, title=f"{config.model} under {Path(plan.source).name}: loss per step", path=out / "loss.png",
-              first=metrics["first_step"])
+    steps, every = _logged_losses(out / "metrics.jsonl", metrics["first_step"], losses)  # a resumed run: all its steps
+    plot_loss(every, steps=steps, title=f"{config.model} under {Path(plan.source).name}: loss per step",
+              path=out / "loss.png")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps "
@@ -80,3 +84,20 @@ def write_outputs(config, metrics: dict, events, plan) -> None:
         flush=True,
     )
     print(f"wrote {out / 'timeline.png'}, {out / 'loss.png'}, {out / 'metrics.json'}", flush=True)
+
+
+def _logged_losses(path: Path, first: int, losses: list[float]) -> tuple[list[int], list[float]]:
+    """(steps, losses) of the whole run as `metrics.jsonl` holds them (the steps before a resume too);
+    this run's own when the file is missing or does not end with them."""
+    rows = {}
+    try:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows[int(row["step"])] = float(row["loss"])
+    except (OSError, ValueError, KeyError, TypeError):
+        rows = {}
+    mine = list(range(first, first + len(losses)))
+    if [rows.get(step) for step in mine] != losses:
+        return mine, losses
+    steps = sorted(rows)
+    return steps, [rows[step] for step in steps]

@@ -24,10 +24,10 @@ from .launch import free_port
 from .metrics import MetricsLog, peak_memory_bytes
 from .parity import Parity, parity_check
 from .progress import Progress, plot_loss, write_outputs
-from .train_setup import ByteBatches, TextBatches, build_stage, model_source, pick_device, setting_problems
+from .show.columns import format_bytes
+from .train_setup import ByteBatches, TextBatches, build_stage, model_source, pick_device, setting_problems, train_plan
 from ..checkpoint.training_state import latest_checkpoint, load_training_state, save_training_state
 from ..pipeline.grad_norm import clip_grad_norm_
-from ..plan.schema import load_plan
 from .presets import load_config
 from ..pipeline.runner import run_schedule
 from ..pipeline.timeline import events_to_dicts, gather_timeline
@@ -48,6 +48,10 @@ __all__ = [
 
 
 
+RANDOM_LR = 3e-3  # the default learning rate from random weights (a tiny model learns in tens of steps)
+LOADED_LR = 5e-5  # and from a checkpoint's weights: fine-tuning, where 3e-3 would undo the pretraining
+
+
 @dataclass
 class TrainConfig:
     """What `rewrite train` runs. Every rank must get the same config."""
@@ -58,7 +62,7 @@ class TrainConfig:
     steps: int = 30  # optimizer steps in all (a resumed run goes on up to this many)
     batch_size: int = 8  # sequences per microbatch (the plan sets microbatches per step and replica)
     seq_len: int = 128  # tokens (or bytes) per sequence; targets are the same window shifted by one
-    lr: float = 3e-3  # AdamW learning rate, constant after a short warm-up
+    lr: float | None = None  # AdamW learning rate, constant after a short warm-up; None: RANDOM_LR or LOADED_LR
     warmup: int = 3  # steps of linear learning-rate warm-up
     weight_decay: float = 0.01  # AdamW decoupled weight decay
     seed: int = 0  # model initialisation and data order: identical on every rank
@@ -97,9 +101,12 @@ def train(config: TrainConfig) -> dict:
         >>> dist.init_process_group("gloo", timeout=timedelta(minutes=5))   # under torchrun, 4 processes
         >>> metrics = train(TrainConfig("plans/llama-tp2-pp2.yaml", steps=30))
     """
-    plan = load_plan(config.plan)
+    plan = train_plan(config)
     source = model_source(config.model)
-    model_config = load_config(config.model)
+    try:
+        model_config = load_config(config.model)
+    except ValueError as exc:  # from the arguments alone: every rank finds the same, and rank 0 says it once
+        raise TrainConfigError(f"rewrite train: cannot start:\n  {exc}") from None
     device, _ = pick_device(config.device)
     problems = setting_problems(config, plan, model_config)
     if source.tokenizer:
@@ -118,7 +125,8 @@ def train(config: TrainConfig) -> dict:
     built = build_stage(source, plan, device=device, seed=config.seed, parity=parity)
     stage, reference = built.stage, built.reference
     m, dp, data_parallel = plan.pipeline.microbatches, plan.mesh.dp, plan.data_parallel.sharding
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    lr = config.lr if config.lr is not None else LOADED_LR if source.kind == "checkpoint" else RANDOM_LR
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=lr, weight_decay=config.weight_decay)
     warmup = max(1, config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     first, cursor = 1, 0
@@ -130,13 +138,24 @@ def train(config: TrainConfig) -> dict:
     sequences = m * dp * config.batch_size  # the global batch, in sequences
 
     log = Progress(config.steps, show=rank == 0, bar=config.progress, done=first - 1)
+    weights = f"the weights of {resume[1]}" if resume is not None else source.describe()
+    lr = schedule.base_lrs[0]  # a resumed run goes on at its saved learning rate
+    lr_why = ("--lr" if config.lr is not None and resume is None else "the saved run's" if resume is not None
+              else f"the default for {'loaded' if source.kind == 'checkpoint' else 'random'} weights; --lr sets it")
     log.write(
-        f"training {config.model} ({built.model_class}, {built.total_params:,} parameters) with {source.describe()} "
-        f"under {plan.source}: "
+        f"training {config.model} ({built.model_class}, {built.total_params:,} parameters) with {weights} "
+        f"under {plan.source}, AdamW lr {lr:g} ({lr_why}): "
         f"{plan.mesh.shape_text()} on {_n(dist.get_world_size(), 'rank')} ({device.type}, {config.dtype}); "
         f"{_n(m, 'microbatch')} x {config.batch_size} x {config.seq_len} {data.what} per step"
         + (f" and replica ({dp} replicas, {data_parallel} sharding)" if dp > 1 else "")
     )
+    if reference is not None:
+        held = sum(p.numel() * p.element_size() for p in reference.parameters())
+        log.write(f"--parity: each rank also holds the whole model once more, in one process, for step 1's check: "
+                  f"{format_bytes(2 * held)} of weights and gradients and that model's activations, which `rewrite "
+                  "show` does not count and peak_memory_bytes does; --no-parity leaves it out")
+    if config.resume and resume is None:
+        log.write(f"--resume: {config.ckpt} holds no checkpoint yet (no `latest` file): starting from step 1")
     if resume is not None:
         log.write(f"resumed from {resume[1]}: step {first} of {config.steps}" if first <= config.steps else
                   f"{resume[1]} is already at step {first - 1}, past --steps {config.steps}: nothing to train")
@@ -177,8 +196,10 @@ def train(config: TrainConfig) -> dict:
             })
             log.step(step, losses[-1], step_seconds[-1])
             if config.ckpt and (step == config.steps or (config.save_every and step % config.save_every == 0)):
-                save_training_state(config.ckpt, stage, optimizer, schedule, extra={"step": step, "cursor": cursor, "data": _data_key(config)},
-                                    keep=config.keep, tokenizer=built.tokenizer)
+                saved = save_training_state(config.ckpt, stage, optimizer, schedule,
+                                            extra={"step": step, "cursor": cursor, "data": _data_key(config)},
+                                            keep=config.keep, tokenizer=built.tokenizer)
+                log.write(f"saved the training state of step {step} to {saved}")
     finally:
         metrics_log.close()
     wall = time.perf_counter() - start

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
 from .presets import PRESETS
-from .train import TrainConfig
+from .train import LOADED_LR, RANDOM_LR, TrainConfig
 from .train_setup import DEVICES, DTYPES
 
 __all__ = ["PLAN_HELP", "MODEL_HELP", "Flag", "FLAGS", "add_train_flags", "train_config"]
@@ -44,7 +44,8 @@ FLAGS = [
     Flag("steps", "--steps", "optimizer steps (default %(default)s)", {"type": int}),
     Flag("batch_size", "--batch-size", "sequences per microbatch (default %(default)s)", {"type": int}),
     Flag("seq_len", "--seq-len", "tokens (bytes) per sequence (default %(default)s)", {"type": int}),
-    Flag("lr", "--lr", "AdamW learning rate (default %(default)s)", {"type": float}),
+    Flag("lr", "--lr", f"AdamW learning rate (default: {RANDOM_LR:g} from random weights, {LOADED_LR:g} from a "
+         "checkpoint's)", {"type": float}),
     Flag("seed", "--seed", "model init and batch sampling seed (default %(default)s)", {"type": int}),
     Flag("out_dir", "--out", "where rank 0 writes timeline.png, loss.png, metrics.json (default %(default)s)"),
     Flag("warmup", "--warmup", "steps of linear LR warm-up (default %(default)s)", {"type": int}),

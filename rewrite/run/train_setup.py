@@ -13,10 +13,12 @@ import torch
 import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
+from ..plan.schema import ParallelPlan, PlanError, load_plan
+from ..plan.unmatched import load_plan_for
 from ..plan.wording import either
 from .presets import PRESETS, build_model, load_config
 
-__all__ = ["DEVICES", "DTYPES", "pick_device", "setting_problems", "ModelSource", "model_source", "build_stage",
+__all__ = ["DEVICES", "DTYPES", "pick_device", "train_plan", "setting_problems", "ModelSource", "model_source", "build_stage",
            "ByteBatches", "TextBatches"]
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -110,6 +112,18 @@ def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, p
     return Built(stage, model_class, total, reference, tokenizer)
 
 
+def train_plan(config) -> ParallelPlan:
+    """The plan; a refused one with the rules that match no module of the model beside its problems."""
+    try:
+        return load_plan(config.plan)
+    except PlanError as refused:
+        try:
+            model = build_model(load_config(config.model), device="meta")
+        except ValueError:
+            raise refused from None  # the model's own problem is said once the plan is fixed
+        return load_plan_for(config.plan, model)  # raises again: the same problems, the model's beside them
+
+
 def setting_problems(config, plan, model_config) -> list[str]:
     """What is wrong with a `TrainConfig` for this plan and model (every rank finds the same)."""
     problems = []
@@ -117,13 +131,14 @@ def setting_problems(config, plan, model_config) -> list[str]:
     if world != plan.mesh.world_size:
         problems.append(
             f"{plan.source}: mesh {plan.mesh.shape_text()} needs {plan.mesh.world_size} processes, "
-            f"but {world} were started; run `torchrun --nproc-per-node {plan.mesh.world_size} ...` or change the mesh"
+            f"but {world} {'was' if world == 1 else 'were'} started; run `torchrun --nproc-per-node {plan.mesh.world_size} ...` or change the mesh"
         )
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(config, name) < 1:
             problems.append(f"--{name.replace('_', '-')} is {getattr(config, name)}; use 1 or more")
-    if config.lr <= 0:
-        problems.append(f"--lr is {config.lr}; use a positive learning rate such as 3e-3")
+    if config.lr is not None and config.lr <= 0:
+        problems.append(f"--lr is {config.lr}; use a positive learning rate such as 3e-3 (random weights) or 5e-5 "
+                        "(fine-tuning)")
     if config.save_every < 0:
         problems.append(f"--save-every is {config.save_every}; use 0 (only after the last step) or more")
     if config.keep is not None and config.keep < 1:

@@ -52,6 +52,8 @@ def _bad_steps(rank: int, ws: int) -> list[str]:
     ids = [torch.randint(0, 256, (2, 8)) for _ in range(2)]
     bad_targets = [torch.zeros(2, 8, dtype=torch.long)] if stage.is_last else None
     messages.append(_expect_error(lambda: rewrite.run_afab(stage, ids, bad_targets)))
+    whole = torch.randint(0, 256, (8, 8))  # the batch itself, not cut into microbatches
+    messages.append(_expect_error(lambda: rewrite.run_schedule(stage, whole, whole)))
     # After refusing, a good step still runs.
     loss = rewrite.run_afab(stage, ids, [torch.zeros(2, 8, dtype=torch.long)] * 2)
     assert torch.isfinite(loss)
@@ -63,6 +65,9 @@ def test_bad_steps_fail_on_every_rank():
     assert first == last, "every rank raises the same error"
     assert "ranks were given different microbatches (rank 0: 4 x [2, 8] int64; rank 1: 3 x [2, 8] int64)" in first[0]
     assert "rank 1: targets must be a list with one tensor per microbatch (2), got 1" in first[1]
+    assert ("inputs must be a non-empty list of tensors, one per microbatch (on every rank), got a tensor of shape "
+            "[8, 8]; cut a [batch, seq] batch of token ids with `inputs, targets = rewrite.microbatches(ids, "
+            "stage.resolved.plan.pipeline.microbatches") in first[2]
 
 
 def _timed_error(fn) -> tuple[str, float]:

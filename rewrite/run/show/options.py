@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...estimate.activations import activation_problem, rank_activations
-from ...estimate.memory import rank_footprints
+from ...estimate.memory import rank_footprints, with_run
 from ...plan.resolve import ResolvedPlan, resolve
 from ...plan.schema import PlanError, load_plan
 from ...plan.tp_rules import match_pattern
@@ -71,15 +71,15 @@ def option_variants(
     return shown, skipped
 
 
-def _busiest(resolved: ResolvedPlan, model: nn.Module) -> tuple[int, int, int]:
+def _busiest(resolved: ResolvedPlan, model: nn.Module, batch_size: int = 1) -> tuple[int, int, int]:
     """(pp rank, parameter bytes, activation bytes) of the pp rank with the most of both together."""
     weights = [f.weights for f in rank_footprints(resolved, model)]
-    acts = [a.peak for a in rank_activations(resolved, model)]
+    acts = [a.peak for a in rank_activations(resolved, model, batch_size=batch_size)]
     r = max(range(resolved.pp), key=lambda i: (weights[i] + acts[i], -i))
     return r, weights[r], acts[r]
 
 
-def option_rows(resolved: ResolvedPlan, model: nn.Module) -> tuple[list[list[str]], list[str]]:
+def option_rows(resolved: ResolvedPlan, model: nn.Module, batch_size: int = 1) -> tuple[list[list[str]], list[str]]:
     """The tensor-parallel options table of `rewrite show`, and a line per variant left out.
 
     One row for the plan, then one per option flipped (`activations.option_variants`):
@@ -88,18 +88,20 @@ def option_rows(resolved: ResolvedPlan, model: nn.Module) -> tuple[list[list[str
     bytes (`activations.rank_activations`), and both as a multiple of the plan's.
     """
     variants, skipped = option_variants(resolved, model)
-    base = _busiest(resolved, model)
+    base = _busiest(resolved, model, batch_size)
     rows = []
     for label, variant in [("as planned", resolved), *variants]:
-        r, params, acts = _busiest(variant, model)
+        r, params, acts = _busiest(variant, model, batch_size)
         rows.append([label, str(r * variant.tp), format_bytes(params), format_bytes(acts),
                      f"{params / base[1]:.2f}x" if base[1] else "-", f"{acts / base[2]:.2f}x" if base[2] else "-"])
     return rows, [f"  not shown: {label}: {why}" for label, why in skipped]
 
 
-def format_options(resolved: ResolvedPlan, model: nn.Module) -> str:
+def format_options(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1, seq_len: int | None = None,
+                   microbatches: int | None = None) -> str:
     """The table `rewrite show` prints after `render_text`: parameters and estimated activations per rank,
-    as planned and with each tensor-parallel option flipped (`option_rows`).
+    as planned and with each tensor-parallel option flipped (`option_rows`), for the same run as its memory
+    table (`batch_size` sequences per microbatch; seq_len, microbatches: override the plan's).
 
     Empty when nothing is to compare: mesh.tp = 1 and the plan sets none of loss_parallel,
     sequence_parallel, activation_checkpointing; or activations not estimated (`activation_problem`).
@@ -111,14 +113,16 @@ def format_options(resolved: ResolvedPlan, model: nn.Module) -> str:
     wanted = resolved.tp > 1 or plan.loss_parallel or plan.sequence_parallel or plan.activation_checkpointing
     if not wanted or activation_problem(resolved, model) is not None:
         return ""
-    rows, notes = option_rows(resolved, model)
-    pipe = plan.pipeline
+    resolved = with_run(resolved, seq_len=seq_len, microbatches=microbatches)  # the variants inherit the run
+    rows, notes = option_rows(resolved, model, batch_size)
+    pipe = resolved.plan.pipeline
     return "\n".join([
         "Tensor-parallel options (per rank, estimated): the busiest rank's parameters (weights) and the activations "
         "it keeps for the backward",
         format_table(["plan", "rank", "parameters", "activations", "params vs planned", "acts vs planned"], rows),
         *notes,
-        f"  rank: global rank, replica 0, tp rank 0 (its tp ranks hold the same); activations for 1 sequence of "
-        f"{pipe.seq_len} tokens (pipeline.seq_len) per microbatch, {pipe.microbatches} microbatch"
-        f"{'es' if pipe.microbatches != 1 else ''} under {pipe.schedule}, {UNCOUNTED}",
+        f"  rank: global rank, replica 0, tp rank 0 (its tp ranks hold the same); activations for "
+        f"{batch_size} sequence{'s' if batch_size != 1 else ''} of {pipe.seq_len} tokens"
+        f"{'' if seq_len else ' (pipeline.seq_len)'} per microbatch, {pipe.microbatches} microbatch"
+        f"{'es' if pipe.microbatches != 1 else ''} under {pipe.schedule}, as in the memory table; {UNCOUNTED}",
     ])

@@ -35,6 +35,8 @@ def test_demo_parity_line_pictures_and_metrics(tmp_path):
     match = PARITY.search(run.stdout + run.stderr)
     assert float(match["dloss"]) <= 1e-5 and float(match["dgrad"]) <= 1e-5, match[0]
     assert int(match["n"]) == 39  # tiny-llama: every parameter was compared somewhere
+    assert "with random weights under plans/llama-tp2-pp2.yaml, AdamW lr 0.003 (the default for random weights" in run.stdout
+    assert "--parity: each rank also holds the whole model once more" in run.stdout  # memory no estimate counts
     for name in ("timeline.png", "loss.png"):
         data = (out_dir / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
@@ -59,6 +61,16 @@ def test_wrong_process_count_says_how_many(tmp_path):
     assert run.returncode != 0
     assert "needs 4 processes, but 2 were started; run `torchrun --nproc-per-node 4" in run.stderr
     assert run.stderr.count("cannot start:") == 1  # rank 0 speaks for every rank
+
+
+def test_a_model_typo_under_torchrun_is_said_once_before_torchrun_reports(tmp_path):
+    run = torchrun(2, "train", "plans/llama-tp2.yaml", "--model", "tiny-lama", "--steps", "1", "--out", str(tmp_path),
+                   timeout_s=120)
+    assert run.returncode != 0
+    assert run.stderr.count("did you mean 'tiny-llama'?") == 1, run.stderr  # once, not once per rank
+    ours = run.stderr.index("error: rewrite train: cannot start:")
+    assert ours < run.stderr.index("ChildFailedError"), "our line comes before torchrun's own report"
+    assert run.stderr.count("Traceback") == 1 and "rewrite/run/" not in run.stderr, "torchrun's traceback, none of ours"
 
 
 def test_train_under_a_zero_bubble_v_plan(tmp_path):

@@ -40,9 +40,12 @@ def test_train_a_checkpoint_resume_under_another_plan_and_export(tmp_path):
     model_dir = make_tiny_checkpoint(tmp_path / "tiny")
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     first = torchrun(4, "train", "plans/llama-tp2-pp2.yaml", "--model", str(model_dir), "--steps", "3",
-                     "--ckpt", str(ckpt), "--out", str(out), *ARGS)
+                     "--ckpt", str(ckpt), "--resume", "--out", str(out), "--lr", "3e-3", *ARGS)  # random weights
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert f"--resume: {ckpt} holds no checkpoint yet (no `latest` file): starting from step 1" in first.stdout
+    assert f"saved the training state of step 3 to {ckpt / 'step-00000003'}" in first.stdout, first.stdout
     assert "with its saved weights" in first.stdout and "tokens of" in first.stdout, first.stdout
+    assert "AdamW lr 0.003 (--lr)" in first.stdout, first.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
@@ -59,6 +62,9 @@ def test_train_a_checkpoint_resume_under_another_plan_and_export(tmp_path):
                       "--ckpt", str(ckpt), "--resume", "--out", str(out), "--dtype", "bfloat16", *ARGS)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step-00000003" in second.stdout, second.stdout
+    # The weights are the training state's, not the folder's; the learning rate the saved run's.
+    assert f"with the weights of {ckpt / 'step-00000003'} under" in second.stdout, second.stdout
+    assert "with its saved weights" not in second.stdout and "AdamW lr 0.003 (the saved run's)" in second.stdout
     assert "warning" not in second.stdout  # the same data settings: the same windows, in the same order
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
