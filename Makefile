@@ -13,13 +13,20 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 $(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "rewrite needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) --version 2>&1): make PYTHON=python3.11 ..."; exit 1; }
+	@echo "==> creating $(VENV) with $$($(PYTHON) --version)"
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
+	@echo "==> [1/3] upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "==> [2/3] installing $(TORCH_SPEC) first, so nothing later pulls another build (a minute or so)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	@echo "==> [3/3] installing rewrite (editable), transformers and the rest of its dependencies, and the test tools"
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
+	@echo "==> installed: $(BIN)/rewrite --help, make demo, make test"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
