@@ -77,7 +77,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except NoPlanFits as exc:
         return _fail(str(exc), 1)
     best = found[0]
-    text = plan_file_text(best, args, hardware.name)
+    text = plan_file_text(best, args, hardware.name, searched_dtype(config, args.dtype))
     if args.out:
         Path(args.out).write_text(text)
     if args.json:
@@ -110,11 +110,22 @@ def format_candidates(found, *, hardware: str, total: int, args: argparse.Namesp
          "tokens/s/device", "MFU", "busiest rank"], rows)])
 
 
-def plan_file_text(best, args: argparse.Namespace, hardware: str) -> str:
-    """The best candidate as a commented plan file: what it predicts and the commands that run and show it."""
+def searched_dtype(config, given: str | None) -> str:
+    """The parameter dtype the search counted: `--dtype`, else the config's, else float32 (as the model is built)."""
+    found = given or getattr(config, "dtype", None)
+    return str(found).removeprefix("torch.") if found is not None else "float32"
+
+
+def plan_file_text(best, args: argparse.Namespace, hardware: str, dtype_name: str = "float32") -> str:
+    """The best candidate as a commented plan file: what it predicts and the commands that run and show it.
+    `dtype_name`: the parameter dtype the search counted, which the `show` line repeats so that it prints
+    the same memory."""
     plan, pipe = best.plan, best.plan.pipeline
     world = plan.mesh.world_size
-    dtype = f" --dtype {args.dtype}" if args.dtype else ""
+    dtype = f" --dtype {dtype_name}"
+    held = ("" if dtype_name == "float32" else
+            f"# Weights and gradients counted in {dtype_name}, the model's dtype; `rewrite train` keeps them in float32 "
+            "(also under --dtype bfloat16): plan with --dtype float32 for it.")
     name = args.out or "plan.yaml"
     described = plan.model_copy(update={"description": f"planned by rewrite plan for {args.model} on {world} x {hardware}"})
     return "\n".join([
@@ -128,6 +139,7 @@ def plan_file_text(best, args: argparse.Namespace, hardware: str) -> str:
         f"#   rewrite show {name} --model {args.model} --batch-size {best.batch_size}{dtype} --hardware {hardware}",
         f"#   torchrun --nproc-per-node {world} -m rewrite train {name} --model {args.model} "
         f"--batch-size {best.batch_size} --seq-len {pipe.seq_len}",
+        *([held] if held else []),
         described.to_yaml(),
     ])
 

@@ -98,6 +98,17 @@ def test_rewrite_plan_writes_a_plan_that_validates_and_shows_the_memory_it_predi
     shown = rewrite_cmd("show", str(out), "--model", "tiny-llama", "--batch-size", str(best["batch_size"]), "--json")
     assert shown.returncode == 0, shown.stderr
     assert max(r["total"] for r in json.loads(shown.stdout)["memory"]["ranks"]) == best["peak_bytes"]
+    # A bfloat16 config: the plan's own show line repeats the dtype the search counted, and prints its memory.
+    big = tmp_path / "8b.yaml"
+    config = str(CONFIGS / "llama-3.1-8b.json")
+    run = rewrite_cmd("plan", "--model", config, "--world", "8", "--device-memory", "80", "--out", str(big), "--json")
+    assert run.returncode == 0, run.stderr
+    best = json.loads(run.stdout)["candidates"][0]
+    show_line = next(line for line in big.read_text().splitlines() if line.startswith("#   rewrite show"))
+    assert f"--batch-size {best['batch_size']} --dtype bfloat16" in show_line
+    assert "counted in bfloat16, the model's dtype; `rewrite train` keeps them in float32" in big.read_text()
+    shown = rewrite_cmd(*show_line.removeprefix("#   rewrite ").split(), "--json")
+    assert max(r["total"] for r in json.loads(shown.stdout)["memory"]["ranks"]) == best["peak_bytes"]
     table = rewrite_cmd("plan", "--model", "tiny-llama", "--world", "2", "--hardware", "cpu", "--seq-len", "64",
                         "--top", "2")
     assert table.returncode == 0 and "Plans for tiny-llama on 2 x cpu" in table.stdout

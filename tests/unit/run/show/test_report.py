@@ -123,7 +123,7 @@ def test_memory_limit_marks_the_ranks_over_it(tiny):
     rows = _memory_rows(text)
     for rank, total in enumerate(totals):
         fits = total <= float(f"{limit:.6f}") * GIB
-        assert rows[str(rank)].endswith("yes" if fits else f"no ({format_bytes(total)} > {float(f'{limit:.6f}'):g} GiB)")
+        assert rows[str(rank)].endswith("yes" if fits else f"{format_bytes(total)}  no (> {float(f'{limit:.6f}'):g} GiB)")
     over = sum(t > float(f"{limit:.6f}") * GIB for t in totals)
     assert f"  {over} of 4 ranks do not fit in " in text and over == 2
 
