@@ -1,11 +1,47 @@
-"""Single-process reference checks for rewritten models."""
+"""Single-process reference checks for rewritten models.
+
+The expected slice of a sharded parameter is cut here with `chunk` over the layout the layers
+document (tensor_parallel/layers.py, vocab.py), not with the library's own `shard_of`: a wrong
+`shard_of` must fail these checks, not set their expectations."""
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
-from rewrite.tensor_parallel.layers import local_shard
+from rewrite import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tests.asserts import assert_close
+
+
+def _place(group) -> tuple[int, int]:
+    """(rank, size) of this process in `group`, straight from torch.distributed."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The part of the unsharded `full` that parameter `name` of a rewritten `model` should hold.
+
+    Column: the output rows, each of `parts` packed blocks cut into tp / replicas slices, a rank
+    holding slice rank // replicas of every block, blocks in order. Row: the weight's input
+    columns cut into tp slices (the bias whole). Vocab: the embedding rows cut into tp slices.
+    Anything else is whole.
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if isinstance(owner, ColumnParallelLinear):
+        rank, size = _place(owner.group)
+        slices = size // owner.replicas
+        return torch.cat([block.chunk(slices)[rank // owner.replicas] for block in full.chunk(owner.parts)])
+    if isinstance(owner, RowParallelLinear):
+        rank, size = _place(owner.group)
+        return full if leaf == "bias" else full.chunk(size, dim=1)[rank]
+    if isinstance(owner, VocabParallelEmbedding):
+        rank, size = _place(owner.group)
+        return full.chunk(size)[rank]
+    return full
 
 
 def assert_grads_match(model: nn.Module, reference: nn.Module, *, atol: float = 1e-5, prefix: str = "") -> int:
@@ -16,7 +52,7 @@ def assert_grads_match(model: nn.Module, reference: nn.Module, *, atol: float = 
         if not param.requires_grad:
             continue
         assert name in ref, f"{prefix}{name}: no parameter of that name in the reference model"
-        assert_close(f"{prefix}{name}.grad", param.grad, local_shard(model, name, ref[name].grad), atol=atol)
+        assert_close(f"{prefix}{name}.grad", param.grad, expected_shard(model, name, ref[name].grad), atol=atol)
         checked += 1
     return checked
 
@@ -24,4 +60,4 @@ def assert_grads_match(model: nn.Module, reference: nn.Module, *, atol: float = 
 def assert_params_match(model: nn.Module, reference: nn.Module, *, atol: float = 0.0, prefix: str = "") -> None:
     ref = dict(reference.named_parameters(remove_duplicate=False))
     for name, param in model.named_parameters():
-        assert_close(f"{prefix}{name}", param.detach(), local_shard(model, name, ref[name].detach()), atol=atol)
+        assert_close(f"{prefix}{name}", param.detach(), expected_shard(model, name, ref[name].detach()), atol=atol)

@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 import rewrite
 from rewrite.run.parity import reference_step
-from rewrite.tensor_parallel.layers import local_shard
 from tests.asserts import assert_close
 from tests.families import TINY, tiny_family_model
 from tests.multiproc import run
+from tests.reference import expected_shard
 
 
 def _plans(model) -> dict[str, dict]:
@@ -43,7 +43,7 @@ def _compose(rank: int, world: int, family: str, out: str) -> str:
         ref = dict(reference.named_parameters(remove_duplicate=False))
         for pname, param in model.named_parameters():
             grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-            assert_close(f"{tag} {pname}.grad", grad, local_shard(model, pname, ref[pname].grad))
+            assert_close(f"{tag} {pname}.grad", grad, expected_shard(model, pname, ref[pname].grad))
         if dp == 1:
             rewrite.save_pretrained(stage, plan, out)
     return "ok"

@@ -9,11 +9,11 @@ from torch.nn import functional as F
 import rewrite
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
-from rewrite.tensor_parallel.layers import local_shard
 from tests.asserts import assert_close
 from tests.distributed.pipeline.test_pipeline import _batch
 from tests.models import toy_step_setup
 from tests.multiproc import run
+from tests.reference import expected_shard
 
 AC = {"model.layers.*": "full"}
 
@@ -42,7 +42,7 @@ def _case(rank: int, plan: dict, m: int = 3) -> str:
     ref = dict(reference.named_parameters())
     for pname, param in model.named_parameters():
         grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-        assert_close(f"{name} {pname}.grad", grad, local_shard(model, pname, ref[pname].grad))
+        assert_close(f"{name} {pname}.grad", grad, expected_shard(model, pname, ref[pname].grad))
     # Every decoder layer this rank holds ran its forward twice per microbatch: once, then again in the backward.
     assert calls and all(n == 2 * m for n in calls.values()), (name, calls)
     return f"{float(loss):.6f}"

@@ -25,11 +25,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import rewrite
 from rewrite.checkpoint.training_state import load_training_state, save_training_state
 from rewrite.run.parity import reference_step
-from rewrite.tensor_parallel.layers import local_shard
 from tests.asserts import assert_close
 from tests.distributed.checkpoint.test_training_state import _differ, _snapshot
 from tests.distributed.pipeline.test_grad_norm import _measure_and_clip
 from tests.multiproc import run
+from tests.reference import expected_shard
 
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"
 # The plans a tp-4 checkpoint is loaded under, 4 ranks each: (tp, pp). kv 2 at tp 2: no replication.
@@ -61,7 +61,7 @@ def _batch(config, step: int):
 def _not_reference(model, reference: dict) -> tuple[list[str], int]:
     """The parameters of a loaded rank that are not, bit for bit, their slice of the reference; how many compared."""
     params = list(model.named_parameters())
-    return [n for n, p in params if not torch.equal(p.detach(), local_shard(model, n, reference[n]))], len(params)
+    return [n for n, p in params if not torch.equal(p.detach(), expected_shard(model, n, reference[n]))], len(params)
 
 
 def _kv_shapes(model) -> dict[str, list[int]]:

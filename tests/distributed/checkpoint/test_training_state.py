@@ -24,8 +24,8 @@ from rewrite.checkpoint.export import export_checkpoint
 from rewrite.checkpoint.training_state import LATEST, latest_checkpoint, load_training_state, save_training_state
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
-from rewrite.tensor_parallel.layers import local_shard
 from tests.multiproc import run
+from tests.reference import expected_shard
 
 TP_RULES = rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel
 MICROBATCHES, STEPS, SAVE_AT = 4, 4, 2
@@ -95,7 +95,7 @@ def _differ(model, mine: dict, saved: dict) -> list[str]:
     out = []
     for key, value in mine.items():
         fqn = key.split("/")[1]
-        expected = saved[key] if value.dim() == 0 else local_shard(model, fqn, saved[key])
+        expected = saved[key] if value.dim() == 0 else expected_shard(model, fqn, saved[key])
         if not torch.equal(value, expected):
             out.append(key)
     return out

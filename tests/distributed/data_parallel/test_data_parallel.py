@@ -10,10 +10,10 @@ import torch
 import rewrite
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
-from rewrite.tensor_parallel.layers import local_shard
 from tests.asserts import assert_close
 from tests.distributed.pipeline.test_pipeline import _batch
 from tests.multiproc import run
+from tests.reference import expected_shard
 
 TP_RULES = "plans/llama-tp2.yaml"
 
@@ -36,7 +36,7 @@ def _step(rank: int, config, plan: dict, per_replica: int) -> str:
     ref = dict(reference.named_parameters(remove_duplicate=False))
     compared = 0
     for pname, param in model.named_parameters():
-        assert_close(f"{name} {pname}.grad", _whole(param.grad), local_shard(model, pname, ref[pname].grad))
+        assert_close(f"{name} {pname}.grad", _whole(param.grad), expected_shard(model, pname, ref[pname].grad))
         compared += 1
     # One optimizer step on the sharded parameters (AdamW's moments sharded alike) equals one on the
     # whole model. Sound across plans and CPUs because eps is large: AdamW's first step is
@@ -47,7 +47,7 @@ def _step(rank: int, config, plan: dict, per_replica: int) -> str:
     torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-3).step()
     torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3).step()
     for pname, param in model.named_parameters():
-        assert_close(f"{name} {pname} after AdamW", _whole(param.detach()), local_shard(model, pname, ref[pname].detach()))
+        assert_close(f"{name} {pname} after AdamW", _whole(param.detach()), expected_shard(model, pname, ref[pname].detach()))
     assert compared > 0
     return f"{float(loss):.6f}"
 

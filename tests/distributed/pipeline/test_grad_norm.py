@@ -16,12 +16,12 @@ import rewrite
 from rewrite.pipeline.grad_norm import clip_grad_norm_
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
-from rewrite.tensor_parallel.layers import local_shard
 from tests.asserts import assert_close
 from tests.collectives import CountCollectives
 from tests.distributed.pipeline.test_pipeline import _batch
 from tests.models import toy_step_setup
 from tests.multiproc import run
+from tests.reference import expected_shard
 
 LAYERS = rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel
 VOCAB_RULES = {"model.embed_tokens": "vocab", "lm_head": "column"}
@@ -71,7 +71,7 @@ def _measure_and_clip(name: str, stage, model, reference) -> float:
     compared = 0
     for pname, param in model.named_parameters():
         if param.grad is not None:
-            want = local_shard(model, pname, ref[pname].grad)
+            want = expected_shard(model, pname, ref[pname].grad)
             assert_close(f"{name} {pname}.grad clipped", _whole(param.grad), want, atol=1e-6)
             compared += 1
     assert compared > 0, name

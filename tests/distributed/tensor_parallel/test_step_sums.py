@@ -10,11 +10,11 @@ import copy
 import rewrite
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
-from rewrite.tensor_parallel.layers import local_shard
 from tests.asserts import assert_close
 from tests.collectives import CountCollectives
 from tests.distributed.pipeline.test_pipeline import _batch
 from tests.multiproc import run
+from tests.reference import expected_shard
 
 M = 3  # microbatches
 
@@ -28,7 +28,7 @@ def _counting_sums(fn) -> int:
 def _grads_match(name: str, model, reference) -> None:
     ref = dict(reference.named_parameters())
     for pname, param in model.named_parameters():
-        assert_close(f"{name} {pname}.grad", param.grad, local_shard(model, pname, ref[pname].grad))
+        assert_close(f"{name} {pname}.grad", param.grad, expected_shard(model, pname, ref[pname].grad))
 
 
 def _case(rank: int, world: int, plan: dict, **overrides) -> dict:

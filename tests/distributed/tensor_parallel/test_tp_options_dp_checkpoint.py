@@ -15,10 +15,10 @@ import torch
 import rewrite
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
-from rewrite.tensor_parallel.layers import local_shard
 from tests.asserts import assert_close
 from tests.distributed.tensor_parallel.test_tp_options import _batch, _plan
 from tests.multiproc import run
+from tests.reference import expected_shard
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ def _dp2_tp2(sharding: str) -> str:
     assert_close(f"{name} loss", loss, reference_step(reference, ids, targets))
     ref = dict(reference.named_parameters(remove_duplicate=False))
     for pname, param in model.named_parameters():
-        assert_close(f"{name} {pname}.grad", _whole(param.grad), local_shard(model, pname, ref[pname].grad))
+        assert_close(f"{name} {pname}.grad", _whole(param.grad), expected_shard(model, pname, ref[pname].grad))
     # One AdamW step, compared across plans: sound because eps = 1e-3 is far above the gradients'
     # rounding. The first step is lr * g / (|g| + eps), of slope at most lr / eps = 10 in g, so the
     # gradients' reduction-order noise (~1e-7 here) moves the weights by ~1e-6 at most, inside 1e-5;
@@ -47,7 +47,7 @@ def _dp2_tp2(sharding: str) -> str:
     torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-3).step()
     torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3).step()
     for pname, param in model.named_parameters():
-        assert_close(f"{name} {pname} after AdamW", _whole(param.detach()), local_shard(model, pname, ref[pname].detach()))
+        assert_close(f"{name} {pname} after AdamW", _whole(param.detach()), expected_shard(model, pname, ref[pname].detach()))
     return f"{float(loss):.6f}"
 
 
