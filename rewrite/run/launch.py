@@ -17,13 +17,13 @@ import mmap
 import os
 import pickle
 import selectors
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import deque
+from datetime import timedelta
 from typing import Any, BinaryIO, Callable
 
 __all__ = ["launch", "LaunchError"]
@@ -43,11 +43,16 @@ class LaunchError(RuntimeError):
         self.rank, self.traceback, self.alive = rank, traceback, list(alive or [])
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now: a MASTER_PORT for a local rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def local_store(world_size: int, timeout: timedelta):
+    """A rendezvous store on 127.0.0.1, on a port the kernel picks as torch binds it.
+
+    Hosted here for the ranks to join as clients (torchrun's agent store, told by
+    TORCHELASTIC_USE_AGENT_STORE=True): no port is chosen, freed and then taken by another
+    process in between, as a probed "free" port may be. Keep it alive while the ranks run.
+    """
+    import torch.distributed as dist  # here: a worker's bootstrap imports this module before torch
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
 
 
 # What each worker runs: `python -c _BOOTSTRAP parent_pid payload_fd result_fd`. Its
@@ -154,7 +159,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 3
 
     Each rank is a fresh Python process started with the environment torchrun would
     give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
-    MASTER_PORT on a free port, OMP_NUM_THREADS=1). It sets one torch thread, calls
+    MASTER_PORT of a store this process hosts, OMP_NUM_THREADS=1). It sets one torch thread, calls
     `torch.distributed.init_process_group("gloo")`, runs `fn`, and leaves the group.
     Ranks die with this process, even if it is SIGKILLed (Linux: at once; elsewhere
     within a second), and `fn` and the results pass through unnamed temporary files,
@@ -203,12 +208,14 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 3
             f"launch cannot serialise {getattr(fn, '__name__', fn)!r} or its arguments: {exc}; "
             "pass plain data (numbers, strings, paths, tensors) and open files or sockets inside fn"
         ) from None
+    store = local_store(nprocs, timedelta(seconds=timeout_s))  # held until the launch returns
     base = {
         **os.environ,
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the store above as clients
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "MPLBACKEND": "Agg",  # not the notebook's inline backend: workers have no display

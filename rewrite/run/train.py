@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
-from .launch import free_port
+from .launch import local_store
 from .metrics import MetricsLog, peak_memory_bytes
 from .parity import Parity, parity_check
 from .progress import Progress, plot_loss, write_outputs
@@ -275,10 +275,10 @@ def train_main(config: TrainConfig) -> dict:
     Raises:
         TrainConfigError: a bad `timeout_s`, on every rank, before any collective.
     """
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
     init_kwargs = build_init_kwargs(config)  # before the rendezvous: no rank is left waiting
+    alone = "RANK" not in os.environ
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     device, _ = pick_device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicators and every allocation on this rank's GPU
@@ -286,7 +286,12 @@ def train_main(config: TrainConfig) -> dict:
         torch.set_num_threads(1)  # the ranks share the machine's cores
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(**init_kwargs, **_restart_store(init_kwargs["timeout"]))
+        if alone:  # a world of one on a store of its own: no port to pick
+            store = local_store(1, init_kwargs["timeout"])
+            os.environ.setdefault("MASTER_PORT", str(store.port))
+            dist.init_process_group(**init_kwargs, store=store, rank=0, world_size=1)
+        else:
+            dist.init_process_group(**init_kwargs, **_restart_store(init_kwargs["timeout"]))
     try:
         result = train(config)
         if owns_group:
