@@ -28,7 +28,7 @@ def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
         if not (path / ".metadata").is_file():
             steps = saved_steps(checkpoint)
             raise ValueError(f"{checkpoint} has no complete checkpoint of step {step}; "
-                             + (f"its saved steps: {', '.join(map(str, steps))} (--step N, or leave --step out for "
+                             + (f"its saved steps: {', '.join(map(str, steps))} (`step=N`, or leave `step` out for "
                                 f"the latest, {steps[-1]})" if steps else "it holds no saved step"))
     elif (checkpoint / ".metadata").is_file():
         path = checkpoint
@@ -37,7 +37,7 @@ def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
         if found is None:
             raise ValueError(
                 f"{checkpoint} holds no training checkpoint (neither a `latest` file nor a .metadata file); "
-                "pass the --ckpt directory of a run that saved one"
+                "pass the checkpoint directory of a run that saved one"
             )
         path = found[1]
     if not (path / ".metadata").is_file():

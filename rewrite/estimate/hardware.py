@@ -69,7 +69,7 @@ class Hardware(_Strict):
         if dtype not in self.peak_flops:
             raise ValueError(
                 f"hardware {self.name!r} gives no peak FLOP/s for {dtype} (it has {', '.join(self.peak_flops)}); "
-                f"add peak_flops.{dtype} to the profile, or use --dtype with one of those"
+                f"add peak_flops.{dtype} to the profile, or set `dtype` to one of those"
             )
         return self.peak_flops[dtype]
 

@@ -237,12 +237,12 @@ def with_run(resolved: ResolvedPlan, *, seq_len: int | None = None, microbatches
         if value is None:
             continue
         if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} is {value}; use a whole number >= 1")
+            raise ValueError(f"`{name}` is {value}; use a whole number >= 1")
         update[name] = value
     if "microbatches" in update and pipe.schedule == "custom" and update["microbatches"] != pipe.microbatches:
         raise ValueError(
-            f"--microbatches {microbatches}: schedule custom runs the {pipe.microbatches} microbatches of its "
-            "table; leave --microbatches out or change pipeline.table"
+            f"`microbatches={microbatches}`: schedule custom runs the {pipe.microbatches} microbatches of its "
+            "table; leave `microbatches` out or change pipeline.table"
         )
     if not update:
         return resolved
@@ -275,7 +275,7 @@ def rank_memory(
         >>> [m.total for m in rank_memory(rewrite.resolve("plans/llama-pp2.yaml", model), model)]
     """
     if batch_size < 1:
-        raise ValueError(f"--batch-size is {batch_size}; use a whole number of sequences >= 1")
+        raise ValueError(f"`batch_size` is {batch_size}; use a whole number of sequences >= 1")
     run = with_run(resolved, seq_len=seq_len, microbatches=microbatches)
     acts = None
     if model is not None and activation_problem(resolved, model) is None:

@@ -87,9 +87,9 @@ def check_arguments(world, device_memory, seq_len, global_batch, gpus_per_node) 
     for name, value in (("world", world), ("seq_len", seq_len), ("global_batch", global_batch),
                         ("gpus_per_node", gpus_per_node)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{name.replace('_', '-')} is {value!r}; use a whole number >= 1")
+            raise ValueError(f"`{name}` is {value!r}; use a whole number >= 1")
     if device_memory is not None and not (isinstance(device_memory, (int, float)) and device_memory > 0):
-        raise ValueError(f"device-memory is {device_memory!r} GiB; use a number above 0")
+        raise ValueError(f"`device_memory` is {device_memory!r} GiB; use a number above 0")
 
 
 def suggest_plans(
@@ -296,10 +296,10 @@ def _advice(model, hw, *, world, G, limit, seq_len, batch) -> str:
         s = seq_len // 2
         while s > 1 and not fits(world=world, seq_len=s, batch=batch):
             s //= 2
-        return f"at --seq-len {max(s, 1)} a plan fits on these {world} device(s)"
+        return f"at `seq_len={max(s, 1)}` a plan fits on these {world} device(s)"
     for times in (2, 4, 8, 16, 32, 64):
         bigger = world * times
         if fits(world=bigger, seq_len=seq_len, batch=max(batch, bigger)):
-            return (f"the smallest world that fits at this memory is {bigger} devices (--world {bigger}, "
-                    f"--global-batch a multiple of the data-parallel size)")
+            return (f"the smallest world that fits at this memory is {bigger} devices (`world={bigger}`, "
+                    f"`global_batch` a multiple of the data-parallel size)")
     return f"not even {world * 64} devices fit at this memory; use devices with more memory"

@@ -18,6 +18,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .flag_words import in_flags
+
 __all__ = ["main", "console", "build_parser"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -239,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except ValueError as exc:
         prefix = f"[rank {_rank()}] " if "LOCAL_RANK" in os.environ else ""
-        print(f"{prefix}error: {exc}", file=sys.stderr)
+        print(f"{prefix}error: {in_flags(str(exc))}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `rewrite show ... | head`
         return 0

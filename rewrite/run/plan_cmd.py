@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from .flag_words import in_flags
+
 __all__ = ["add_hardware_flags", "add_plan_parser", "add_calibrate_parser", "plan_file_text", "BAD_ARGUMENTS"]
 
 BAD_ARGUMENTS = 2  # argparse's own status for a usage error
@@ -53,7 +55,7 @@ def add_calibrate_parser(sub) -> None:
 
 
 def _fail(message: str, status: int) -> int:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {in_flags(message)}", file=sys.stderr)
     return status
 
 

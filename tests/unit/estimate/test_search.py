@@ -73,8 +73,8 @@ def test_microbatch_counts_divide_the_replicas_share():
 
 def test_bad_arguments_are_refused():
     config = load_config(CONFIGS / "llama-3.1-8b.json")
-    for kwargs, match in (({"world": 0}, "world is 0"), ({"world": 8, "device_memory": -1}, "device-memory is -1"),
-                          ({"world": 8, "seq_len": 0}, "seq-len is 0")):
+    for kwargs, match in (({"world": 0}, "`world` is 0"), ({"world": 8, "device_memory": -1}, "`device_memory` is -1"),
+                          ({"world": 8, "seq_len": 0}, "`seq_len` is 0")):
         with pytest.raises(ValueError, match=match):
             rewrite.suggest_plans(config, **kwargs)
     with pytest.raises(ValueError, match="unknown hardware"):
@@ -119,9 +119,9 @@ def test_rewrite_plan_nothing_fits_and_bad_arguments(tmp_path):
     out = tmp_path / "never.yaml"
     none = rewrite_cmd("plan", "--model", "tests/configs/llama-3.1-70b.json", "--world", "8", "--device-memory", "80",
                        "--out", str(out))
-    assert none.returncode == 1 and "no plan fits" in none.stderr and "16 devices" in none.stderr
+    assert none.returncode == 1 and "no plan fits" in none.stderr and "16 devices (--world 16, --global-batch" in none.stderr
     assert not out.exists() and "Traceback" not in none.stderr
-    for args, words in ((["--world", "0"], "world is 0"), (["--world", "2", "--device-memory", "0"], "device-memory is 0"),
+    for args, words in ((["--world", "0"], "--world is 0"), (["--world", "2", "--device-memory", "0"], "--device-memory is 0"),
                         (["--world", "2", "--hardware", "tpu9"], "unknown hardware 'tpu9'"),
                         (["--world", "2", "--model", "tiny-lama"], "tiny-lama")):
         model = [] if "--model" in args else ["--model", "tiny-llama"]

@@ -50,8 +50,8 @@ def test_export_of_a_step_that_was_not_saved_lists_the_saved_ones(tmp_path):
         (tmp_path / f"step-{step:08d}").mkdir()
         (tmp_path / f"step-{step:08d}" / ".metadata").write_bytes(b"")
     (tmp_path / "step-00000009").mkdir()  # being written: no .metadata yet
-    with pytest.raises(ValueError, match=r"has no complete checkpoint of step 4; its saved steps: 3, 6 \(--step N, "
-                                         r"or leave --step out for the latest, 6\)"):
+    with pytest.raises(ValueError, match=r"has no complete checkpoint of step 4; its saved steps: 3, 6 \(`step=N`, "
+                                         r"or leave `step` out for the latest, 6\)"):
         checkpoint_path(tmp_path, 4)
     with pytest.raises(ValueError, match="has no complete checkpoint of step 9; its saved steps: 3, 6"):
         checkpoint_path(tmp_path, 9)
