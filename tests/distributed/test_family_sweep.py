@@ -33,6 +33,10 @@ PLANS = {
     "kv_replicated": lambda model: _attention_only(rewrite.plan_from_hf(model, tp=2)),  # one kv head, on both ranks
 }
 OVERRIDES = {"kv_replicated": {"num_key_value_heads": 1}}
+# Gradient tolerances above fp32's 1e-5, each with what was measured. Qwen3.5's gated delta rule is a
+# pure-torch recurrent kernel whose sums run in another order once tp splits its heads: conv1d.weight's
+# gradient (a sum over the whole sequence) differed by 1.3e-5 on one machine, within 1e-5 on another.
+GRAD_ATOL = {"qwen3_5_text": 3e-5}
 
 
 def _attention_only(plan) -> dict | None:
@@ -71,7 +75,7 @@ def _sweep(rank: int, world: int, family: str) -> dict:
         loss = rewrite.run_schedule(stage, ids, targets)
         tag = f"{family} {name} rank {rank}"
         assert_close(f"{tag} step loss", loss, reference_step(reference, ids, targets))
-        assert assert_grads_match(model, reference, prefix=f"{tag} ") > 0
+        assert assert_grads_match(model, reference, atol=GRAD_ATOL.get(family, 1e-5), prefix=f"{tag} ") > 0
         out[name] = "works"
         if name == "kv_replicated" and stage.mesh.kv_replicas == 1:
             style = next(s.style for s in stage.resolved.shards if s.fqn.endswith(".k_proj"))
