@@ -7,18 +7,36 @@ never leaves its peers waiting in a collective it will not reach.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from .lent import lend
 
 __all__ = ["share", "agree", "raise_problems", "ranks_by_value", "describe_ranks"]
 
 
-def share(value: Any) -> list[Any]:
-    """Every rank's `value`, in rank order (one collective on the default group)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+def share(value: Any, *, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `value` (picklable), in the group's rank order (default: the whole world).
+
+    `all_gather_object`'s way (sizes first, then the padded bytes), on tensors of our own, so
+    they are lent (see `lent`) and a rank exiting right after cannot abort.
+    """
+    n = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    size = torch.tensor([mine.numel()], device=device)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    lend(size, *sizes, padded, *parts)
+    return [pickle.loads(p[: int(s)].cpu().numpy().tobytes()) for p, s in zip(parts, sizes)]
 
 
 def describe_ranks(ranks: list[int]) -> str:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..agreement import agree, share
+from ..lent import lend
 from ..mesh import check_world
 from ..pipeline.stage import Stage
 from ..plan.resolve import resolve
@@ -246,6 +247,7 @@ def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | 
     local = local.contiguous()
     parts = [torch.empty_like(local) for _ in range(owner.tp_size)] if dist.get_rank() == dst else None
     dist.gather(local, parts, dst=dst, group=group)
+    lend(local, *(parts or []))
     if parts is None:
         return None
     parts = parts[:: entry.replicas]  # tp ranks [j * r, (j + 1) * r) hold slice j

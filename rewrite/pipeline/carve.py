@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ..mesh import Mesh
+from ..lent import lend
 from ..models import fx_graph
 from ..models.hf_llama import run_backbone
 from ..plan.resolve import ResolvedPlan
@@ -78,7 +79,9 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
         # Each end holds a copy of the shared matrix: start them equal, sum their grads.
         # (A meta-device model has no values yet: whoever materialises it loads both.)
         if not tied_weight.is_meta:
-            dist.broadcast(tied_weight.data, src=mesh.global_rank(0), group=mesh.tied_group)
+            data = tied_weight.data  # a new tensor object: lent, so gloo can let it go at exit
+            dist.broadcast(data, src=mesh.global_rank(0), group=mesh.tied_group)
+            lend(data)
         tied = [tied_weight]
     head, shard = None, None
     if last and resolved.plan.loss_parallel and isinstance(getattr(model, "lm_head", None), ColumnParallelLinear):

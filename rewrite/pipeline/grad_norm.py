@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..lent import lend
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from .stage import Stage
@@ -91,6 +92,7 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in counted])
         packed[0] = norms.max() if math.isinf(norm_type) else norms.square().sum()
     dist.all_reduce(packed, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    lend(packed)
     if packed[1] > 0:  # every rank learns it from the same collective and raises alike
         held = f"; this rank's: {', '.join(partial[:3])}" if partial else ""
         raise ValueError(

@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from ..lent import lend
 from ..schedules import Action, placement, plan_table, schedule_rules, table_problems
 from . import p2p
 from .backward import Deferred, backward_input, backward_weight
@@ -276,7 +277,9 @@ def _sum_tied_grads(stage: Stage, stash: list) -> None:
     for param, before in zip(stage.tied, stash):
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         # Under data parallelism both ends hold the same shard of the matrix: sum the shards.
-        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=stage.mesh.tied_group)
+        with torch.no_grad():  # to_local without autograd is the shard itself, not a temporary view
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, group=stage.mesh.tied_group)
         param.grad = grad if before is None else before.add_(grad)
 
 
@@ -287,4 +290,5 @@ def _step_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -
     if mesh.rank == mesh.global_rank(stage.stage_rank[-1], 0) and losses:  # one contribution per replica
         total += torch.stack([l.detach() for l in losses]).sum().to(device=device, dtype=torch.float32)
     dist.all_reduce(total)  # one collective on the whole world, every replica at once
-    return total / mesh.dp if mesh.dp > 1 else total
+    lend(total)  # callers keep the loss: hand them a copy
+    return total / mesh.dp if mesh.dp > 1 else total.clone()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .stage import Stage, TimelineEvent
+from ..agreement import share
 
 __all__ = ["gather_timeline", "plot_timeline", "events_to_dicts"]
 
@@ -40,8 +41,7 @@ def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
         >>> if dist.get_rank() == 0: plot_timeline(events).savefig("timeline.png")
     """
     mine = [tuple(asdict(e).values()) for e in stage.timeline]  # plain tuples pickle anywhere
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    every = share(mine, group=group)
     events = [TimelineEvent(*e) for rank_events in every for e in rank_events]
     return sorted(events, key=lambda e: (e.rank, e.start))
 

@@ -14,6 +14,8 @@ import statistics
 import time
 from pathlib import Path
 
+from ..lent import lend
+
 __all__ = ["calibrate", "profile_yaml"]
 
 # [tokens, hidden] x [hidden, 4 hidden]: an MLP projection at the bench model's sizes and above.
@@ -70,6 +72,7 @@ def _measure(repeats: int) -> dict:
         p2p[size] = _best(ping, repeats, sync=sync) / 2
         dist.barrier()
         reduce[size] = _best(lambda: dist.all_reduce(buf), repeats, sync=sync)
+        lend(buf)
     out["p2p"], out["all_reduce"] = p2p, reduce
     if cuda:
         out["memory_bytes"] = torch.cuda.mem_get_info(device)[1]

@@ -10,6 +10,8 @@ from torch import nn
 
 from ..tensor_parallel.layers import local_shard
 from ..pipeline.runner import causal_lm_loss
+from ..agreement import share
+from ..lent import lend
 
 __all__ = ["Parity", "reference_step", "parity_check"]
 
@@ -68,8 +70,8 @@ def parity_check(
         compared.append(name)
     stats = torch.tensor([abs(float(loss) - float(ref_loss)), dgrad], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, compared)
+    lend(stats)
+    every = share(compared)
     ids = {id(ref[n]) for names in every for n in names}  # tied weights count once
     total = len(dict(reference.named_parameters()))
     return Parity(float(stats[0]), float(stats[1]), len(ids), total)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..lent import lend
+
 __all__ = [
     "all_reduce_sum",
     "group_rank",
@@ -96,9 +98,10 @@ def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     size = group_size(group)
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=group)
+    dense = x.contiguous()
+    parts = [torch.empty_like(dense) for _ in range(size)]
+    dist.all_gather(parts, dense, group=group)
+    lend(*parts, *([dense] if dense is not x else []))
     return torch.cat(parts, dim=-1)
 
 
