@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .lent import lend
+from .plan.wording import noun_for, plural
 
 __all__ = ["share", "agree", "raise_problems", "ranks_by_value", "describe_ranks"]
 
@@ -41,7 +42,7 @@ def share(value: Any, *, group: dist.ProcessGroup | None = None) -> list[Any]:
 
 def describe_ranks(ranks: list[int]) -> str:
     """'rank 3' or 'ranks 0, 1, 2'."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return f"{noun_for(len(ranks), 'rank')} {', '.join(map(str, ranks))}"
 
 
 def ranks_by_value(values: list[Any]) -> dict[Any, list[int]]:
@@ -58,7 +59,7 @@ def raise_problems(per_rank: list[list[str]], what: str) -> None:
     if not texts:
         return
     holders = {text: [r for r, found in enumerate(per_rank) if text in found] for text in texts}
-    count = f"{len(holders)} problem" + ("s" if len(holders) != 1 else "")
+    count = plural(len(holders), "problem")
     lines = [f"  {describe_ranks(r)}: {p}".replace("\n", "\n    ") for p, r in holders.items()]
     raise ValueError(f"{what}: {count}\n" + "\n".join(lines))
 

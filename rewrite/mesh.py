@@ -17,6 +17,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .plan.ranks import coordinates, global_rank, shape_text
+from .values import is_count
 
 __all__ = ["Mesh", "build_mesh", "check_world"]
 
@@ -82,7 +83,7 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1) -> Mesh:
     hold the same key/value head: tp ranks `[j * r, (j + 1) * r)` of each tp group.
     """
     check_world(pp, tp, dp)
-    if isinstance(kv_replicas, bool) or not isinstance(kv_replicas, int) or kv_replicas < 1 or tp % kv_replicas:
+    if not is_count(kv_replicas) or tp % kv_replicas:
         raise ValueError(f"build_mesh: kv_replicas must be an int >= 1 dividing tp={tp}, got {kv_replicas!r}")
     rank = dist.get_rank()
     device_mesh = init_device_mesh(_device_type(), (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))

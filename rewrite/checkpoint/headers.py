@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .layout import INDEX, SAVE_ID, SINGLE, canonical_names
+from ..models.names import canonical_names
+from .layout import INDEX, SAVE_ID, SINGLE
 
 _FLOATS = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..agreement import agree
 from ..mesh import check_world
+from ..models.names import first_names
 from ..pipeline.stage import Stage
 from ..plan.resolve import ResolvedPlan, resolve
 from ..plan.schema import ParallelPlan, PlanError, load_plan
@@ -114,7 +115,8 @@ def from_pretrained(
         # stage. Tied weights split along the vocabulary stay meta: each end reads its rows.
         agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what)
         stage = apply_plan(meta, plan)
-        tied = [_name_of(stage.model, p) for p in stage.tied]
+        names = first_names(stage.model)
+        tied = [names[id(p)] for p in stage.tied]
         problems = _materialise(stage.model, by_name, sources, device, dtype, only_tied=False)
         stage.tied = [stage.model.get_parameter(n) for n in tied]  # the loaded tensors, not the meta ones
         problems += rebuild_unstored(stage, unstored_modules(stage.model), device)
@@ -262,5 +264,3 @@ def _materialise(
     return problems
 
 
-def _name_of(model: nn.Module, param: nn.Parameter) -> str:
-    return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.names import canonical_names
 from ..plan.resolve import ResolvedPlan
 from ..plan.styles import COLUMN_STYLES, packed_parts
 
@@ -59,15 +60,6 @@ def meta_model(config) -> nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
-
-
-def canonical_names(model: nn.Module) -> dict[str, str]:
-    """Parameter name -> the first name sharing the same tensor (tied embeddings)."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        out[name] = first.setdefault(id(param), name)
-    return out
 
 
 def split_dim(style: str, leaf: str) -> int | None:

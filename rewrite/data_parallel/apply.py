@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from ..agreement import agree
 from ..mesh import Mesh
+from ..models.names import first_names
 from ..pipeline.carve import Carved
 from ..plan.resolve import ResolvedPlan
 from .ddp import DdpSync, ddp_fits
@@ -126,7 +127,7 @@ def apply_data_parallel(
     )
     dp_mesh, model = mesh.device_mesh["dp"], carved.model
     zero3 = sharding == "full" and not split_backward  # gathered for each use, let go after it
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = first_names(model)
     tied = [names[id(p)] for p in carved.tied]
     for module in [*units, model]:  # the root last
         if sharding == "replicate":

@@ -32,8 +32,6 @@ def ddp_fits(stages_on_rank: int, split_backward: bool) -> bool:
 class DdpSync:
     """The pipeline's `GradientSync` for `replicate` on DDP: one bucketed, overlapped all-reduce per step."""
 
-    sharding = "replicate"
-
     def __init__(self, module: nn.Module, group: ProcessGroup):
         self.module, self.group = module, group
         self.ddp: DistributedDataParallel | None = None

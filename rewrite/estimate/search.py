@@ -22,6 +22,7 @@ from torch import nn
 from ..plan.resolve import ResolvedPlan, resolve
 from ..plan.schema import ParallelPlan, load_plan
 from ..schedules import splits_backward
+from ..values import is_count
 from .activations import activation_problem
 from .hardware import Hardware, load_hardware
 from .memory import GIB, rank_memory
@@ -86,7 +87,7 @@ def check_arguments(world, device_memory, seq_len, global_batch, gpus_per_node) 
     """ValueError naming the first of `suggest_plans`' sizes that is not a whole number >= 1 (memory: > 0)."""
     for name, value in (("world", world), ("seq_len", seq_len), ("global_batch", global_batch),
                         ("gpus_per_node", gpus_per_node)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and not is_count(value):
             raise ValueError(f"`{name}` is {value!r}; use a whole number >= 1")
     if device_memory is not None and not (isinstance(device_memory, (int, float)) and device_memory > 0):
         raise ValueError(f"`device_memory` is {device_memory!r} GiB; use a number above 0")

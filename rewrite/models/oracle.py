@@ -20,6 +20,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from ..values import is_int
 from .families import set_local_kv_groups
 from .hf_llama import find_backbone, run_backbone
 
@@ -65,7 +66,7 @@ def per_head_sizes(config) -> dict[str, int]:
     data = config.to_dict()
     heads = config_value(config, "num_attention_heads") or 4  # attribute names: GPT-J stores n_head, n_embd
     head_dim = config_value(config, "head_dim") or ((config_value(config, "hidden_size") or 0) // heads) or _SIZES["head_dim"]
-    scaled = [k for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool) and (
+    scaled = [k for k, v in data.items() if is_int(v) and (
         k == "rotary_dim" or (k.endswith("_head_dim") and k != "head_dim") or k.endswith("_lora_rank"))]
     return {k: max(2, 2 * round(data[k] * _SIZES["head_dim"] / head_dim / 2)) for k in scaled}
 

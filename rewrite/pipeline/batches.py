@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["microbatches"]
+from ..tensor_parallel.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # what `causal_lm_loss` (cross-entropy) skips
+__all__ = ["microbatches"]
 
 
 def _multiples(step: int, near: int) -> str:

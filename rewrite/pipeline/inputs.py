@@ -13,11 +13,10 @@ from collections.abc import Sequence
 import torch
 
 from ..agreement import agree, describe_ranks, ranks_by_value
+from ..tensor_parallel.loss import IGNORE_INDEX
 from .stage import Stage
 
 __all__ = ["check_step_inputs"]
-
-IGNORE_INDEX = -100
 
 
 def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what: str = "run_afab") -> None:

@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
 from ..tensor_parallel.comm import gather_from_parallel
-from ..tensor_parallel.loss import vocab_parallel_cross_entropy
+from ..tensor_parallel.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 
 __all__ = ["LogitShard", "causal_lm_loss", "takes_logit_shards", "loss_for"]
 
@@ -38,7 +38,7 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
     Computed in float32 whatever the logits' dtype.
     """
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=-100)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
 def takes_logit_shards(loss_fn: LossFn) -> LossFn:

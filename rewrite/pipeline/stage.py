@@ -8,7 +8,6 @@ parameters it shares with another rank, and keeps the timeline of the last step.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -136,12 +135,6 @@ class Stage:
     def pp_rank(self) -> int:
         """This rank's place in the pipeline (mesh.pp_rank); its stages are `stage_ids`."""
         return self.mesh.pp_rank
-
-    @property
-    def stage_idx(self) -> int:
-        """Deprecated: the pp rank, not a stage id (`TimelineEvent.stage_idx` is one); use `pp_rank`."""
-        warnings.warn("Stage.stage_idx is the pp rank: use Stage.pp_rank", DeprecationWarning, stacklevel=2)
-        return self.pp_rank
 
     @property
     def dp(self) -> int:

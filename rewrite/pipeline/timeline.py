@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-import torch.distributed as dist
 
 from .stage import Stage, TimelineEvent
 from ..agreement import share
+from ..plan.wording import noun_for
 
 __all__ = ["gather_timeline", "plot_timeline", "events_to_dicts"]
 
@@ -98,7 +98,7 @@ def plot_timeline(
     labels = []
     for rank in ranks:
         held = sorted({e.stage_idx for e in events if e.rank == rank})
-        where = f"stage{'s' if len(held) > 1 else ''} {','.join(map(str, held))}" + (f", tp {rank % tp}" if tp else "")
+        where = f"{noun_for(len(held), 'stage')} {','.join(map(str, held))}" + (f", tp {rank % tp}" if tp else "")
         labels.append(f"rank {rank}\n{where}")
     ax.set_yticks(range(len(ranks)), labels)
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top

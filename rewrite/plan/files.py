@@ -14,6 +14,7 @@ import yaml
 
 from ..schedules import rows_from_csv
 from .limits import MAX_PLAN_DEPTH, MAX_PLAN_VALUES, expansion_problem, read_plan_bytes, too_deep, too_many_values
+from .wording import plural
 
 __all__ = ["PlanError", "missing_plan_problem", "read_plan_file", "read_table_file", "line_of", "key_lines", "dotted", "short"]
 
@@ -31,7 +32,7 @@ class PlanError(ValueError):
 
     def __init__(self, source: str, problems: list[str]):
         self.source, self.problems = source, list(problems)
-        count = f"{len(problems)} problem" + ("s" if len(problems) != 1 else "")
+        count = plural(len(problems), "problem")
         shown = ["  " + p.replace("\n", "\n    ") for p in self.problems[:_SHOWN]]
         if len(problems) > _SHOWN:
             shown.append(f"  ... and {len(problems) - _SHOWN:,} more (all in PlanError.problems)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..models.oracle import config_value
-from .wording import common_divisors, either, plural
+from .wording import MOST_RANKS, common_divisors, either, plural
 
 __all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems", "kv_replicas_of", "kv_groups_problems"]
 
@@ -59,7 +59,7 @@ def replicated_tps(heads: int, kv: int, most: int = _MOST) -> list[int]:
         >>> replicated_tps(64, 8), replicated_tps(9, 3), replicated_tps(8, 8)
         ([16, 32, 64], [9], [])
     """
-    return [t for t in common_divisors(heads, most=4096) if t > kv and t % kv == 0][:most]
+    return [t for t in common_divisors(heads, most=MOST_RANKS) if t > kv and t % kv == 0][:most]
 
 
 def head_problems(config, tp: int, tp_at: str, k_features: int | None = None) -> list[str]:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 
 from ..schedules import SCHEDULE_NAMES, custom_table, placement, schedule_rules, stages_needed, table_problems
 from ..schedules.table import ROWS
+from ..values import is_count
 from .files import short
 from .wording import either
 
@@ -175,13 +176,9 @@ class Pipeline(StrictModel):
     ] = 2048
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def cut_point_problems(cuts: Any, pp: Any, k: Any = 1) -> list[str]:
     """Cut points against the mesh and virtual stages; also run on raw data when other fields failed."""
-    if not isinstance(cuts, list) or not _positive_int(pp) or not _positive_int(k):
+    if not isinstance(cuts, list) or not is_count(pp) or not is_count(k):
         return []
     problems = []
     if len(cuts) != pp * k - 1:
@@ -206,7 +203,7 @@ def schedule_fit(data: Any) -> str:
     mesh = data.get("mesh") if isinstance(data, dict) else None
     k = pipe.get("virtual_stages", 1) if isinstance(pipe, dict) else 1
     pp = mesh.get("pp", 1) if isinstance(mesh, dict) else 1
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (pp, k)):
+    if not all(is_count(v) for v in (pp, k)):
         return ""
     fit = [name for name in SCHEDULE_NAMES if not schedule_rules(name, pp, k, 1)]
     unfit = [f"{name} needs virtual_stages{stages_needed(name)}" for name in SCHEDULE_NAMES if name not in fit]

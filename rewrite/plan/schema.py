@@ -14,6 +14,7 @@ import yaml
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from ..schedules import SCHEDULE_NAMES, schedule_rules
+from ..values import is_count
 from .files import PlanError, dotted, key_lines, line_of, read_plan_file, read_table_file, short
 from .ranks import global_rank, shape_text
 from .styles import Style
@@ -192,7 +193,7 @@ def _problems(exc: ValidationError, nodes: Any, data: Any = None) -> list[str]:
 
 def _raw_schedule_rules(schedule: Any, pp: Any, k: Any) -> list[str]:
     # The schedule's rules on raw data, when their values passed their own checks.
-    valid = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (pp, k))
+    valid = all(is_count(v) for v in (pp, k))
     known = isinstance(schedule, str) and schedule in SCHEDULE_NAMES
     return schedule_rules(schedule, pp, k, 1) if valid and known else []
 

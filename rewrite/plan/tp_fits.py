@@ -7,10 +7,9 @@ from torch import nn
 
 from .heads import head_problems, kv_replicas_of
 from .styles import COLUMN_STYLES, packed_parts
+from .wording import MOST_RANKS
 
 __all__ = ["fitting_tps"]
-
-_MOST_RANKS = 4096
 
 
 def fitting_tps(model: nn.Module, modules: dict[str, nn.Module], chosen: dict[str, str], *, most: int = 8) -> list[int]:
@@ -34,7 +33,7 @@ def fitting_tps(model: nn.Module, modules: dict[str, nn.Module], chosen: dict[st
     config = getattr(model, "config", None)
     k_features = {getattr(modules.get(f"{a}.k_proj"), "out_features", None) for a in attentions}
     found = []
-    for t in range(1, min([_MOST_RANKS] + [size for size, _, _ in rules]) + 1):
+    for t in range(1, min([MOST_RANKS] + [size for size, _, _ in rules]) + 1):
         if all(size % (parts * (t // kv_replicas_of(model, modules, kv, t) if kv else t)) == 0 for size, parts, kv in rules) \
                 and not (config is not None and any(head_problems(config, t, "", k) for k in k_features)):
             found.append(t)

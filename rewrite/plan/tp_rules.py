@@ -14,6 +14,7 @@ from functools import lru_cache
 from torch import nn
 
 from ..models.families import embedding_scale
+from ..models.names import tied_modules
 from .schema import ParallelPlan
 from .styles import COLUMN_STYLES, packed_parts
 from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
@@ -84,7 +85,7 @@ def shard_problems(
 
     tp, problems, chosen = plan.mesh.tp, [], {}
     names = list(modules)
-    tied = _tied_names(model)
+    tied = tied_modules(model)
     for pattern, style in plan.tensor_parallel.items():
         at = plan.where("tensor_parallel", pattern)
         hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
@@ -241,18 +242,6 @@ def _tied_problems(tied: dict[str, str], styles: dict[str, str], rule_at: dict[s
             "with tie_word_embeddings=False"
         )
     return problems
-
-
-def _tied_names(model: nn.Module) -> dict[str, str]:
-    """Module path -> the parameter its weight is shared with, for shared weights."""
-    first: dict[int, str] = {}
-    tied = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            tied[name.rsplit(".", 1)[0]] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return tied
 
 
 def _block_problems(

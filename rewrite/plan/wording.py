@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["common_divisors", "either", "index_ranges", "plural"]
+__all__ = ["MOST_RANKS", "common_divisors", "either", "index_ranges", "noun_for", "plural"]
 
-_MOST_RANKS = 4096
+MOST_RANKS = 4096  # the largest group size a message lists sizes up to
 
 
 def common_divisors(*counts: int, most: int = 8) -> list[int]:
@@ -23,7 +23,7 @@ def common_divisors(*counts: int, most: int = 8) -> list[int]:
         return [1]
     found = []
     # No mesh has more than a few thousand ranks on one axis: scan that far, however large the counts.
-    for d in range(1, min(*counts, _MOST_RANKS) + 1):
+    for d in range(1, min(*counts, MOST_RANKS) + 1):
         if all(c % d == 0 for c in counts):
             found.append(d)
             if len(found) == most:
@@ -56,6 +56,11 @@ def index_ranges(indices: Iterable[int], *, min_run: int = 3) -> str:
     return ", ".join(parts)
 
 
-def plural(count: int, noun: str) -> str:
-    """'1 kv head', '3 kv heads'."""
-    return f"{count} {noun}" + ("" if count == 1 else "s")
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """'1 kv head', '3 kv heads'; `many` where adding an s is wrong ('2 microbatches')."""
+    return f"{count} {noun_for(count, noun, many)}"
+
+
+def noun_for(count: int, noun: str, many: str | None = None) -> str:
+    """The noun alone, in the number `count` asks for: 'rank' for 1, 'ranks' otherwise."""
+    return noun if count == 1 else many or noun + "s"

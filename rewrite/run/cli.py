@@ -82,8 +82,10 @@ def _at_least_one(kind):
 
 def _mesh_words(plan) -> str:
     """`dp=2 x pp=2 x tp=2 = 8 ranks, 2 replicas with data_parallel.sharding full` (replicas only when dp > 1)."""
+    from ..plan.wording import plural
+
     mesh = plan.mesh
-    words = f"{mesh.shape_text()} = {mesh.world_size} rank{'s' if mesh.world_size != 1 else ''}"
+    words = f"{mesh.shape_text()} = {plural(mesh.world_size, 'rank')}"
     return words + (f", {mesh.dp} replicas with data_parallel.sharding {plan.data_parallel.sharding}" if mesh.dp > 1 else "")
 
 
@@ -101,6 +103,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"{args.plan}: OK as a plan (mesh {_mesh_words(plan)}); pass --model to check it against a model too")
         return 0
     from ..estimate.balance import balance_warnings
+    from ..plan.wording import plural
 
     model = _meta_model(args.model)
     resolved = resolve(args.plan, model, world_size=args.world_size)  # the file's problems and the model's at once
@@ -108,7 +111,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     kv = f" (kv heads replicated {r}x: each of the {plan.mesh.tp // r} on {r} tp ranks)" if r > 1 else ""
     print(
         f"{args.plan}: OK for {resolved.model_name} ({args.model}): {_mesh_words(plan)}, "
-        f"{len(resolved.shards)} sharded modules{kv}, {n} stage{'s' if n != 1 else ''}"
+        f"{len(resolved.shards)} sharded modules{kv}, {plural(n, 'stage')}"
     )
     for warning in [*resolved.warnings, *balance_warnings(resolved, model)]:  # valid, but worth a look
         print(f"warning: {args.plan}: {warning}", file=sys.stderr)

@@ -84,7 +84,6 @@ def schedule_rules(name: str, pp: int, k: int, microbatches: int) -> list[str]:
         f"pipeline.schedule {name!r} needs virtual_stages{stages_needed(name)} (found {k}); "
         f"set virtual_stages: {low}, or use '1f1b'"
     ]
-    return []
 
 
 @functools.lru_cache(maxsize=512)  # pure, and its tables are tuples: a plan search builds the same ones often

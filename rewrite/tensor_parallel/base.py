@@ -9,14 +9,12 @@ import math
 import torch
 from torch import nn
 
+from ..values import check_count
 from .comm import group_rank, group_size
 
 def _check_features(cls: str, in_features: int, out_features: int) -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{cls}: {name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{cls}: {name} must be >= 1, got {value}")
+        check_count(cls, name, value)
 
 
 def _check_divisible(cls: str, dim: str, size: int, world: int) -> None:

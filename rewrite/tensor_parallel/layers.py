@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
+from ..values import is_count
 from .base import _ParallelLinear
 from .comm import (
     InputCopy, SharedInputCopy, copy_to_parallel, gather_from_parallel, group_size, reduce_from_parallel,
@@ -85,7 +86,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.gather_output = gather_output
         _check_replicas(replicas, replica_group, gather_output, parts)
         self.replicas, self.replica_group = replicas, replica_group
-        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        if not is_count(parts):
             raise ValueError(f"ColumnParallelLinear: parts must be an int >= 1, got {parts!r}")
         if parts > 1 and (gather_output or out_features % (parts * max(group_size(group), 1))):
             raise ValueError(
@@ -162,7 +163,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 def _check_replicas(replicas, replica_group, gather_output: bool, parts: int) -> None:
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+    if not is_count(replicas):
         raise ValueError(f"ColumnParallelLinear: replicas must be an int >= 1, got {replicas!r}")
     if replicas == 1:
         return

@@ -7,10 +7,13 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
+from ..values import is_int
 from .comm import group_size
 from .exchange import all_gather_into
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "vocab_parallel_cross_entropy"]
+
+IGNORE_INDEX = -100  # the target cross-entropy skips (torch's default)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -68,7 +71,7 @@ def vocab_parallel_cross_entropy(
     group: ProcessGroup | None = None,
     *,
     vocab_start: int,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Mean cross-entropy when each rank of `group` holds a slice of the vocabulary.
 
@@ -111,7 +114,7 @@ def vocab_parallel_cross_entropy(
             f"= {tuple(logits.shape[:-1])} (logits {tuple(logits.shape)}); pass one target per row of logits"
         )
     for name, value in (("vocab_start", vocab_start), ("ignore_index", ignore_index)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise TypeError(f"vocab_parallel_cross_entropy: {name} must be an int, got {type(value).__name__}")
     if vocab_start < 0:
         raise ValueError(f"vocab_parallel_cross_entropy: vocab_start must be >= 0, got {vocab_start}")

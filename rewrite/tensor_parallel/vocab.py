@@ -10,6 +10,7 @@ from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
 from ..models.families import embedding_scale
+from ..values import check_count, is_int
 from .comm import group_rank, group_size, reduce_from_parallel
 
 __all__ = ["VocabParallelEmbedding"]
@@ -18,13 +19,10 @@ __all__ = ["VocabParallelEmbedding"]
 def _check_sizes(num_embeddings: int, embedding_dim: int, padding_idx: int | None) -> int | None:
     """Validate the sizes; return padding_idx made non-negative (as nn.Embedding does)."""
     for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"VocabParallelEmbedding: {name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"VocabParallelEmbedding: {name} must be >= 1, got {value}")
+        check_count("VocabParallelEmbedding", name, value)
     if padding_idx is None:
         return None
-    if isinstance(padding_idx, bool) or not isinstance(padding_idx, int):
+    if not is_int(padding_idx):
         raise TypeError(f"VocabParallelEmbedding: padding_idx must be an int or None, got {type(padding_idx).__name__}")
     if not -num_embeddings <= padding_idx < num_embeddings:
         raise ValueError(

@@ -20,7 +20,8 @@ PACKAGE = ROOT / "rewrite"
 LEVELS = {
     "models": 0,  # model families: the HF LLaMA walker, fx graphs, FLOPs per layer from a config
     "schedules": 0,  # pure tables: Action, the named schedules, check / simulate, CSV
-    "lent": 0,  # temporaries handed to collectives, waited for at exit
+    "lent": -1,  # temporaries handed to collectives, waited for at exit
+    "values": -1,  # ints that are not bools, counts: checked alike everywhere
     "agreement": 2,  # ranks share what they found before they talk
     "plan": 1,  # what a plan is and what it binds to: schema, files, resolve, tp rules, size checks
     "estimate": 2,  # numbers only: activations, memory, stage balance

@@ -13,6 +13,7 @@ from torch import nn
 
 from ...plan.ranks import shape_text
 from ...plan.resolve import ResolvedPlan
+from ...plan.wording import plural
 from .columns import WIDTH, format_bytes, format_table, span, wrap_list, wrap_prose
 from .data import show_data
 from .memory import memory_lines
@@ -94,7 +95,7 @@ def _tensor_parallel_lines(data: dict) -> list[str]:
         header, rows = header[:3] + header[4:], [r[:3] + r[4:] for r in rows]
     return [
         f"Tensor parallel: {data['sharded_modules']} modules in {len(rows)} rows (layers alike in one); weight and "
-        f"bias shapes whole -> on each of the {tp} tp rank{'s' if tp != 1 else ''}"
+        f"bias shapes whole -> on each of the {plural(tp, 'tp rank')}"
         + (" (tp=1: nothing is split)" if tp == 1 else ""),
         *_kv_lines(tp, data["kv_replicas"]),
         format_table(header, rows),
@@ -122,12 +123,12 @@ def _pipeline_lines(data: dict) -> list[str]:
     )
     n, k, pp, tp = len(data["stages"]), pipe["virtual_stages"], mesh["pp"], mesh["tp"]
     shape = "V" if pipe["schedule"] == "zbv" else "looped"
-    per_rank = f" on {pp} rank{'s' if pp != 1 else ''} ({k} per rank, {shape})" if k > 1 else ""
+    per_rank = f" on {plural(pp, 'rank')} ({k} per rank, {shape})" if k > 1 else ""
     ranks = "ranks (replica 0)" if mesh["dp"] > 1 else "ranks"
     header = ["stage", ranks, "est. compute", "modules"]
     lead = max(len(ranks), len(",".join(str(r) for r in range(tp)))) + len("stage") + len("est. compute") + 2 + 3 * 2
     return [
-        f"Pipeline: {n} stage{'s' if n != 1 else ''}{per_rank}{cuts}{how}{est}",
+        f"Pipeline: {plural(n, 'stage')}{per_rank}{cuts}{how}{est}",
         format_table(header, stage_rows(data["stages"], width=max(40, WIDTH - lead))),
     ]
 
@@ -148,8 +149,8 @@ def render_text(data: dict) -> str:
     m = pipe["planned"]["microbatches"]
     out = [
         f"{data['plan']} on {name}",
-        f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'])} = {mesh['world_size']} ranks; {m} microbatch"
-        f"{'es' if m != 1 else ''} per step{' per replica' if mesh['dp'] > 1 else ''}, "
+        f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'])} = {mesh['world_size']} ranks; "
+        f"{plural(m, 'microbatch', 'microbatches')} per step{' per replica' if mesh['dp'] > 1 else ''}, "
         f"schedule {pipe['schedule']}; {'module walker (hf)' if pipe['kind'] == 'hf' else 'torch.fx stages'}",
         *_layout_lines(data),
         "",
@@ -177,7 +178,7 @@ def prediction_line(data: dict) -> str:
         return f"Predicted step on {p['hardware']}: not predicted: {p['problem']}"
     seqs = data["mesh"]["dp"] * pipe["microbatches"] * pipe["batch_size"]
     return (
-        f"Predicted step on {p['hardware']} ({seqs} sequence{'s' if seqs != 1 else ''} of {pipe['seq_len']} tokens): "
+        f"Predicted step on {p['hardware']} ({plural(seqs, 'sequence')} of {pipe['seq_len']} tokens): "
         f"{p['step_s']:.3g} s, {p['tokens_per_s']:,.0f} tokens/s per device, MFU {p['mfu']:.0%}; the schedule "
         f"{p['pipeline_s']:.3g} s with a {p['bubble']:.0%} bubble, data parallelism {p['dp_s']:.2g} s exposed, "
         f"AdamW {p['optimizer_s']:.2g} s (estimated from FLOPs and the profile's bandwidths: rewrite.estimate.step_time)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...plan.schema import ParallelPlan
+from ...plan.wording import plural
 from ...schedules import KINDS, Table, bubble, peak_in_flight, placement, plan_table, simulate
 from .columns import format_table
 
@@ -44,10 +45,10 @@ def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> s
     idle_share = bubble(table, times)
     kinds = {a.kind for row in table for a in row}
     n = pp * k
-    ranks = f", {k} on each of {pp} rank{'s' if pp != 1 else ''}" if k > 1 else ""
+    ranks = f", {k} on each of {plural(pp, 'rank')}" if k > 1 else ""
     words = ", ".join(f"{kind} = {KINDS[kind]}" for kind in KINDS if kind in kinds) + " of a microbatch"
     return "\n".join([
-        f"Schedule {pipe.schedule}: {m} microbatch{'es' if m != 1 else ''} on {n} stage{'s' if n != 1 else ''}{ranks} "
+        f"Schedule {pipe.schedule}: {plural(m, 'microbatch', 'microbatches')} on {plural(n, 'stage')}{ranks} "
         f"({words}{'; F3@2: on stage 2' if k > 1 else ''})",
         format_table(["rank", "actions, in order", "alive at most", "idle"], rows),
         f"  predicted bubble: {idle_share:.0%} of the step ({_costs(table)}; transfers free)",

@@ -1,5 +1,5 @@
-"""`Stage` built by hand, without a process group: its keyword constructor, `pp_rank` and the
-deprecated `stage_idx`, and the gradient-sync protocol the runner calls."""
+"""`Stage` built by hand, without a process group: its keyword constructor, `pp_rank` (the old
+`stage_idx` alias is gone), and the gradient-sync protocol the runner calls."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ def _stage(rank: int) -> Stage:
                  forward_fns={rank: model})
 
 
-def test_pp_rank_and_its_deprecated_alias():
+def test_pp_rank_and_no_alias():
     stage = _stage(1)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # pp_rank itself warns of nothing
+        warnings.simplefilter("error")  # pp_rank warns of nothing
         assert stage.pp_rank == 1 and stage.stage_ids == (1,)
-    with pytest.warns(DeprecationWarning, match=r"Stage.stage_idx is the pp rank: use Stage.pp_rank"):
-        assert stage.stage_idx == 1
+    with pytest.raises(AttributeError):
+        stage.stage_idx  # a stage id lives on TimelineEvent and StageSpec; the pp rank is pp_rank
 
 
 def test_defaults_of_a_stage_built_by_keywords():
