@@ -21,10 +21,10 @@ import dataclasses
 import types
 
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from ..agreement import agree
+from ..torch_internals import finish_fsdp_backward, replicate
 from ..mesh import Mesh
 from ..models.names import first_names
 from ..pipeline.carve import Carved
@@ -66,11 +66,7 @@ class GradSync:
         self.root.set_is_last_backward(True)
         self.root.set_reshard_after_backward(True)
         self.root.set_requires_gradient_sync(True)
-        state = replicate.state(self.root) if self.sharding == "replicate" else fully_shard.state(self.root)
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        finish_fsdp_backward(self.root, replicated=self.sharding == "replicate")
 
 
 def data_parallel_units(model: nn.Module, resolved: ResolvedPlan, stage_ids: list[int]) -> list[nn.Module]:

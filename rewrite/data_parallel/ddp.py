@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
+from ..torch_internals import ddp_reducer_finished, prepare_ddp_for_backward
+
 __all__ = ["DdpSync", "ddp_fits"]
 
 
@@ -51,7 +53,7 @@ class DdpSync:
     def sync_next_backward(self) -> None:
         """The next backward is the step's last: DDP all-reduces each bucket as it fills."""
         self.ddp.require_backward_grad_sync = True
-        self.ddp.reducer.prepare_for_backward([])
+        prepare_ddp_for_backward(self.ddp)
         self.armed = True
 
     def finish(self) -> None:
@@ -59,12 +61,10 @@ class DdpSync:
         if not self.armed:
             raise RuntimeError("replicate on DDP: the step had no whole last backward to reduce in")
         self.armed = False
-        try:
-            self.ddp.reducer._check_reducer_finalized()
-        except RuntimeError:
+        if not ddp_reducer_finished(self.ddp):
             missing = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
             raise RuntimeError(
                 "data_parallel.sharding replicate: the step's last backward did not reach every trainable "
                 f"parameter ({', '.join(missing[:4]) or 'some of them'}), so their gradients were not averaged "
                 "over the replicas; freeze parameters the model does not use (requires_grad_(False))"
-            ) from None
+            )

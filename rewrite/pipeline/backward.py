@@ -5,8 +5,7 @@ waiting for; W computes the parameters' gradients, which nobody waits for, so a
 schedule can put it in what would otherwise be a bubble. torch.distributed.pipelining
 already splits the autograd graph this way (it keeps the gradients at the nodes
 where the weight paths leave the input path, and W resumes from them), so this
-module only adapts its two functions to the runner and keeps the one place that
-names them.
+module only adapts its two functions (private to torch: `torch_internals`) to the runner.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import _backward as _split
+
+from ..torch_internals import backward_input as _input_half, backward_weight as _weight_half
 
 __all__ = ["Deferred", "backward_input", "backward_weight"]
 
@@ -41,7 +41,7 @@ def backward_input(
     if not (x.is_floating_point() and x.requires_grad):
         return None, Deferred(whole=(out, grad))
     grads = None if grad is None else [grad]
-    (dx,), groups = _split.stage_backward_input([out], grads, [x], iter(params))
+    (dx,), groups = _input_half([out], grads, [x], iter(params))
     return dx, Deferred(groups=groups)
 
 
@@ -51,4 +51,4 @@ def backward_weight(deferred: Deferred, params: Sequence[nn.Parameter]) -> None:
         out, grad = deferred.whole
         torch.autograd.backward(out, grad)
     elif deferred.groups:
-        _split.stage_backward_weight(iter(params), deferred.groups)
+        _weight_half(iter(params), deferred.groups)

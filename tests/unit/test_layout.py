@@ -21,6 +21,7 @@ LEVELS = {
     "models": 0,  # model families: the HF LLaMA walker, fx graphs, FLOPs per layer from a config
     "schedules": 0,  # pure tables: Action, the named schedules, check / simulate, CSV
     "lent": -1,  # temporaries handed to collectives, waited for at exit
+    "torch_internals": -1,  # every private torch call, checked on one release
     "values": -1,  # ints that are not bools, counts: checked alike everywhere
     "agreement": 2,  # ranks share what they found before they talk
     "plan": 1,  # what a plan is and what it binds to: schema, files, resolve, tp rules, size checks

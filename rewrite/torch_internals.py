@@ -1,0 +1,70 @@
+"""Every private torch call rewrite makes, in one place, with the torch release it was checked on.
+
+torch offers no public way yet to do these; each is wrapped in a function named for what it
+does, so a torch release that moves one breaks here, at import or in `tests/unit/test_torch_internals.py`,
+and not deep inside a training step. Checked on torch 2.13 (the range pyproject.toml states).
+
+- `replicate`: FSDP2's `replicate` (`torch.distributed._composable.replicate_with_fsdp`), for
+  data-parallel replicas where torch's DDP does not fit (several stages per rank, split backwards).
+- `finish_fsdp_backward`: what FSDP2 does at the end of a backward (each parameter group's
+  post-backward, then the root's final callback), run by hand once per step, after the last of a
+  pipeline's several backwards (FSDP2 assumes one backward per step).
+- `prepare_ddp_for_backward`, `ddp_reducer_finished`: DDP's reducer armed right before the step's
+  last backward, and asked afterwards whether every bucket was reduced.
+- `backward_input`, `backward_weight`: torch.distributed.pipelining's split backward (dL/dx now,
+  dL/dW later), which zero-bubble schedules need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import _backward
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = [
+    "CHECKED_ON", "replicate", "finish_fsdp_backward", "prepare_ddp_for_backward", "ddp_reducer_finished",
+    "backward_input", "backward_weight",
+]
+
+CHECKED_ON = "2.13"
+
+
+def finish_fsdp_backward(root: nn.Module, *, replicated: bool) -> None:
+    """End the step's backward on an FSDP2 (or `replicate`) root: reduce, then reshard, as FSDP2's own hook would."""
+    state = replicate.state(root) if replicated else fully_shard.state(root)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def prepare_ddp_for_backward(ddp: DistributedDataParallel) -> None:
+    """Arm DDP's reducer for the next backward (what DDP's forward does when it syncs)."""
+    ddp.reducer.prepare_for_backward([])
+
+
+def ddp_reducer_finished(ddp: DistributedDataParallel) -> bool:
+    """Whether the last backward reduced every bucket of DDP's reducer."""
+    try:
+        ddp.reducer._check_reducer_finalized()
+    except RuntimeError:
+        return False
+    return True
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
+    params: Iterator[nn.Parameter],
+) -> tuple[tuple, list]:
+    """dL/d`inputs` now; returns them and the parameter groups `backward_weight` needs later."""
+    return _backward.stage_backward_input(list(outputs), list(grads), list(inputs), params)
+
+
+def backward_weight(params: Iterator[nn.Parameter], groups: list) -> None:
+    """dL/dW of `params`, from the groups `backward_input` kept."""
+    _backward.stage_backward_weight(params, groups)

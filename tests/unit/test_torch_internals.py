@@ -1,0 +1,35 @@
+"""The private torch calls rewrite makes exist on the torch it runs on, as `torch_internals` says.
+
+A torch release that moves one fails here, naming it, before any training step reaches it.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import torch
+from torch.distributed.pipelining import _backward
+
+from rewrite import torch_internals
+from tests.paths import ROOT
+
+
+def test_the_torch_range_stated_is_the_release_checked():
+    spec = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                if d.startswith("torch"))
+    low = re.search(r">=([\d.]+)", spec)[1]
+    assert low == torch_internals.CHECKED_ON, (spec, torch_internals.CHECKED_ON)
+    assert torch.__version__.startswith(torch_internals.CHECKED_ON + "."), (
+        f"torch {torch.__version__} is outside the checked release {torch_internals.CHECKED_ON}"
+    )
+
+
+def test_every_private_name_used_is_there():
+    assert callable(_backward.stage_backward_input) and callable(_backward.stage_backward_weight)
+    assert hasattr(torch_internals.replicate, "state") and hasattr(torch.distributed.fsdp.fully_shard, "state")
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    assert hasattr(FSDPState, "_root_post_backward_final_callback")
+    assert hasattr(torch._C._distributed_c10d.Reducer, "_check_reducer_finalized")
+    assert hasattr(torch._C._distributed_c10d.Reducer, "prepare_for_backward")
