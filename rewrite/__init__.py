@@ -22,7 +22,8 @@ from .pipeline.runner import causal_lm_loss, run_afab, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
 from .plan.from_hf import plan_from_hf
 from .plan.resolve import ResolvedPlan, StageSpec, resolve
-from .plan.schema import ParallelPlan, PlanError, load_plan
+from .plan.loading import load_plan
+from .plan.schema import ParallelPlan, PlanError
 from .plan.tp_rules import ShardSpec
 from .rewriter import apply_plan
 from .run.launch import LaunchError, launch

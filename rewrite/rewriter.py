@@ -23,7 +23,7 @@ from .pipeline.carve import carve_stage
 from .pipeline.stage import Stage
 from .plan.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan
-from .plan.unmatched import load_plan_for
+from .plan.loading import load_plan_for
 from .recompute import apply_activation_checkpointing
 from .tensor_parallel.replicated import StepSums
 from .schedules import splits_backward

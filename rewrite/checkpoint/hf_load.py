@@ -20,7 +20,8 @@ from ..mesh import check_world
 from ..models.names import first_names
 from ..pipeline.stage import Stage
 from ..plan.resolve import ResolvedPlan, resolve
-from ..plan.schema import ParallelPlan, PlanError, load_plan
+from ..plan.loading import load_plan
+from ..plan.schema import ParallelPlan, PlanError
 from ..rewriter import apply_plan
 from . import swap
 from .headers import load_dtype, model_dtype, model_keys, read_headers, save_id_problems, weight_map_of

@@ -28,7 +28,8 @@ from ..lent import lend
 from ..mesh import check_world
 from ..pipeline.stage import Stage
 from ..plan.resolve import resolve
-from ..plan.schema import ParallelPlan, PlanError, load_plan
+from ..plan.loading import load_plan
+from ..plan.schema import ParallelPlan, PlanError
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import swap

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..plan.resolve import ResolvedPlan, resolve
-from ..plan.schema import ParallelPlan, load_plan
+from ..plan.loading import load_plan
+from ..plan.schema import ParallelPlan
 from ..schedules import splits_backward
 from ..values import is_count
 from .activations import activation_problem

@@ -10,7 +10,8 @@ from torch import nn
 
 from ..plan.from_hf import plan_from_hf
 from ..plan.resolve import ResolvedPlan, resolve
-from ..plan.schema import PlanError, load_plan
+from ..plan.loading import load_plan
+from ..plan.schema import PlanError
 from ..schedules import placement, splits_backward
 from .activations import place_peaks, stage_activations
 from .dp_time import DpTime

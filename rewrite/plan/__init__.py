@@ -8,7 +8,8 @@ costs are `rewrite.estimate`; drawing it is `rewrite.run.show`.
 from .from_hf import plan_from_hf
 from .ranks import coordinates, global_rank
 from .resolve import ResolvedPlan, StageSpec, resolve
-from .schema import MeshSpec, ParallelPlan, PlanError, load_plan
+from .loading import load_plan
+from .schema import MeshSpec, ParallelPlan, PlanError
 from .tp_rules import ShardSpec
 
 __all__ = [

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .schema import ParallelPlan, load_plan
+from .loading import load_plan
+from .schema import ParallelPlan
 from .styles import STYLE_ALIASES, STYLES
 
 __all__ = ["plan_from_hf"]

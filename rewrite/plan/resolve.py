@@ -22,7 +22,7 @@ from .size_checks import by_line, stage_count, world_problem
 from .stage_split import fx_stages, hf_stages
 from .tp_rules import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
 from .tp_switches import option_problems
-from .unmatched import load_plan_for
+from .loading import load_plan_for
 
 __all__ = ["ResolvedPlan", "StageSpec", "resolve", "APPLIED"]
 

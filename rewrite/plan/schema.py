@@ -1,4 +1,4 @@
-"""Parallel plans: the Pydantic schema and loading plan files (YAML or JSON).
+"""Parallel plans: the Pydantic schema (reading files is `loading.py`).
 
 A plan is data. Nothing here touches a model or torch.distributed; binding a
 plan to a model is `rewrite.resolve`.
@@ -6,24 +6,18 @@ plan to a model is `rewrite.resolve`.
 
 from __future__ import annotations
 
-import difflib
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from ..schedules import SCHEDULE_NAMES, schedule_rules
-from ..values import is_count
-from .files import PlanError, dotted, key_lines, line_of, read_plan_file, read_table_file, short
+from .files import PlanError
 from .ranks import global_rank, shape_text
 from .styles import Style
-from .pipeline_schema import (
-    CUT_POINT_KINDS, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_fit, schedule_problems,
-    unknown_schedule,
-)
+from .pipeline_schema import Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
 
-__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError", "load_plan"]
+__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError"]
+
 
 class MeshSpec(StrictModel):
     """How the ranks are arranged: world size = dp * pp * tp.
@@ -167,94 +161,3 @@ class ParallelPlan(StrictModel):
     def to_yaml(self) -> str:
         """The plan as YAML text that `load_plan` reads back to an equal plan."""
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
-
-
-def _problems(exc: ValidationError, nodes: Any, data: Any = None) -> list[str]:
-    problems = []
-    for err in exc.errors(include_url=False):
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        if len(loc) > 2 and loc[:2] == ("pipeline", "cut_points") and loc[2] in CUT_POINT_KINDS:
-            loc = loc[:2] + loc[3:]
-        if loc and loc[-1] == "[key]":
-            loc = loc[:-1]  # the key of a mapping failed: report it at the key itself
-        line = line_of(nodes, loc) if nodes is not None else None
-        where = (f"line {line}: " if line else "") + (dotted(loc) + ": " if loc else "")
-        msg = err["msg"].removeprefix("Value error, ")
-        if loc == ("pipeline", "schedule") and isinstance(err.get("input"), str) and err["type"] == "value_error":
-            msg = unknown_schedule(err["input"], schedule_fit(data))
-        elif err["type"] == "extra_forbidden":
-            msg = f"unknown key {short(loc[-1])}" + _suggest_key(exc, loc)
-        elif err["type"] not in ("value_error", "missing") and "input" in err:
-            msg += f" (found {short(err['input'])})"
-        # A cross-field check reports its problems one a line: count each.
-        problems += [(line or 10**9, where + part) for part in (msg.split("\n") if not loc else [msg])]
-    return [p for _, p in sorted(problems, key=lambda item: item[0])]
-
-
-def _raw_schedule_rules(schedule: Any, pp: Any, k: Any) -> list[str]:
-    # The schedule's rules on raw data, when their values passed their own checks.
-    valid = all(is_count(v) for v in (pp, k))
-    known = isinstance(schedule, str) and schedule in SCHEDULE_NAMES
-    return schedule_rules(schedule, pp, k, 1) if valid and known else []
-
-
-def _suggest_key(exc: ValidationError, loc: tuple) -> str:
-    fields: dict[str, Any] = {
-        (): ParallelPlan.model_fields,
-        ("mesh",): MeshSpec.model_fields,
-        ("pipeline",): Pipeline.model_fields,
-        ("data_parallel",): DataParallel.model_fields,
-    }.get(tuple(loc[:-1]), {})
-    close = difflib.get_close_matches(str(loc[-1]), list(fields), n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; allowed here: {', '.join(fields)}"
-
-
-def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
-    """Load and validate a parallel plan.
-
-    Args:
-        source: a path to a `.yaml`, `.yml` or `.json` file, a dict, or a plan.
-
-    Returns:
-        The validated `ParallelPlan`.
-
-    Raises:
-        PlanError (a ValueError): every problem found, each with its file, line and
-            dotted location, the value found and what is expected.
-
-    Example:
-        >>> plan = load_plan("plans/llama-tp2.yaml")
-        >>> plan.mesh.tp
-        2
-    """
-    if isinstance(source, ParallelPlan):
-        return source
-    nodes, name = None, "plan"
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        data, nodes = read_plan_file(path)
-        name = str(path)
-    elif isinstance(source, dict):
-        data = source
-    else:
-        raise TypeError(f"load_plan takes a file path, a dict or a ParallelPlan, not {type(source).__name__}")
-    if data is None:
-        data = {}  # an empty file is the default plan: one rank
-    if not isinstance(data, dict):
-        raise PlanError(name, [f"a plan is a mapping of keys (mesh, tensor_parallel, pipeline), got {type(data).__name__}"])
-    data = read_table_file(data, Path(name).parent if isinstance(source, (str, Path)) else Path.cwd(), name)
-    try:
-        plan = ParallelPlan.model_validate(data)
-    except ValidationError as exc:
-        problems = _problems(exc, nodes, data)
-        if not any(not e["loc"] for e in exc.errors()):
-            # Field errors stop Pydantic before the cross-field check: run it on the raw data.
-            mesh, pipe = data.get("mesh") or {}, data.get("pipeline") or {}
-            if isinstance(mesh, dict) and isinstance(pipe, dict):
-                pp, k = mesh.get("pp", 1), pipe.get("virtual_stages", 1)
-                problems += cut_point_problems(pipe.get("cut_points"), pp, k)
-                problems += _raw_schedule_rules(pipe.get("schedule", "afab"), pp, k)
-        raise PlanError(name, problems) from None
-    plan._source = name
-    plan._lines = key_lines(nodes) if nodes is not None else {}
-    return plan

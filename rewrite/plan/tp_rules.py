@@ -22,7 +22,7 @@ from .tp_fits import fitting_tps
 from .tp_whole import kept_whole
 from .wording import either, index_ranges
 
-__all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats"]
+__all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats", "unmatched_problem"]
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _FITS = "the sizes at which every module the plan shards splits evenly, heads whole"
@@ -81,7 +81,6 @@ def shard_problems(
 
     A problem about one rule starts with that rule's line when the plan came from a file.
     """
-    from .unmatched import unmatched_problem  # it builds on this module's matching
 
     tp, problems, chosen = plan.mesh.tp, [], {}
     names = list(modules)
@@ -279,3 +278,8 @@ def _is_kv(fqn: str, chosen: dict[str, tuple[str, str]]) -> bool:
     """A k/v projection beside a q_proj split by output: the ones that hold whole kv heads past the kv count."""
     parent, _, leaf = fqn.rpartition(".")
     return leaf in ("k_proj", "v_proj") and chosen.get(f"{parent}.q_proj", ("", ""))[1] == "column"
+
+
+def unmatched_problem(at: str, pattern: str, names: list[str]) -> str:
+    """'line 3: tensor_parallel['...'] matches no module; did you mean '...'?'."""
+    return f"{at}tensor_parallel[{pattern!r}] matches no module{closest(pattern, names)}"

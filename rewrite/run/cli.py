@@ -90,7 +90,7 @@ def _mesh_words(plan) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from ..plan.schema import load_plan
+    from ..plan.loading import load_plan
     from ..plan.resolve import resolve
 
     if args.model is None:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
-from ..plan.schema import ParallelPlan, PlanError, load_plan
-from ..plan.unmatched import load_plan_for
+from ..plan.loading import load_plan, load_plan_for
+from ..plan.schema import ParallelPlan, PlanError
 from ..plan.wording import either
 from .presets import PRESETS, build_model, load_config
 

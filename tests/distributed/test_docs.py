@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from rewrite.plan.schema import load_plan
+from rewrite.plan.loading import load_plan
 from tests.paths import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -12,7 +12,7 @@ from torch import nn
 
 from rewrite.estimate.balance import THRESHOLD, balance_warnings
 from rewrite.plan.resolve import resolve
-from rewrite.plan.schema import load_plan
+from rewrite.plan.loading import load_plan
 from rewrite.run.presets import build_model, load_config
 from tests.paths import PLANS, ROOT
 
