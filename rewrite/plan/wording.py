@@ -57,10 +57,10 @@ def index_ranges(indices: Iterable[int], *, min_run: int = 3) -> str:
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:
-    """'1 kv head', '3 kv heads'; `many` where adding an s is wrong ('2 microbatches')."""
+    """'1 kv head', '3 kv heads', '2 microbatches'; `many` where the plural is irregular."""
     return f"{count} {noun_for(count, noun, many)}"
 
 
 def noun_for(count: int, noun: str, many: str | None = None) -> str:
-    """The noun alone, in the number `count` asks for: 'rank' for 1, 'ranks' otherwise."""
-    return noun if count == 1 else many or noun + "s"
+    """The noun alone, in the number `count` asks for: 'rank' for 1, 'ranks' (or 'microbatches') otherwise."""
+    return noun if count == 1 else many or noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s")

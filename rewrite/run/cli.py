@@ -126,7 +126,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import train_main
+    from .train_entry import train_main
     from .train_flags import train_config
 
     train_main(train_config(args))

@@ -150,7 +150,7 @@ def render_text(data: dict) -> str:
     out = [
         f"{data['plan']} on {name}",
         f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'])} = {mesh['world_size']} ranks; "
-        f"{plural(m, 'microbatch', 'microbatches')} per step{' per replica' if mesh['dp'] > 1 else ''}, "
+        f"{plural(m, 'microbatch')} per step{' per replica' if mesh['dp'] > 1 else ''}, "
         f"schedule {pipe['schedule']}; {'module walker (hf)' if pipe['kind'] == 'hf' else 'torch.fx stages'}",
         *_layout_lines(data),
         "",

@@ -48,7 +48,7 @@ def format_schedule(plan: ParallelPlan, *, microbatches: int | None = None) -> s
     ranks = f", {k} on each of {plural(pp, 'rank')}" if k > 1 else ""
     words = ", ".join(f"{kind} = {KINDS[kind]}" for kind in KINDS if kind in kinds) + " of a microbatch"
     return "\n".join([
-        f"Schedule {pipe.schedule}: {plural(m, 'microbatch', 'microbatches')} on {plural(n, 'stage')}{ranks} "
+        f"Schedule {pipe.schedule}: {plural(m, 'microbatch')} on {plural(n, 'stage')}{ranks} "
         f"({words}{'; F3@2: on stage 2' if k > 1 else ''})",
         format_table(["rank", "actions, in order", "alive at most", "idle"], rows),
         f"  predicted bubble: {idle_share:.0%} of the step ({_costs(table)}; transfers free)",

@@ -151,7 +151,8 @@ def test_train_timeout_reaches_init_process_group(monkeypatch):
     import torch.distributed as dist
 
     from rewrite.run.cli import main
-    from rewrite.run.train import TrainConfig, build_init_kwargs
+    from rewrite.run.train import TrainConfig
+    from rewrite.run.train_entry import build_init_kwargs
 
     class Joined(Exception):
         pass

@@ -1,0 +1,99 @@
+"""`rewrite train` in a process of its own: the process group around a run (its timeout, its
+store under torchrun's restarts), made before `train` and torn down after it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .byte_data import TrainConfigError
+from .launch import local_store
+from .train import TrainConfig, train
+from .train_setup import pick_device
+
+__all__ = ["build_init_kwargs", "train_main"]
+
+
+def build_init_kwargs(config: TrainConfig) -> dict:
+    """The keyword arguments `train_main` passes to `dist.init_process_group`.
+
+    Raises:
+        TrainConfigError: `config.timeout_s` is not a positive, finite number of seconds, or
+            `config.device` names a device this machine does not have.
+
+    Example:
+        >>> build_init_kwargs(TrainConfig("plans/llama-tp2.yaml", timeout_s=60))
+        {'backend': 'gloo', 'timeout': datetime.timedelta(seconds=60)}
+    """
+    timeout_s = config.timeout_s
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise TrainConfigError(
+            f"rewrite train: --timeout is {timeout_s!r}; use a positive number of seconds, e.g. --timeout 300: "
+            "how long a rank may wait in a collective for a stuck or lost peer before the run fails"
+        )
+    _, backend = pick_device(config.device)
+    return {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+
+
+def train_main(config: TrainConfig) -> dict:
+    """`train` in a process of its own: sets one torch thread (and its GPU), joins the group, leaves it.
+
+    Under torchrun the rendezvous comes from its environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT); run directly, it is a world of one process. The group
+    it creates has `config.timeout_s` as its timeout, so a stuck rank fails the run
+    within that time instead of holding every rank for torch's default 30 minutes. A
+    group the caller already created is used as it is, with its own timeout.
+
+    Raises:
+        TrainConfigError: a bad `timeout_s`, on every rank, before any collective.
+    """
+    init_kwargs = build_init_kwargs(config)  # before the rendezvous: no rank is left waiting
+    alone = "RANK" not in os.environ
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    device, _ = pick_device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicators and every allocation on this rank's GPU
+    else:
+        torch.set_num_threads(1)  # the ranks share the machine's cores
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        if alone:  # a world of one on a store of its own: no port to pick
+            store = local_store(1, init_kwargs["timeout"])
+            os.environ.setdefault("MASTER_PORT", str(store.port))
+            dist.init_process_group(**init_kwargs, store=store, rank=0, world_size=1)
+        else:
+            dist.init_process_group(**init_kwargs, **_restart_store(init_kwargs["timeout"]))
+    try:
+        result = train(config)
+        if owns_group:
+            # Every rank done before any tears down its connections: gloo aborts a process
+            # whose peer closes a pair while its own threads still use it.
+            dist.barrier()
+        return result
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _restart_store(timeout: timedelta) -> dict:
+    """Under torchrun's agent store, a key space of this restart's own: `store`, `rank`, `world_size`.
+
+    torchrun (`--max-restarts`) starts the new workers against the same agent store, which
+    still holds the process-group keys of the workers it replaced: gloo would read the
+    addresses of dead ranks and fail to connect. Prefixing the keys with the restart count
+    gives every attempt fresh ones. Elsewhere: nothing (the `env://` default).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"rewrite/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world}
