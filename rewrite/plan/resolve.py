@@ -18,9 +18,9 @@ from ..models.oracle import narrowed_problem, walker_problem
 from ..schedules import placement
 from .params import HeldParameter, held_by_stage, held_parameters, parameter_walk
 from .schema import ParallelPlan, PlanError
-from .size_checks import by_line, stage_count, world_problem
+from .size_checks import PipelineShape, by_line, stage_count, world_problem
 from .stage_split import fx_stages, hf_stages
-from .tp_rules import ShardSpec, closest, collapse_repeats, match_pattern, shard_problems
+from .tp_rules import ShardSpec, TpRules, closest, collapse_repeats, match_pattern, shard_problems
 from .tp_switches import option_problems
 from .loading import load_plan_for
 
@@ -109,31 +109,52 @@ def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list
     return [n for n in hits if not any(n.startswith(h + ".") for h in hits)], problems
 
 
-def _estimate(plan: ParallelPlan, model: nn.Module, bb: Backbone, n: int, shards: list[ShardSpec]) -> Costs | str:
-    """Estimated compute per part on one rank of its stage, or why there is none."""
-    sharded = [s.fqn for s in shards if s.style != "grad_allreduce"] if plan.mesh.tp > 1 else []
+def _estimate(rules: TpRules, seq_len: int, model: nn.Module, bb: Backbone, n: int, shards: tuple) -> Costs | str:
+    """Estimated compute per part on one rank of its stage, or why there is none (`shards`: `rules` bound)."""
+    sharded = [s.fqn for s in shards if s.style != "grad_allreduce"] if rules.tp > 1 else []
     try:
-        return estimate_costs(
-            model.config, bb, num_layers=n, seq_len=plan.pipeline.seq_len, tp=plan.mesh.tp, sharded=sharded
-        )
+        return estimate_costs(model.config, bb, num_layers=n, seq_len=seq_len, tp=rules.tp, sharded=sharded)
     except ValueError as exc:
         return str(exc)
 
 
-def _memo(cache: dict | None, key: tuple | None, make: Callable):
-    """`make()`, computed once per key when a cache is given (None: not cached)."""
-    if cache is None or key is None:
-        return make()
+def _memo(cache: dict | None, make: Callable, keyed: tuple, *model_parts):
+    """`make(*keyed, *model_parts)`, computed once per `keyed` when a cache is given (None: not cached).
+
+    `keyed` is everything `make` reads of the plan, as hashable values (`TpRules`, `PipelineShape`,
+    sizes), and the key with `make`'s name; `model_parts` are what it reads of the model, or
+    derived from `keyed` alone, which one cache (kept for one unchanged model) leaves out.
+    """
+    if cache is None:
+        return make(*keyed, *model_parts)
+    key = (make.__name__, *keyed)
     if key not in cache:
-        cache[key] = make()
+        cache[key] = make(*keyed, *model_parts)
     return cache[key]
 
 
-def _bind_shards(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[tuple, tuple, tuple]:
-    """(shards, problems, notes) of the plan's tensor_parallel rules, the model's own forward checked on them."""
+def _modules(model: nn.Module) -> dict[str, nn.Module]:
+    return dict(model.named_modules())
+
+
+def _parallel_modules(modules: dict[str, nn.Module]) -> list[str]:
+    # Parallel layers expose `shard_of` (the slicing rule of tensor_parallel.layers).
+    return [f for f, m in modules.items() if callable(getattr(m, "shard_of", None))]
+
+
+def _stages(rules: TpRules, seq_len: int, shape: PipelineShape, n: int, bb: Backbone, costs: Costs | str) -> tuple:
+    return hf_stages(shape, n, bb, costs)  # `costs` is (rules, seq_len) estimated
+
+
+def _held(rules: TpRules, sets: tuple, model: nn.Module, shards: tuple, walk: tuple | None) -> list:
+    return held_by_stage(model, sets, shards, walk)  # `shards` is `rules` bound
+
+
+def _bind_shards(rules: TpRules, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[tuple, tuple, tuple]:
+    """(shards, problems, notes) of the tensor_parallel rules, the model's own forward checked on them."""
     notes: list[str] = []
-    shards, problems = shard_problems(plan, model, modules, notes)
-    if plan.mesh.tp > 1 and not problems and hasattr(getattr(model, "config", None), "model_type"):
+    shards, problems = shard_problems(rules, model, modules, notes)
+    if rules.tp > 1 and not problems and hasattr(getattr(model, "config", None), "model_type"):
         narrowed = narrowed_problem(model, {s.fqn: s.style for s in shards}, [s.fqn for s in shards if s.replicas > 1])
         problems += [f"{type(model).__name__} ({model.config.model_type}): {narrowed}"] if narrowed else []
     return tuple(shards), tuple(problems), tuple(notes)
@@ -180,36 +201,27 @@ def resolve(
             f"the model was already rewritten by apply_plan (it holds {applied}); "
             "apply a plan to a model that has not been rewritten (build or load it again)"
         ])
-    modules = _memo(cache, ("modules",), lambda: dict(model.named_modules()))
-    # Parallel layers expose `shard_of` (the slicing rule of tensor_parallel.layers).
-    done = _memo(cache, ("done",), lambda: [f for f, m in modules.items() if callable(getattr(m, "shard_of", None))])
+    modules = _memo(cache, _modules, (), model)
+    done = _memo(cache, _parallel_modules, (), modules)
     if done:
         raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
-    rules = plan.tensor_parallel
-    # Everything `shard_problems` reads of the plan: tp, the rules and their lines (for the messages).
-    tp_key = ("tp", plan.mesh.tp, tuple(rules.items()), tuple(plan.where("tensor_parallel", r) for r in rules),
-              plan.where("mesh", "tp"))
-    shards, tp_problems, notes = _memo(cache, tp_key, lambda: _bind_shards(plan, model, modules))
+    rules, seq_len, shape = TpRules.of(plan), plan.pipeline.seq_len, PipelineShape.of(plan)
+    shards, tp_problems, notes = _memo(cache, _bind_shards, (rules,), model, modules)
     problems += tp_problems
     recomputed, ac_problems = _recomputed(plan, modules)
     problems += ac_problems
     bb = find_backbone(model)
     costs: Costs | str | None = None
     if bb is not None:
-        guard = _memo(cache, ("walker",), lambda: walker_problem(model))
+        guard = _memo(cache, walker_problem, (), model)
         if guard:  # every other problem would be moot: no plan runs this family correctly
             raise PlanError(plan.source, [
                 f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses it rather than train a "
                 "different model, and no plan setting changes that"
             ])
         n = len(model.get_submodule(bb.layers))
-        costs_key = (*tp_key, "costs", plan.pipeline.seq_len)
-        costs = _memo(cache, costs_key, lambda: _estimate(plan, model, bb, n, shards))
-        cut = plan.pipeline.cut_points
-        # Everything `hf_stages` reads of the plan, when its cuts are not a list of layers.
-        split_key = (*costs_key, "split", plan.mesh.pp, plan.pipeline.virtual_stages, cut, plan.where("mesh", "pp"),
-                     plan.where("pipeline", "cut_points")) if cut is None or isinstance(cut, str) else None
-        layer_sets, cuts, stage_problems = _memo(cache, split_key, lambda: hf_stages(plan, n, bb, costs))
+        costs = _memo(cache, _estimate, (rules, seq_len), model, bb, n, shards)
+        layer_sets, cuts, stage_problems = _memo(cache, _stages, (rules, seq_len, shape), n, bb, costs)
         stage_problems = list(stage_problems)
         norm = model.get_submodule(bb.norm)
         if bb.norm_first and pp > 1 and any(True for _ in norm.parameters()):
@@ -229,13 +241,13 @@ def resolve(
     costs = costs if isinstance(costs, Costs) else None
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)
     sets = module_sets if pp > 1 else [[""]]
-    walk = _memo(cache, ("walk",), lambda: parameter_walk(model)) if cache is not None else None
-    held_sets = _memo(cache, (*tp_key, "held", tuple(map(tuple, sets))), lambda: held_by_stage(model, sets, shards, walk))
+    walk = _memo(cache, parameter_walk, (), model) if cache is not None else None
+    held_sets = _memo(cache, _held, (rules, tuple(map(tuple, sets))), model, shards, walk)
     stages = []
     for s, held in enumerate(held_sets):
         count, size = sum(p.numel for p in held), sum(p.nbytes for p in held)
         stages.append(StageSpec(s, tuple(module_sets[s]), tuple(layer_names[s]), count, size, shares[s], tuple(held)))
-    total, total_bytes = _memo(cache, ("totals",), lambda: _totals(model))
+    total, total_bytes = _memo(cache, _totals, (), model)
     return ResolvedPlan(
         plan=plan,
         model_name=type(model).__name__,

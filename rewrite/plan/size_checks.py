@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from .schema import ParallelPlan
 from .wording import common_divisors, either
 
-__all__ = ["too_many_stages", "stage_count", "stages_words", "by_line", "world_problem"]
+__all__ = ["PipelineShape", "too_many_stages", "stage_count", "stages_words", "by_line", "world_problem"]
 
 
-def too_many_stages(plan: ParallelPlan, n: int, what: str) -> str:
+@dataclass(frozen=True)
+class PipelineShape:
+    """All that cutting a model into stages reads of a plan: the sizes, the cuts, the lines naming them.
+
+    Hashable: a plan search keeps the cuts it found by it, and a value read that is not here
+    cannot be read at all (so it cannot be left out of that key).
+    """
+
+    pp: int
+    virtual_stages: int
+    cut_points: tuple[str, ...] | str | None
+    pp_line: str = ""  # "line 3: " when the plan came from a file
+    cuts_line: str = ""
+    cut_lines: tuple[str, ...] = ()  # one per listed cut point
+
+    @classmethod
+    def of(cls, plan: ParallelPlan) -> PipelineShape:
+        cuts = plan.pipeline.cut_points
+        listed = isinstance(cuts, list)
+        return cls(plan.mesh.pp, plan.pipeline.virtual_stages, tuple(cuts) if listed else cuts,
+                   plan.where("mesh", "pp"), plan.where("pipeline", "cut_points"),
+                   tuple(plan.where("pipeline", "cut_points", k) for k in range(len(cuts))) if listed else ())
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+
+def too_many_stages(shape: PipelineShape, n: int, what: str) -> str:
     """More stages than `n` layers: the pp values that fit, and those that split the layers evenly."""
-    k = plan.pipeline.virtual_stages
+    k = shape.virtual_stages
     most = n // k  # the largest pp with at least one layer per stage
     if most == 0:
         fix = f"set pipeline.virtual_stages to at most {n}, with mesh.pp: 1"
@@ -24,7 +53,7 @@ def too_many_stages(plan: ParallelPlan, n: int, what: str) -> str:
         if k > 1:
             fix += f", or lower pipeline.virtual_stages so that pp x virtual_stages <= {n}"
     return (
-        f"{plan.where('mesh', 'pp')}{stages_words(plan)} but the model has {n} {what}; each stage needs at least "
+        f"{shape.pp_line}{stages_words(shape)} but the model has {n} {what}; each stage needs at least "
         f"one layer: {fix}"
     )
 
@@ -33,11 +62,11 @@ def stage_count(plan: ParallelPlan) -> int:
     return plan.mesh.pp * plan.pipeline.virtual_stages
 
 
-def stages_words(plan: ParallelPlan) -> str:
-    k = plan.pipeline.virtual_stages
+def stages_words(shape: PipelineShape) -> str:
+    k = shape.virtual_stages
     if k == 1:
-        return f"mesh.pp={plan.mesh.pp} stages"
-    return f"mesh.pp={plan.mesh.pp} x pipeline.virtual_stages={k} = {plan.mesh.pp * k} stages"
+        return f"mesh.pp={shape.pp} stages"
+    return f"mesh.pp={shape.pp} x pipeline.virtual_stages={k} = {shape.stages} stages"
 
 
 def by_line(problems: list[str]) -> list[str]:

@@ -12,37 +12,37 @@ from ..models.hf_llama import Backbone, backbone_problem
 from ..models.oracle import exception_line
 from .cuts import balanced_split, best_split
 from .schema import ParallelPlan
-from .size_checks import stage_count, stages_words, too_many_stages
+from .size_checks import PipelineShape, stage_count, stages_words, too_many_stages
 from .tp_rules import closest
 
 __all__ = ["hf_stages", "fx_stages"]
 
 
 def hf_stages(
-    plan: ParallelPlan, n: int, bb: Backbone, costs: Costs | str
+    shape: PipelineShape, n: int, bb: Backbone, costs: Costs | str
 ) -> tuple[list[list[int]], list[str], list[str]]:
     """Layer indices per stage, the cut layers, and problems. `costs` is a message when unknown."""
-    pp, cuts = stage_count(plan), plan.pipeline.cut_points
+    pp, cuts = shape.stages, shape.cut_points
     names = [bb.layer(i) for i in range(n)]
     if pp > n:
-        return [], [], [too_many_stages(plan, n, "layers")]
+        return [], [], [too_many_stages(shape, n, "layers")]
     if cuts is None:
         starts = [sum(balanced_split(n, pp)[:s]) for s in range(pp)]
     elif cuts == "auto":
         if isinstance(costs, str):
             return [], [], [
-                f"{plan.where('pipeline', 'cut_points')}pipeline.cut_points: 'auto' cannot estimate "
+                f"{shape.cuts_line}pipeline.cut_points: 'auto' cannot estimate "
                 f"this model's compute: {costs}; list the "
                 f"pp - 1 = {pp - 1} layers where stages start (e.g. {names[n // 2]!r}), or omit cut_points"
             ]
         sizes = best_split(costs.folded(), pp)
         starts = [sum(sizes[:s]) for s in range(pp)]
     else:
-        problems, at = [], plan.where("pipeline", "cut_points")
+        problems, at, cuts = [], shape.cuts_line, list(cuts)
         for k, cut in enumerate(cuts):
             if cut not in names:
                 problems.append(
-                    f"{plan.where('pipeline', 'cut_points', k)}pipeline.cut_points[{k}] {cut!r} is not a layer of "
+                    f"{shape.cut_lines[k]}pipeline.cut_points[{k}] {cut!r} is not a layer of "
                     "the model's layer sequence "
                     f"({names[0]} .. {names[-1]}){closest(cut, names)}"
                 )
@@ -90,7 +90,7 @@ def fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], li
     if cuts is None:
         if len(seq) < pp:
             return [], [], [
-                f"{stages_words(plan)}: a balanced split needs a layer sequence of at least {pp} modules, found "
+                f"{stages_words(PipelineShape.of(plan))}: a balanced split needs a layer sequence of at least {pp} modules, found "
                 f"{len(seq)} in {type(model).__name__}; list pipeline.cut_points instead, or use at most "
                 f"{len(seq)} stages (pp x virtual_stages)"
             ]

@@ -22,7 +22,7 @@ from .tp_fits import fitting_tps
 from .tp_whole import kept_whole
 from .wording import either, index_ranges
 
-__all__ = ["ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats", "unmatched_problem"]
+__all__ = ["TpRules", "ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats", "unmatched_problem"]
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _FITS = "the sizes at which every module the plan shards splits evenly, heads whole"
@@ -74,19 +74,43 @@ def _input_sharded(style: str | None) -> bool:
 _BLOCKS = ((("q_proj", "k_proj", "v_proj"), "o_proj"), (("gate_proj", "up_proj"), "down_proj"))
 
 
+@dataclass(frozen=True)
+class TpRules:
+    """All that binding the tensor_parallel rules reads of a plan: tp, the rules, the lines naming them.
+
+    Hashable: a plan search keeps bindings by it, and a value read that is not here cannot be
+    read at all (so it cannot be left out of that key).
+    """
+
+    tp: int
+    rules: tuple[tuple[str, str], ...]  # (pattern, style), in the plan's order
+    lines: tuple[str, ...] = ()  # per rule, "line 7: " when the plan came from a file
+    tp_line: str = ""
+
+    @classmethod
+    def of(cls, plan: ParallelPlan) -> TpRules:
+        rules = tuple(plan.tensor_parallel.items())
+        return cls(plan.mesh.tp, rules, tuple(plan.where("tensor_parallel", p) for p, _ in rules), plan.where("mesh", "tp"))
+
+    def at(self, pattern: str) -> str:
+        """The line of the rule for `pattern` ('' for an implied one or a plan without a file)."""
+        lines = dict(zip((p for p, _ in self.rules), self.lines))
+        return lines.get(pattern, "")
+
+
 def shard_problems(
-    plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module], notes: list[str] | None = None
+    rules: TpRules, model: nn.Module, modules: dict[str, nn.Module], notes: list[str] | None = None
 ) -> tuple[list, list[str]]:
-    """Every module the plan's tensor_parallel rules shard, and every problem with them.
+    """Every module the tensor_parallel rules shard, and every problem with them.
 
     A problem about one rule starts with that rule's line when the plan came from a file.
     """
 
-    tp, problems, chosen = plan.mesh.tp, [], {}
+    tp, problems, chosen = rules.tp, [], {}
     names = list(modules)
     tied = tied_modules(model)
-    for pattern, style in plan.tensor_parallel.items():
-        at = plan.where("tensor_parallel", pattern)
+    for pattern, style in rules.rules:
+        at = rules.at(pattern)
         hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
         if not hits:
             problems.append(unmatched_problem(at, pattern, names))
@@ -149,7 +173,7 @@ def shard_problems(
             shape = tuple(weight.shape) if isinstance(weight, nn.Parameter) else None
             shards.append(ShardSpec(fqn, style, pattern, None, None, False, shape, None))
             continue
-        at = plan.where("tensor_parallel", pattern) if pattern != "(implied)" else ""
+        at = rules.at(pattern)
         if style == "vocab":
             rows, dim = lin.num_embeddings, lin.embedding_dim
             if rows % tp:
@@ -180,9 +204,9 @@ def shard_problems(
         shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias,
                                 replicas, tp))
     if tp > 1:
-        rule_at = {s.fqn: plan.where("tensor_parallel", s.pattern) for s in shards if s.pattern != "(implied)"}
+        rule_at = {s.fqn: rules.at(s.pattern) for s in shards if s.pattern != "(implied)"}
         problems += _tied_problems(tied, {s.fqn: s.style for s in shards}, rule_at)
-        problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp, rule_at, plan.where("mesh", "tp"))
+        problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp, rule_at, rules.tp_line)
     return shards, problems
 
 
