@@ -11,7 +11,7 @@ from torch import nn
 
 from ..models.names import canonical_names
 from ..plan.resolve import ResolvedPlan
-from ..plan.styles import COLUMN_STYLES, packed_parts
+from ..plan.styles import STYLE_INFO, packed_parts
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -64,13 +64,12 @@ def meta_model(config) -> nn.Module:
 
 def split_dim(style: str, leaf: str) -> int | None:
     """The dim along which a tensor-parallel style splits its module's tensor `leaf`; None: replicated."""
-    if style in COLUMN_STYLES and leaf in ("weight", "bias"):
-        return 0
-    if style == "vocab" and leaf == "weight":
-        return 0  # rows of the vocabulary
-    if style in ("row", "row_split") and leaf == "weight":
-        return 1
-    return None
+    info = STYLE_INFO.get(style)
+    if info is None or leaf not in ("weight", "bias"):
+        return None
+    if leaf == "bias":  # a column layer's bias is split with its output features; a row layer's is whole
+        return 0 if info.layer == "column" else None
+    return info.weight_dim  # vocab: rows of the vocabulary
 
 
 def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:

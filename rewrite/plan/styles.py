@@ -3,26 +3,51 @@
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator
 
 from .files import short
 
-__all__ = ["STYLES", "STYLE_ALIASES", "COLUMN_STYLES", "Style", "packed_parts"]
+__all__ = ["STYLES", "STYLE_ALIASES", "COLUMN_STYLES", "Style", "StyleInfo", "STYLE_INFO", "packed_parts"]
 
-STYLES: dict[str, str] = {
-    "column": "output features split; output stays sharded, to feed a `row` layer",
-    "row": "input features split; input arrives sharded, partial outputs are summed",
-    "column_gather": "output features split; output all-gathered (the standalone layer's default)",
-    "packed_column": "output features are two equal parts side by side (a fused gate_up_proj): each part "
-    "split, a rank keeps its slice of both in order; output stays sharded, to feed a `row` layer",
-    "row_split": "input features split; the layer splits a full input itself, outputs summed",
-    "vocab": "nn.Embedding rows (the vocabulary) split: each rank embeds the ids in its range, "
-    "zeros elsewhere, and one all-reduce sums the result",
-    "grad_allreduce": "any module kept whole whose input is sharded (e.g. per-head q/k norms): "
-    "its parameter gradients are summed over the tensor-parallel group",
+
+@dataclass(frozen=True)
+class StyleInfo:
+    """What a style does to its module, as data every reader (rules, layers, checkpoints) looks up."""
+
+    what: str  # one line for users (`rewrite show`, the plan schema)
+    layer: Literal["column", "row", "vocab", "whole"]  # Column/RowParallelLinear, VocabParallelEmbedding, or kept
+    output_sharded: bool = False  # its output stays split over tp: a `row` layer must read it
+    input_sharded: bool = False  # it reads an input already split over tp (a `column` layer's output)
+    gathers_output: bool = False  # its output is all-gathered back whole
+    parts: int = 1  # equal parts packed side by side along the output features (gate and up: 2)
+
+    @property
+    def weight_dim(self) -> int | None:
+        """The weight's dim split over the tp ranks (a column's bias is split with dim 0); None: kept whole."""
+        return {"column": 0, "vocab": 0, "row": 1}.get(self.layer)
+
+
+STYLE_INFO: dict[str, StyleInfo] = {
+    "column": StyleInfo("output features split; output stays sharded, to feed a `row` layer", "column",
+                        output_sharded=True),
+    "row": StyleInfo("input features split; input arrives sharded, partial outputs are summed", "row",
+                     input_sharded=True),
+    "column_gather": StyleInfo("output features split; output all-gathered (the standalone layer's default)",
+                               "column", gathers_output=True),
+    "packed_column": StyleInfo(
+        "output features are two equal parts side by side (a fused gate_up_proj): each part split, a rank keeps "
+        "its slice of both in order; output stays sharded, to feed a `row` layer", "column", output_sharded=True,
+        parts=2),
+    "row_split": StyleInfo("input features split; the layer splits a full input itself, outputs summed", "row"),
+    "vocab": StyleInfo("nn.Embedding rows (the vocabulary) split: each rank embeds the ids in its range, "
+                       "zeros elsewhere, and one all-reduce sums the result", "vocab"),
+    "grad_allreduce": StyleInfo("any module kept whole whose input is sharded (e.g. per-head q/k norms): "
+                                "its parameter gradients are summed over the tensor-parallel group", "whole"),
 }
+STYLES: dict[str, str] = {name: info.what for name, info in STYLE_INFO.items()}
 
 # Hugging Face transformers' tensor-parallel style names, and the style each means here.
 STYLE_ALIASES: dict[str, str] = {
@@ -39,14 +64,14 @@ STYLE_ALIASES: dict[str, str] = {
     "packed_colwise": "packed_column",
 }
 
-# The styles that split output features, and how many equal parts a style's output packs.
-COLUMN_STYLES = ("column", "column_gather", "packed_column")
-_PACKED = {"packed_column": 2}
+# The styles that split output features (ColumnParallelLinear).
+COLUMN_STYLES = tuple(name for name, info in STYLE_INFO.items() if info.layer == "column")
 
 
 def packed_parts(style: str | None) -> int:
     """Equal parts packed side by side along the output features (gate and up: 2); 1 when not packed."""
-    return _PACKED.get(style, 1)
+    return STYLE_INFO[style].parts if style in STYLE_INFO else 1
+
 
 def _style(value: Any) -> Any:
     """Map HF aliases onto our style names; reject unknown names with a suggestion."""

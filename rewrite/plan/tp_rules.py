@@ -16,7 +16,7 @@ from torch import nn
 from ..models.families import embedding_scale
 from ..models.names import tied_modules
 from .schema import ParallelPlan
-from .styles import COLUMN_STYLES, packed_parts
+from .styles import COLUMN_STYLES, STYLE_INFO, packed_parts
 from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
 from .tp_fits import fitting_tps
 from .tp_whole import kept_whole
@@ -64,11 +64,11 @@ def closest(name: str, candidates: list[str]) -> str:
 
 
 def _output_sharded(style: str | None) -> bool:
-    return style in ("column", "packed_column")
+    return style in STYLE_INFO and STYLE_INFO[style].output_sharded
 
 
 def _input_sharded(style: str | None) -> bool:
-    return style == "row"
+    return style in STYLE_INFO and STYLE_INFO[style].input_sharded
 
 
 _BLOCKS = ((("q_proj", "k_proj", "v_proj"), "o_proj"), (("gate_proj", "up_proj"), "down_proj"))

@@ -13,7 +13,7 @@ from torch import nn
 from ..models.families import set_local_kv_groups
 from ..plan.heads import head_counts
 from ..plan.resolve import ResolvedPlan
-from ..plan.styles import COLUMN_STYLES, packed_parts
+from ..plan.styles import COLUMN_STYLES, STYLE_INFO, packed_parts
 from .comm import SharedInputCopy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
@@ -49,12 +49,12 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
         elif spec.style in COLUMN_STYLES:
             # The LM head under loss_parallel still gathers for model(...); the runner asks for shards.
             new = ColumnParallelLinear.from_linear(
-                module, group=group, gather_output=spec.style == "column_gather" or spec.fqn == _head(resolved),
+                module, group=group, gather_output=STYLE_INFO[spec.style].gathers_output or spec.fqn == _head(resolved),
                 input_copy=copies.get(parent_name), parts=packed_parts(spec.style),
                 replicas=spec.replicas, replica_group=kv_group if spec.replicas > 1 else None,
             )
         else:
-            new = RowParallelLinear.from_linear(module, group=group, input_is_parallel=spec.style == "row")
+            new = RowParallelLinear.from_linear(module, group=group, input_is_parallel=STYLE_INFO[spec.style].input_sharded)
         if id(module.weight) in sharded:
             new.weight = sharded[id(module.weight)]  # tied: the same rows of the same matrix
         sharded[id(module.weight)] = new.weight
