@@ -11,7 +11,7 @@ from torch import nn
 
 from ..models.names import canonical_names
 from ..plan.resolve import ResolvedPlan
-from ..plan.styles import STYLE_INFO, packed_parts
+from ..plan.shard_layout import tensor_split
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -62,16 +62,6 @@ def meta_model(config) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def split_dim(style: str, leaf: str) -> int | None:
-    """The dim along which a tensor-parallel style splits its module's tensor `leaf`; None: replicated."""
-    info = STYLE_INFO.get(style)
-    if info is None or leaf not in ("weight", "bias"):
-        return None
-    if leaf == "bias":  # a column layer's bias is split with its output features; a row layer's is whole
-        return 0 if info.layer == "column" else None
-    return info.weight_dim  # vocab: rows of the vocabulary
-
-
 def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:
     """Every state-dict tensor pipeline rank `pp_rank` holds (all its stages), with tp rank `tp_rank`'s slice.
 
@@ -80,19 +70,16 @@ def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank
     """
     mods = [""] if resolved.pp == 1 else list(resolved.rank_modules(pp_rank))
     shards = {s.fqn: s for s in resolved.shards}
-    canonical, tp = canonical_names(meta), resolved.tp
+    canonical = canonical_names(meta)
     entries = []
     for name, tensor in meta.state_dict(keep_vars=True).items():
         if not any(not m or name == m or name.startswith(m + ".") for m in mods):
             continue
         owner, _, leaf = name.rpartition(".")
-        spec, shape = shards.get(owner), tuple(tensor.shape)
-        dim = split_dim(spec.style, leaf) if spec is not None and tp > 1 else None
-        parts = packed_parts(spec.style) if dim is not None else 1
-        length = shape[dim] // (spec.slices * parts) if dim is not None else 0
-        start = tp_rank // spec.replicas * length if dim is not None else 0
-        replicas = spec.replicas if dim is not None else 1
-        entries.append(Entry(name, canonical.get(name, name), shape, dim, start, length, parts, replicas))
+        split, shape = tensor_split(shards.get(owner), leaf), tuple(tensor.shape)
+        length = split.length(shape[split.dim]) if split.dim is not None else 0
+        entries.append(Entry(name, canonical.get(name, name), shape, split.dim, split.slot(tp_rank) * length, length,
+                             split.parts, split.replicas))
     return entries
 
 

@@ -31,8 +31,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..pipeline.stage import Stage
-from ..plan.styles import packed_parts
-from .layout import split_dim
+from ..plan.shard_layout import tensor_split
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like"]
 
@@ -120,16 +119,12 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot:
 def model_pieces(stage: Stage) -> dict[str, Piece]:
     """Every tensor of this rank's state dict (tied ones under each name), as a box of the whole model's."""
     shards = {s.fqn: s for s in stage.resolved.shards}
-    tp, tp_rank = stage.mesh.tp, stage.mesh.tp_rank
+    tp_rank = stage.mesh.tp_rank
     out = {}
     for name, tensor in stage.model.state_dict(keep_vars=True).items():
         owner, _, leaf = name.rpartition(".")
-        spec = shards.get(owner)
-        dim = split_dim(spec.style, leaf) if spec is not None and tp > 1 else None
-        if dim is None:
-            out[name] = _box(name, tensor, None, 1, 0)
-        else:
-            out[name] = _box(name, tensor, dim, spec.slices, tp_rank // spec.replicas, packed_parts(spec.style))
+        split = tensor_split(shards.get(owner), leaf)
+        out[name] = _box(name, tensor, split.dim, split.slices, split.slot(tp_rank), split.parts)
     return out
 
 

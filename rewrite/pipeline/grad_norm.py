@@ -133,13 +133,9 @@ def _tp_split_ids(module: nn.Module, tp_rank: int) -> set[int]:
     bias, row weight, vocabulary rows; a slice held by `replicas` ranks only on the first of them."""
     out = set()
     for m in module.modules():
-        if not isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            continue
-        if tp_rank % getattr(m, "replicas", 1):
-            continue  # a replica: the slice counts on the first of its holders
-        out.add(id(m.weight))
-        if isinstance(m, ColumnParallelLinear) and m.bias is not None:
-            out.add(id(m.bias))  # a row layer's bias is whole on every rank
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            # A row layer's bias is whole on every rank; a replica's slice counts on the first of its holders.
+            out |= {id(p) for name, p in m.named_parameters(recurse=False) if m.split(name).counts_on(tp_rank)}
     return out
 
 

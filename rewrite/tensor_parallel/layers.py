@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
+from ..plan.shard_layout import WHOLE, TensorSplit
 from ..values import is_count
 from .base import _ParallelLinear
 from .comm import (
@@ -124,15 +125,13 @@ class ColumnParallelLinear(_ParallelLinear):
 
     _split = "out_features"
 
+    def split(self, name: str) -> TensorSplit:
+        """Weight and bias: output features (dim 0), `parts` blocks each in tp / replicas slices."""
+        return TensorSplit(0, self.tp_size // self.replicas, self.parts, self.replicas)
+
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the weight, entries of the bias (a view; a copy of each part's rows when packed)."""
-        if self.parts == 1:
-            start = self.slot * self.per_rank
-            return full[start : start + self.per_rank]
-        length = self.per_rank // self.parts
-        part = full.shape[0] // self.parts
-        starts = [p * part + self.tp_rank * length for p in range(self.parts)]
-        return torch.cat([full[s : s + length] for s in starts])  # (parts * out / (parts tp), ...)
+        return self.split(name).take(full, self.tp_rank)  # (parts * out / (parts tp), ...)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -240,11 +239,13 @@ class RowParallelLinear(_ParallelLinear):
 
     _split = "in_features"
 
+    def split(self, name: str) -> TensorSplit:
+        """The weight's input features (dim 1) in tp slices; the bias whole, added once after the sum."""
+        return WHOLE if name == "bias" else TensorSplit(1, self.tp_size)
+
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        if name == "bias":
-            return full  # the bias is whole on every rank, added once after the sum
-        start = self.tp_rank * self.per_rank
-        return full[:, start : start + self.per_rank]  # columns of the weight
+        """This rank's columns of the weight (a view); the whole bias."""
+        return self.split(name).take(full, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -10,6 +10,7 @@ from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
 from ..models.families import embedding_scale
+from ..plan.shard_layout import TensorSplit
 from ..values import check_count, is_int
 from .comm import group_rank, group_size, reduce_from_parallel
 
@@ -164,7 +165,11 @@ class VocabParallelEmbedding(nn.Module):
                 f"VocabParallelEmbedding.shard_of: expected a tensor of {self.num_embeddings} rows "
                 f"(num_embeddings), got shape {tuple(full.shape)}"
             )
-        return full[self.vocab_start : self.vocab_end]
+        return self.split(name).take(full, self.tp_rank)
+
+    def split(self, name: str) -> TensorSplit:
+        """The weight's rows (the vocabulary, dim 0) in tp slices."""
+        return TensorSplit(0, self.tp_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):

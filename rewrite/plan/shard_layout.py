@@ -1,0 +1,88 @@
+"""Where one rank's part of a tensor lies in the whole: one description, computed from the binding.
+
+Along `dim` the whole tensor is `parts` equal blocks side by side (a fused gate_up_proj: 2),
+each cut into `slices` equal slices; tp rank `r` holds slice `r // replicas` of every block, in
+order (`replicas` neighbouring ranks hold the same slice: a k/v projection past its kv heads).
+`dim` None: every rank holds the whole tensor.
+
+    column weight, bias  dim 0, slices tp / replicas, parts 1 or 2   (output features)
+    row weight           dim 1, slices tp                            (input features; bias whole)
+    vocab weight         dim 0, slices tp                            (rows of the vocabulary)
+
+The layers cut their shards with it (`shard_of`), checkpoints place them (`checkpoint/layout.py`,
+`checkpoint/pieces.py`), the gradient norm counts each slice once (`counts_on`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .styles import STYLE_INFO
+from .tp_rules import ShardSpec
+
+__all__ = ["TensorSplit", "WHOLE", "split_dim", "tensor_split"]
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """`parts` blocks along `dim`, each in `slices` slices; tp rank `r` holds slice `r // replicas` of each."""
+
+    dim: int | None = None
+    slices: int = 1
+    parts: int = 1
+    replicas: int = 1
+
+    def slot(self, tp_rank: int) -> int:
+        """The slice tp rank `tp_rank` holds."""
+        return tp_rank // self.replicas
+
+    def length(self, size: int) -> int:
+        """Of each part's slice, along `dim`, for a whole of `size`."""
+        return size // (self.parts * self.slices)
+
+    def ranges(self, size: int, tp_rank: int) -> list[tuple[int, int]]:
+        """(start, length) along `dim` of what `tp_rank` holds, one per part, in order."""
+        length, part = self.length(size), size // self.parts
+        return [(p * part + self.slot(tp_rank) * length, length) for p in range(self.parts)]
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape a rank holds of a whole of `shape`."""
+        if self.dim is None:
+            return tuple(shape)
+        out = list(shape)
+        out[self.dim] = self.length(shape[self.dim]) * self.parts
+        return tuple(out)
+
+    def take(self, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
+        """`tp_rank`'s part of `full`: a view when one part, a copy of the parts side by side when packed."""
+        if self.dim is None:
+            return full
+        pieces = [full.narrow(self.dim, start, length) for start, length in self.ranges(full.shape[self.dim], tp_rank)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+
+    def counts_on(self, tp_rank: int) -> bool:
+        """Whether this rank's part counts in a sum over tp ranks (a split tensor: once per slice)."""
+        return self.dim is not None and tp_rank % self.replicas == 0
+
+
+WHOLE = TensorSplit()
+
+
+def split_dim(style: str, leaf: str) -> int | None:
+    """The dim along which a tensor-parallel style splits its module's tensor `leaf`; None: whole."""
+    info = STYLE_INFO.get(style)
+    if info is None or leaf not in ("weight", "bias"):
+        return None
+    if leaf == "bias":  # a column layer's bias is split with its output features; a row layer's is whole
+        return 0 if info.layer == "column" else None
+    return info.weight_dim  # vocab: rows of the vocabulary
+
+
+def tensor_split(spec: ShardSpec | None, leaf: str) -> TensorSplit:
+    """How the module bound as `spec` (None: not sharded) holds its tensor `leaf` on each tp rank."""
+    dim = split_dim(spec.style, leaf) if spec is not None and spec.tp > 1 else None
+    if dim is None:
+        return WHOLE
+    return TensorSplit(dim, spec.slices, STYLE_INFO[spec.style].parts, spec.replicas)
