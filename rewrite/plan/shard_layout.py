@@ -9,18 +9,21 @@ order (`replicas` neighbouring ranks hold the same slice: a k/v projection past 
     row weight           dim 1, slices tp                            (input features; bias whole)
     vocab weight         dim 0, slices tp                            (rows of the vocabulary)
 
-The layers cut their shards with it (`shard_of`), checkpoints place them (`checkpoint/layout.py`,
+The binding gives each module's per-rank shapes with it (`tp_rules`), the layers cut their shards with it (`shard_of`), checkpoints place them (`checkpoint/layout.py`,
 `checkpoint/pieces.py`), the gradient norm counts each slice once (`counts_on`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .styles import STYLE_INFO
-from .tp_rules import ShardSpec
+
+if TYPE_CHECKING:
+    from .tp_rules import ShardSpec  # which builds its per-rank shapes with TensorSplit
 
 __all__ = ["TensorSplit", "WHOLE", "split_dim", "tensor_split"]
 

@@ -16,6 +16,7 @@ from torch import nn
 from ..models.families import embedding_scale
 from ..models.names import tied_modules
 from .schema import ParallelPlan
+from .shard_layout import WHOLE, TensorSplit
 from .styles import COLUMN_STYLES, STYLE_INFO, packed_parts
 from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
 from .tp_fits import fitting_tps
@@ -181,7 +182,8 @@ def shard_problems(
                     f"{at}{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
                     f"use tp {either(fits())} ({_FITS}), or leave the embedding whole"
                 )
-            shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, (rows // tp, dim), None, 1, tp))
+            shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, TensorSplit(0, tp).local_shape((rows, dim)),
+                                    None, 1, tp))
             continue
         split_out, parts = style in COLUMN_STYLES, packed_parts(style)
         replicas = kv_replicas_of(model, modules, fqn, tp) if style == "column" and _is_kv(fqn, chosen) else 1
@@ -197,10 +199,9 @@ def shard_problems(
                 f"{at}{fqn} ({style}): {dim}={size}{_dim_meaning(model, size)} is not divisible by mesh.tp={tp}; "
                 f"use tp {either(fits())} ({_FITS}), or leave {fqn.rsplit('.', 1)[-1]} whole"
             )
-        weight = (lin.out_features // slices, lin.in_features) if split_out else (lin.out_features, lin.in_features // tp)
-        bias = None
-        if lin.bias is not None:
-            bias = (lin.out_features // slices,) if split_out else (lin.out_features,)
+        split = TensorSplit(0 if split_out else 1, slices, parts, replicas)
+        weight = split.local_shape((lin.out_features, lin.in_features))
+        bias = None if lin.bias is None else (split if split_out else WHOLE).local_shape((lin.out_features,))
         shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias,
                                 replicas, tp))
     if tp > 1:
