@@ -17,7 +17,7 @@ and not deep inside a training step. Checked on torch 2.13 (the range pyproject.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -58,11 +58,11 @@ def ddp_reducer_finished(ddp: DistributedDataParallel) -> bool:
 
 
 def backward_input(
-    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
+    outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
     params: Iterator[nn.Parameter],
 ) -> tuple[tuple, list]:
-    """dL/d`inputs` now; returns them and the parameter groups `backward_weight` needs later."""
-    return _backward.stage_backward_input(list(outputs), list(grads), list(inputs), params)
+    """dL/d`inputs` now (`grads` None: `outputs` are losses); returns them and the groups `backward_weight` needs."""
+    return _backward.stage_backward_input(outputs, grads, inputs, params)
 
 
 def backward_weight(params: Iterator[nn.Parameter], groups: list) -> None:

@@ -77,10 +77,6 @@ __all__ = [
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
 
 
-def _size(config, name: str) -> int:
-    return config_size(config, name, purpose="the activation estimate")
-
-
 @dataclass(frozen=True)
 class Sizes:
     """What the estimate reads: the model's sizes and the run's."""
@@ -102,11 +98,12 @@ class Sizes:
     @classmethod
     def of(cls, config, *, seq_len: int, **run) -> Sizes:
         """From a transformers config; `run` sets the fields after seq_len (batch_size, tp, ...)."""
-        h, a = _size(config, "hidden_size"), _size(config, "num_attention_heads")
+        h, a, i, v = (config_size(config, name, purpose="the activation estimate")
+                      for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"))
         return cls(
             hidden=h, heads=a, kv_heads=getattr(config, "num_key_value_heads", None) or a,
             head_dim=getattr(config, "head_dim", None) or h // a,  # Mistral's config may hold None
-            intermediate=_size(config, "intermediate_size"), vocab=_size(config, "vocab_size"), seq_len=seq_len, **run,
+            intermediate=i, vocab=v, seq_len=seq_len, **run,
         )
 
     @property

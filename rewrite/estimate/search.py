@@ -11,9 +11,7 @@ Checkpointing only adds time, so a candidate takes the least of it that fits.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import heapq
 from dataclasses import dataclass
 
@@ -27,7 +25,9 @@ from ..values import is_count
 from .activations import activation_problem
 from .hardware import Hardware, load_hardware
 from .memory import GIB, rank_memory
-from .search_space import CHECKPOINTING, SCHEDULES_BY_STAGES, Bound, bind, binds_sp, meshes, microbatch_counts, variant
+from .search_space import (
+    CHECKPOINTING, SCHEDULES_BY_STAGES, Bound, bind, binds_sp, collector_paused, meshes, microbatch_counts, variant,
+)
 from .step_time import predict_step
 
 __all__ = ["Candidate", "NoPlanFits", "suggest_plans", "check_arguments"]
@@ -138,7 +138,7 @@ def suggest_plans(
     G = gpus_per_node or hw.devices_per_node
     limit = (device_memory or hw.memory_gib) * GIB
     batch = global_batch or 4 * world
-    with _collector_paused():
+    with collector_paused():
         best = _search(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True)
         if not best:
             raise NoPlanFits(
@@ -149,20 +149,6 @@ def suggest_plans(
     ranked = sorted(best.values(), key=lambda c: c.step_s)
     _verify(ranked[0], model)
     return ranked
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off for the search, as it was after. The search makes millions
-    of short-lived objects without cycles (reference counting frees them), and each collection they
-    set off walked every object alive, the model's too: a quarter of a 70B search's time."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _verify(best: Candidate, model: nn.Module) -> None:

@@ -26,6 +26,8 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, BinaryIO, Callable
 
+from .stores import local_store
+
 __all__ = ["launch", "LaunchError"]
 
 
@@ -41,18 +43,6 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, *, rank: int | None = None, traceback: str = "", alive: list[int] | None = None):
         super().__init__(message)
         self.rank, self.traceback, self.alive = rank, traceback, list(alive or [])
-
-
-def local_store(world_size: int, timeout: timedelta):
-    """A rendezvous store on 127.0.0.1, on a port the kernel picks as torch binds it.
-
-    Hosted here for the ranks to join as clients (torchrun's agent store, told by
-    TORCHELASTIC_USE_AGENT_STORE=True): no port is chosen, freed and then taken by another
-    process in between, as a probed "free" port may be. Keep it alive while the ranks run.
-    """
-    import torch.distributed as dist  # here: a worker's bootstrap imports this module before torch
-
-    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
 
 
 # What each worker runs: `python -c _BOOTSTRAP parent_pid payload_fd result_fd`. Its

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .byte_data import TrainConfigError
-from .launch import local_store
+from .stores import local_store, restart_store
 from .train import TrainConfig, train
 from .train_setup import pick_device
 
@@ -68,7 +68,7 @@ def train_main(config: TrainConfig) -> dict:
             os.environ.setdefault("MASTER_PORT", str(store.port))
             dist.init_process_group(**init_kwargs, store=store, rank=0, world_size=1)
         else:
-            dist.init_process_group(**init_kwargs, **_restart_store(init_kwargs["timeout"]))
+            dist.init_process_group(**init_kwargs, **restart_store(init_kwargs["timeout"]))
     try:
         result = train(config)
         if owns_group:
@@ -79,21 +79,3 @@ def train_main(config: TrainConfig) -> dict:
     finally:
         if owns_group:
             dist.destroy_process_group()
-
-
-def _restart_store(timeout: timedelta) -> dict:
-    """Under torchrun's agent store, a key space of this restart's own: `store`, `rank`, `world_size`.
-
-    torchrun (`--max-restarts`) starts the new workers against the same agent store, which
-    still holds the process-group keys of the workers it replaced: gloo would read the
-    addresses of dead ranks and fail to connect. Prefixing the keys with the restart count
-    gives every attempt fresh ones. Elsewhere: nothing (the `env://` default).
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    world = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
-    return {"store": dist.PrefixStore(f"rewrite/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
-            "world_size": world}
