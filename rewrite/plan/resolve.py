@@ -20,7 +20,8 @@ from .params import HeldParameter, held_by_stage, held_parameters, parameter_wal
 from .schema import ParallelPlan, PlanError
 from .size_checks import PipelineShape, by_line, stage_count, world_problem
 from .stage_split import fx_stages, hf_stages
-from .tp_rules import ShardSpec, TpRules, closest, collapse_repeats, match_pattern, shard_problems
+from .tp_rules import ShardSpec, TpRules, closest, match_pattern, shard_problems
+from .wording import collapse_repeats
 from .tp_switches import option_problems
 from .loading import load_plan_for
 

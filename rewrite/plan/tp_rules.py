@@ -21,11 +21,10 @@ from .styles import COLUMN_STYLES, STYLE_INFO, packed_parts
 from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
 from .tp_fits import fitting_tps
 from .tp_whole import kept_whole
-from .wording import either, index_ranges
+from .wording import either
 
-__all__ = ["TpRules", "ShardSpec", "match_pattern", "closest", "shard_problems", "collapse_repeats", "unmatched_problem"]
+__all__ = ["TpRules", "ShardSpec", "match_pattern", "closest", "shard_problems", "unmatched_problem"]
 
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 _FITS = "the sizes at which every module the plan shards splits evenly, heads whole"
 
 
@@ -209,30 +208,6 @@ def shard_problems(
         problems += _tied_problems(tied, {s.fqn: s.style for s in shards}, rule_at)
         problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp, rule_at, rules.tp_line)
     return shards, problems
-
-
-def collapse_repeats(problems: list[str]) -> list[str]:
-    """One line for problems that differ only in a layer index, not one per layer.
-
-    'model.layers.0.mlp: ...' .. 'model.layers.31.mlp: ...' becomes
-    'model.layers.*.mlp: ... [* = 0-31]': indices sorted as numbers, runs as ranges.
-    """
-    groups: dict[str, list[int]] = {}
-    for problem in problems:
-        match = _INDEX.search(problem)
-        key = _INDEX.sub("\0", problem, count=1) if match else problem
-        indices = groups.setdefault(key, [])
-        if match:
-            indices.append(int(match.group(0)))
-    out = []
-    for key, indices in groups.items():
-        if not indices:
-            out.append(key)  # the same problem twice: once is enough
-        elif len(set(indices)) == 1:
-            out.append(key.replace("\0", str(indices[0])))
-        else:
-            out.append(key.replace("\0", "*") + f" [* = {index_ranges(indices)}]")
-    return out
 
 
 def _dim_meaning(model: nn.Module, size: int) -> str:

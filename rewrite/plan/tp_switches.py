@@ -10,7 +10,8 @@ from torch import nn
 
 from ..models.hf_llama import Backbone
 from .schema import ParallelPlan
-from .tp_rules import ShardSpec, collapse_repeats, match_pattern
+from .tp_rules import ShardSpec, match_pattern
+from .wording import collapse_repeats
 
 __all__ = ["option_problems", "sequence_blocks"]
 

@@ -5,9 +5,10 @@ A refusal about a size names the sizes that fit (`tp 1 or 3`), not only the one 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
-__all__ = ["MOST_RANKS", "common_divisors", "either", "index_ranges", "noun_for", "plural"]
+__all__ = ["MOST_RANKS", "collapse_repeats", "common_divisors", "either", "index_ranges", "noun_for", "plural"]
 
 MOST_RANKS = 4096  # the largest group size a message lists sizes up to
 
@@ -64,3 +65,30 @@ def plural(count: int, noun: str, many: str | None = None) -> str:
 def noun_for(count: int, noun: str, many: str | None = None) -> str:
     """The noun alone, in the number `count` asks for: 'rank' for 1, 'ranks' (or 'microbatches') otherwise."""
     return noun if count == 1 else many or noun + ("es" if noun.endswith(("ch", "sh", "s", "x")) else "s")
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+def collapse_repeats(problems: list[str]) -> list[str]:
+    """One line for problems that differ only in a layer index, not one per layer.
+
+    'model.layers.0.mlp: ...' .. 'model.layers.31.mlp: ...' becomes
+    'model.layers.*.mlp: ... [* = 0-31]': indices sorted as numbers, runs as ranges.
+    """
+    groups: dict[str, list[int]] = {}
+    for problem in problems:
+        match = _INDEX.search(problem)
+        key = _INDEX.sub("\0", problem, count=1) if match else problem
+        indices = groups.setdefault(key, [])
+        if match:
+            indices.append(int(match.group(0)))
+    out = []
+    for key, indices in groups.items():
+        if not indices:
+            out.append(key)  # the same problem twice: once is enough
+        elif len(set(indices)) == 1:
+            out.append(key.replace("\0", str(indices[0])))
+        else:
+            out.append(key.replace("\0", "*") + f" [* = {index_ranges(indices)}]")
+    return out

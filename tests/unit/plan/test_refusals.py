@@ -10,7 +10,7 @@ from rewrite.plan.files import PlanError
 from rewrite.plan.resolve import resolve
 from rewrite.plan.loading import load_plan
 from rewrite.plan.wording import common_divisors, index_ranges
-from rewrite.plan.tp_rules import collapse_repeats
+from rewrite.plan.wording import collapse_repeats
 from rewrite.run.presets import build_model, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
