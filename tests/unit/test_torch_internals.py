@@ -25,6 +25,16 @@ def test_the_torch_range_stated_is_the_release_checked():
     )
 
 
+def test_transformers_is_the_release_the_families_were_checked_on():
+    import transformers
+
+    spec = next(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+                if d.startswith("transformers"))
+    low, high = re.search(r">=([\d.]+),<([\d.]+)", spec).groups()
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    assert tuple(map(int, low.split("."))) <= version < tuple(map(int, high.split("."))), (spec, transformers.__version__)
+
+
 def test_every_private_name_used_is_there():
     assert callable(_backward.stage_backward_input) and callable(_backward.stage_backward_weight)
     assert hasattr(torch_internals.replicate, "state") and hasattr(torch.distributed.fsdp.fully_shard, "state")
