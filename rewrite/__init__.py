@@ -4,7 +4,9 @@ Write a plan, apply it, train:
 
     >>> import rewrite
     >>> stage = rewrite.apply_plan(model, "plans/llama-tp2-pp2.yaml")   # on every rank
-    >>> loss = rewrite.run_afab(stage, input_chunks, target_chunks)
+    >>> loss = rewrite.run_schedule(stage, *rewrite.microbatches(ids, 4))
+
+Every refusal is a `rewrite.RewriteError` naming the fix; docs/api.md lists this API.
 """
 
 from .checkpoint.hf_load import from_pretrained
@@ -13,17 +15,19 @@ from .checkpoint.hf_save import save_pretrained
 from .checkpoint.training_state import latest_checkpoint, load_training_state, save_training_state
 from .estimate.hardware import Hardware, load_hardware
 from .estimate.search import Candidate, NoPlanFits, suggest_plans
+from .errors import CheckpointError, InputError, RewriteError
+from .estimate.memory import RankMemory, rank_memory
 from .estimate.step_time import StepPrediction, predict_step
-from .mesh import Mesh, build_mesh
 from .pipeline.batches import microbatches
 from .pipeline.grad_norm import clip_grad_norm_
 from .pipeline.loss import LogitShard, takes_logit_shards
-from .pipeline.runner import causal_lm_loss, run_afab, run_schedule
+from .pipeline.runner import causal_lm_loss, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
+from .pipeline.timeline import gather_timeline, plot_timeline
 from .plan.from_hf import plan_from_hf
 from .plan.resolve import ResolvedPlan, StageSpec, resolve
 from .plan.loading import load_plan
-from .plan.schema import ParallelPlan, PlanError
+from .plan.schema import MeshSpec, ParallelPlan, PlanError
 from .plan.tp_rules import ShardSpec
 from .rewriter import apply_plan
 from .run.launch import LaunchError, launch
@@ -33,45 +37,76 @@ from .tensor_parallel.vocab import VocabParallelEmbedding
 from .train_step import train_step_pipeline_afab
 
 __all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "vocab_parallel_cross_entropy",
-    "takes_logit_shards",
-    "LogitShard",
+    # a plan
     "ParallelPlan",
-    "PlanError",
+    "MeshSpec",
     "load_plan",
     "plan_from_hf",
     "resolve",
     "ResolvedPlan",
-    "ShardSpec",
     "StageSpec",
+    "ShardSpec",
+    # applying it, running steps
     "apply_plan",
     "Stage",
-    "TimelineEvent",
-    "Mesh",
-    "build_mesh",
-    "run_afab",
+    "microbatches",
     "run_schedule",
     "causal_lm_loss",
-    "microbatches",
+    "takes_logit_shards",
+    "LogitShard",
     "clip_grad_norm_",
-    "train_step_pipeline_afab",
-    "save_pretrained",
+    "TimelineEvent",
+    "gather_timeline",
+    "plot_timeline",
+    # checkpoints
     "from_pretrained",
+    "save_pretrained",
     "save_training_state",
     "load_training_state",
     "latest_checkpoint",
     "export_checkpoint",
-    "launch",
-    "LaunchError",
-    "suggest_plans",
-    "Candidate",
-    "NoPlanFits",
+    # numbers and the planner
+    "rank_memory",
+    "RankMemory",
     "predict_step",
     "StepPrediction",
+    "suggest_plans",
+    "Candidate",
     "Hardware",
     "load_hardware",
+    # processes
+    "launch",
+    # refusals
+    "RewriteError",
+    "PlanError",
+    "InputError",
+    "CheckpointError",
+    "NoPlanFits",
+    "LaunchError",
+    # the layers and the seed contracts
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "train_step_pipeline_afab",
 ]
 __version__ = "0.1.0"
+
+# Names once exported, kept working with a warning: where each lives now.
+_MOVED = {
+    "run_afab": ("rewrite.pipeline.runner", "use rewrite.run_schedule, which runs the plan's schedule (afab unless "
+                 "the plan names another)"),
+    "Mesh": ("rewrite.mesh", "apply_plan builds the mesh; a stage's is stage.mesh"),
+    "build_mesh": ("rewrite.mesh", "apply_plan builds the mesh; a stage's is stage.mesh"),
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        module, advice = _MOVED[name]
+        warnings.warn(f"rewrite.{name} is no longer part of the API: {advice}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module 'rewrite' has no attribute {name!r}")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import InputError
 from .lent import lend
 from .plan.wording import noun_for, plural
 
@@ -53,19 +54,19 @@ def ranks_by_value(values: list[Any]) -> dict[Any, list[int]]:
     return groups
 
 
-def raise_problems(per_rank: list[list[str]], what: str) -> None:
-    """Raise one ValueError listing every rank's problems (the same text on every rank), if any."""
+def raise_problems(per_rank: list[list[str]], what: str, error: type[Exception] = InputError) -> None:
+    """Raise one `error` listing every rank's problems (the same text on every rank), if any."""
     texts = list(dict.fromkeys(p for found in per_rank for p in found))
     if not texts:
         return
     holders = {text: [r for r, found in enumerate(per_rank) if text in found] for text in texts}
     count = plural(len(holders), "problem")
     lines = [f"  {describe_ranks(r)}: {p}".replace("\n", "\n    ") for p, r in holders.items()]
-    raise ValueError(f"{what}: {count}\n" + "\n".join(lines))
+    raise error(f"{what}: {count}\n" + "\n".join(lines))
 
 
-def agree(problems: list[str], what: str, *, view: Any = None) -> list[Any]:
-    """Share every rank's problems and `view`; raise the same ValueError everywhere if any rank had a problem.
+def agree(problems: list[str], what: str, *, view: Any = None, error: type[Exception] = InputError) -> list[Any]:
+    """Share every rank's problems and `view`; raise the same `error` everywhere if any rank had a problem.
 
     Returns every rank's `view`, in rank order, when no rank had a problem.
 
@@ -73,5 +74,5 @@ def agree(problems: list[str], what: str, *, view: Any = None) -> list[Any]:
         >>> views = agree(my_problems, "save_pretrained", view=my_sizes)   # on every rank
     """
     gathered = share((problems, view))
-    raise_problems([found for found, _ in gathered], what)
+    raise_problems([found for found, _ in gathered], what, error)
     return [v for _, v in gathered]

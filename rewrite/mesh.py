@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .plan.ranks import coordinates, global_rank, shape_text
 from .values import is_count
+from .errors import InputError
 
 __all__ = ["Mesh", "build_mesh", "check_world"]
 
@@ -59,13 +60,13 @@ def check_world(pp: int, tp: int, dp: int = 1) -> None:
     """Raise ValueError unless the default group exists and has dp * pp * tp ranks."""
     n = dp * pp * tp
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
+        raise InputError(
             f"torch.distributed is not initialised: call torch.distributed.init_process_group() "
             f"on each of the {n} ranks ({shape_text(dp, pp, tp)}) first, e.g. under torchrun"
         )
     world = dist.get_world_size()
     if world != n:
-        raise ValueError(
+        raise InputError(
             f"the plan's mesh needs {shape_text(dp, pp, tp)} = {n} ranks, but the world size is {world}; "
             f"launch {n} processes (torchrun --nproc-per-node {n}, or --nnodes N with {n} in all) or change the mesh"
         )
@@ -84,7 +85,7 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1) -> Mesh:
     """
     check_world(pp, tp, dp)
     if not is_count(kv_replicas) or tp % kv_replicas:
-        raise ValueError(f"build_mesh: kv_replicas must be an int >= 1 dividing tp={tp}, got {kv_replicas!r}")
+        raise InputError(f"build_mesh: kv_replicas must be an int >= 1 dividing tp={tp}, got {kv_replicas!r}")
     rank = dist.get_rank()
     device_mesh = init_device_mesh(_device_type(), (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     tied_group = None

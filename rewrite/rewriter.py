@@ -28,6 +28,7 @@ from .recompute import apply_activation_checkpointing
 from .tensor_parallel.replicated import StepSums
 from .schedules import splits_backward
 from .tensor_parallel.apply import apply_tensor_parallel
+from .errors import InputError
 
 __all__ = ["apply_plan"]
 
@@ -112,7 +113,7 @@ def _agree_on_binding(model: nn.Module, resolved: ResolvedPlan | None, error: Ba
         if len(groups) > 1:
             differ.append(f"{key}: " + "; ".join(f"{describe_ranks(r)}: {v}" for v, r in groups.items()))
     if differ:
-        raise ValueError(
+        raise InputError(
             "apply_plan: ranks were given different plans, models or weights\n  "
             + "\n  ".join(differ)
             + "\n  pass the same plan and the same model (same seed or checkpoint) on every rank"

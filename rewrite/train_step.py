@@ -1,7 +1,7 @@
 """One call per training step on a model nobody rewrote by hand: `train_step_pipeline_afab`.
 
 Built from the toolkit: the first call applies a balanced pipeline plan, every call
-runs the AFAB runner. No hooks are registered.
+runs it with `run_schedule` (the plan's schedule: AFAB). No hooks are registered.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .pipeline.runner import run_afab
+from .pipeline.runner import run_schedule
 from .plan.schema import MeshSpec, ParallelPlan, Pipeline
 from .rewriter import apply_plan
 
@@ -48,9 +48,9 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> torch.Ten
         world = dist.get_world_size() if dist.is_initialized() else None
         plan = ParallelPlan(
             mesh=MeshSpec(pp=world or 1),
-            pipeline=Pipeline(microbatches=max(1, len(inputs) if isinstance(inputs, Sequence) else 1)),
+            pipeline=Pipeline(schedule="afab", microbatches=max(1, len(inputs) if isinstance(inputs, Sequence) else 1)),
         )
         stage = apply_plan(model, plan)
         _STAGES[model] = stage
     stage.module.to(device=device, dtype=dtype)
-    return run_afab(stage, inputs, targets)
+    return run_schedule(stage, inputs, targets)

@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from .pieces import Piece, PieceLoadPlanner
 from .training_state import latest_checkpoint, saved_steps, step_dir
+from ..errors import CheckpointError
 
 __all__ = ["export_checkpoint", "checkpoint_path"]
 
@@ -27,7 +28,7 @@ def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
         path = step_dir(checkpoint, step)
         if not (path / ".metadata").is_file():
             steps = saved_steps(checkpoint)
-            raise ValueError(f"{checkpoint} has no complete checkpoint of step {step}; "
+            raise CheckpointError(f"{checkpoint} has no complete checkpoint of step {step}; "
                              + (f"its saved steps: {', '.join(map(str, steps))} (`step=N`, or leave `step` out for "
                                 f"the latest, {steps[-1]})" if steps else "it holds no saved step"))
     elif (checkpoint / ".metadata").is_file():
@@ -35,15 +36,15 @@ def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
     else:
         found = latest_checkpoint(checkpoint)
         if found is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"{checkpoint} holds no training checkpoint (neither a `latest` file nor a .metadata file); "
                 "pass the checkpoint directory of a run that saved one"
             )
         path = found[1]
     if not (path / ".metadata").is_file():
-        raise ValueError(f"{path} is not a complete training checkpoint (no .metadata file)")
+        raise CheckpointError(f"{path} is not a complete training checkpoint (no .metadata file)")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json: it was saved from a model without a Hugging Face config")
+        raise CheckpointError(f"{path} has no config.json: it was saved from a model without a Hugging Face config")
     return path
 
 
@@ -83,7 +84,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     missing = [k for k in state if k not in stored]
     shapes = [k for k in state if k in stored and tuple(stored[k].size) != tuple(state[k].size)]
     if missing or shapes:
-        raise ValueError(
+        raise CheckpointError(
             f"{path} does not hold the model of its config.json: {len(missing)} tensors missing "
             f"{missing[:3]}, {len(shapes)} of another shape {shapes[:3]}"
         )

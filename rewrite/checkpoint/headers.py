@@ -17,6 +17,7 @@ from torch import nn
 
 from ..models.names import canonical_names
 from .layout import INDEX, SAVE_ID, SINGLE
+from ..errors import CheckpointError
 
 _FLOATS = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -33,20 +34,20 @@ def weight_map_of(directory: Path) -> tuple[dict[str, str], str | None]:
             data = json.loads(index.read_text())
             weight_map, save_id = data["weight_map"], (data.get("metadata") or {}).get(SAVE_ID)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(
+            raise CheckpointError(
                 f"{index}: not a safetensors index ({type(exc).__name__}: {exc}); re-save the checkpoint"
             ) from None
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: 'weight_map' is not a mapping of tensor names to files; re-save the checkpoint")
+            raise CheckpointError(f"{index}: 'weight_map' is not a mapping of tensor names to files; re-save the checkpoint")
         return weight_map, save_id
     single = directory / SINGLE
     if not single.is_file():
-        raise ValueError(f"{directory}: neither {SINGLE} nor {INDEX} found; pass a safetensors checkpoint directory")
+        raise CheckpointError(f"{directory}: neither {SINGLE} nor {INDEX} found; pass a safetensors checkpoint directory")
     try:
         with safe_open(str(single), framework="pt") as f:
             return dict.fromkeys(f.keys(), SINGLE), None
     except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
-        raise ValueError(f"{single}: unreadable ({exc}); the file is corrupted or truncated, re-save it") from None
+        raise CheckpointError(f"{single}: unreadable ({exc}); the file is corrupted or truncated, re-save it") from None
 
 
 def model_keys(meta: nn.Module, weight_map: dict[str, str]) -> dict[str, str]:

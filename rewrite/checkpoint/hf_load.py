@@ -28,6 +28,7 @@ from .headers import load_dtype, model_dtype, model_keys, read_headers, save_id_
 from ..plan.ranks import coordinates
 from .layout import INDEX, Entry, meta_model, stage_entries
 from .shards import Source, fill_dp_shards, read_slice, rebuild_unstored, unstored_modules
+from ..errors import CheckpointError
 
 __all__ = ["from_pretrained"]
 
@@ -79,7 +80,7 @@ def from_pretrained(
     Example:
         >>> dist.init_process_group("gloo")                  # under torchrun, 4 processes
         >>> stage = rewrite.from_pretrained("ckpt/", "plans/llama-tp2-pp2.yaml")
-        >>> loss = rewrite.run_afab(stage, ids, targets)
+        >>> loss = rewrite.run_schedule(stage, ids, targets)
     """
     plan = load_plan(plan)
     check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
@@ -104,7 +105,7 @@ def from_pretrained(
         problems.append(str(exc))
     except Exception as exc:  # anything else too: a rank that raised alone would leave the others waiting
         problems.append(f"{type(exc).__name__}: {exc}")
-    agree(problems, what)  # the first collective: every rank raises, or none does
+    agree(problems, what, error=CheckpointError)  # the first collective: every rank raises, or none does
     if note is not None and dist.get_rank() == 0:
         warnings.warn(f"{what}: {note}", stacklevel=2)
 
@@ -114,7 +115,7 @@ def from_pretrained(
     if plan.mesh.dp == 1:
         # Whole tied weights first: apply_plan broadcasts the first stage's copy to the last
         # stage. Tied weights split along the vocabulary stay meta: each end reads its rows.
-        agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what)
+        agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what, error=CheckpointError)
         stage = apply_plan(meta, plan)
         names = first_names(stage.model)
         tied = [names[id(p)] for p in stage.tied]
@@ -128,7 +129,7 @@ def from_pretrained(
     left = [n for n, t in [*stage.model.named_parameters(), *stage.model.named_buffers()] if t.is_meta]
     if left:
         problems.append(f"tensors left without storage: {left[:5]}; the checkpoint does not cover this model")
-    agree(problems, what)
+    agree(problems, what, error=CheckpointError)
     floats = [p.dtype for p in stage.model.parameters() if p.is_floating_point()]
     if floats:
         stage.model.config.dtype = floats[0]
@@ -142,17 +143,17 @@ def _read_configs(directory: Path):
 
     path = directory / "config.json"
     if not path.is_file():
-        raise ValueError(f"{path}: no such file; pass a checkpoint directory (config.json + safetensors files)")
+        raise CheckpointError(f"{path}: no such file; pass a checkpoint directory (config.json + safetensors files)")
     try:
         config = AutoConfig.from_pretrained(str(directory))
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"{path}: cannot read the model config: {exc}") from None
+        raise CheckpointError(f"{path}: cannot read the model config: {exc}") from None
     generation = None
     if (directory / "generation_config.json").is_file():
         try:
             generation = GenerationConfig.from_pretrained(str(directory))
         except (OSError, ValueError) as exc:
-            raise ValueError(f"{directory / 'generation_config.json'}: cannot read it: {exc}") from None
+            raise CheckpointError(f"{directory / 'generation_config.json'}: cannot read it: {exc}") from None
     return config, generation
 
 
@@ -162,7 +163,7 @@ def _resolve(plan: ParallelPlan, meta: nn.Module, directory: Path, config) -> Re
     except PlanError as exc:
         fields = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
         desc = ", ".join(f"{f}={getattr(config, f)}" for f in fields if hasattr(config, f))
-        raise ValueError(
+        raise CheckpointError(
             f"{directory / 'config.json'} ({type(meta).__name__}: {desc}) does not fit the plan; "
             f"change the plan or load another checkpoint:\n{exc}"
         ) from None

@@ -63,16 +63,23 @@ def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
     return None
 
 
-def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int) -> tuple[list[str], list[Entry]]:
-    """Check this rank's model against the plan; returns (problems, the entries this rank writes)."""
+def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stage | None) -> tuple[list[str], list[Entry]]:
+    """Check this rank's model against the plan; returns (problems, the entries this rank writes).
+
+    A stage rewritten with this very plan holds its binding; any other plan is bound afresh to a
+    meta copy of the model, so a plan that does not match the model is found either way.
+    """
     config = getattr(model, "config", None)
     if config is None:
         return [f"{type(model).__name__} has no .config: only Hugging Face models can be saved"], []
     meta = meta_model(config)
-    try:
-        resolved = resolve(plan, meta)
-    except PlanError as exc:
-        return [f"the model's config does not fit the plan: {exc}"], []
+    if stage is not None and stage.resolved.plan.model_dump() == plan.model_dump():
+        resolved = stage.resolved
+    else:
+        try:
+            resolved = resolve(plan, meta)
+        except PlanError as exc:
+            return [f"the model's config does not fit the plan: {exc}"], []
     dp, tp, pp = plan.mesh.dp, plan.mesh.tp, plan.mesh.pp
     dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp)
     mine = stage_entries(meta, resolved, pp_rank, tp_rank)
@@ -155,7 +162,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-tp2-pp2.yaml")
-        >>> rewrite.run_afab(stage, ids, targets); optimizer.step()
+        >>> rewrite.run_schedule(stage, ids, targets); optimizer.step()
         >>> rewrite.save_pretrained(stage, "plans/llama-tp2-pp2.yaml", "ckpt/")
     """
     plan = load_plan(plan)
@@ -172,7 +179,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         ], []
     else:
         try:
-            problems, entries = _local_problems(model, plan, rank)
+            problems, entries = _local_problems(model, plan, rank, stage)
         except Exception as exc:  # a rank that raised alone would leave the others waiting
             problems, entries = [f"checking the model against the plan: {type(exc).__name__}: {exc}"], []
     if directory.exists() and not directory.is_dir():

@@ -7,6 +7,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..pipeline.stage import Stage
 from .pieces import Piece, parameter_names, piece_like
+from ..errors import CheckpointError
 
 __all__ = ["optimizer_pieces", "fresh_optimizer_pieces", "fit_problems"]
 
@@ -30,7 +31,7 @@ def optimizer_pieces(stage: Stage, optimizer: torch.optim.Optimizer, boxes: dict
 def fresh_optimizer_pieces(stage: Stage, optimizer, model_state: dict, stored: dict) -> tuple[dict, list]:
     """Zeroed optimizer state for every parameter the checkpoint has state for, boxed to be read into."""
     if optimizer.state:
-        raise ValueError("the optimizer already has state; load into a fresh optimizer (before its first step)")
+        raise CheckpointError("the optimizer already has state; load into a fresh optimizer (before its first step)")
     names, pieces, fresh = parameter_names(stage.model), {}, []
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -43,7 +44,7 @@ def fresh_optimizer_pieces(stage: Stage, optimizer, model_state: dict, stored: d
                 for key in keys:
                     md = stored[key]
                     if not isinstance(md, TensorStorageMetadata):
-                        raise ValueError(f"{key} is not a tensor in the checkpoint")
+                        raise CheckpointError(f"{key} is not a tensor in the checkpoint")
                     dtype = md.properties.dtype
                     if len(md.size) == 0:
                         value = torch.zeros((), dtype=dtype)

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..pipeline.stage import Stage
 from ..plan.shard_layout import tensor_split
+from ..errors import InputError
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like"]
 
@@ -93,14 +94,14 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot:
             if isinstance(placement, Replicate):
                 continue
             if type(placement) is not Shard:
-                raise ValueError(f"{name}: a DTensor placed as {placement} cannot be checkpointed; only Shard and Replicate")
+                raise InputError(f"{name}: a DTensor placed as {placement} cannot be checkpointed; only Shard and Replicate")
             d, n = placement.dim, extent[placement.dim]
             chunk = math.ceil(n / tensor.device_mesh.size(mesh_dim))  # torch.chunk's split, as FSDP2 makes it
             lo = min(coordinate[mesh_dim] * chunk, n)
             start[d] += lo
             extent[d] = min(lo + chunk, n) - lo
     if list(local.shape) != extent:
-        raise ValueError(f"{name}: the local shard has shape {list(local.shape)}, its placement gives {extent}")
+        raise InputError(f"{name}: the local shard has shape {list(local.shape)}, its placement gives {extent}")
     if parts == 1:
         return Piece(local, torch.Size(size), torch.Size(start))
     # Rows [lo, hi) of this rank's tp slice are held here; the slice's p-th length rows are part p's.

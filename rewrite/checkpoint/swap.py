@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 
 from .layout import is_weight_file
+from ..errors import CheckpointError
 
 __all__ = ["temporary", "current", "install"]
 
@@ -71,7 +72,7 @@ def current(directory: Path) -> Path:
         return Path(directory)
     olds = _siblings(target, "old")
     if len(olds) > 1:
-        raise ValueError(
+        raise CheckpointError(
             f"{directory} is missing and {len(olds)} saves were interrupted while replacing it: "
             f"{', '.join(p.name for p in olds)} each hold a complete older checkpoint; "
             f"rename the one to use to {target.name}"

@@ -28,6 +28,7 @@ from ..agreement import agree
 from ..pipeline.stage import Stage
 from .optimizer_state import fit_problems, fresh_optimizer_pieces, optimizer_pieces
 from .pieces import PieceLoadPlanner, PieceSavePlanner, model_pieces
+from ..errors import CheckpointError
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint", "saved_steps", "step_dir", "LATEST"]
 
@@ -63,7 +64,7 @@ def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
     match = _STEP_DIR.match(name)
     path = directory / name
     if match is None or not (path / ".metadata").is_file():
-        raise ValueError(
+        raise CheckpointError(
             f"{directory / LATEST} names {name!r}, which is not a complete checkpoint in {directory}; "
             "point it at a step-* directory holding a .metadata file, or delete it to start over"
         )
@@ -238,7 +239,7 @@ def load_training_state(
         if step is None:
             found = latest_checkpoint(directory)
             if found is None:
-                raise ValueError(f"no checkpoint in {directory} (no {LATEST} file); save one first, or start fresh")
+                raise CheckpointError(f"no checkpoint in {directory} (no {LATEST} file); save one first, or start fresh")
             path = found[1]
         else:
             path = step_dir(directory, step)
@@ -252,11 +253,11 @@ def load_training_state(
             state[f"rng/{rank}"] = None
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
-    agree(problems, f"load_training_state({str(directory)!r})")  # the first collective
+    agree(problems, f"load_training_state({str(directory)!r})", error=CheckpointError)  # the first collective
     dcp.load(state, checkpoint_id=path, planner=PieceLoadPlanner())
     groups = state["optim_groups"]
     if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: the optimizer had {len(groups)} parameter groups, this one has "
             f"{len(optimizer.param_groups)}; build it with the same groups as the run that saved"
         )

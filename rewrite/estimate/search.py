@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..errors import RewriteError
 from ..plan.resolve import ResolvedPlan, resolve
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan
@@ -65,7 +66,7 @@ class Candidate:
                 f"{' + '.join(switches) or 'no switches'}, checkpointing {self.checkpointing}")
 
 
-class NoPlanFits(ValueError):
+class NoPlanFits(RewriteError, ValueError):
     """No candidate's busiest rank fits the device memory; `advice` says what would fit."""
 
     def __init__(self, message: str, advice: str) -> None:

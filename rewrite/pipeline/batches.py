@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..tensor_parallel.loss import IGNORE_INDEX
+from ..errors import InputError
 
 __all__ = ["microbatches"]
 
@@ -48,23 +49,23 @@ def microbatches(
         found = type(ids).__name__ if not isinstance(ids, torch.Tensor) else f"a {ids.dtype} tensor"
         raise TypeError(f"microbatches: ids must be a tensor of integer token ids, got {found}")
     if ids.dim() != 2:
-        raise ValueError(f"microbatches: ids must be [batch, seq], got shape {list(ids.shape)}; add a batch dimension with ids[None]")
+        raise InputError(f"microbatches: ids must be [batch, seq], got shape {list(ids.shape)}; add a batch dimension with ids[None]")
     if n < 1 or dp < 1:
-        raise ValueError(f"microbatches: n={n} and dp={dp} must both be >= 1")
+        raise InputError(f"microbatches: n={n} and dp={dp} must both be >= 1")
     if not 0 <= dp_rank < dp:
-        raise ValueError(f"microbatches: dp_rank={dp_rank} is outside [0, {dp}); pass stage.dp_rank")
+        raise InputError(f"microbatches: dp_rank={dp_rank} is outside [0, {dp}); pass stage.dp_rank")
     batch = ids.shape[0]
     if batch == 0:
-        raise ValueError(f"microbatches: the global batch is empty; pass at least {dp * n} rows (dp={dp} x n={n})")
+        raise InputError(f"microbatches: the global batch is empty; pass at least {dp * n} rows (dp={dp} x n={n})")
     if batch % dp:
-        raise ValueError(
+        raise InputError(
             f"microbatches: the global batch has {batch} rows, which dp={dp} replicas cannot share evenly; "
             f"use a multiple of {dp} rows (e.g. {_multiples(dp, batch)}), or of {dp * n} for {n} microbatches each"
         )
     rows = batch // dp
     if rows % n:
         divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-        raise ValueError(
+        raise InputError(
             f"microbatches: each replica gets {rows} rows ({batch} / dp={dp}), which {n} microbatches cannot "
             f"split evenly; use n in {divisors} or a global batch of {_multiples(dp * n, batch)} rows"
         )

@@ -15,11 +15,12 @@ import torch
 from ..agreement import agree, describe_ranks, ranks_by_value
 from ..tensor_parallel.loss import IGNORE_INDEX
 from .stage import Stage
+from ..errors import InputError
 
 __all__ = ["check_step_inputs"]
 
 
-def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what: str = "run_afab") -> None:
+def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what: str = "run_schedule") -> None:
     """Raise the same ValueError on every rank if any rank's microbatches are bad or ranks' differ.
 
     Collective: every rank calls it before its step's first transfer.
@@ -37,7 +38,7 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what
     groups = ranks_by_value(views)
     if len(groups) > 1:
         seen = "; ".join(f"{describe_ranks(r)}: {v}" for v, r in groups.items())
-        raise ValueError(
+        raise InputError(
             f"{what}: ranks were given different microbatches ({seen}); pass the same microbatches "
             "(count, shapes, dtypes) on every rank: later stages size their transfers from them"
             + ("; data-parallel replicas pass their own microbatches, all of the same count, shapes and dtypes"

@@ -11,12 +11,14 @@ nothing of LLaMA or plans.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
 from ..lent import lend
 from ..schedules import Action, placement, plan_table, schedule_rules, table_problems
 from . import p2p
@@ -26,21 +28,24 @@ from .inputs import check_step_inputs
 from .loss import causal_lm_loss, loss_for
 from .stage import Stage, TimelineEvent
 
-__all__ = ["run_afab", "run_schedule", "causal_lm_loss"]
+__all__ = ["run_schedule", "causal_lm_loss"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def run_afab(
+def run_schedule(
     stage: Stage,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor] | None,
     loss_fn: LossFn | None = None,
 ) -> torch.Tensor:
-    """One training step, all-forward-all-backward; gradients accumulate in `.grad`.
+    """One training step under the plan's `pipeline.schedule`; gradients accumulate in `.grad`.
+
+    Named schedules run the microbatch counts their rules allow (see `rewrite show
+    PLAN --schedule`); a custom table runs exactly the plan's `pipeline.microbatches`.
 
     Args:
-        stage: this rank's `Stage` from `apply_plan` (one stage per rank).
+        stage: this rank's `Stage` from `apply_plan`.
         inputs: one tensor per microbatch. Pass the same list on every rank: the first
             stage feeds it to the model, later stages read only its length and shapes.
         targets: one tensor per microbatch, aligned with the model output; needed on
@@ -55,51 +60,55 @@ def run_afab(
         The step loss (float32 scalar), the same on every rank.
 
     Raises:
-        ValueError: the same on every rank, before any transfer, if any rank's arguments are
-            bad (token ids outside the vocabulary, targets the default loss cannot take, ...)
-            or ranks were given different microbatches (count, shapes, dtypes).
+        InputError (a ValueError): the same on every rank, before any transfer, if any rank's
+            arguments are bad (token ids outside the vocabulary, targets the default loss
+            cannot take, a microbatch count the schedule cannot run, ...) or ranks were
+            given different microbatches (count, shapes, dtypes).
 
     Example:
-        >>> loss = run_afab(stage, input_chunks, target_chunks)
+        >>> stage = apply_plan(model, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})
+        >>> loss = run_schedule(stage, input_chunks, target_chunks)
         >>> optimizer.step(); optimizer.zero_grad()
     """
     check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None)
-    if stage.num_stages != stage.mesh.pp:
-        raise ValueError(
-            f"run_afab runs one stage per rank, but this plan gives each rank {stage.num_stages // stage.mesh.pp} "
-            "(pipeline.virtual_stages); use rewrite.run_schedule"
+    pipeline, pp, m = stage.resolved.plan.pipeline, stage.mesh.pp, len(inputs)
+    k = pipeline.virtual_stages
+    # The same on every rank: the microbatch count was agreed on above.
+    if pipeline.schedule == "custom" and m != pipeline.microbatches:
+        raise InputError(
+            f"run_schedule: the plan's custom table runs {pipeline.microbatches} microbatches, "
+            f"got {m}; split the batch into {pipeline.microbatches}"
         )
-    return _run(stage, _table("afab", None, stage.mesh.pp, 1, len(inputs)), inputs, targets, loss_fn)
+    if pipeline.schedule != "custom" and (problems := schedule_rules(pipeline.schedule, pp, k, m)):
+        raise InputError(f"run_schedule: {m} microbatches: " + "; ".join(problems))
+    rows = None if pipeline.table is None else tuple(pipeline.table)
+    return _run(stage, _table(pipeline.schedule, rows, pp, k, m), inputs, targets, loss_fn)
 
 
-def run_schedule(
+def run_afab(
     stage: Stage,
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor] | None,
     loss_fn: LossFn | None = None,
 ) -> torch.Tensor:
-    """One training step under the plan's `pipeline.schedule`; same arguments and result as `run_afab`.
+    """Deprecated: one step all-forward-all-backward whatever the plan's schedule; use `run_schedule`.
 
-    Named schedules run the microbatch counts their rules allow (see `rewrite show
-    PLAN --schedule`); a custom table runs exactly the plan's `pipeline.microbatches`.
-
-    Example:
-        >>> stage = apply_plan(model, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})
-        >>> loss = run_schedule(stage, input_chunks, target_chunks)
+    A plan runs AFAB unless its `pipeline.schedule` says otherwise, and every schedule gives the
+    same gradients, so `run_schedule` is the one way to run a step.
     """
-    check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None, what="run_schedule")
-    pipeline, pp, m = stage.resolved.plan.pipeline, stage.mesh.pp, len(inputs)
-    k = pipeline.virtual_stages
-    # The same on every rank: the microbatch count was agreed on above.
-    if pipeline.schedule == "custom" and m != pipeline.microbatches:
-        raise ValueError(
-            f"run_schedule: the plan's custom table runs {pipeline.microbatches} microbatches, "
-            f"got {m}; split the batch into {pipeline.microbatches}"
+    warnings.warn(
+        "rewrite.run_afab is deprecated: use rewrite.run_schedule, which runs the plan's pipeline.schedule "
+        "(afab unless the plan names another; the gradients are the same under every schedule)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None, what="run_afab")
+    if stage.num_stages != stage.mesh.pp:
+        raise InputError(
+            f"run_afab runs one stage per rank, but this plan gives each rank {stage.num_stages // stage.mesh.pp} "
+            "(pipeline.virtual_stages); use rewrite.run_schedule"
         )
-    if pipeline.schedule != "custom" and (problems := schedule_rules(pipeline.schedule, pp, k, m)):
-        raise ValueError(f"run_schedule: {m} microbatches: " + "; ".join(problems))
-    rows = None if pipeline.table is None else tuple(pipeline.table)
-    return _run(stage, _table(pipeline.schedule, rows, pp, k, m), inputs, targets, loss_fn)
+    return _run(stage, _table("afab", None, stage.mesh.pp, 1, len(inputs)), inputs, targets, loss_fn)
 
 
 @lru_cache(maxsize=64)
@@ -108,7 +117,7 @@ def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int)
     table = plan_table(schedule, None if rows is None else list(rows), pp, k, m)
     problems = table_problems(table, pp, m, placement(schedule, pp, k))
     if problems:  # every rank holds the same table, so every rank refuses it alike
-        raise ValueError("the schedule cannot run: " + "; ".join(problems))
+        raise InputError("the schedule cannot run: " + "; ".join(problems))
     return table
 
 

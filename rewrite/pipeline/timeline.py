@@ -36,7 +36,7 @@ def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
     on several machines are only as aligned as those machines' clocks.
 
     Example:
-        >>> loss = rewrite.run_afab(stage, inputs, targets)
+        >>> loss = rewrite.run_schedule(stage, inputs, targets)
         >>> events = gather_timeline(stage)       # on every rank
         >>> if dist.get_rank() == 0: plot_timeline(events).savefig("timeline.png")
     """
@@ -72,13 +72,13 @@ def plot_timeline(
         The matplotlib `Figure` (in a notebook, the cell shows it).
 
     Raises:
-        ValueError: no events (run a step with `run_afab` first).
+        ValueError: no events (run a step with `run_schedule` first).
     """
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     if not events:
-        raise ValueError("no timeline events to plot: run a step with rewrite.run_afab(stage, ...) first")
+        raise ValueError("no timeline events to plot: run a step with rewrite.run_schedule(stage, ...) first")
     ranks = sorted({e.rank for e in events})
     t0 = min(e.start for e in events)
     t1 = max(e.end for e in events)

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from ..errors import RewriteError
 from ..schedules import rows_from_csv
 from .limits import MAX_PLAN_DEPTH, MAX_PLAN_VALUES, expansion_problem, read_plan_bytes, too_deep, too_many_values
 from .wording import plural
@@ -27,7 +28,7 @@ _SHOWN = 50  # problems printed in a message; `PlanError.problems` keeps them al
 _TOO_DEEP = "the plan nests too deeply to read; a plan nests a few levels (mesh, tensor_parallel, pipeline)"
 
 
-class PlanError(ValueError):
+class PlanError(RewriteError, ValueError):
     """A plan that cannot be used. `problems` lists every issue found, one per line."""
 
     def __init__(self, source: str, problems: list[str]):

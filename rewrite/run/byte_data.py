@@ -6,10 +6,12 @@ from pathlib import Path
 
 import torch
 
+from ..errors import RewriteError
+
 __all__ = ["TrainConfigError", "default_data_path", "load_bytes", "sample_batch"]
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(RewriteError, ValueError):
     """A setting `train` cannot use. Every rank raises the same one, before any collective."""
 
 

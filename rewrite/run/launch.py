@@ -26,12 +26,13 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, BinaryIO, Callable
 
+from ..errors import RewriteError
 from .stores import local_store
 
 __all__ = ["launch", "LaunchError"]
 
 
-class LaunchError(RuntimeError):
+class LaunchError(RewriteError, RuntimeError):
     """A launched rank failed or the launch timed out.
 
     Attributes:

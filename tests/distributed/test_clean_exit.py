@@ -28,7 +28,7 @@ def _round_of_public_calls(rank: int, world_size: int, out: str) -> dict:
     stage = rewrite.apply_plan(build_model("tiny-llama"), TP2PP2)
     lent_by_apply = len(lent._lent)
     ids = torch.randint(0, stage.model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1))
-    loss = rewrite.run_afab(stage, *rewrite.microbatches(ids, 4))
+    loss = rewrite.run_schedule(stage, *rewrite.microbatches(ids, 4))
     norm = rewrite.clip_grad_norm_(stage, 1.0)
     rewrite.save_pretrained(stage, TP2PP2, out)
     again = rewrite.from_pretrained(out, TP4)

@@ -16,9 +16,10 @@ from tests.multiproc import run
 def _expect_error(fn) -> str:
     try:
         fn()
-    except ValueError as exc:
+    except rewrite.RewriteError as exc:  # every refusal; still the ValueError callers caught before
+        assert isinstance(exc, ValueError), type(exc)
         return str(exc)
-    raise AssertionError("expected a ValueError")
+    raise AssertionError("expected a refusal (rewrite.RewriteError)")
 
 
 def _bad_plans(rank: int, ws: int) -> list[str]:
@@ -48,14 +49,14 @@ def _bad_steps(rank: int, ws: int) -> list[str]:
     stage = rewrite.apply_plan(model, "plans/llama-pp2.yaml")
     ids = [torch.randint(0, 256, (2, 8)) for _ in range(4 if rank == 0 else 3)]
     targets = [torch.zeros(2, 8, dtype=torch.long)] * len(ids)
-    messages = [_expect_error(lambda: rewrite.run_afab(stage, ids, targets))]
+    messages = [_expect_error(lambda: rewrite.run_schedule(stage, ids, targets))]
     ids = [torch.randint(0, 256, (2, 8)) for _ in range(2)]
     bad_targets = [torch.zeros(2, 8, dtype=torch.long)] if stage.is_last else None
-    messages.append(_expect_error(lambda: rewrite.run_afab(stage, ids, bad_targets)))
+    messages.append(_expect_error(lambda: rewrite.run_schedule(stage, ids, bad_targets)))
     whole = torch.randint(0, 256, (8, 8))  # the batch itself, not cut into microbatches
     messages.append(_expect_error(lambda: rewrite.run_schedule(stage, whole, whole)))
     # After refusing, a good step still runs.
-    loss = rewrite.run_afab(stage, ids, [torch.zeros(2, 8, dtype=torch.long)] * 2)
+    loss = rewrite.run_schedule(stage, ids, [torch.zeros(2, 8, dtype=torch.long)] * 2)
     assert torch.isfinite(loss)
     return messages
 
@@ -92,18 +93,18 @@ def _fail_together(rank: int, ws: int) -> dict[str, tuple[str, float]]:
         return [torch.randint(0, high, shape) for _ in range(4)]
 
     shape = (4, 8) if rank >= 2 else (2, 16)  # same number of tokens, other shapes
-    got["shapes"] = _timed_error(lambda: rewrite.run_afab(stage, ids(shape), ids(shape)))
+    got["shapes"] = _timed_error(lambda: rewrite.run_schedule(stage, ids(shape), ids(shape)))
     big = ids()
     big[2][1, 3] = 300
-    got["target 300"] = _timed_error(lambda: rewrite.run_afab(stage, ids(), big))
+    got["target 300"] = _timed_error(lambda: rewrite.run_schedule(stage, ids(), big))
     negative = ids()
     negative[0][0, 0] = -7
-    got["target -7"] = _timed_error(lambda: rewrite.run_afab(stage, ids(), negative))
-    got["float inputs"] = _timed_error(lambda: rewrite.run_afab(stage, [x.float() for x in ids()], ids()))
-    got["input 300"] = _timed_error(lambda: rewrite.run_afab(stage, big, ids()))
+    got["target -7"] = _timed_error(lambda: rewrite.run_schedule(stage, ids(), negative))
+    got["float inputs"] = _timed_error(lambda: rewrite.run_schedule(stage, [x.float() for x in ids()], ids()))
+    got["input 300"] = _timed_error(lambda: rewrite.run_schedule(stage, big, ids()))
     ignored = ids()
     ignored[1][:, :4] = -100  # ignored positions are fine
-    loss = rewrite.run_afab(stage, ids(), ignored)
+    loss = rewrite.run_schedule(stage, ids(), ignored)
     assert torch.isfinite(loss)
     return got
 

@@ -23,6 +23,7 @@ LEVELS = {
     "lent": -1,  # temporaries handed to collectives, waited for at exit
     "torch_internals": -1,  # every private torch call, checked on one release
     "values": -1,  # ints that are not bools, counts: checked alike everywhere
+    "errors": -1,  # RewriteError and its kinds: every refusal
     "agreement": 2,  # ranks share what they found before they talk
     "plan": 1,  # what a plan is and what it binds to: schema, files, resolve, tp rules, size checks
     "estimate": 2,  # numbers only: activations, memory, stage balance

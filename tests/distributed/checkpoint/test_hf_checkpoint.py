@@ -30,7 +30,7 @@ def _batch(config, seed: int, microbatches: int = 4, mb: int = 2, seq: int = 10)
 
 def _train_step(stage, config, seed: int) -> float:
     ids, targets = _batch(config, seed)
-    loss = rewrite.run_afab(stage, ids, targets)
+    loss = rewrite.run_schedule(stage, ids, targets)
     torch.optim.SGD(stage.parameters(), lr=0.5).step()
     return loss.item()
 

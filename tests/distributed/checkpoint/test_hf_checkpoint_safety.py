@@ -235,7 +235,7 @@ def _fp16_inside(rank: int, ws: int, directory: str) -> dict:
     ids = [torch.randint(0, config.vocab_size, (2, 10), generator=gen) for _ in range(4)]
     targets = [torch.randint(0, config.vocab_size, (2, 10), generator=gen) for _ in ids]
     state = {k: t.clone() for k, t in stage.model.state_dict().items()}
-    loss = rewrite.run_afab(stage, ids, targets)
+    loss = rewrite.run_schedule(stage, ids, targets)
     torch.optim.SGD(stage.parameters(), lr=0.5).step()
     with warnings.catch_warnings(record=True) as asked:
         warnings.simplefilter("always")

@@ -17,7 +17,7 @@ def _fx(rank: int, ws: int, plan: dict) -> list[str]:
     model, reference, xs, ys = toy_step_setup(3)
     stage = rewrite.apply_plan(model, plan)
     assert stage.boundary_shapes((2, 5, 16))["output"] is None  # shapes travel on the wire
-    loss = rewrite.run_afab(stage, xs, ys, loss_fn=F.mse_loss)
+    loss = rewrite.run_schedule(stage, xs, ys, loss_fn=F.mse_loss)
     ref_loss = sum(F.mse_loss(reference(x), y) / 3 for x, y in zip(xs, ys))
     ref_loss.backward()
     assert_close("fx step loss", loss, ref_loss.detach())

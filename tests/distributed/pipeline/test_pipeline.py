@@ -48,7 +48,7 @@ def _pipeline(rank: int, ws: int, mesh: dict, microbatches: int, cut_points, ove
     kept = list(model.model.layers.keys()) if isinstance(model.model.layers, torch.nn.ModuleDict) else alive
     assert alive == kept, f"unowned layers were not released: alive {alive}, owned {kept}"
     ids, targets = _batch(config, microbatches)
-    loss = rewrite.run_afab(stage, ids, targets)
+    loss = rewrite.run_schedule(stage, ids, targets)
     ref_loss = reference_step(reference, ids, targets)
     assert_close(f"rank {rank} step loss", loss, ref_loss)
     assert_grads_match(model, reference, prefix=f"rank {rank} ")

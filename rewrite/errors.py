@@ -1,0 +1,30 @@
+"""What rewrite refuses, as one family of exceptions.
+
+Every refusal (a plan, a call's arguments, a checkpoint, a training setting, a launch, a
+search with no answer) is a `RewriteError`: its message says what is wrong and what to do,
+and it is raised before anything ran or was lost; under `torch.distributed` every rank
+raises the same one. Each class also derives from the builtin its callers caught before
+(`ValueError`, or `RuntimeError` for a launch), so `except ValueError` keeps working.
+
+    >>> try:
+    ...     stage = rewrite.apply_plan(model, "plan.yaml")
+    ... except rewrite.RewriteError as refused:
+    ...     print(refused)   # every problem, with the fix
+"""
+
+from __future__ import annotations
+
+__all__ = ["RewriteError", "InputError", "CheckpointError"]
+
+
+class RewriteError(Exception):
+    """Base of every refusal rewrite raises on purpose; anything else is a bug to report."""
+
+
+class InputError(RewriteError, ValueError):
+    """A call's arguments cannot be used: a step's microbatches, a model that does not match
+    its plan, ranks that were given different ones."""
+
+
+class CheckpointError(RewriteError, ValueError):
+    """A checkpoint that cannot be read into this model and plan, or a directory that holds none."""
