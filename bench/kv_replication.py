@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench import common
-from rewrite.plan.heads import kv_replicas, replicated_tps
+from rewrite.binding.heads import kv_replicas, replicated_tps
 from rewrite.tensor_parallel import comm, exchange
 from rewrite.tensor_parallel.comm import SharedInputCopy
 from rewrite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -25,10 +25,10 @@ from .pipeline.runner import causal_lm_loss, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
 from .pipeline.timeline import gather_timeline, plot_timeline
 from .plan.from_hf import plan_from_hf
-from .plan.resolve import ResolvedPlan, StageSpec, resolve
+from .binding.resolve import ResolvedPlan, StageSpec, resolve
 from .plan.loading import load_plan
 from .plan.schema import MeshSpec, ParallelPlan, PlanError
-from .plan.tp_rules import ShardSpec
+from .binding.tp_rules import ShardSpec
 from .rewriter import apply_plan
 from .run.launch import LaunchError, launch
 from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .plan.resolve import ResolvedPlan
+from .binding.resolve import ResolvedPlan
 
 __all__ = ["apply_activation_checkpointing"]
 

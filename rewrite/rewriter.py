@@ -21,7 +21,7 @@ from .data_parallel import apply_data_parallel
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.stage import Stage
-from .plan.resolve import APPLIED, ResolvedPlan, resolve
+from .binding.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan
 from .plan.loading import load_plan_for
 from .recompute import apply_activation_checkpointing

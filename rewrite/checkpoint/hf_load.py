@@ -19,7 +19,7 @@ from ..agreement import agree
 from ..mesh import check_world
 from ..models.names import first_names
 from ..pipeline.stage import Stage
-from ..plan.resolve import ResolvedPlan, resolve
+from ..binding.resolve import ResolvedPlan, resolve
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan, PlanError
 from ..rewriter import apply_plan

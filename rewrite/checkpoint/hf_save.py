@@ -27,7 +27,7 @@ from ..agreement import agree, share
 from ..lent import lend
 from ..mesh import check_world
 from ..pipeline.stage import Stage
-from ..plan.resolve import resolve
+from ..binding.resolve import resolve
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan, PlanError
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..models.names import canonical_names
-from ..plan.resolve import ResolvedPlan
-from ..plan.shard_layout import tensor_split
+from ..binding.resolve import ResolvedPlan
+from ..binding.shard_layout import tensor_split
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..pipeline.stage import Stage
-from ..plan.shard_layout import tensor_split
+from ..binding.shard_layout import tensor_split
 from ..errors import InputError
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like"]

@@ -28,7 +28,7 @@ from ..torch_internals import finish_fsdp_backward, replicate
 from ..mesh import Mesh
 from ..models.names import first_names
 from ..pipeline.carve import Carved
-from ..plan.resolve import ResolvedPlan
+from ..binding.resolve import ResolvedPlan
 from .ddp import DdpSync, ddp_fits
 
 __all__ = ["GradSync", "apply_data_parallel", "data_parallel_units"]

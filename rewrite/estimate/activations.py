@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..models.flops import config_size
-from ..plan.resolve import ResolvedPlan
+from ..binding.resolve import ResolvedPlan
 from .plan_parts import LAYER_PARTS, activation_problem, block_splits, loss_sharded, recomputed_parts, shard_styles
 from ..schedules import peak_in_flight, plan_table
 from ..schedules.table import alive_counts

@@ -11,9 +11,9 @@ from fractions import Fraction
 
 from torch import nn
 
-from ..plan.cuts import balanced_split, best_split
-from ..plan.params import held_count
-from ..plan.resolve import ResolvedPlan
+from ..binding.cuts import balanced_split, best_split
+from ..binding.params import held_count
+from ..binding.resolve import ResolvedPlan
 
 __all__ = ["THRESHOLD", "balance_warnings"]
 

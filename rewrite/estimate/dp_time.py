@@ -9,7 +9,7 @@ bounds candidates by it before simulating their tables.
 from __future__ import annotations
 
 from ..plan.ranks import global_rank
-from ..plan.resolve import ResolvedPlan
+from ..binding.resolve import ResolvedPlan
 from .collectives import all_gather_s, all_reduce_s, groups_link, reduce_scatter_s
 from .hardware import Hardware
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..plan.params import held_parameters
-from ..plan.resolve import ResolvedPlan
+from ..binding.params import held_parameters
+from ..binding.resolve import ResolvedPlan
 from ..schedules import splits_backward
 from .activations import activation_problem, rank_activations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..plan.resolve import ResolvedPlan
+from ..binding.resolve import ResolvedPlan
 
 __all__ = ["LAYER_PARTS", "activation_problem", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import RewriteError
-from ..plan.resolve import ResolvedPlan, resolve
+from ..binding.resolve import ResolvedPlan, resolve
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan
 from ..schedules import splits_backward

@@ -11,7 +11,7 @@ import gc
 from torch import nn
 
 from ..plan.from_hf import plan_from_hf
-from ..plan.resolve import ResolvedPlan, resolve
+from ..binding.resolve import ResolvedPlan, resolve
 from ..plan.loading import load_plan
 from ..plan.schema import PlanError
 from ..schedules import placement, splits_backward

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
-from ..plan.resolve import ResolvedPlan
+from ..binding.resolve import ResolvedPlan
 from .activations import F32, Sizes, end_bytes, layer_bytes, plan_sizes
 from .plan_parts import block_splits, loss_sharded, recomputed_parts, shard_styles
 from .collectives import all_gather_s, all_reduce_s, groups_link

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..models.flops import TRAINING, head_flops, layer_flops
-from ..plan.params import held_parameters
+from ..binding.params import held_parameters
 from ..plan.ranks import global_rank
-from ..plan.resolve import ResolvedPlan
+from ..binding.resolve import ResolvedPlan
 from ..schedules import bubble, plan_table, simulate, splits_backward
 from .activations import activation_problem, plan_sizes
 from .collectives import groups_link, p2p_s

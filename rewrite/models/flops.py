@@ -1,7 +1,7 @@
 """Estimated compute of a LLaMA-family model's parts, from its config alone.
 
 Counted in FLOPs for one sequence of `seq_len` tokens; only the ratios matter: they
-choose `cut_points: auto` (`plan.cuts.best_split`) and give the shares `rewrite show` prints.
+choose `cut_points: auto` (`binding.cuts.best_split`) and give the shares `rewrite show` prints.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from ..mesh import Mesh
 from ..lent import lend
 from ..models import fx_graph
 from ..models.hf_llama import run_backbone
-from ..plan.resolve import ResolvedPlan
+from ..binding.resolve import ResolvedPlan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.sequence_model import sequence_state
 from .loss import LogitShard

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..mesh import Mesh
-from ..plan.resolve import ResolvedPlan
+from ..binding.resolve import ResolvedPlan
 from ..tensor_parallel.replicated import StepSums
 from .loss import LogitShard
 

@@ -21,7 +21,7 @@ from .files import PlanError, dotted, key_lines, line_of, read_plan_file, read_t
 from .pipeline_schema import CUT_POINT_KINDS, Pipeline, cut_point_problems, schedule_fit, unknown_schedule
 from .schema import DataParallel, MeshSpec, ParallelPlan
 from .size_checks import by_line
-from .tp_rules import match_pattern, unmatched_problem
+from .patterns import match_pattern, unmatched_problem
 
 __all__ = ["load_plan", "load_plan_for"]
 

@@ -37,7 +37,7 @@ def _meta_model(model: str, dtype: str | None = None):
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from ..estimate.balance import balance_warnings
-    from ..plan.resolve import resolve
+    from ..binding.resolve import resolve
     from .show.columns import wrap_prose
     from .show.data import show_data
     from .show.options import format_options
@@ -91,7 +91,7 @@ def _mesh_words(plan) -> str:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from ..plan.loading import load_plan
-    from ..plan.resolve import resolve
+    from ..binding.resolve import resolve
 
     if args.model is None:
         plan = load_plan(args.plan)

@@ -11,8 +11,8 @@ from collections import Counter
 from torch import nn
 
 from ..models.families import set_local_kv_groups
-from ..plan.heads import head_counts
-from ..plan.resolve import ResolvedPlan
+from ..binding.heads import head_counts
+from ..binding.resolve import ResolvedPlan
 from ..plan.styles import COLUMN_STYLES, STYLE_INFO, packed_parts
 from .comm import SharedInputCopy
 from .layers import ColumnParallelLinear, RowParallelLinear

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
-from ..plan.shard_layout import WHOLE, TensorSplit
+from ..binding.shard_layout import WHOLE, TensorSplit
 from ..values import is_count
 from .base import _ParallelLinear
 from .comm import (

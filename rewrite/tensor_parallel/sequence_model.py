@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..models.hf_llama import Backbone
-from ..plan.tp_switches import sequence_blocks
+from ..binding.tp_switches import sequence_blocks
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
 from .replicated import make_grad_allreduce

@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
 from ..models.families import embedding_scale
-from ..plan.shard_layout import TensorSplit
+from ..binding.shard_layout import TensorSplit
 from ..values import check_count, is_int
 from .comm import group_rank, group_size, reduce_from_parallel
 

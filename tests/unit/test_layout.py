@@ -25,7 +25,8 @@ LEVELS = {
     "values": -1,  # ints that are not bools, counts: checked alike everywhere
     "errors": -1,  # RewriteError and its kinds: every refusal
     "agreement": 2,  # ranks share what they found before they talk
-    "plan": 1,  # what a plan is and what it binds to: schema, files, resolve, tp rules, size checks
+    "plan": 1,  # what a plan is: schema, files, loading, HF tp_plan import, patterns, size checks
+    "binding": 1.5,  # what a plan binds to on a model: resolve, tp rules and shapes, shard layout, stage cuts
     "estimate": 2,  # numbers only: activations, memory, stage balance
     "mesh": 2,  # the only place process groups are made (the rank formula is plan.ranks)
     "tensor_parallel": 3,
@@ -39,7 +40,7 @@ LEVELS = {
     "__init__": 8,  # the public API re-exports everything
     "__main__": 8,
 }
-NO_PROCESS_GROUP = {"models", "schedules", "plan", "estimate"}
+NO_PROCESS_GROUP = {"models", "schedules", "plan", "binding", "estimate"}
 
 
 def units() -> set[str]:
@@ -112,18 +113,19 @@ def test_imports_only_go_downwards():
 @pytest.mark.parametrize(
     ("relpath", "source", "expected"),
     [
-        ("plan/resolve.py", "import torch.distributed as dist", "must work without a process group"),
+        ("binding/resolve.py", "import torch.distributed as dist", "must work without a process group"),
         ("plan/schema.py", "from torch import distributed", "must work without a process group"),
         ("models/hf_llama.py", "def f():\n    from torch.distributed import ProcessGroup", "without a process group"),
-        ("plan/resolve.py", "from ..mesh import build_mesh", "not mesh"),
-        ("plan/resolve.py", "from ..estimate.memory import rank_memory", "not estimate"),
+        ("binding/resolve.py", "from ..mesh import build_mesh", "not mesh"),
+        ("binding/resolve.py", "from ..estimate.memory import rank_memory", "not estimate"),
         ("schedules/table.py", "from ..plan.schema import PlanError", "not plan"),
         ("schedules/named.py", "import torch.distributed", "must work without a process group"),
         ("estimate/memory.py", "from ..pipeline.stage import Stage", "not pipeline"),
         ("estimate/balance.py", "from torch.distributed import ProcessGroup", "must work without a process group"),
         ("estimate/activations.py", "from ..run.show.report import format_plan", "not run"),
-        ("models/flops.py", "from ..plan.resolve import ResolvedPlan", "not plan"),
-        ("plan/resolve.py", "from ..tensor_parallel.layers import ColumnParallelLinear", "not tensor_parallel"),
+        ("models/flops.py", "from ..binding.resolve import ResolvedPlan", "not binding"),
+        ("plan/loading.py", "from ..binding.resolve import resolve", "not binding"),
+        ("binding/resolve.py", "from ..tensor_parallel.layers import ColumnParallelLinear", "not tensor_parallel"),
         ("tensor_parallel/layers.py", "from ..pipeline import stage", "not pipeline"),
         ("tensor_parallel/apply.py", "import rewrite.pipeline.stage", "not pipeline"),
         ("pipeline/runner.py", "from ..rewriter import apply_plan", "not rewriter"),
@@ -141,9 +143,9 @@ def test_the_rules_catch_an_upward_import(relpath, source, expected):
 def test_the_rules_allow_downward_and_outside_imports():
     known = units()
     assert problems_in("pipeline/carve.py", "from ..tensor_parallel.layers import ColumnParallelLinear", known) == []
-    assert problems_in("plan/resolve.py", "from ..models import fx_graph\nimport torch\nfrom torch import nn", known) == []
-    assert problems_in("plan/resolve.py", "from ..schedules import placement", known) == []
-    assert problems_in("estimate/memory.py", "from ..plan.resolve import ResolvedPlan\nfrom ..schedules import plan_table", known) == []
+    assert problems_in("binding/resolve.py", "from ..models import fx_graph\nimport torch\nfrom torch import nn", known) == []
+    assert problems_in("binding/resolve.py", "from ..schedules import placement", known) == []
+    assert problems_in("estimate/memory.py", "from ..binding.resolve import ResolvedPlan\nfrom ..schedules import plan_table", known) == []
     assert problems_in("pipeline/runner.py", "from ..schedules import Action", known) == []
     assert problems_in("run/show/report.py", "from ...estimate.memory import rank_memory", known) == []
     assert problems_in("run/train.py", "import torch.distributed as dist\nfrom .presets import build_model", known) == []

@@ -16,7 +16,7 @@ from ...estimate.activations import activation_problem
 from ...estimate.hardware import load_hardware
 from ...estimate.memory import GIB, SHARDINGS, RankMemory, rank_footprints, rank_memory
 from ...estimate.step_time import predict_step
-from ...plan.resolve import ResolvedPlan
+from ...binding.resolve import ResolvedPlan
 from ...plan.wording import index_ranges
 from ...schedules import splits_backward
 

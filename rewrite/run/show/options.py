@@ -9,10 +9,10 @@ from torch import nn
 
 from ...estimate.activations import activation_problem, rank_activations
 from ...estimate.memory import rank_footprints, with_run
-from ...plan.resolve import ResolvedPlan, resolve
+from ...binding.resolve import ResolvedPlan, resolve
 from ...plan.loading import load_plan
 from ...plan.schema import PlanError
-from ...plan.tp_rules import match_pattern
+from ...plan.patterns import match_pattern
 from .columns import format_bytes, format_table
 from .memory import UNCOUNTED
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ...plan.ranks import shape_text
-from ...plan.resolve import ResolvedPlan
+from ...binding.resolve import ResolvedPlan
 from ...plan.wording import plural
 from .columns import WIDTH, format_bytes, format_table, span, wrap_list, wrap_prose
 from .data import show_data

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from rewrite.estimate.balance import THRESHOLD, balance_warnings
-from rewrite.plan.resolve import resolve
+from rewrite.binding.resolve import resolve
 from rewrite.plan.loading import load_plan
 from rewrite.run.presets import build_model, load_config
 from tests.paths import PLANS, ROOT

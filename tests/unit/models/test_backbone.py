@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import rewrite
 from rewrite.models.hf_llama import backbone_problem, find_backbone, run_backbone
-from rewrite.plan.tp_switches import sequence_blocks
+from rewrite.binding.tp_switches import sequence_blocks
 from rewrite.run.show.data import show_data
 from rewrite.run.show.report import render_text
 from tests.families import TINY, tiny_family_model

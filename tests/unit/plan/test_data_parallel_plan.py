@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 import rewrite
-from rewrite.plan.resolve import resolve
+from rewrite.binding.resolve import resolve
 from rewrite.run.presets import build_model
 
 

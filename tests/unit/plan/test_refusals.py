@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rewrite.plan.files import PlanError
-from rewrite.plan.resolve import resolve
+from rewrite.binding.resolve import resolve
 from rewrite.plan.loading import load_plan
 from rewrite.plan.wording import common_divisors, index_ranges
 from rewrite.plan.wording import collapse_repeats

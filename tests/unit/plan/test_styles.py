@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rewrite.plan.shard_layout import split_dim
+from rewrite.binding.shard_layout import split_dim
 from rewrite.plan.styles import COLUMN_STYLES, STYLE_ALIASES, STYLE_INFO, STYLES, packed_parts
 
 # The documented layout (docs/layers.md), written out: (weight dim, bias dim) split per style.

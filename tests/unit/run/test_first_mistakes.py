@@ -67,7 +67,7 @@ def test_one_process_for_a_two_rank_plan_is_counted_in_good_grammar(tmp_path):
 
 def test_a_style_typo_does_not_hide_a_pattern_typo_in_the_same_file(tmp_path, capsys):
     from rewrite.plan.files import PlanError
-    from rewrite.plan.resolve import resolve
+    from rewrite.binding.resolve import resolve
     from rewrite.run.presets import build_model
     from rewrite.run.train import TrainConfig
     from rewrite.run.train_setup import train_plan

@@ -8,7 +8,7 @@ import yaml
 
 from rewrite import PlanError, resolve
 from rewrite.plan.size_checks import PipelineShape
-from rewrite.plan.tp_rules import TpRules
+from rewrite.binding.tp_rules import TpRules
 from rewrite.run.presets import build_model
 
 RULES = yaml.safe_load(open("plans/llama-tp2.yaml"))["tensor_parallel"]

@@ -11,7 +11,7 @@ import rewrite
 from rewrite import load_plan, resolve
 from rewrite.models.hf_llama import find_backbone
 from rewrite.models.flops import TRAINING, embed_flops, estimate_costs, head_flops, layer_flops
-from rewrite.plan.cuts import balanced_split, best_split
+from rewrite.binding.cuts import balanced_split, best_split
 from rewrite.run.show.report import format_plan
 from rewrite.run.presets import build_config, build_model
 from tests.models import ToyNet

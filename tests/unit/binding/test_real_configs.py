@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rewrite.plan.resolve import resolve
+from rewrite.binding.resolve import resolve
 from rewrite.plan.schema import PlanError
 from rewrite.run.cli import main
 from rewrite.run.presets import build_model, load_config

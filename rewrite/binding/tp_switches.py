@@ -9,9 +9,10 @@ from collections.abc import Mapping
 from torch import nn
 
 from ..models.hf_llama import Backbone
-from .schema import ParallelPlan
-from .tp_rules import ShardSpec, match_pattern
-from .wording import collapse_repeats
+from ..plan.schema import ParallelPlan
+from ..plan.patterns import match_pattern
+from .tp_rules import ShardSpec
+from ..plan.wording import collapse_repeats
 
 __all__ = ["option_problems", "sequence_blocks"]
 

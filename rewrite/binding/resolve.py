@@ -17,13 +17,14 @@ from ..models.hf_llama import Backbone, find_backbone
 from ..models.oracle import narrowed_problem, walker_problem
 from ..schedules import placement
 from .params import HeldParameter, held_by_stage, held_parameters, parameter_walk
-from .schema import ParallelPlan, PlanError
-from .size_checks import PipelineShape, by_line, stage_count, world_problem
+from ..plan.schema import ParallelPlan, PlanError
+from ..plan.size_checks import PipelineShape, by_line, stage_count, world_problem
 from .stage_split import fx_stages, hf_stages
-from .tp_rules import ShardSpec, TpRules, closest, match_pattern, shard_problems
-from .wording import collapse_repeats
+from ..plan.patterns import closest, match_pattern
+from .tp_rules import ShardSpec, TpRules, shard_problems
+from ..plan.wording import collapse_repeats
 from .tp_switches import option_problems
-from .loading import load_plan_for
+from ..plan.loading import load_plan_for
 
 __all__ = ["ResolvedPlan", "StageSpec", "resolve", "APPLIED"]
 

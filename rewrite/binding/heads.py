@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..models.oracle import config_value
-from .wording import MOST_RANKS, common_divisors, either, plural
+from ..plan.wording import MOST_RANKS, common_divisors, either, plural
 
 __all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems", "kv_replicas_of", "kv_groups_problems"]
 

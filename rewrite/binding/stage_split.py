@@ -11,9 +11,9 @@ from ..models.flops import Costs
 from ..models.hf_llama import Backbone, backbone_problem
 from ..models.oracle import exception_line
 from .cuts import balanced_split, best_split
-from .schema import ParallelPlan
-from .size_checks import PipelineShape, stage_count, stages_words, too_many_stages
-from .tp_rules import closest
+from ..plan.schema import ParallelPlan
+from ..plan.size_checks import PipelineShape, stage_count, stages_words, too_many_stages
+from ..plan.patterns import closest
 
 __all__ = ["hf_stages", "fx_stages"]
 

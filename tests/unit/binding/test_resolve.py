@@ -70,7 +70,7 @@ def test_per_rank_shapes_and_memory(llama):
 
 def test_balanced_split_puts_the_remainder_first():
     assert rewrite.resolve.__module__  # the function, not the module
-    from rewrite.plan.cuts import balanced_split
+    from rewrite.binding.cuts import balanced_split
 
     assert balanced_split(4, 3) == [2, 1, 1]
     assert balanced_split(8, 3) == [3, 3, 2]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from .heads import head_problems, kv_replicas_of
-from .styles import COLUMN_STYLES, packed_parts
-from .wording import MOST_RANKS
+from ..plan.styles import COLUMN_STYLES, packed_parts
+from ..plan.wording import MOST_RANKS
 
 __all__ = ["fitting_tps"]
 

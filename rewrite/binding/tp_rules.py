@@ -5,25 +5,22 @@ Pure; used by `resolve`.
 
 from __future__ import annotations
 
-import difflib
-import re
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
-from functools import lru_cache
 
 from torch import nn
 
 from ..models.families import embedding_scale
 from ..models.names import tied_modules
-from .schema import ParallelPlan
+from ..plan.schema import ParallelPlan
 from .shard_layout import WHOLE, TensorSplit
-from .styles import COLUMN_STYLES, STYLE_INFO, packed_parts
+from ..plan.styles import COLUMN_STYLES, STYLE_INFO, packed_parts
 from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
 from .tp_fits import fitting_tps
 from .tp_whole import kept_whole
-from .wording import either
+from ..plan.wording import either
+from ..plan.patterns import match_pattern, unmatched_problem
 
-__all__ = ["TpRules", "ShardSpec", "match_pattern", "closest", "shard_problems", "unmatched_problem"]
+__all__ = ["TpRules", "ShardSpec", "shard_problems"]
 
 _FITS = "the sizes at which every module the plan shards splits evenly, heads whole"
 
@@ -47,20 +44,6 @@ class ShardSpec:
     def slices(self) -> int:
         """Distinct slices over the tp ranks: rank `i` holds slice `i // replicas`."""
         return self.tp // self.replicas
-
-
-@lru_cache(maxsize=1 << 17)  # a plan search binds the same few rules to every module of a model dozens of times
-def match_pattern(pattern: str, fqn: str) -> bool:
-    """`*` matches within one dotted segment; segment counts must agree."""
-    pat, parts = pattern.split("."), fqn.split(".")
-    return len(pat) == len(parts) and all(fnmatchcase(p, q) for q, p in zip(pat, parts))
-
-
-def closest(name: str, candidates: list[str]) -> str:
-    general = {re.sub(r"(?<=\.)\d+(?=\.|$)", "*", c) for c in candidates}
-    pool = sorted(general | set(candidates)) if "*" in name else candidates
-    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _output_sharded(style: str | None) -> bool:
@@ -278,8 +261,3 @@ def _is_kv(fqn: str, chosen: dict[str, tuple[str, str]]) -> bool:
     """A k/v projection beside a q_proj split by output: the ones that hold whole kv heads past the kv count."""
     parent, _, leaf = fqn.rpartition(".")
     return leaf in ("k_proj", "v_proj") and chosen.get(f"{parent}.q_proj", ("", ""))[1] == "column"
-
-
-def unmatched_problem(at: str, pattern: str, names: list[str]) -> str:
-    """'line 3: tensor_parallel['...'] matches no module; did you mean '...'?'."""
-    return f"{at}tensor_parallel[{pattern!r}] matches no module{closest(pattern, names)}"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewrite.plan.shard_layout import WHOLE, TensorSplit, tensor_split
-from rewrite.plan.tp_rules import ShardSpec
+from rewrite.binding.shard_layout import WHOLE, TensorSplit, tensor_split
+from rewrite.binding.tp_rules import ShardSpec
 
 FULL = torch.arange(24 * 6).reshape(24, 6)
 

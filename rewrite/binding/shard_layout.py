@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .styles import STYLE_INFO
+from ..plan.styles import STYLE_INFO
 
 if TYPE_CHECKING:
     from .tp_rules import ShardSpec  # which builds its per-rank shapes with TensorSplit

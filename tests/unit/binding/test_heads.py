@@ -9,8 +9,8 @@ from transformers import LlamaConfig, Qwen2Config
 
 from rewrite.plan.files import PlanError
 from rewrite.plan.from_hf import plan_from_hf
-from rewrite.plan.heads import head_counts, head_problems, kv_replicas, replicated_tps
-from rewrite.plan.resolve import resolve
+from rewrite.binding.heads import head_counts, head_problems, kv_replicas, replicated_tps
+from rewrite.binding.resolve import resolve
 from rewrite.run.presets import build_model
 
 
