@@ -91,11 +91,7 @@ def run_afab(
     targets: Sequence[torch.Tensor] | None,
     loss_fn: LossFn | None = None,
 ) -> torch.Tensor:
-    """Deprecated: one step all-forward-all-backward whatever the plan's schedule; use `run_schedule`.
-
-    A plan runs AFAB unless its `pipeline.schedule` says otherwise, and every schedule gives the
-    same gradients, so `run_schedule` is the one way to run a step.
-    """
+    """Deprecated: one AFAB step whatever the plan's schedule; use `run_schedule` (the same gradients)."""
     warnings.warn(
         "rewrite.run_afab is deprecated: use rewrite.run_schedule, which runs the plan's pipeline.schedule "
         "(afab unless the plan names another; the gradients are the same under every schedule)",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-__all__ = ["MOST_RANKS", "collapse_repeats", "common_divisors", "either", "index_ranges", "noun_for", "plural"]
+__all__ = ["MOST_RANKS", "collapse_repeats", "common_divisors", "either", "format_bytes", "index_ranges", "noun_for", "plural"]
 
 MOST_RANKS = 4096  # the largest group size a message lists sizes up to
 
@@ -92,3 +92,13 @@ def collapse_repeats(problems: list[str]) -> list[str]:
         else:
             out.append(key.replace("\0", "*") + f" [* = {index_ranges(indices)}]")
     return out
+
+
+def format_bytes(n: int) -> str:
+    """`1536` -> `'1.5 KiB'`."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
+from ...plan.wording import format_bytes
+
 __all__ = ["WIDTH", "format_table", "format_bytes", "span", "wrap_list", "wrap_prose"]
 
 WIDTH = 100  # columns that prose and the stage table's module lists wrap at
@@ -60,16 +62,6 @@ def wrap_prose(text: str, width: int = WIDTH) -> str:
         out += textwrap.wrap(body, width, initial_indent=lead, subsequent_indent=lead + "  ",
                              break_long_words=False, break_on_hyphens=False)
     return "\n".join(out)
-
-
-def format_bytes(n: int) -> str:
-    """`1536` -> `'1.5 KiB'`."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
 
 
 def span(lo: int, hi: int, word: str = "rank") -> str:
