@@ -6,9 +6,9 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from .pieces import Piece, PieceLoadPlanner
+from .pieces import Piece
+from .safe_reader import load_pieces, read_metadata
 from .training_state import latest_checkpoint, saved_steps, step_dir
 from ..errors import CheckpointError
 
@@ -74,7 +74,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path, out_dir = checkpoint_path(checkpoint, step), Path(out_dir)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
     config = AutoConfig.from_pretrained(path)
     floats = {md.properties.dtype for k, md in stored.items() if k.startswith("model/") and md.properties.dtype.is_floating_point}
     with torch.device("meta"):
@@ -90,7 +90,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
         )
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, planner=PieceLoadPlanner(), no_dist=True)
+        load_pieces(state, path, no_dist=True)
     model.save_pretrained(out_dir)
     if any((path / name).is_file() for name in _TOKENIZER_FILES):
         from transformers import AutoTokenizer

@@ -11,8 +11,12 @@ point (`DefaultSavePlanner` / `DefaultLoadPlanner`) taught about pieces; everyth
 
 from __future__ import annotations
 
+import io
 import math
+import pickle
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..pipeline.stage import Stage
 from ..binding.shard_layout import tensor_split
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like"]
 
@@ -147,6 +151,23 @@ def _cpu_own(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def plain_data_problems(objects: dict[str, Any]) -> list[str]:
+    """The objects (by name) a checkpoint could not load back as plain data (`weights_only`): dicts,
+    lists, tuples, numbers, strings, None, tensors. Checked before anything is written."""
+    problems = []
+    for name, value in objects.items():
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except (pickle.PicklingError, pickle.UnpicklingError, TypeError, AttributeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            problems.append(f"{name}: not plain data ({first}); keep it to dicts, lists, tuples, numbers, strings, "
+                            "None and tensors, which a checkpoint loads without running code")
+    return problems
+
+
 class PieceSavePlanner(DefaultSavePlanner):
     """Writes each `Piece` as its box of the whole tensor; anything else as a pickled object."""
 
@@ -174,14 +195,16 @@ class PieceSavePlanner(DefaultSavePlanner):
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):
-    """Reads into each `Piece` the parts of its box that the checkpoint's boxes hold; objects whole.
+    """Reads into each `Piece` the parts of its box that the checkpoint's boxes hold; objects whole,
+    as plain data (`weights_only`): an object that would run code is refused, naming `source`.
 
     The caller checks beforehand (on every rank, before any collective) that every key is
     in the checkpoint with the same whole size.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, source: str | Path = "the checkpoint") -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.source = source
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.state_dict = self.original_state_dict = state_dict
@@ -203,7 +226,16 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+        key = read_item.dest_index.fqn
+        try:
+            self.state_dict[key] = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(
+                f"{self.source}: its {key!r} is not plain data ({first}); nothing of it was run. rewrite writes "
+                "only tensors and plain values there: this checkpoint was altered or made by something else; "
+                "load only checkpoints you or your team wrote"
+            ) from None
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.state_dict[index.fqn].box_at(index.offset)
