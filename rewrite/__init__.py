@@ -15,7 +15,7 @@ from .checkpoint.hf_save import save_pretrained
 from .checkpoint.training_state import latest_checkpoint, load_training_state, save_training_state
 from .estimate.hardware import Hardware, load_hardware
 from .estimate.search import Candidate, NoPlanFits, suggest_plans
-from .errors import CheckpointError, InputError, RewriteError
+from .errors import CheckpointError, CheckpointWriteError, InputError, RewriteError
 from .estimate.memory import RankMemory, rank_memory
 from .estimate.step_time import StepPrediction, predict_step
 from .pipeline.batches import microbatches
@@ -81,6 +81,7 @@ __all__ = [
     "PlanError",
     "InputError",
     "CheckpointError",
+    "CheckpointWriteError",
     "NoPlanFits",
     "LaunchError",
     # the layers and the seed contracts

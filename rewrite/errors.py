@@ -14,7 +14,7 @@ raises the same one. Each class also derives from the builtin its callers caught
 
 from __future__ import annotations
 
-__all__ = ["RewriteError", "InputError", "CheckpointError"]
+__all__ = ["RewriteError", "InputError", "CheckpointError", "CheckpointWriteError"]
 
 
 class RewriteError(Exception):
@@ -28,3 +28,8 @@ class InputError(RewriteError, ValueError):
 
 class CheckpointError(RewriteError, ValueError):
     """A checkpoint that cannot be read into this model and plan, or a directory that holds none."""
+
+
+class CheckpointWriteError(RewriteError, OSError):
+    """A checkpoint that did not fit or could not be written (a full disk, a write error): what was
+    written of it is removed and the previous checkpoint stays the latest. Raised on every rank."""

@@ -13,9 +13,7 @@ previous checkpoint; the next save of that step starts over.
 
 from __future__ import annotations
 
-import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,53 +21,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 
-from ..agreement import agree
+from ..agreement import agree, raise_problems, share
 from ..pipeline.stage import Stage
 from .optimizer_state import fit_problems, fresh_optimizer_pieces, optimizer_pieces
-from .pieces import PieceLoadPlanner, PieceSavePlanner, model_pieces
-from ..errors import CheckpointError
+from .finite import NonFiniteState, nonfinite_problems
+from .pieces import PieceSavePlanner, model_pieces, plain_data_problems
+from .safe_reader import load_pieces, read_metadata
+from .state_dirs import LATEST, latest_checkpoint, point_latest, prune, saved_steps, step_dir
+from ..errors import CheckpointError, CheckpointWriteError
+from ..plan.wording import format_bytes
+from .space import space_needs, space_problems, space_view
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint", "saved_steps", "step_dir", "LATEST"]
-
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-
-
-def step_dir(directory: Path, step: int) -> Path:
-    """Where step `step`'s checkpoint lives under a run's checkpoint directory."""
-    return directory / f"step-{step:08d}"
-
-
-def saved_steps(directory: str | Path) -> list[int]:
-    """The steps with a complete checkpoint (a `step-N` directory holding .metadata) under `directory`, in order."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    found = [(_STEP_DIR.match(p.name), p) for p in directory.iterdir()]
-    return sorted(int(m[1]) for m, p in found if m and (p / ".metadata").is_file())
-
-
-def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
-    """(step, path) of the newest complete checkpoint under `directory`, or None when there is none.
-
-    Raises:
-        ValueError: `latest` names a checkpoint that is not there (a damaged directory).
-    """
-    directory = Path(directory)
-    try:
-        name = (directory / LATEST).read_text().strip()
-    except FileNotFoundError:
-        return None
-    match = _STEP_DIR.match(name)
-    path = directory / name
-    if match is None or not (path / ".metadata").is_file():
-        raise CheckpointError(
-            f"{directory / LATEST} names {name!r}, which is not a complete checkpoint in {directory}; "
-            "point it at a step-* directory holding a .metadata file, or delete it to start over"
-        )
-    return int(match[1]), path
-
 
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -115,8 +80,9 @@ def save_training_state(
         stage: this rank's stage (`apply_plan` / `from_pretrained`).
         optimizer: its optimizer, over `stage.parameters()`.
         scheduler: an LR scheduler (anything with `state_dict`), or None.
-        extra: the caller's own state (step, data position, ...): picklable, the same on
-            every rank; `load_training_state` returns it.
+        extra: the caller's own state (step, data position, ...): plain data (dicts, lists,
+            numbers, strings, None, tensors), the same on every rank; `load_training_state`
+            returns it. Anything else is refused: a checkpoint is read without running code.
         step: names the checkpoint `step-N`; default `extra["step"]`, else one past the latest.
         keep: keep only this many newest checkpoints (None: keep all).
         tokenizer: saved beside the weights (`save_pretrained`), so that `export` finds it.
@@ -125,8 +91,13 @@ def save_training_state(
         The new checkpoint's path, `directory/step-N`.
 
     Raises:
-        ValueError: on every rank, before anything is written: a bad `step` or `keep`, the
-            step already being the latest checkpoint, or optimizer state that cannot be boxed.
+        InputError (a ValueError): on every rank, before anything is written: a bad `step` or
+            `keep`, the step already being the latest checkpoint, optimizer state that cannot be
+            boxed; `NonFiniteState` (an InputError) when parameters or optimizer state hold nan
+            or inf: a diverged run's state never replaces a good one.
+        CheckpointWriteError (an OSError): on every rank: the checkpoint would not fit in the free
+            space of its file system (counted before anything is written), or writing it failed
+            (a full disk, an I/O error); what was written of it is removed, `latest` is untouched.
 
     Example:
         >>> rewrite.save_training_state("ckpt", stage, optimizer, scheduler, extra={"step": 50})
@@ -148,10 +119,18 @@ def save_training_state(
             problems.append(f"{directory} is a file; pass a directory for checkpoints")
         boxes = model_pieces(stage)
         moments, found = optimizer_pieces(stage, optimizer, boxes)
-        problems += found
+        problems += found + plain_data_problems(
+            {"extra": extra, "scheduler": scheduler.state_dict() if scheduler is not None else None})
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
-    agree(problems, f"save_training_state({str(directory)!r})")  # the first collective
+    what = f"save_training_state({str(directory)!r})"
+    view = space_view(directory, {**boxes, **moments}) if not problems else None
+    gathered = share((problems, nonfinite_problems(stage, optimizer), view))  # the first collective
+    raise_problems([found for found, _, _ in gathered], what)
+    raise_problems([diverged for _, diverged, _ in gathered], what, NonFiniteState)
+    needs = space_needs([v for _, _, v in gathered])
+    if too_big := space_problems(needs, directory):
+        raise CheckpointWriteError(f"{what}: " + "; ".join(too_big))
     path = step_dir(directory, step)
     if dist.get_rank() == 0 and path.exists():
         shutil.rmtree(path)  # a save of this step that died before `latest` named it
@@ -165,14 +144,45 @@ def save_training_state(
         state["extra"] = extra
         state["run"] = {"mesh": _mesh(stage), "world_size": dist.get_world_size(), "step": step,
                         "plan": str(stage.resolved.plan.source)}
-    dcp.save(state, checkpoint_id=path, planner=PieceSavePlanner())
+    failed = None
+    try:
+        dcp.save(state, checkpoint_id=path, planner=PieceSavePlanner())
+    except CheckpointException as exc:  # raised on every rank alike: DCP gathers each rank's outcome
+        rank, (first, _) = next(iter(exc.failures.items()))
+        failed = f"rank {rank}: {type(first).__name__}: {first}"
+        if "unexpected pos" in str(first):  # torch's zip writer, when a write came up short
+            failed += " (a file could not be written whole: a full disk, a quota or a file-size limit)"
     if dist.get_rank() == 0:
-        _write_files(stage, path, tokenizer)
-        _point_latest(directory, path)
-        if keep is not None:
-            _prune(directory, step, keep)
-    dist.barrier()  # no rank goes on (and maybe saves again) before `latest` names this one
+        failed = failed or _finish(stage, directory, path, step, keep, tokenizer)
+    failed = share(failed)[0]  # rank 0's word: no rank goes on before `latest` names this one, or all raise
+    if failed is not None:
+        need = format_bytes(max(n for n, _ in needs.values()))
+        raise CheckpointWriteError(f"{what}: writing {path.name} (about {need}) failed: {failed}; "
+                                   + _after_failure(directory, path))
     return path
+
+
+def _finish(stage: Stage, directory: Path, path: Path, step: int, keep: int | None, tokenizer: Any) -> str | None:
+    """Rank 0, once every rank wrote its tensors: the config and tokenizer, `latest`, pruning; the error, if any."""
+    try:
+        _write_files(stage, path, tokenizer)
+        point_latest(directory, path)
+    except OSError as exc:
+        return f"rank 0: {type(exc).__name__}: {exc}"
+    if keep is not None:
+        prune(directory, step, keep)
+    return None
+
+
+def _after_failure(directory: Path, path: Path) -> str:
+    """Rank 0 removes what the failed save wrote; the words for what is left (the same on every rank)."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    found = latest_checkpoint(directory)
+    free = shutil.disk_usage(directory).free if directory.is_dir() else None
+    return (f"the partial {path} was removed, "
+            + (f"{found[1]} is still the latest checkpoint" if found else "there is no checkpoint yet")
+            + (f"; {format_bytes(free)} free on its file system now" if free is not None else ""))
 
 
 def _write_files(stage: Stage, path: Path, tokenizer: Any) -> None:
@@ -181,27 +191,6 @@ def _write_files(stage: Stage, path: Path, tokenizer: Any) -> None:
         config.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
-
-
-def _point_latest(directory: Path, path: Path) -> None:
-    tmp = directory / f".{LATEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(path.name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / LATEST)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _prune(directory: Path, step: int, keep: int) -> None:
-    """Delete checkpoints older than the `keep` newest (never a newer, unfinished one)."""
-    steps = sorted(int(m[1]) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m[1]) <= step)
-    for old in steps[:-keep]:
-        shutil.rmtree(step_dir(directory, old), ignore_errors=True)
 
 
 def load_training_state(
@@ -226,7 +215,9 @@ def load_training_state(
         step: load `step-N` instead of the latest.
 
     Raises:
-        ValueError: on every rank, before any tensor is read: no checkpoint, or one that
+        CheckpointError (a ValueError): on every rank, and nothing of the checkpoint is run: a
+            `.metadata` or an object in it that would run code (altered, or not written by
+            rewrite). On every rank, before any tensor is read: no checkpoint, or one that
             does not fit this model (missing tensors, other whole shapes: another model).
 
     Example:
@@ -243,7 +234,7 @@ def load_training_state(
             path = found[1]
         else:
             path = step_dir(directory, step)
-        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
         state = {f"model/{name}": box for name, box in model_pieces(stage).items()}
         moments, fresh = fresh_optimizer_pieces(stage, optimizer, state, stored)
         state.update(moments)
@@ -254,7 +245,7 @@ def load_training_state(
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
     agree(problems, f"load_training_state({str(directory)!r})", error=CheckpointError)  # the first collective
-    dcp.load(state, checkpoint_id=path, planner=PieceLoadPlanner())
+    load_pieces(state, path)
     groups = state["optim_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise CheckpointError(

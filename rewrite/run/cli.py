@@ -230,19 +230,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     stderr and exits 1; under torchrun only rank 0 prints the problems every rank
     finds alike (the plan's, the settings'), other errors name their rank.
     """
+    from ..errors import RewriteError
     from ..plan.schema import PlanError
+    from .guard import TrainStopped
     from .train import TrainConfigError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (PlanError, TrainConfigError) as exc:
+    except (PlanError, TrainConfigError, TrainStopped) as exc:
         if _rank() == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         else:
             time.sleep(1.0)  # torchrun stops every rank once one exits: let rank 0 print first
         return 1
-    except ValueError as exc:
+    except (ValueError, RewriteError) as exc:
         prefix = f"[rank {_rank()}] " if "LOCAL_RANK" in os.environ else ""
         print(f"{prefix}error: {in_flags(str(exc))}", file=sys.stderr)
         return 1

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 from pathlib import Path
 
 import torch
 
-__all__ = ["MetricsLog", "peak_memory_bytes"]
+__all__ = ["MetricsLog", "peak_memory_bytes", "strict_json"]
+
+
+def strict_json(value):
+    """`value` with every nan and inf float (at any depth) made None, which JSON writes as null:
+    strict readers refuse the NaN that `json.dumps` writes by default."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -55,11 +68,11 @@ class MetricsLog:
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        self.file.write(json.dumps(strict_json({"step": step, **values}), allow_nan=False) + "\n")
         self.file.flush()
         if self.writer is not None:
             for key, value in values.items():
-                if isinstance(value, (int, float)) and value is not None:
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(f"train/{key}", value, step)
 
     def close(self) -> None:

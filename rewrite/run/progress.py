@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
+
+from .metrics import strict_json
 
 __all__ = ["Progress", "plot_loss", "write_outputs"]
 
@@ -77,10 +80,11 @@ def write_outputs(config, metrics: dict, events, plan) -> None:
     steps, every = _logged_losses(out / "metrics.jsonl", metrics["first_step"], losses)  # a resumed run: all its steps
     plot_loss(every, steps=steps, title=f"{config.model} under {Path(plan.source).name}: loss per step",
               path=out / "loss.png")
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (out / "metrics.json").write_text(json.dumps(strict_json(metrics), indent=2, allow_nan=False) + "\n")
     print(
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps "
-        f"({metrics['train_seconds']:.1f} s, {metrics['train_seconds'] / len(losses):.2f} s/step)",
+        + (f"({metrics['skipped_steps']} not applied: not finite) " if metrics.get("skipped_steps") else "")
+        + f"({metrics['train_seconds']:.1f} s, {metrics['train_seconds'] / len(losses):.2f} s/step)",
         flush=True,
     )
     print(f"wrote {out / 'timeline.png'}, {out / 'loss.png'}, {out / 'metrics.json'}", flush=True)
@@ -93,11 +97,11 @@ def _logged_losses(path: Path, first: int, losses: list[float]) -> tuple[list[in
     try:
         for line in path.read_text().splitlines():
             row = json.loads(line)
-            rows[int(row["step"])] = float(row["loss"])
+            rows[int(row["step"])] = None if row["loss"] is None else float(row["loss"])  # null: not finite
     except (OSError, ValueError, KeyError, TypeError):
         rows = {}
     mine = list(range(first, first + len(losses)))
-    if [rows.get(step) for step in mine] != losses:
+    if [rows.get(step, "missing") for step in mine] != strict_json(losses):
         return mine, losses
     steps = sorted(rows)
-    return steps, [rows[step] for step in steps]
+    return steps, [math.nan if rows[step] is None else rows[step] for step in steps]

@@ -18,11 +18,12 @@ import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
 from .metrics import MetricsLog, peak_memory_bytes
+from .guard import StateGuard, TrainStopped
 from .parity import Parity, parity_check
 from .progress import Progress, plot_loss, write_outputs
 from .show.columns import format_bytes
 from .train_setup import ByteBatches, TextBatches, build_stage, model_source, pick_device, setting_problems, train_plan
-from ..checkpoint.training_state import latest_checkpoint, load_training_state, save_training_state
+from ..checkpoint.training_state import latest_checkpoint, load_training_state
 from ..pipeline.grad_norm import clip_grad_norm_
 from .presets import load_config
 from ..pipeline.runner import run_schedule
@@ -73,6 +74,9 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA + NCCL when there is a GPU, else CPU + gloo), cpu or cuda
     dtype: str = "float32"  # compute dtype: float32, or bfloat16 (autocast; float32 weights and optimizer state)
     max_grad_norm: float | None = None  # clip gradients to this global norm (over tp, pp and dp); None: no clipping
+    on_nonfinite: str = "stop"  # a step with a nan/inf loss or gradient norm is never applied: stop the run, or skip it
+    skip_limit: int = 5  # under on_nonfinite="skip": this many non-finite steps in a row stop the run
+    on_save_error: str = "stop"  # a save that does not fit or fails (removed, latest untouched): stop, or continue
 
 
 def train(config: TrainConfig) -> dict:
@@ -155,6 +159,7 @@ def train(config: TrainConfig) -> dict:
                       "from here on do not see the windows an uninterrupted run would")
     metrics_log = MetricsLog(config.out_dir, enabled=rank == 0, first_step=first)
     autocast = torch.autocast(device.type, dtype=getattr(torch, config.dtype), enabled=config.dtype != "float32")
+    guard = StateGuard(config.on_nonfinite, config.skip_limit, config.ckpt, lr, config.on_save_error)
     log.start()
     losses, step_seconds, parity_result = [], [], None
     start = time.perf_counter()
@@ -173,24 +178,34 @@ def train(config: TrainConfig) -> dict:
                 reference = None  # free it
                 log.write(parity_result.line())
             t0 = time.perf_counter()
-            grad_norm = clip_grad_norm_(stage, config.max_grad_norm)
+            grad_norm = float(clip_grad_norm_(stage, config.max_grad_norm))
             lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
             losses.append(float(loss))
+            line = {"loss": losses[-1], "lr": lr, "grad_norm": grad_norm}
+            try:  # the same two numbers on every rank (both reduced over it): every rank decides alike
+                applied = guard.applies(step, losses[-1], grad_norm)
+            except TrainStopped:
+                metrics_log.write(step, {**line, "applied": False, "skipped_steps": guard.skipped})
+                raise
+            if applied:
+                optimizer.step()
+                schedule.step()
+            else:
+                log.write(f"step {step}: loss {losses[-1]:g}, gradient norm {grad_norm:g}: not applied "
+                          f"({guard.in_a_row} in a row; --skip-limit {config.skip_limit} stops the run)")
+            optimizer.zero_grad(set_to_none=True)
             step_seconds.append(seconds + time.perf_counter() - t0)  # the step itself, not the parity check
             metrics_log.write(step, {
-                "loss": losses[-1], "lr": lr, "grad_norm": float(grad_norm), "step_seconds": step_seconds[-1],
+                **line, "applied": applied, "skipped_steps": guard.skipped, "step_seconds": step_seconds[-1],
                 "tokens_per_second": sequences * config.seq_len / step_seconds[-1],
                 "peak_memory_bytes": peak_memory_bytes(device),
             })
             log.step(step, losses[-1], step_seconds[-1])
             if config.ckpt and (step == config.steps or (config.save_every and step % config.save_every == 0)):
-                saved = save_training_state(config.ckpt, stage, optimizer, schedule,
-                                            extra={"step": step, "cursor": cursor, "data": _data_key(config)},
-                                            keep=config.keep, tokenizer=built.tokenizer)
-                log.write(f"saved the training state of step {step} to {saved}")
+                saved = guard.save(config.ckpt, stage, optimizer, schedule, log, keep=config.keep,
+                                   tokenizer=built.tokenizer, extra={"step": step, "cursor": cursor, "data": _data_key(config)})
+                if saved is not None:
+                    log.write(f"saved the training state of step {step} to {saved}")
     finally:
         metrics_log.close()
     wall = time.perf_counter() - start
@@ -206,6 +221,8 @@ def train(config: TrainConfig) -> dict:
         "config": asdict(config),
         "first_step": first,
         "losses": losses,
+        "skipped_steps": guard.skipped,
+        "failed_saves": guard.failed_saves,
         "step_seconds": step_seconds,
         "train_seconds": wall,
         "tokens_per_step": sequences * config.seq_len,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
+from .guard import ON_NONFINITE, ON_SAVE_ERROR
 from .presets import PRESETS
 from .train import LOADED_LR, RANDOM_LR, TrainConfig
 from .train_setup import DEVICES, DTYPES
@@ -68,6 +69,14 @@ FLAGS = [
          {"dest": "train_dtype", "choices": DTYPES}),
     Flag("max_grad_norm", "--max-grad-norm", "clip gradients to this norm of the whole model (over tp, pp and dp)",
          {"type": float, "metavar": "NORM"}),
+    Flag("on_nonfinite", "--on-nonfinite", "a step whose loss or gradient norm is nan or inf is never applied "
+         "nor saved: stop the run (exit 1, naming the last finite checkpoint) or skip the step (default "
+         "%(default)s)", {"choices": ON_NONFINITE}),
+    Flag("skip_limit", "--skip-limit", "with --on-nonfinite skip, stop after N non-finite steps in a row (default "
+         "%(default)s)", {"type": int, "metavar": "N"}),
+    Flag("on_save_error", "--on-save-error", "a save that would not fit or fails (a full disk): nothing of it is "
+         "kept and `latest` is untouched; stop the run (exit 1) or continue training without it (default "
+         "%(default)s)", {"choices": ON_SAVE_ERROR}),
     Flag("progress", "--no-progress", "no progress bar (a line per step instead)", {"action": "store_true"},
          negate=True),
     Flag("timeout_s", "--timeout", "process-group timeout, > 0: a rank waiting longer than this in a collective (a "

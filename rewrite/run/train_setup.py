@@ -16,6 +16,8 @@ from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_b
 from ..plan.loading import load_plan, load_plan_for
 from ..plan.schema import ParallelPlan, PlanError
 from ..plan.wording import either
+from ..values import is_count
+from .guard import ON_NONFINITE, ON_SAVE_ERROR
 from .presets import PRESETS, build_model, load_config
 
 __all__ = ["DEVICES", "DTYPES", "pick_device", "train_plan", "setting_problems", "ModelSource", "model_source", "build_stage",
@@ -147,6 +149,13 @@ def setting_problems(config, plan, model_config) -> list[str]:
         problems.append("--resume and --save-every need --ckpt DIR: where the training state is kept")
     if config.dtype not in DTYPES:
         problems.append(f"--dtype {config.dtype!r}: use {either(DTYPES)}")
+    if config.on_nonfinite not in ON_NONFINITE:
+        problems.append(f"--on-nonfinite {config.on_nonfinite!r}: use {either(ON_NONFINITE)}")
+    if config.on_save_error not in ON_SAVE_ERROR:
+        problems.append(f"--on-save-error {config.on_save_error!r}: use {either(ON_SAVE_ERROR)}")
+    if not is_count(config.skip_limit):
+        problems.append(f"--skip-limit is {config.skip_limit!r}; use 1 or more (non-finite steps in a row that stop "
+                        "the run)")
     if config.max_grad_norm is not None and not config.max_grad_norm > 0:
         problems.append(f"--max-grad-norm is {config.max_grad_norm}; use a positive norm such as 1.0")
     max_pos = getattr(model_config, "max_position_embeddings", None)
