@@ -4,19 +4,29 @@ store under torchrun's restarts), made before `train` and torn down after it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..errors import RewriteError
 from .byte_data import TrainConfigError
 from .stores import local_store, restart_store
 from .train import TrainConfig, train
 from .train_setup import pick_device
 
-__all__ = ["build_init_kwargs", "train_main"]
+__all__ = ["PeerTimeout", "build_init_kwargs", "train_main"]
+
+
+_TIMED_OUT = re.compile(r"timed? ?out", re.IGNORECASE)
+
+
+class PeerTimeout(RewriteError, RuntimeError):
+    """A collective waited `--timeout` seconds for a peer that never answered (stuck, stopped or gone)."""
 
 
 def build_init_kwargs(config: TrainConfig) -> dict:
@@ -62,20 +72,37 @@ def train_main(config: TrainConfig) -> dict:
     else:
         torch.set_num_threads(1)  # the ranks share the machine's cores
     owns_group = not dist.is_initialized()
-    if owns_group:
-        if alone:  # a world of one on a store of its own: no port to pick
-            store = local_store(1, init_kwargs["timeout"])
-            os.environ.setdefault("MASTER_PORT", str(store.port))
-            dist.init_process_group(**init_kwargs, store=store, rank=0, world_size=1)
-        else:
-            dist.init_process_group(**init_kwargs, **restart_store(init_kwargs["timeout"]))
+    with _named_timeout(config.timeout_s):
+        if owns_group:
+            if alone:  # a world of one on a store of its own: no port to pick
+                store = local_store(1, init_kwargs["timeout"])
+                os.environ.setdefault("MASTER_PORT", str(store.port))
+                dist.init_process_group(**init_kwargs, store=store, rank=0, world_size=1)
+            else:
+                dist.init_process_group(**init_kwargs, **restart_store(init_kwargs["timeout"]))
+        try:
+            result = train(config)
+            if owns_group:
+                # Every rank done before any tears down its connections: gloo aborts a process
+                # whose peer closes a pair while its own threads still use it.
+                dist.barrier()
+            return result
+        finally:
+            if owns_group:
+                dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _named_timeout(timeout_s: float):
+    """A collective or rendezvous that waited `timeout_s` for a peer, said in the run's words."""
     try:
-        result = train(config)
-        if owns_group:
-            # Every rank done before any tears down its connections: gloo aborts a process
-            # whose peer closes a pair while its own threads still use it.
-            dist.barrier()
-        return result
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
+        yield
+    except RuntimeError as exc:  # gloo: "Timed out waiting 10000ms for recv"; the store: "wait timeout after"
+        if isinstance(exc, RewriteError) or not _TIMED_OUT.search(str(exc)):
+            raise
+        first = str(exc).strip().splitlines()[0]
+        raise PeerTimeout(
+            f"no answer from a peer within --timeout {timeout_s:g} s (a rank stuck, stopped or gone); this run "
+            "stops. Under torchrun, --max-restarts starts every rank again and --resume continues from the last "
+            f"checkpoint. ({first})"
+        ) from None
