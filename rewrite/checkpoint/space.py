@@ -63,7 +63,7 @@ def space_problems(needs: dict[tuple[str, int], tuple[int, int]], directory: Pat
     hosts = {host for host, _ in needs}
     return [
         f"{directory}{f' on {host}' if len(hosts) > 1 else ''}: a checkpoint needs about {format_bytes(need)}, and "
-        f"its file system has {format_bytes(free)} free; free some space, keep fewer checkpoints (keep=, --keep), "
+        f"its file system has {format_bytes(free)} free; free some space, keep fewer checkpoints (`keep`), "
         "or save elsewhere. Nothing was written"
         for (host, _), (need, free) in needs.items() if need > free
     ]

@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (PlanError, TrainConfigError, TrainStopped) as exc:
         if _rank() == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            print(f"error: {in_flags(str(exc))}", file=sys.stderr, flush=True)
         else:
             time.sleep(1.0)  # torchrun stops every rank once one exits: let rank 0 print first
         return 1

@@ -21,6 +21,7 @@ FLAGS = {
     "device_memory": "--device-memory",
     "dtype": "--dtype",
     "step": "--step",
+    "keep": "--keep",
 }
 _NAMED = re.compile(r"`(\w+)(?:=([^`]*))?`")
 

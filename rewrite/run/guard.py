@@ -16,6 +16,7 @@ from pathlib import Path
 from ..checkpoint.finite import NonFiniteState
 from ..checkpoint.training_state import latest_checkpoint, save_training_state
 from ..errors import CheckpointWriteError, RewriteError
+from .flag_words import in_flags
 
 __all__ = ["ON_NONFINITE", "ON_SAVE_ERROR", "TrainStopped", "StateGuard"]
 
@@ -92,8 +93,8 @@ class StateGuard:
                 raise TrainStopped(f"rewrite train stopped at step {step}: the training state was not saved: {failed}. "
                                    "Free space (or --keep fewer, or another --ckpt) and `--resume`; "
                                    "--on-save-error continue trains on without it") from None
-            log.write(f"warning: step {step}'s training state was not saved, training on (--on-save-error "
-                      f"continue): {failed}")
+            log.write(in_flags(f"warning: step {step}'s training state was not saved, training on (--on-save-error "
+                               f"continue): {failed}"))
             return None
 
     def where_good(self) -> str:

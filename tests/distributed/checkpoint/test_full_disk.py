@@ -108,6 +108,7 @@ def test_train_on_a_small_disk_stops_or_trains_on(tmp_path, on_save_error):
         latest = latest_checkpoint(disk / "ckpt")
     assert steps == ["step-00000001"] and latest[0] == 1, said[-3000:]
     assert f"{disk / 'ckpt'}: a checkpoint needs about " in said and "Nothing was written" in said
+    assert "keep fewer checkpoints (--keep)" in said
     if on_save_error == "stop":
         assert done.returncode == 1, said[-3000:]
         assert said.count("rewrite train stopped at step 2: the training state was not saved: ") == 1, said[-3000:]

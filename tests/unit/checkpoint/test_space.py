@@ -24,7 +24,7 @@ def test_replicated_boxes_count_once_and_hosts_apart():
     assert needs[b] == (int(4 * MIB * SLACK) + PER_BOX + MARGIN, 3 * MIB)
     problems = space_problems(needs, Path("/ckpt"))
     assert problems == ["/ckpt on h2: a checkpoint needs about 4.1 MiB, and its file system has 3.0 MiB free; free "
-                        "some space, keep fewer checkpoints (keep=, --keep), or save elsewhere. Nothing was written"]
+                        "some space, keep fewer checkpoints (`keep`), or save elsewhere. Nothing was written"]
 
 
 def test_one_host_is_not_named():

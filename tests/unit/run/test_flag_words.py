@@ -16,7 +16,8 @@ def test_backticked_parameters_become_flags_and_nothing_else_changes():
         "--batch-size is 0; use a whole number of sequences >= 1")
     assert in_flags("(`world=16`, `global_batch` a multiple)") == "(--world 16, --global-batch a multiple)"
     assert in_flags("`step=N`, or leave `step` out") == "--step N, or leave --step out"
-    assert in_flags("a `latest` file, `keep=2`, plain text") == "a `latest` file, `keep=2`, plain text"
+    assert in_flags("a `latest` file, `sharding=full`, plain text") == "a `latest` file, `sharding=full`, plain text"
+    assert in_flags("keep fewer checkpoints (`keep`)") == "keep fewer checkpoints (--keep)"
 
 
 def test_a_python_caller_reads_parameter_names_not_flags():
