@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-__all__ = ["local_store", "restart_store"]
+__all__ = ["local_store", "restart_store", "restart_hazard"]
 
 
 def local_store(world_size: int, timeout: timedelta):
@@ -31,6 +31,10 @@ def restart_store(timeout: timedelta) -> dict:
     still holds the process-group keys of the workers it replaced: gloo would read the
     addresses of dead ranks and fail to connect. Prefixing the keys with the restart count
     gives every attempt fresh ones. Elsewhere: nothing (the `env://` default).
+
+    The count is each agent's own, and agents on several machines may disagree on it (one
+    restarts because its workers failed, another because the membership changed; torch
+    issue 135712): `restart_hazard` says when that can bite.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
@@ -42,3 +46,20 @@ def restart_store(timeout: timedelta) -> dict:
                           timeout=timeout)
     return {"store": dist.PrefixStore(f"rewrite/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
             "world_size": world}
+
+
+def restart_hazard() -> str | None:
+    """Why restarts could fail here, or None: several machines, torchrun's shared store, restarts allowed.
+
+    Then the machines' workers may key a restart by different counts and read the addresses of
+    dead ranks. torchrun without the shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every
+    machine) starts each attempt on a fresh store instead.
+    """
+    env = os.environ
+    several = int(env.get("GROUP_WORLD_SIZE", "1")) > 1
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    if not (several and restarts and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        return None
+    return ("torchrun may restart this run (--max-restarts) across several machines with its shared rendezvous "
+            "store, where torch 2.13 can start a restart on stale addresses (its issue 135712): set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every machine")

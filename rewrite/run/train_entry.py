@@ -8,6 +8,7 @@ import contextlib
 import math
 import os
 import re
+import sys
 from datetime import timedelta
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from ..errors import RewriteError
 from .byte_data import TrainConfigError
-from .stores import local_store, restart_store
+from .stores import local_store, restart_hazard, restart_store
 from .train import TrainConfig, train
 from .train_setup import pick_device
 
@@ -72,6 +73,8 @@ def train_main(config: TrainConfig) -> dict:
     else:
         torch.set_num_threads(1)  # the ranks share the machine's cores
     owns_group = not dist.is_initialized()
+    if owns_group and os.environ.get("RANK") == "0" and (hazard := restart_hazard()):
+        print(f"warning: {hazard}", file=sys.stderr, flush=True)
     with _named_timeout(config.timeout_s):
         if owns_group:
             if alone:  # a world of one on a store of its own: no port to pick

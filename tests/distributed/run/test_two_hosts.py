@@ -61,7 +61,9 @@ def _start(hosts, run_dir: Path, plan: str, *extra: str, restarts: int = 0) -> l
     endpoint = f"{hosts[0][1]}:29400"
     procs = []
     for i, (ns, addr, dev) in enumerate(hosts):
-        cmd = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
+        # Restarts across machines need a fresh store per attempt (torch issue 135712; docs/data_parallel.md).
+        fresh = ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] if restarts else []
+        cmd = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1", *fresh,
                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_dir.name, "--local-addr", addr,
                *(["--rdzv-conf", "is_host=true"] if i == 0 else []), f"--max-restarts={restarts}",
