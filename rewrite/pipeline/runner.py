@@ -85,13 +85,11 @@ def run_schedule(
     return _run(stage, _table(pipeline.schedule, rows, pp, k, m), inputs, targets, loss_fn)
 
 
-def run_afab(
-    stage: Stage,
-    inputs: Sequence[torch.Tensor],
-    targets: Sequence[torch.Tensor] | None,
-    loss_fn: LossFn | None = None,
-) -> torch.Tensor:
-    """Deprecated: one AFAB step whatever the plan's schedule; use `run_schedule` (the same gradients)."""
+def run_afab(stage: Stage, inputs, targets, loss_fn: LossFn | None = None) -> torch.Tensor:
+    """Deprecated: one AFAB step whatever the plan's schedule; use `run_schedule` (the same gradients).
+
+    Takes `run_schedule`'s arguments and returns what it returns.
+    """
     warnings.warn(
         "rewrite.run_afab is deprecated: use rewrite.run_schedule, which runs the plan's pipeline.schedule "
         "(afab unless the plan names another; the gradients are the same under every schedule)",
