@@ -175,7 +175,9 @@ def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Te
         fn = next(f for k, f in fn.items() if k not in _RECURRENT)
     names = _mask_params(fn)
     # The keyword names moved between transformers releases; pass what this one takes.
-    kwargs = {"config": config, "attention_mask": None, "position_ids": position_ids}
+    # Positions 0 .. s-1 hold one sequence, so the builder is not given them to look for packed
+    # ones: that look reads a tensor on the host (a device synchronisation per microbatch on a GPU).
+    kwargs = {"config": config, "attention_mask": None, "position_ids": None}
     kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
     for cache_name in ("cache", "past_key_values"):
         if cache_name in names:
