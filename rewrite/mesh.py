@@ -37,6 +37,9 @@ class Mesh:
     device_mesh: DeviceMesh | None = None  # dims ("dp", "pp", "tp")
     kv_replicas: int = 1  # tp ranks holding each kv head (tp / kv when tp passes the kv heads)
     kv_group: ProcessGroup | None = None  # those of this rank's tp group holding its kv head (kv_replicas > 1)
+    # The whole world on a backend that takes host tensors, for agreements that must not wait on a
+    # device; None where the default group does (gloo, or "cpu:gloo,cuda:nccl").
+    host_group: ProcessGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -99,6 +102,7 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1) -> Mesh:
                 if coordinates(rank, pp=pp, tp=tp) in ((d, 0, t), (d, pp - 1, t)):
                     tied_group = group
     kv_group = _kv_group(pp, tp, dp, kv_replicas, device_mesh.get_group("tp"))
+    host_group = None if "gloo" in str(dist.get_backend()).lower() else dist.new_group(backend="gloo")
     return Mesh(
         pp=pp,
         tp=tp,
@@ -110,6 +114,7 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1) -> Mesh:
         dp=dp,
         dp_group=device_mesh.get_group("dp"),
         device_mesh=device_mesh,
+        host_group=host_group,
     )
 
 

@@ -1,18 +1,27 @@
-"""A step's microbatches, checked on every rank and agreed on in one collective.
+"""A step's microbatches, checked on every rank; ranks agree on them in one small collective.
 
-Each rank checks what it can see (token ids inside the vocabulary, targets a
-cross-entropy accepts); then one collective shares every rank's problems and its view
-of the microbatches (count, shapes, dtypes). Any problem or difference raises the same
-ValueError on every rank, naming the rank and the tensor, before any tensor is sent.
+Each rank checks what it can see: the structure of its arguments (a list of tensors, their
+shapes and dtypes; worked out once per structure) and their values (token ids inside the
+vocabulary, targets a cross-entropy accepts; every step, in one read of a few integers for
+all microbatches). Then one all-reduce of three integers on the mesh's host group carries a
+fingerprint of every rank's view (count, shapes, dtypes) and whether it found a problem: a
+steady step makes no other collective here, and no device read when its microbatches are
+on the host. Only when some rank found a problem, or views differ, do the ranks share their
+findings (`agree`) and raise the same InputError on every rank, naming the rank and the
+tensor, before any tensor is sent.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 
 from ..agreement import agree, describe_ranks, ranks_by_value
+from ..lent import lend
 from ..tensor_parallel.loss import IGNORE_INDEX
 from .stage import Stage
 from ..errors import InputError
@@ -33,8 +42,14 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what
             ids in `[0, classes)` or -100.
         what: the caller's name, for the message.
     """
-    problems = _local_problems(stage, inputs, targets, default_loss)
-    views = agree(problems, what, view=_describe(inputs))
+    view, found = _describe(inputs), True
+    if isinstance(stage, Stage):
+        found = _structure_fails(_facts(stage), _layout(inputs), _layout(targets), default_loss)
+        found = found or not _values_fit(stage, inputs, targets, default_loss)
+    if not _verdict(stage.mesh.host_group if isinstance(stage, Stage) else None, view, found):
+        return
+    # Some rank found a problem or saw other microbatches: every rank is here; say what each found.
+    views = agree(_local_problems(stage, inputs, targets, default_loss), what, view=view)
     groups = ranks_by_value(views)
     if len(groups) > 1:
         seen = "; ".join(f"{describe_ranks(r)}: {v}" for v, r in groups.items())
@@ -44,6 +59,79 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what
             + ("; data-parallel replicas pass their own microbatches, all of the same count, shapes and dtypes"
                if stage.mesh.dp > 1 else "")
         )
+
+
+def _verdict(group, view: str, found: bool) -> bool:
+    """On every rank alike: whether any rank found a problem or ranks' views differ (one all-reduce of 3 int64)."""
+    if dist.get_world_size() == 1:
+        return found
+    mark = _fingerprint(view)
+    verdict = torch.tensor([mark, -mark, int(found)], dtype=torch.int64)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    lend(verdict)
+    highest, negated_lowest, flagged = verdict.tolist()
+    return bool(flagged) or highest != -negated_lowest
+
+
+@lru_cache(maxsize=256)
+def _fingerprint(view: str) -> int:
+    """A 62-bit digest of a view, the same in every process (unlike `hash`, which is salted)."""
+    return int.from_bytes(hashlib.blake2b(view.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _facts(stage: Stage) -> tuple:
+    """What the structure rules read of the stage (hashable: part of a cache key)."""
+    return stage.takes_token_ids, stage.is_last, stage.num_classes
+
+
+def _layout(values) -> tuple | str:
+    """A list of tensors as (shape, dtype) pairs, anything else as its type's name (hashable: part of a cache key)."""
+    if not isinstance(values, Sequence):
+        return type(values).__name__
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in values)
+
+
+@lru_cache(maxsize=256)
+def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, default_loss: bool) -> bool:
+    """Whether a structure (from `_layout`) breaks a rule that shapes and dtypes alone decide (`_local_problems`')."""
+    takes_ids, last, classes = facts
+    if isinstance(inputs, str) or not inputs or any(isinstance(x, str) for x in inputs):
+        return True
+    if takes_ids and any(len(shape) != 2 or not _integer_dtype(dtype) for shape, dtype in inputs):
+        return True
+    if not last:
+        return False
+    if isinstance(targets, str) or len(targets) != len(inputs):
+        return True
+    return default_loss and any(
+        isinstance(t, str) or not _integer_dtype(t[1]) or (takes_ids and t[0] != inputs[i][0])
+        for i, t in enumerate(targets)
+    )
+
+
+def _integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _values_fit(stage: Stage, inputs, targets, default_loss: bool) -> bool:
+    """Token ids inside the vocabulary, targets in [0, classes) or -100, read in one go for every microbatch.
+
+    Called once the structure is known good. Tensors on the host cost no device read; tensors
+    already on a device cost one read of a few integers per step.
+    """
+    spans = []  # (a tensor, the highest value it may hold; its lowest is 0)
+    if stage.takes_token_ids and stage.is_first:
+        spans += [(x, stage.vocab_size - 1) for x in inputs]
+    if stage.is_last and default_loss:
+        top = stage.num_classes - 1 if stage.num_classes else None
+        # -100 (ignored) is allowed: read as 0 here, so only other negatives fall below 0.
+        spans += [(t.masked_fill(t == IGNORE_INDEX, 0), top) for t in targets]
+    spans = [(x, top) for x, top in spans if x.numel()]
+    if not spans:
+        return True
+    home = spans[0][0].device
+    extremes = torch.stack([torch.stack(torch.aminmax(x)).to(home, torch.int64) for x, _ in spans]).tolist()
+    return all(low >= 0 and (top is None or high <= top) for (low, high), (_, top) in zip(extremes, spans))
 
 
 def _is_tensor_list(values) -> bool:
@@ -69,7 +157,7 @@ def _names(what: str, indices: list[int], shown: int = 3) -> str:
 
 
 def _is_integer(x: torch.Tensor) -> bool:
-    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    return _integer_dtype(x.dtype)
 
 
 def _first_outside(x: torch.Tensor, low: int, high: int | None, *, allow: int | None = None) -> str | None:
