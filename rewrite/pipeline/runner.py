@@ -10,7 +10,6 @@ nothing of LLaMA or plans.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -26,7 +25,8 @@ from .backward import Deferred, backward_input, backward_weight
 from .inbox import Inbox, messages_between
 from .inputs import check_step_inputs
 from .loss import causal_lm_loss, loss_for
-from .stage import Stage, TimelineEvent
+from .clock import StepClock
+from .stage import Stage
 
 __all__ = ["run_schedule", "causal_lm_loss"]
 
@@ -151,8 +151,10 @@ class _Step:
     """One step's state on this rank: stage inputs and outputs held between F and B (or I and W), losses, sends."""
 
     def __init__(self, stage: Stage, table, inputs, targets, loss_fn: LossFn):
-        self.stage, self.inputs, self.targets, self.loss_fn = stage, inputs, targets, loss_fn
         self.m, self.mesh, self.device, self.dtype = len(inputs), stage.mesh, stage.device, stage.dtype
+        self.stage, self.loss_fn = stage, loss_fn
+        self.inputs = _on_device(inputs, self.device) if stage.is_first else inputs
+        self.targets = _on_device(targets, self.device) if stage.is_last else targets
         self.place, self.last = stage.stage_rank, stage.num_stages - 1
         me = stage.pp_rank
         # I is input-only and W the rest, unless this rank recomputes activations: a split
@@ -163,7 +165,7 @@ class _Step:
         self.local: dict[tuple, torch.Tensor] = {}  # handed between two stages of this rank
         self.losses: dict[int, torch.Tensor] = {}
         self.sends: list[tuple[list, torch.Tensor]] = []  # in-flight works, with the tensor they read
-        stage.timeline = []
+        self.clock = stage.clock = StepClock(self.device)
         self.inboxes = {}
         for peer in range(self.mesh.pp):
             order = messages_between(table[peer], self.place, peer, me) if peer != me else []
@@ -191,7 +193,7 @@ class _Step:
         return None if shape is None else (shape, self.dtype)
 
     def run(self, action: Action) -> None:
-        start = time.time()
+        start = self.clock.mark()
         kind, mb, s = action.kind, action.mb, action.stage
         if kind == "F":
             start = self.forward(mb, s)
@@ -201,7 +203,7 @@ class _Step:
             backward_weight(self.deferred.pop((mb, s)), self._params())
             del self.held[mb, s]
         name = "backward" if kind == "I" and (mb, s) not in self.split else _EVENT[kind]
-        self.stage.timeline.append(TimelineEvent(self.mesh.rank, s, mb, name, start, time.time()))
+        self.clock.add(self.mesh.rank, s, mb, name, start, self.clock.mark())
 
     def _take(self, kind: str, mb: int, s: int) -> torch.Tensor:
         """The activation entering stage `s` ("F") or the gradient of its output ("B")."""
@@ -221,7 +223,7 @@ class _Step:
             self._send(*p2p.send_header(tensor, dst))
         self._send(p2p.send(tensor, dst), tensor)
 
-    def forward(self, mb: int, s: int) -> float:
+    def forward(self, mb: int, s: int):
         if s == 0:
             x = self.inputs[mb].to(self.device)
             if x.is_floating_point():
@@ -229,7 +231,7 @@ class _Step:
         else:
             x = self._take("F", mb, s)
             x.requires_grad_(x.is_floating_point())
-        start = time.time()
+        start = self.clock.mark()
         # Token models: stages past a sequence-parallel split need the whole length.
         y = self.stage.run(s, x, seq_len=self.inputs[mb].shape[-1]) if self.stage.takes_token_ids else self.stage.run(s, x)
         if s == self.last:
@@ -239,10 +241,10 @@ class _Step:
         self.held[mb, s] = (x, y)
         return start
 
-    def backward(self, mb: int, s: int) -> float:
+    def backward(self, mb: int, s: int):
         x, y = self.held[mb, s]
         grad = None if s == self.last else self._take("B", mb, s)
-        start = time.time()
+        start = self.clock.mark()
         if (mb, s) in self.split:
             dx, self.deferred[mb, s] = backward_input(y, grad, x, self._params())
         else:
@@ -266,6 +268,18 @@ class _Step:
             for work in works:
                 work.wait()
         self.sends = []
+
+
+def _on_device(values, device: torch.device):
+    """The step's tensors on the stage's device, copied ahead from pinned host memory.
+
+    A copy from ordinary host memory waits for the device to finish its queue first; a
+    pinned one is queued like a kernel, so the step's copies cost no host synchronisation.
+    """
+    if device.type == "cpu" or values is None:
+        return values
+    return [x if not isinstance(x, torch.Tensor) else x.to(device) if x.device.type != "cpu"
+            else x.pin_memory().to(device, non_blocking=True) for x in values]
 
 
 def _stash_tied_grads(stage: Stage) -> list:

@@ -18,6 +18,7 @@ from torch import nn
 from ..mesh import Mesh
 from ..binding.resolve import ResolvedPlan
 from ..tensor_parallel.replicated import StepSums
+from .clock import StepClock, TimelineEvent
 from .loss import LogitShard
 
 __all__ = ["ForwardFn", "GradientSync", "Stage", "TimelineEvent"]
@@ -43,18 +44,6 @@ class GradientSync(Protocol):
         """After the step's last action: reduce the step's gradients over the replicas, once."""
 
 
-@dataclass(frozen=True)
-class TimelineEvent:
-    """One action of one microbatch on one rank (wall-clock seconds)."""
-
-    rank: int
-    stage_idx: int  # a stage id (0 .. num_stages - 1), not a rank
-    mb_idx: int
-    kind: str  # "forward", "backward" (whole), "backward-input" or "backward-weight"
-    start: float
-    end: float
-
-
 @dataclass
 class Stage:
     """This rank's stage(s) of a model rewritten by `apply_plan`.
@@ -70,7 +59,7 @@ class Stage:
         forward_fns: stage id -> what runs that stage on one microbatch.
         tied: parameters this rank shares with another rank (tied embeddings),
             whose gradients the runner sums over `mesh.tied_group`.
-        timeline: the last step's events on this rank.
+        clock: the last step's action times on this rank (`timeline` reads them), or None.
         grad_sync: with data parallelism (mesh.dp > 1), what the runner calls before a
             step (`begin`: backwards only accumulate) and after it (`finish`: gradients
             averaged over the replicas once); None otherwise.
@@ -84,7 +73,7 @@ class Stage:
             (`tensor_parallel.replicated.StepSums`); None when there are none.
 
     `apply_plan` builds it once, every field given. Not frozen: the runner replaces
-    `timeline` each step, and loading a checkpoint re-points `tied` at the tensors it
+    `clock` each step, and loading a checkpoint re-points `tied` at the tensors it
     gave storage to (the meta parameters carving saw are gone).
 
     Example:
@@ -99,7 +88,7 @@ class Stage:
     mesh: Mesh
     forward_fns: dict[int, ForwardFn]
     tied: list[nn.Parameter] = field(default_factory=list)
-    timeline: list[TimelineEvent] = field(default_factory=list)
+    clock: StepClock | None = None
     grad_sync: GradientSync | None = None
     recomputed: tuple[str, ...] = ()
     logit_shard: LogitShard | None = None
@@ -125,6 +114,11 @@ class Stage:
         out = fn(x) if seq_len is None else fn(x, seq_len=seq_len)
         # A whole Hugging Face model run as one traced stage returns its ModelOutput: the runner takes its logits.
         return out if isinstance(out, torch.Tensor) or not hasattr(out, "logits") else out.logits
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
+        """The last step's events on this rank (on a GPU, reading them waits for the step's work)."""
+        return [] if self.clock is None else self.clock.events()
 
     @property
     def stage_ids(self) -> tuple[int, ...]:

@@ -32,8 +32,9 @@ def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
     """Every rank's events of the last step run through its stage, sorted by rank then start.
 
     Collective: every rank of `group` (default: the whole world) calls it; every
-    rank gets the full list. Clocks are wall-clock seconds (`time.time()`), so ranks
-    on several machines are only as aligned as those machines' clocks.
+    rank gets the full list. Times are wall-clock seconds (`time.time()`; on a GPU, CUDA
+    events counted from the host's time at the step's start), so ranks on several
+    machines are only as aligned as those machines' clocks.
 
     Example:
         >>> loss = rewrite.run_schedule(stage, inputs, targets)
