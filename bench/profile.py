@@ -94,24 +94,23 @@ def _pp_path(rank: int, world: int, rows: int, schedule: str = "afab") -> dict:
 _TORCH_DP = {"replicate": ("torch DDP", dp._ddp), "full": ("torch FSDP2", dp._fsdp2), "grad_op": ("torch FSDP2", dp._fsdp2)}
 
 
-def _dp_ops(rank: int, world: int, rows: int, sharding: str = "replicate", steps: int = 3) -> dict:
+def _dp_ops(rank: int, world: int, rows: int, sharding: str = "replicate", steps: int = 6) -> dict:
     """Per operator, self CPU ms per step (mean of `steps` profiled steps) and calls, ours and torch's."""
     name, torch_side = _TORCH_DP[sharding]
-    sides = {f"rewrite {sharding}": lambda: dp._ours(rank, sharding), name: lambda: torch_side(rank)}
-    out = {}
-    for side, build in sides.items():
-        module, step = build()
+    sides = {f"rewrite {sharding}": dp._ours(rank, sharding), name: torch_side(rank)}
+    for module, step in sides.values():
         for _ in range(2):  # warm up
             step()
             module.zero_grad(set_to_none=True)
-        ops: dict[str, list] = {}
-        for _ in range(steps):
+    out: dict[str, dict[str, list]] = {side: {} for side in sides}
+    for i in range(steps):  # the sides take turns, every other step in reverse: drift hits both alike
+        for side in list(sides) if i % 2 == 0 else list(sides)[::-1]:
+            module, step = sides[side]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
                 module.zero_grad(set_to_none=True)
             for e in prof.key_averages():
-                ops.setdefault(e.key, [0.0, e.count])[0] += e.self_cpu_time_total / 1e3 / steps
-        out[side] = ops
+                out[side].setdefault(e.key, [0.0, e.count])[0] += e.self_cpu_time_total / 1e3 / steps
     return out
 
 
