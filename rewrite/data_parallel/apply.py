@@ -8,10 +8,14 @@ a stage through a method of the model registered with FSDP (`register_fsdp_forwa
 so the root gathers its parameters as `model(...)` would, and each layer's own hooks
 gather the layer's.
 
-Gradients are synchronised once per step, whatever the schedule: the runner calls
-`GradSync.begin` before a step's first action (every backward then only accumulates)
-and `GradSync.finish` after its last (one reduce-scatter, or all-reduce for
-`replicate`, per unit, as torch.distributed.pipelining does for its own stages).
+Under `data_parallel.reduce: step` (the default) gradients are synchronised once per step,
+whatever the schedule: the runner calls `GradSync.begin` before a step's first action (every
+backward then only accumulates), `sync_next_backward` before the last whole backward (each
+unit reduces as that backward leaves it) and `GradSync.finish` after the step's last action
+(one reduce-scatter, or all-reduce for `replicate`, per unit the last backward did not reach,
+as torch.distributed.pipelining does for its own stages). Under `reduce: microbatch` the runner
+calls `sync_next_backward` before every backward, so each unit reduces (and lets go of its
+whole gradients) at the end of each microbatch's backward, as FSDP2 and DDP do by default.
 `GradSync` (and `ddp.DdpSync`) is the pipeline's `GradientSync`.
 """
 

@@ -37,28 +37,41 @@ class DpTime:
         """The plan's data-parallel sharding, None without data parallelism."""
         return resolved.plan.data_parallel.sharding if self.dp > 1 else None
 
+    def reduces_each(self, sharding: str | None, split: bool, reduce: str) -> bool:
+        """Whether each whole backward reduces its units' gradients (`data_parallel.reduce: microbatch`)."""
+        return reduce == "microbatch" and sharding is not None and not split
+
+    def _reduce(self, nbytes: float, sharding: str) -> float:
+        fn = all_reduce_s if sharding == "replicate" else reduce_scatter_s
+        return fn(nbytes, self.dp, self.link, self.eff)
+
     def per_microbatch(self, sharding: str | None, split: bool) -> bool:
         """Whether each F and B gathers its stage's units again (full sharding, whole backwards)."""
         return sharding == "full" and not split
 
-    def costs(self, times: list, sharding: str | None, split: bool) -> dict[tuple[str, int], float]:
-        """Each (kind, stage)'s duration: its compute, or under per-microbatch gathers the gather
-        beside it when that is longer, plus the first unit's gather, which nothing hides."""
-        gathers = self.per_microbatch(sharding, split)
+    def costs(self, times: list, sharding: str | None, split: bool, reduce: str = "step") -> dict[tuple[str, int], float]:
+        """Each (kind, stage)'s duration: its compute, or the collectives beside it when they take longer,
+        plus what nothing hides: the first unit's gather (per-microbatch gathers), the last unit's reduce
+        (a backward that reduces its units, `reduce: microbatch`)."""
+        gathers, reduces = self.per_microbatch(sharding, split), self.reduces_each(sharding, split, reduce)
         out = {}
         for s, t in enumerate(times):
             for kind, base in (("F", t.forward), ("B", t.backward), ("I", t.input_backward), ("W", t.weight_backward)):
+                beside, unhidden = 0.0, 0.0
                 if gathers and kind != "W":
                     ags = self.gather[s] if kind == "F" else self.layers_only[s]
-                    base = max(base, sum(ags)) + (ags[0] if ags else 0.0)
-                out[kind, s] = base
+                    beside, unhidden = sum(ags), (ags[0] if ags else 0.0)
+                if reduces and kind == "B":
+                    rss = [self._reduce(b, sharding) for b in self.units[s].values()]
+                    beside, unhidden = beside + sum(rss), unhidden + min(rss, default=0.0)
+                out[kind, s] = max(base, beside) + unhidden
         return out
 
     def tail(self, stages: tuple[int, ...], times: list, sharding: str | None, split: bool,
-             window: float, dtype_bytes: int) -> tuple[float, float]:
+             window: float, dtype_bytes: int, reduce: str = "step") -> tuple[float, float]:
         """(data-parallel seconds exposed after a rank's last action, AdamW's seconds) for a rank holding
         `stages`. `window`: that action's duration, beside which the gradients reduce; an infinite one
-        gives the least exposed."""
+        gives the least exposed. Under `reduce: microbatch` the backwards reduced as they went (`costs`)."""
         dp, link, eff = self.dp, self.link, self.eff
         held = sum(b for s in stages for b in self.units[s].values())
         exposed = 0.0
@@ -66,10 +79,12 @@ class DpTime:
             for st in stages:
                 ags = self.gather[st]
                 exposed += max(0.0, sum(ags) - times[st].forward) + (ags[0] if ags else 0.0)
-        if sharding == "replicate":
+        # The step's one reduce, beside the last backward; reduced per microbatch, each backward's
+        # duration already holds its own (`costs`).
+        if sharding == "replicate" and not self.reduces_each(sharding, split, reduce):
             whole = all_reduce_s(held, dp, link, eff)
             exposed += max(whole - window, all_reduce_s(min(held, DDP_BUCKET), dp, link, eff))
-        elif sharding is not None:
+        elif sharding is not None and not self.reduces_each(sharding, split, reduce):
             last_unit = min((b for s in stages for b in self.units[s].values()), default=0)
             exposed += max(reduce_scatter_s(held, dp, link, eff) - window, reduce_scatter_s(last_unit, dp, link, eff))
         held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1)

@@ -28,11 +28,12 @@ from ..schedules import splits_backward
 from .activations import activation_problem, rank_activations
 
 __all__ = [
-    "Footprint", "ParamSums", "RankMemory", "SHARDINGS", "GIB", "footprint", "param_sums", "rank_footprints", "rank_memory", "rank_parameters", "rank_held", "param_unit",
+    "Footprint", "ParamSums", "RankMemory", "REDUCES", "SHARDINGS", "GIB", "footprint", "param_sums", "rank_footprints", "rank_memory", "rank_parameters", "rank_held", "param_unit",
     "with_run",
 ]
 
 SHARDINGS = ("full", "grad_op", "replicate")
+REDUCES = ("step", "microbatch")
 ADAMW_BYTES = 8  # AdamW's two moments (exp_avg, exp_avg_sq) per element, kept in float32
 
 
@@ -83,7 +84,8 @@ def param_sums(params: list[tuple], dp: int) -> ParamSums:
 
 
 def footprint(
-    params: list[tuple] | ParamSums, *, dp: int = 1, sharding: str = "full", split: bool = False
+    params: list[tuple] | ParamSums, *, dp: int = 1, sharding: str = "full", split: bool = False,
+    reduce: str = "step",
 ) -> Footprint:
     """One rank's parameter memory for one data-parallel sharding.
 
@@ -96,11 +98,15 @@ def footprint(
         sharding: `full`, `grad_op` or `replicate` (`data_parallel.sharding`).
         split: the schedule splits backwards (zero-bubble, zbv): `full` then keeps
             parameters gathered through the step, as `grad_op` does.
+        reduce: `step` or `microbatch` (`data_parallel.reduce`): under `full` and `grad_op`,
+            whether the rank's whole gradients wait for the step's one reduce, or only the root's
+            and one layer's are whole at a time, beside the reduced shards they accumulate into.
 
     Returns:
         A `Footprint`. The peak, with dp = 1: weights + gradients + AdamW. With dp > 1:
         weights + AdamW held + gathered parameters (padded) + the rank's whole gradients,
-        accumulated until the one reduce per step. Gathered: under `full` the root unit
+        accumulated until the one reduce per step (under `reduce: microbatch`, the reduced
+        shards + the root's and the largest layer's whole gradients). Gathered: under `full` the root unit
         (`"root"`: kept from its forward to its backward, as torch's FSDP2 keeps a root) and
         the largest other unit (each let go after its forward and after its backward); under `grad_op` (or
         `full` with split backwards) all of the rank's, kept from forward to the step's
@@ -120,15 +126,17 @@ def footprint(
         gathered = whole_bytes if dp > 1 else 0  # replicate's second copy: DDP's buckets, or FSDP2's gathered one
         return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
                          2 * whole_bytes + ADAMW_BYTES * whole + gathered)
+    if reduce not in REDUCES:
+        raise ValueError(f"data_parallel.reduce {reduce!r}: use one of {', '.join(REDUCES)}")
     held, held_bytes = z.held, z.held_bytes
-    if sharding == "full" and not split:  # one layer at a time, beside the root (kept from forward to backward)
-        units = dict(z.unit_bytes)
-        root = units.pop("root", 0)
-        gathered = dp * (root + max(units.values(), default=0))
-    else:
-        gathered = dp * held_bytes
+    units = dict(z.unit_bytes)
+    root = units.pop("root", 0)
+    one_at_a_time = dp * (root + max(units.values(), default=0))  # the root and the largest layer, whole
+    gathered = one_at_a_time if sharding == "full" and not split else dp * held_bytes
+    # The root's whole gradients live through each backward (its unit reduces when the backward ends).
+    grads = held_bytes + one_at_a_time if reduce == "microbatch" else whole_bytes
     return Footprint(held, held_bytes, held_bytes, ADAMW_BYTES * held,
-                     held_bytes + ADAMW_BYTES * held + gathered + whole_bytes)
+                     held_bytes + ADAMW_BYTES * held + gathered + grads)
 
 
 def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> list[tuple[tuple[int, ...], int, str]]:
@@ -164,7 +172,8 @@ def rank_held(resolved: ResolvedPlan, pp_rank: int) -> list:
     return out
 
 
-def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, sharding: str | None = None) -> list[Footprint]:
+def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, sharding: str | None = None,
+                    reduce: str | None = None) -> list[Footprint]:
     """Each pp rank's footprint, in pp-rank order; every tp rank and every replica alike.
 
     Args:
@@ -173,14 +182,16 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
             when mesh.dp > 1, for FSDP2's padding. Without it (dp = 1) the stages'
             totals are used.
         sharding: another mode than the plan's `data_parallel.sharding`, to compare.
+        reduce: another than the plan's `data_parallel.reduce`, to compare.
 
     Raises:
         ValueError: mesh.dp > 1 and no model.
     """
     dp, sharding = resolved.plan.mesh.dp, sharding or resolved.plan.data_parallel.sharding
+    reduce = reduce or resolved.plan.data_parallel.reduce
     if model is not None:
         split = splits_backward(resolved.plan.pipeline.schedule, resolved.plan.pipeline.table)
-        return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split)
+        return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split, reduce=reduce)
                 for r in range(resolved.pp)]
     if dp > 1:
         raise ValueError(

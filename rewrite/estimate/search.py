@@ -62,7 +62,8 @@ class Candidate:
         switches = [name for on, name in ((plan.sequence_parallel, "sp"), (plan.loss_parallel, "vocab/loss")) if on]
         k = f" x{pipe.virtual_stages} stages" if pipe.virtual_stages > 1 else ""
         return (f"{plan.mesh.shape_text()}, {pipe.schedule}{k}, {pipe.microbatches} x {self.batch_size} seq, "
-                f"{plan.data_parallel.sharding if plan.mesh.dp > 1 else 'no dp'}, "
+                f"{plan.data_parallel.sharding if plan.mesh.dp > 1 else 'no dp'}"
+                f"{' reduced per microbatch' if plan.mesh.dp > 1 and plan.data_parallel.reduce == 'microbatch' else ''}, "
                 f"{' + '.join(switches) or 'no switches'}, checkpointing {self.checkpointing}")
 
 
@@ -202,20 +203,24 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
 
 
 def _groups(bound: Bound, n: int, frugal: bool = False):
-    """(schedule, microbatches, sharding) of one binding, in the order the search names them."""
+    """(schedule, microbatches, sharding, reduce) of one binding, in the order the search names them."""
     dp, pp, k = bound.base.plan.mesh.dp, bound.base.pp, bound.base.plan.pipeline.virtual_stages
     schedules = ("1f1b",) if frugal else SCHEDULES_BY_STAGES[k] if pp > 1 else ("1f1b", "afab")
     shardings = ("full",) if dp == 1 or frugal else ("replicate", "grad_op", "full")  # the fastest first
     for schedule in schedules:
+        # Reduced once a step (least traffic) first; per microbatch where it holds less: sharded, whole backwards.
+        reduces = ("step", "microbatch") if dp > 1 and not splits_backward(schedule) else ("step",)
+        reduces = reduces[::-1] if frugal else reduces  # the least memory: whole gradients one layer at a time
         for m in (n,) if frugal else sorted(microbatch_counts(n, pp * k), reverse=True):
             for sharding in shardings:
-                yield schedule, m, sharding
+                for reduce in reduces if sharding != "replicate" else ("step",):
+                    yield schedule, m, sharding, reduce
 
 
 def _fits(bound: Bound, v: ResolvedPlan, mode: str, batch_size: int, limit: float) -> tuple[bool, int | None]:
     """(the parameters fit, the busiest rank's peak when the activations fit too, else None)."""
-    pipe, sharding = v.plan.pipeline, v.plan.data_parallel.sharding
-    feet = bound.footprint_peaks(v, sharding, splits_backward(pipe.schedule))
+    pipe, dpp = v.plan.pipeline, v.plan.data_parallel
+    feet = bound.footprint_peaks(v, dpp.sharding, splits_backward(pipe.schedule), dpp.reduce)
     if min(feet) > limit:
         return False, None
     acts = bound.activation_peaks(v, pipe.schedule, pipe.microbatches, mode, batch_size)  # builds the table
@@ -225,9 +230,10 @@ def _fits(bound: Bound, v: ResolvedPlan, mode: str, batch_size: int, limit: floa
 
 def _first_fit(bound: Bound, *, G, limit, n, frugal) -> Candidate | None:
     """Fit only: the first candidate of this binding that fits (no times)."""
-    for schedule, m, sharding in _groups(bound, n, frugal):
+    for schedule, m, sharding, reduce in _groups(bound, n, frugal):
         for mode in CHECKPOINTING[-1:] if frugal else CHECKPOINTING:
-            v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode)
+            v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode,
+                        reduce=reduce)
             params_fit, peak = _fits(bound, v, mode, n // m, limit)
             if not params_fit:
                 break  # the parameters alone do not fit: checkpointing cannot help
@@ -256,9 +262,9 @@ def _fastest(bounds: list[Bound], hw, *, G, limit, n) -> Candidate | None:
         low, order, mode_index, group, bound = heapq.heappop(heap)
         if best_key is not None and (low, order) >= best_key:
             break  # neither this nor any candidate left (their bounds are at least this one) beats the best
-        schedule, m, sharding = group
+        schedule, m, sharding, reduce = group
         v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding,
-                    checkpointing=CHECKPOINTING[mode_index])
+                    checkpointing=CHECKPOINTING[mode_index], reduce=reduce)
         params_fit, peak = _fits(bound, v, CHECKPOINTING[mode_index], n // m, limit)
         if not params_fit:
             continue  # the parameters alone do not fit: checkpointing cannot help

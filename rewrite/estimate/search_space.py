@@ -92,14 +92,15 @@ def binds_sp(model: nn.Module, base: ResolvedPlan, cache: dict | None = None) ->
         return False
 
 
-def variant(base: ResolvedPlan, *, schedule: str, microbatches: int, sharding: str, checkpointing: str) -> ResolvedPlan:
-    """`base` with another schedule, microbatch count, sharding and checkpointing: what `resolve` gives
-    for that plan (the stages and shards stay; the placement, recomputed layers and plan change)."""
+def variant(base: ResolvedPlan, *, schedule: str, microbatches: int, sharding: str, checkpointing: str,
+            reduce: str = "step") -> ResolvedPlan:
+    """`base` with another schedule, microbatch count, sharding, reduce and checkpointing: what `resolve`
+    gives for that plan (the stages and shards stay; the placement, recomputed layers and plan change)."""
     plan, pipe = base.plan, base.plan.pipeline
     patterns, layers = checkpointed(base, checkpointing)
     new = plan.model_copy(update={
         "pipeline": pipe.model_copy(update={"schedule": schedule, "microbatches": microbatches}),
-        "data_parallel": plan.data_parallel.model_copy(update={"sharding": sharding}),
+        "data_parallel": plan.data_parallel.model_copy(update={"sharding": sharding, "reduce": reduce}),
         "activation_checkpointing": patterns,
     })
     return dataclasses.replace(base, plan=new, recomputed=layers,
@@ -119,7 +120,7 @@ class Bound:
         self._stages: dict = {}  # (checkpointing, batch size) -> per stage activations
         self._times: dict = {}  # (checkpointing, batch size) -> `stage_times`
         self._dp: DpTime | None = None
-        self._costs: dict = {}  # (sharding, split, checkpointing, batch size) -> `DpTime.costs`
+        self._costs: dict = {}  # (sharding, split, checkpointing, batch size, reduce) -> `DpTime.costs`
         self._tails: dict = {}  # the same and the placement -> each rank's least tail
         self.dtype_bytes = next(iter(model.parameters())).element_size()
 
@@ -147,31 +148,31 @@ class Bound:
                                                         layer_weights=self.parameters[1], root_weights=self.parameters[2])
         return self._times[mode, batch_size]
 
-    def lower_bound(self, schedule: str, m: int, sharding: str, mode: str, batch_size: int, hw: Hardware,
-                    G: int) -> float:
-        """`step_lower_bound` of a variant, from what it shares with others: costs per sharding, checkpointing
-        and batch size, each rank's tail per placement too."""
+    def lower_bound(self, schedule: str, m: int, sharding: str, reduce: str, mode: str, batch_size: int,
+                    hw: Hardware, G: int) -> float:
+        """`step_lower_bound` of a variant, from what it shares with others: costs per sharding, reduce,
+        checkpointing and batch size, each rank's tail per placement too."""
         split, pp, k = splits_backward(schedule), self.base.pp, self.base.plan.pipeline.virtual_stages
         stage_rank = placement(schedule, pp, k)
         dpt = self.dp_time(hw, G)
-        key = (sharding if dpt.dp > 1 else None, split, mode, batch_size)
+        key = (sharding if dpt.dp > 1 else None, split, mode, batch_size, reduce)
         times = self.stage_times(mode, batch_size, hw, G)
         if key not in self._costs:
-            self._costs[key] = dpt.costs(times, key[0], split)
+            self._costs[key] = dpt.costs(times, key[0], split, reduce)
         if key + (stage_rank,) not in self._tails:
             self._tails[key + (stage_rank,)] = [
                 sum(dpt.tail(tuple(s for s, o in enumerate(stage_rank) if o == r), times, key[0], split, float("inf"),
-                             self.dtype_bytes)) for r in range(pp)]
+                             self.dtype_bytes, reduce)) for r in range(pp)]
         return step_lower_bound(stage_rank, split, m, self._costs[key], self._tails[key + (stage_rank,)])
 
-    def footprint_peaks(self, variant: ResolvedPlan, sharding: str, split: bool) -> list[int]:
-        key = (sharding, split, variant.stage_rank)
+    def footprint_peaks(self, variant: ResolvedPlan, sharding: str, split: bool, reduce: str = "step") -> list[int]:
+        key = (sharding, split, variant.stage_rank, reduce)
         if key not in self._feet:
             dp = variant.plan.mesh.dp
             if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
                 self._params[variant.stage_rank] = [param_sums(rank_parameters(variant, self.model, r), dp)
                                                     for r in range(variant.pp)]
-            self._feet[key] = [footprint(p, dp=dp, sharding=sharding, split=split).peak
+            self._feet[key] = [footprint(p, dp=dp, sharding=sharding, split=split, reduce=reduce).peak
                                for p in self._params[variant.stage_rank]]
         return self._feet[key]
 

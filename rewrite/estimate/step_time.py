@@ -10,7 +10,9 @@ rank, what torch does not hide:
     grad_op     the first forward of a stage gathers its units once a step
     replicate   one all-reduce of the gradients (DDP's buckets) beside the last backward
 and full / grad_op one reduce-scatter of the gradients beside the last backward; what exceeds
-that backward is exposed, and at least the last unit's (or bucket's) share. Then AdamW, bound by
+that backward is exposed, and at least the last unit's (or bucket's) share. Under
+`data_parallel.reduce: microbatch` every whole backward reduces its units beside itself instead,
+its last unit's reduce exposed. Then AdamW, bound by
 memory traffic over the parameters the rank holds. The step is the slowest rank's end.
 """
 
@@ -126,7 +128,7 @@ def predict_step(
     dp, pp, tp, m = plan.mesh.dp, run.pp, run.tp, pipe.microbatches
     eff, split = hw.efficiency.collective, splits_backward(pipe.schedule, pipe.table)
     dpt = dp_time or DpTime(run, units, hw, G)
-    sharding = dpt.sharding(run)
+    sharding, reduce = dpt.sharding(run), plan.data_parallel.reduce
 
     z = plan_sizes(run, model, batch_size=batch_size)
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp rank its sequence chunk)
@@ -139,12 +141,13 @@ def predict_step(
     # The table's timing depends on these durations only: plans alike in them (dp 1, replicate and grad_op
     # sharding) share one simulation through `sim_cache`.
     key = (id(table), run.stage_rank, hop, tuple((t.forward, t.input_backward, t.weight_backward) for t in times),
-           dpt.per_microbatch(sharding, split) and tuple(map(tuple, dpt.gather.values())))
+           dpt.per_microbatch(sharding, split) and tuple(map(tuple, dpt.gather.values())),
+           dpt.reduces_each(sharding, split, reduce) and sharding)
     if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
         sim = sim_cache[key][1]
     else:
         # Durations per (kind, stage) and transfers per pair of pp ranks: each computed once, not per cell.
-        costs = dpt.costs(times, sharding, split)
+        costs = dpt.costs(times, sharding, split, reduce)
         # An action waits on the stage before or after its own: the pairs of neighbouring stages' ranks, both ways.
         hops = {pair for s in range(1, len(times)) for pair in ((run.stage_rank[s - 1], run.stage_rank[s]),
                                                                   (run.stage_rank[s], run.stage_rank[s - 1]))}
@@ -158,7 +161,7 @@ def predict_step(
     ends, worst_dp, worst_opt = [], 0.0, 0.0
     for r, row in enumerate(table):
         window = sim[row[-1]][1] - sim[row[-1]][0] if row else 0.0
-        exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, z.dtype_bytes)
+        exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, z.dtype_bytes, reduce)
         end = sim[row[-1]][1] if row else 0.0  # a row's actions run one after another: its last ends last
         ends.append(end + exposed + optimizer)
         worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)

@@ -27,6 +27,7 @@ from .inputs import check_step_inputs
 from .loss import causal_lm_loss, loss_for
 from .clock import StepClock
 from .stage import Stage
+from .tied import stash_tied_grads, sum_tied_grads
 
 __all__ = ["run_schedule", "causal_lm_loss"]
 
@@ -117,19 +118,21 @@ def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int)
 
 def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
     step = _Step(stage, table, inputs, targets, loss_for(stage.logit_shard, loss_fn))
-    stash = _stash_tied_grads(stage)
+    stash = stash_tied_grads(stage)
     row = table[stage.pp_rank]
-    last_backward = None  # the row's last whole backward, when no W follows: it may sync in place
+    reducing = set()  # the backwards that reduce as they go: the row's last (no W after it), or every one
     if stage.grad_sync is not None:
         stage.grad_sync.begin()  # backwards only accumulate until the step's end
         if not any(a.kind == "W" for a in row):
-            last_backward = max((i for i, a in enumerate(row) if a.kind in ("B", "I")), default=None)
+            backwards = [i for i, a in enumerate(row) if a.kind in ("B", "I")]
+            every = stage.resolved.plan.data_parallel.reduce == "microbatch"
+            reducing = set(backwards if every else backwards[-1:])
     sums = stage.tp_sums
     if sums is not None:
         sums.begin()  # the backwards accumulate tp-partial gradients: summed once, below
     try:
         for i, action in enumerate(row):
-            if i == last_backward:
+            if i in reducing:
                 stage.grad_sync.sync_next_backward()
             step.run(action)
     finally:
@@ -140,7 +143,7 @@ def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.
         stage.grad_sync.finish()  # once per step: gradients averaged over the replicas
     if sums is not None:
         sums.finish()
-    _sum_tied_grads(stage, stash)
+    sum_tied_grads(stage, stash)
     return _step_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
 
 
@@ -280,24 +283,6 @@ def _on_device(values, device: torch.device):
         return values
     return [x if not isinstance(x, torch.Tensor) else x.to(device) if x.device.type != "cpu"
             else x.pin_memory().to(device, non_blocking=True) for x in values]
-
-
-def _stash_tied_grads(stage: Stage) -> list:
-    """Set aside gradients accumulated before this step, so only this step's are summed."""
-    stash = [p.grad for p in stage.tied]
-    for p in stage.tied:
-        p.grad = None
-    return stash
-
-
-def _sum_tied_grads(stage: Stage, stash: list) -> None:
-    for param, before in zip(stage.tied, stash):
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        # Under data parallelism both ends hold the same shard of the matrix: sum the shards.
-        with torch.no_grad():  # to_local without autograd is the shard itself, not a temporary view
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-        dist.all_reduce(local, group=stage.mesh.tied_group)
-        param.grad = grad if before is None else before.add_(grad)
 
 
 def _step_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:

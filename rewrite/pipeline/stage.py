@@ -28,7 +28,7 @@ ForwardFn = Callable[..., torch.Tensor]  # runs one stage on a microbatch: fn(x)
 
 @runtime_checkable
 class GradientSync(Protocol):
-    """What the runner calls to synchronise gradients once per step (`data_parallel.GradSync`, `DdpSync`).
+    """What the runner calls to synchronise gradients over dp (`data_parallel.GradSync`, `DdpSync`).
 
     Declared here, not imported from `data_parallel/`: the pipeline sits below it and
     knows only these three calls.
@@ -38,7 +38,8 @@ class GradientSync(Protocol):
         """Before the step's first action: every backward of the step only accumulates."""
 
     def sync_next_backward(self) -> None:
-        """Before the step's last whole backward (no W after it): it may reduce as it goes."""
+        """Before a whole backward that may reduce as it goes: the step's last (no W after it), or,
+        under `data_parallel.reduce: microbatch`, every one."""
 
     def finish(self) -> None:
         """After the step's last action: reduce the step's gradients over the replicas, once."""

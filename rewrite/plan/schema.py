@@ -15,6 +15,7 @@ from .files import PlanError
 from .ranks import global_rank, shape_text
 from .styles import Style
 from .pipeline_schema import Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
+from ..schedules import splits_backward
 
 __all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError"]
 
@@ -75,6 +76,18 @@ class DataParallel(StrictModel):
             )
         ),
     ] = "full"
+    reduce: Annotated[
+        Literal["step", "microbatch"],
+        Field(
+            description=(
+                "When gradients are reduced over dp. 'step' (default): once per step, after the step's "
+                "backwards, each rank holding its stage's whole gradients until then (least traffic); "
+                "'microbatch': as each unit's backward ends, every microbatch (torch FSDP2's default: "
+                "under 'full' and 'grad_op' only one unit's whole gradients at a time, microbatches times "
+                "the traffic). Schedules that split backwards (W after I) need 'step'. Ignored when mesh.dp = 1."
+            )
+        ),
+    ] = "step"
 
 
 class ParallelPlan(StrictModel):
@@ -154,6 +167,12 @@ class ParallelPlan(StrictModel):
         pipe, pp = self.pipeline, self.mesh.pp
         problems = cut_point_problems(pipe.cut_points, pp, pipe.virtual_stages)
         problems += schedule_problems(pipe.schedule, pipe.table, pp, pipe.virtual_stages, pipe.microbatches)
+        if self.mesh.dp > 1 and self.data_parallel.reduce == "microbatch" and splits_backward(pipe.schedule, pipe.table):
+            problems.append(
+                f"data_parallel.reduce: microbatch reduces each unit's gradients as its backward ends, but "
+                f"{'the custom table' if pipe.schedule == 'custom' else f'schedule {pipe.schedule}'} splits backwards "
+                "(W computes the weight gradients after I); use reduce: step (the default) with it"
+            )
         if problems:
             raise ValueError("\n".join(problems))
         return self

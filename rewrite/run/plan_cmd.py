@@ -101,15 +101,21 @@ def format_candidates(found, *, hardware: str, total: int, args: argparse.Namesp
         switches = " + ".join(n for on, n in ((plan.sequence_parallel, "sp"), (plan.loss_parallel, "vocab/loss")) if on)
         rows.append([
             str(i), plan.mesh.shape_text(), pipe.schedule + (f" x{pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""),
-            f"{pipe.microbatches} x {c.batch_size}", plan.data_parallel.sharding if plan.mesh.dp > 1 else "-",
+            f"{pipe.microbatches} x {c.batch_size}", _dp_text(plan),
             switches or "-", c.checkpointing, f"{c.step_s:.3g}", f"{c.tokens_per_s:,.0f}", f"{c.mfu:.0%}",
             format_bytes(c.peak_bytes),
         ])
     head = (f"Plans for {args.model} on {args.world} x {hardware} ({total} fitting, fastest first; predicted by "
             "rewrite.estimate.step_time, memory by rewrite.estimate.memory)")
     return "\n".join([head, format_table(
-        ["#", "mesh", "schedule", "microbatches x seqs", "sharding", "switches", "checkpointing", "step s",
+        ["#", "mesh", "schedule", "microbatches x seqs", "sharding, reduce", "switches", "checkpointing", "step s",
          "tokens/s/device", "MFU", "busiest rank"], rows)])
+
+
+def _dp_text(plan) -> str:
+    """'full, per step' or 'grad_op, per microbatch' (`data_parallel`); '-' without replicas."""
+    dpp = plan.data_parallel
+    return f"{dpp.sharding}, per {dpp.reduce}" if plan.mesh.dp > 1 else "-"
 
 
 def searched_dtype(config, given: str | None) -> str:

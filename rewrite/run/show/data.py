@@ -204,7 +204,7 @@ def show_data(
             "splits_backward": splits_backward(pipe.schedule, pipe.table),
             "est_compute_seq_len": resolved.costs.seq_len if resolved.costs else None,
         },
-        "data_parallel": {"sharding": plan.data_parallel.sharding},
+        "data_parallel": {"sharding": plan.data_parallel.sharding, "reduce": plan.data_parallel.reduce},
         "tensor_parallel": tp_entries(resolved, model),
         "kv_replicas": resolved.kv_replicas,
         "sharded_modules": len(resolved.shards),

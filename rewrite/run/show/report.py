@@ -82,7 +82,8 @@ def _layout_lines(data: dict) -> list[str]:
         f"data parallel: sharding {sharding}: {_MODES[sharding]}"
         + (f"; schedule {schedule} splits backwards, so as under grad_op the layers stay gathered from "
            "forward to the step's end" if split else "")
-        + "; gradients reduced once per step",
+        + ("; gradients reduced as each microbatch's backward ends (data_parallel.reduce: microbatch)"
+           if data["data_parallel"]["reduce"] == "microbatch" else "; gradients reduced once per step"),
     ]
 
 

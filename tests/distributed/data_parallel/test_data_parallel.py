@@ -58,7 +58,9 @@ def _cases(rank: int, ws: int, cases: list) -> list[str]:
         config = build_config("tiny-llama", **overrides)
         tp = rewrite.load_plan(TP_RULES).tensor_parallel if mesh.get("tp", 1) > 1 else {}
         pipeline = {"schedule": schedule, "virtual_stages": k, "microbatches": 2}
-        plan = {"mesh": mesh, "tensor_parallel": tp, "pipeline": pipeline, "data_parallel": {"sharding": sharding}}
+        sharding, _, reduce = sharding.partition(" ")  # "full microbatch": reduced as each backward ends
+        data_parallel = {"sharding": sharding, **({"reduce": reduce} if reduce else {})}
+        plan = {"mesh": mesh, "tensor_parallel": tp, "pipeline": pipeline, "data_parallel": data_parallel}
         losses.append(_step(rank, config, plan, per_replica=2))
     return losses
 
@@ -74,6 +76,13 @@ CASES = {
                     ({"dp": 2, "pp": 2}, "full", "zbv", 2, {}), ({"dp": 2, "pp": 2}, "replicate", "zero-bubble", 1, {}),
                     ({"dp": 2, "pp": 2}, "full", "1f1b", 1, TIED), ({"dp": 2, "pp": 2}, "replicate", "1f1b", 1, TIED)]),
     "dp2xpp2xtp2": (8, [({"dp": 2, "pp": 2, "tp": 2}, "full", "1f1b", 1, {})]),
+    # Reduced as each microbatch's backward ends: DDP (replicate, one stage per rank), FSDP2's
+    # replicate (two stages per rank), full and grad_op, tied or not.
+    "dp2-microbatch": (2, [({"dp": 2}, f"{s} microbatch", "afab", 1, {}) for s in ("replicate", "full", "grad_op")]
+                       + [({"dp": 2}, "full microbatch", "afab", 1, TIED)]),
+    "dp2xpp2-microbatch": (4, [({"dp": 2, "pp": 2}, "full microbatch", "1f1b", 1, {}),
+                               ({"dp": 2, "pp": 2}, "replicate microbatch", "interleaved-1f1b", 2, {}),
+                               ({"dp": 2, "pp": 2}, "grad_op microbatch", "afab", 1, TIED)]),
 }
 
 

@@ -78,6 +78,9 @@ PLANS = {
     "replicate": {"mesh": {"dp": 2}, "data_parallel": {"sharding": "replicate"}},
     "full": {"mesh": {"dp": 2}, "data_parallel": {"sharding": "full"}},
     "1f1b": {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 4}},
+    "full, 2 microbatches": {"mesh": {"dp": 2}, "pipeline": {"microbatches": 2}},
+    "full, reduced per microbatch": {"mesh": {"dp": 2}, "pipeline": {"microbatches": 2},
+                                     "data_parallel": {"reduce": "microbatch"}},
 }
 
 
@@ -101,3 +104,7 @@ def test_a_steady_step_makes_one_collective_of_its_own_and_reads_nothing():
         # unit stays gathered), a reduce-scatter per unit.
         assert made["full"] == {"allreduce_": 2, "_allgather_base_": 9, "_reduce_scatter_base_": 5}, made
         assert made["1f1b"] == {"allreduce_": 2, "send": 4, "recv_": 4}, made  # + an activation or gradient per microbatch
+        # data_parallel.reduce: each of the 5 units reduce-scatters once per step, or after each microbatch's backward.
+        step, each = made["full, 2 microbatches"], made["full, reduced per microbatch"]
+        assert (step["_reduce_scatter_base_"], each["_reduce_scatter_base_"]) == (5, 10), made
+        assert step["_allgather_base_"] == each["_allgather_base_"] and step["allreduce_"] == each["allreduce_"] == 2, made

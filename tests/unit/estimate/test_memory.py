@@ -67,6 +67,26 @@ def test_footprint_pads_dim_0_to_a_multiple_of_dp():
         footprint([((3, 4), 4)], dp=2, sharding="zero3")
 
 
+def test_reduce_per_microbatch_holds_the_shards_and_one_layer_of_whole_gradients():
+    # The units above: reduced as each backward ends, the reduced shards (13 x 4) accumulate beside the
+    # root's and the larger layer's whole gradients (2 x (1 + 8) x 4), where a step's one reduce waits
+    # on every whole gradient (21 x 4).
+    units = [((3, 4), 4, "layer 0"), ((2, 4), 4, "layer 1"), ((), 4, "root")]
+    assert footprint(units, dp=2, sharding="full", reduce="microbatch").peak == 52 + 104 + 72 + 52 + 72
+    assert footprint(units, dp=2, sharding="grad_op", reduce="microbatch").peak == 52 + 104 + 104 + 52 + 72
+    for sharding in ("full", "grad_op", "replicate"):  # what is held between steps does not change
+        step, each = (footprint(units, dp=2, sharding=sharding, reduce=r) for r in ("step", "microbatch"))
+        assert step.at_rest == each.at_rest
+    assert footprint(units, dp=2, sharding="replicate", reduce="microbatch") == footprint(units, dp=2, sharding="replicate")
+    # Eight [4, 4] layers and a [4, 4] root over dp 4: whole gradients 9 x 64 bytes, against the shards
+    # (9 x 16) and one layer with the root (2 x 64).
+    many = [((4, 4), 4, f"layer {i}") for i in range(8)] + [((4, 4), 4, "root")]
+    step, each = (footprint(many, dp=4, sharding="full", reduce=r) for r in ("step", "microbatch"))
+    assert step.peak - each.peak == 9 * 64 - (9 * 16 + 2 * 64)
+    with pytest.raises(ValueError, match="use one of step, microbatch"):
+        footprint(units, dp=2, reduce="layer")
+
+
 @pytest.mark.parametrize("sharding", ["full", "grad_op", "replicate"])
 def test_each_sharding_per_rank(llama, sharding):
     dp = 3  # divides none of tiny-llama's dims: every parameter is padded

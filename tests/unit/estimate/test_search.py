@@ -21,6 +21,21 @@ def _meshes(found):
     return {(c.plan.mesh.dp, c.plan.mesh.pp, c.plan.mesh.tp) for c in found}
 
 
+def test_the_planner_reduces_per_microbatch_where_a_steps_whole_gradients_do_not_fit():
+    config = load_config(CONFIGS / "llama-3.1-8b.json")
+    (best,) = [c for c in rewrite.suggest_plans(config, world=8, device_memory=80, seq_len=4096, global_batch=32)
+               if c.plan.mesh.dp == 8]
+    assert best.plan.data_parallel.reduce == "microbatch" and best.plan.data_parallel.sharding == "full"
+    model = build_model(config, device="meta")
+    peaks = {}
+    for reduce in ("step", "microbatch"):
+        plan = best.plan.model_copy(update={"data_parallel": best.plan.data_parallel.model_copy(update={"reduce": reduce})})
+        resolved = rewrite.resolve(rewrite.load_plan(plan.model_dump(mode="json")), model)
+        peaks[reduce] = max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size))
+    # The whole model's bf16 gradients (16 GB) held to the step's end would not fit; one layer's at a time does.
+    assert peaks["microbatch"] == best.peak_bytes <= 80 * GIB < peaks["step"]
+
+
 def test_llama_8b_over_8_devices_of_80_gib():
     found = rewrite.suggest_plans(load_config(CONFIGS / "llama-3.1-8b.json"), world=8, device_memory=80)
     assert [c.step_s for c in found] == sorted(c.step_s for c in found)

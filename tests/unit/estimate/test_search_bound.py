@@ -36,13 +36,13 @@ def _bounds(model, dp, pp, tp, seq_len):
 
 
 def _groups(model, *, world, G, seq_len, batch):
-    """(mesh, bound, schedule, microbatches, sharding, sequences per replica) of the whole search space."""
+    """(mesh, bound, schedule, microbatches, sharding, reduce, sequences per replica) of the whole search space."""
     for dp, pp, tp in meshes(world, G, model.config.num_hidden_layers):
         if batch % dp:
             continue
         for bound in _bounds(model, dp, pp, tp, seq_len):
-            for schedule, m, sharding in search._groups(bound, batch // dp):
-                yield (dp, pp, tp), bound, schedule, m, sharding, batch // dp
+            for schedule, m, sharding, reduce in search._groups(bound, batch // dp):
+                yield (dp, pp, tp), bound, schedule, m, sharding, reduce, batch // dp
 
 
 @pytest.mark.parametrize("case", ["tiny-cpu", "8b-two-nodes"])
@@ -54,12 +54,12 @@ def test_the_lower_bound_is_never_above_the_prediction_and_exact_without_a_pipel
         hw, kw = load_hardware("h100-sxm"), dict(world=8, G=4, seq_len=1024, batch=16)
     checked = exact = 0
     every = [(*g, mode) for g in _groups(model, **kw) for mode in CHECKPOINTING]
-    for mesh, bound, schedule, m, sharding, n, mode in every[:: 1 if case == "tiny-cpu" else 7]:  # 8B: a sample
+    for mesh, bound, schedule, m, sharding, reduce, n, mode in every[:: 1 if case == "tiny-cpu" else 7]:  # 8B: a sample
         b = n // m
-        low = bound.lower_bound(schedule, m, sharding, mode, b, hw, kw["G"])
-        v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode)
+        low = bound.lower_bound(schedule, m, sharding, reduce, mode, b, hw, kw["G"])
+        v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode, reduce=reduce)
         step = predict_step(v, model, hw, batch_size=b, gpus_per_node=kw["G"], parameters=bound.parameters).step_s
-        assert 0 < low <= step, (mesh, schedule, m, sharding, mode, low, step)
+        assert 0 < low <= step, (mesh, schedule, m, sharding, reduce, mode, low, step)
         checked += 1
         if mesh[0] == mesh[1] == 1:  # one rank's actions back to back, nothing overlapped: the bound is the step
             assert low == pytest.approx(step, rel=1e-6), (mesh, schedule, m, mode)
@@ -68,12 +68,13 @@ def test_the_lower_bound_is_never_above_the_prediction_and_exact_without_a_pipel
 
 
 def _exhaustive_best(model, hw, *, world, G, limit, seq_len, batch):
-    """Per mesh, the candidate an exhaustive pass keeps: each (binding, schedule, microbatches, sharding)
-    with the least checkpointing that fits, the fastest of them, the first named on a tie."""
+    """Per mesh, the candidate an exhaustive pass keeps: each (binding, schedule, microbatches, sharding,
+    reduce) with the least checkpointing that fits, the fastest of them, the first named on a tie."""
     best = {}
-    for mesh, bound, schedule, m, sharding, n in _groups(model, world=world, G=G, seq_len=seq_len, batch=batch):
+    for mesh, bound, schedule, m, sharding, reduce, n in _groups(model, world=world, G=G, seq_len=seq_len, batch=batch):
         for mode in CHECKPOINTING:
-            v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode)
+            v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode,
+                        reduce=reduce)
             params_fit, peak = search._fits(bound, v, mode, n // m, limit)
             if not params_fit:
                 break

@@ -130,6 +130,25 @@ def test_predict_step_adds_up(llama):
         predict_step(rewrite.resolve({"mesh": {"pp": 2}}, toy), toy, UNIT)
 
 
+def test_reducing_per_microbatch_puts_each_units_reduce_beside_every_backward(llama):
+    """grad_op over dp 2, one stage, 4 microbatches: per step, one reduce-scatter of every unit beside the
+    last backward; per microbatch, every backward lasts max(its compute, its units' reduces) + the
+    smallest unit's reduce, and nothing waits after the last."""
+    from rewrite.estimate.collectives import reduce_scatter_s
+    from rewrite.estimate.step_time import stage_parameters
+
+    plans = {r: _resolved(llama, dp=2, m=4, data_parallel={"sharding": "grad_op", "reduce": r})
+             for r in ("step", "microbatch")}
+    step, each = (predict_step(plans[r], llama, UNIT) for r in ("step", "microbatch"))
+    (t,) = stage_times(plans["step"], llama, UNIT)
+    units = stage_parameters(plans["step"], llama)[0][0]  # unit -> bytes on a rank
+    reduces = [reduce_scatter_s(b, 2, UNIT.intra_node, 1.0) for b in units.values()]
+    assert step.pipeline_s == pytest.approx(4 * t.forward + 4 * t.backward)
+    assert each.pipeline_s == pytest.approx(4 * t.forward + 4 * (max(t.backward, sum(reduces)) + min(reduces)))
+    assert each.dp_s < step.dp_s  # the step's one reduce no longer waits after the last backward
+    assert each.step_s > step.step_s  # four times the traffic on this slow link
+
+
 def test_show_predicts_on_a_hardware_profile(llama):
     data = show_data(_resolved(llama, tp=2), llama, hardware="h100-sxm", batch_size=2)
     p = data["predicted"]

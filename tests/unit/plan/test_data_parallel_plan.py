@@ -24,6 +24,11 @@ def test_mesh_has_three_dimensions_and_a_sharding_mode():
     assert plan.mesh.world_size == 8 and plan.mesh.shape_text() == "dp=2 x pp=2 x tp=2"
     assert plan.data_parallel.sharding == "full"  # the default, as torchtitan's
     assert rewrite.load_plan({}).mesh.shape_text() == "pp=1 x tp=1"  # no replicas: dp is not mentioned
+    assert plan.data_parallel.reduce == "step"  # once per step, after the step's backwards
+    for reduce in ("step", "microbatch"):  # any schedule with whole backwards, and at dp = 1 (ignored) even zbv
+        assert rewrite.load_plan({"mesh": {"dp": 2}, "data_parallel": {"reduce": reduce}}).data_parallel.reduce == reduce
+    zbv = {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "virtual_stages": 2, "microbatches": 4}}
+    assert rewrite.load_plan({**zbv, "data_parallel": {"reduce": "microbatch"}}).data_parallel.reduce == "microbatch"
     for mode in ("full", "grad_op", "replicate"):
         assert rewrite.load_plan({"mesh": {"dp": 2}, "data_parallel": {"sharding": mode}}).data_parallel.sharding == mode
     text = rewrite.load_plan({"mesh": {"dp": 4}, "data_parallel": {"sharding": "grad_op"}}).to_yaml()
@@ -39,6 +44,13 @@ def test_mesh_has_three_dimensions_and_a_sharding_mode():
         ({"mesh": {"dp": 0}}, "mesh.dp: Input should be greater than or equal to 1"),
         ({"mesh": {"dp": "2"}}, "mesh.dp: Input should be a valid integer"),
         ({"mesh": {"dq": 2}}, "mesh.dq: unknown key 'dq'; allowed here: dp, pp, tp"),
+        ({"data_parallel": {"reduce": "layer"}}, "data_parallel.reduce: Input should be 'step' or 'microbatch'"),
+        ({"mesh": {"dp": 2, "pp": 2}, "pipeline": {"schedule": "zbv", "virtual_stages": 2, "microbatches": 4},
+          "data_parallel": {"reduce": "microbatch"}},
+         "data_parallel.reduce: microbatch reduces each unit's gradients as its backward ends, but schedule zbv "
+         "splits backwards (W computes the weight gradients after I); use reduce: step (the default) with it"),
+        ({"mesh": {"dp": 2, "pp": 2}, "pipeline": {"schedule": "custom", "table": ["F0 I0 W0", "F0 I0 W0"]},
+          "data_parallel": {"reduce": "microbatch"}}, "but the custom table splits backwards"),
     ],
 )
 def test_bad_data_parallel_settings_are_refused(plan, expected):
