@@ -20,6 +20,7 @@ from .agreement import describe_ranks, raise_problems, ranks_by_value, share
 from .data_parallel import apply_data_parallel
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
+from .pipeline.precision import precision_for
 from .pipeline.stage import Stage
 from .binding.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan
@@ -33,7 +34,8 @@ from .errors import InputError
 __all__ = ["apply_plan"]
 
 
-def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stage:
+def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
+               compute_dtype: torch.dtype | None = None) -> Stage:
     """Rewrite `model` in place for this rank and return its `Stage`.
 
     Collective: every rank of the default process group calls it with the same
@@ -45,6 +47,11 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
         model: a Hugging Face LLaMA-family model, or any module torch.fx can trace
             (the fx path is only needed when pp > 1). Not yet rewritten.
         plan: a `ParallelPlan`, or a path / dict for `load_plan`.
+        compute_dtype: compute in this dtype (torch.bfloat16) over the model's float32
+            parameters, which stay the master weights: where dp shards them (`full`,
+            `grad_op`) FSDP2 gathers them in it and reduces gradients in float32, else
+            `run_schedule` runs each forward under `torch.autocast`. None (or the
+            parameters' dtype) computes in the parameters' dtype.
 
     Returns:
         This rank's `Stage`. With pp == 1 `stage.model` is still a complete model
@@ -52,7 +59,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
 
     Raises:
         ValueError: no process group, a world size other than dp * pp * tp, any problem
-            `resolve` finds, a model already rewritten, or ranks that were given
+            `resolve` finds, a compute_dtype wider than the parameters', a model already rewritten, or ranks that were given
             different plans, models or weights. Raised on every rank alike, after one
             collective on the default group and before any other; the model is left
             untouched.
@@ -62,11 +69,13 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
         >>> stage = apply_plan(model, "plans/llama-tp2.yaml")
         >>> logits = model(input_ids=ids).logits     # same as before, on every rank
     """
-    resolved, error = None, None
+    resolved, error, precision = None, None, None
     try:
         plan = load_plan_for(plan, model)
         check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
         resolved = resolve(plan, model, world_size=dist.get_world_size())
+        shards = plan.mesh.dp > 1 and plan.data_parallel.sharding != "replicate"
+        precision = precision_for(compute_dtype, _floating_dtype(model), shards=shards)
     except (ValueError, TypeError) as exc:
         if not (dist.is_available() and dist.is_initialized()):
             raise  # no group: no peer is waiting
@@ -78,7 +87,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
     carved = carve_stage(model, resolved, mesh)
     recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)
-    carved, grad_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split)
+    carved, grad_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split, precision=precision)
     setattr(model, APPLIED, f"a stage of {plan.source}")
     return Stage(
         model=carved.model,
@@ -91,7 +100,13 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict) -> Stag
         recomputed=recomputed,
         logit_shard=carved.logit_shard,
         tp_sums=StepSums(carved.module) or None,
+        precision=precision,
     )
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating parameter: its master weights' (default: torch's default)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
 
 def _agree_on_binding(model: nn.Module, resolved: ResolvedPlan | None, error: BaseException | None) -> None:

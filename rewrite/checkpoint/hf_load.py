@@ -38,6 +38,7 @@ def from_pretrained(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Stage:
     """Build a Hugging Face checkpoint's model already rewritten by `plan`, this rank's part only.
 
@@ -67,6 +68,8 @@ def from_pretrained(
         plan: a `ParallelPlan`, or a path / dict for `load_plan`.
         device: where this rank's tensors go.
         dtype: cast floating tensors to it; None keeps the stored dtype when there is one.
+        compute_dtype: `apply_plan`'s: compute in it over the `dtype` master weights
+            (float32 weights, torch.bfloat16 compute: the mixed-precision recipe).
 
     Returns:
         This rank's `Stage`, as `apply_plan` returns it.
@@ -116,7 +119,7 @@ def from_pretrained(
         # Whole tied weights first: apply_plan broadcasts the first stage's copy to the last
         # stage. Tied weights split along the vocabulary stay meta: each end reads its rows.
         agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what, error=CheckpointError)
-        stage = apply_plan(meta, plan)
+        stage = apply_plan(meta, plan, compute_dtype=compute_dtype)
         names = first_names(stage.model)
         tied = [names[id(p)] for p in stage.tied]
         problems = _materialise(stage.model, by_name, sources, device, dtype, only_tied=False)
@@ -124,7 +127,7 @@ def from_pretrained(
         problems += rebuild_unstored(stage, unstored_modules(stage.model), device)
     else:
         # All meta, tied weights too: both ends of a tied pair read it from the checkpoint.
-        stage = apply_plan(meta, plan)
+        stage = apply_plan(meta, plan, compute_dtype=compute_dtype)
         problems = fill_dp_shards(stage, by_name, sources, device)
     left = [n for n, t in [*stage.model.named_parameters(), *stage.model.named_buffers()] if t.is_meta]
     if left:

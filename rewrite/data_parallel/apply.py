@@ -25,13 +25,14 @@ import dataclasses
 import types
 
 from torch import nn
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from ..agreement import agree
 from ..torch_internals import finish_fsdp_backward, replicate
 from ..mesh import Mesh
 from ..models.names import first_names
 from ..pipeline.carve import Carved
+from ..pipeline.precision import Precision
 from ..binding.resolve import ResolvedPlan
 from .ddp import DdpSync, ddp_fits
 
@@ -94,7 +95,7 @@ def _loose_parameters(carved: Carved, resolved: ResolvedPlan, units: list[nn.Mod
 
 
 def apply_data_parallel(
-    carved: Carved, resolved: ResolvedPlan, mesh: Mesh, *, split_backward: bool
+    carved: Carved, resolved: ResolvedPlan, mesh: Mesh, *, split_backward: bool, precision: Precision | None = None
 ) -> tuple[Carved, GradSync | DdpSync | None]:
     """Shard (or replicate) this rank's modules over dp, in place.
 
@@ -104,6 +105,8 @@ def apply_data_parallel(
         split_backward: the schedule splits backwards into B and W, which need the
             parameters the forward used until W: `full` then keeps them gathered from
             forward to backward, as `grad_op` does.
+        precision: with `by="fsdp"`, every unit gathers its parameters in the compute
+            dtype and reduces gradients in the master dtype (FSDP2's `MixedPrecisionPolicy`).
 
     Returns:
         `(carved, grad_sync)`: the parts with the forward functions and tied parameters
@@ -128,6 +131,9 @@ def apply_data_parallel(
     dp_mesh, model = mesh.device_mesh["dp"], carved.model
     zero3 = sharding == "full" and not split_backward  # gathered for each use, let go after it
     names = first_names(model)
+    policy = MixedPrecisionPolicy()
+    if precision is not None and precision.by == "fsdp":
+        policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=precision.master)
     tied = [names[id(p)] for p in carved.tied]
     for module in [*units, model]:  # the root last
         if sharding == "replicate":
@@ -135,7 +141,7 @@ def apply_data_parallel(
         else:
             # The root's parameters are needed again by the backward right after the forward:
             # kept gathered in between, as fully_shard does for a root by default.
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3 and module is not model)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3 and module is not model, mp_policy=policy)
     forward_fns = carved.forward_fns
     if any(fn is not model for fn in forward_fns.values()):
         fns = dict(forward_fns)

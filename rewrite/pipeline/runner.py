@@ -11,6 +11,7 @@ nothing of LLaMA or plans.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
@@ -156,6 +157,7 @@ class _Step:
     def __init__(self, stage: Stage, table, inputs, targets, loss_fn: LossFn):
         self.m, self.mesh, self.device, self.dtype = len(inputs), stage.mesh, stage.device, stage.dtype
         self.stage, self.loss_fn = stage, loss_fn
+        self.precision = stage.precision
         self.inputs = _on_device(inputs, self.device) if stage.is_first else inputs
         self.targets = _on_device(targets, self.device) if stage.is_last else targets
         self.place, self.last = stage.stage_rank, stage.num_stages - 1
@@ -235,11 +237,14 @@ class _Step:
             x = self._take("F", mb, s)
             x.requires_grad_(x.is_floating_point())
         start = self.clock.mark()
-        # Token models: stages past a sequence-parallel split need the whole length.
-        y = self.stage.run(s, x, seq_len=self.inputs[mb].shape[-1]) if self.stage.takes_token_ids else self.stage.run(s, x)
-        if s == self.last:
-            y = self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
-        else:
+        with nullcontext() if self.precision is None else self.precision.forward_context(self.device):
+            # Token models: stages past a sequence-parallel split need the whole length.
+            y = self.stage.run(s, x, seq_len=self.inputs[mb].shape[-1]) if self.stage.takes_token_ids else self.stage.run(s, x)
+            if s == self.last:
+                y = self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
+        if s != self.last:
+            if y.is_floating_point() and y.dtype != self.dtype:
+                y = y.to(self.dtype)  # under autocast: stages exchange what their peers' buffers hold
             self._hand_on("F", mb, s + 1, y.detach())
         self.held[mb, s] = (x, y)
         return start

@@ -20,6 +20,7 @@ from ..binding.resolve import ResolvedPlan
 from ..tensor_parallel.replicated import StepSums
 from .clock import StepClock, TimelineEvent
 from .loss import LogitShard
+from .precision import Precision
 
 __all__ = ["ForwardFn", "GradientSync", "Stage", "TimelineEvent"]
 
@@ -72,6 +73,9 @@ class Stage:
             under sequence parallelism, per-head norms, `grad_allreduce`, k/v projections
             replicated past the kv heads), which the runner sums once per step
             (`tensor_parallel.replicated.StepSums`); None when there are none.
+        precision: how the runner computes in a lower dtype than the parameters'
+            (`apply_plan(..., compute_dtype=)`: FSDP2's mixed precision or autocast); None
+            computes in the parameters' dtype.
 
     `apply_plan` builds it once, every field given. Not frozen: the runner replaces
     `clock` each step, and loading a checkpoint re-points `tied` at the tensors it
@@ -94,6 +98,7 @@ class Stage:
     recomputed: tuple[str, ...] = ()
     logit_shard: LogitShard | None = None
     tp_sums: StepSums | None = None
+    precision: Precision | None = None
 
     def __call__(self, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
         """Run this rank's stage on one microbatch: model input on the first stage, else hidden states."""
@@ -174,7 +179,11 @@ class Stage:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Dtype of the activations this stage exchanges: its floating parameters' dtype."""
+        """Dtype of the activations this stage exchanges: the compute dtype where FSDP2 casts
+        the weights (`precision`), else its floating parameters' dtype (autocast keeps the
+        residual stream in it; the runner casts a stage output to it before sending)."""
+        if self.precision is not None and self.precision.by == "fsdp":
+            return self.precision.dtype
         for param in self.module.parameters():
             if param.is_floating_point():
                 return param.dtype

@@ -22,7 +22,8 @@ from .guard import StateGuard, TrainStopped
 from .parity import Parity, parity_check
 from .progress import Progress, plot_loss, write_outputs
 from .show.columns import format_bytes
-from .train_setup import ByteBatches, TextBatches, build_stage, model_source, pick_device, setting_problems, train_plan
+from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, model_source, pick_device,
+                          setting_problems, train_plan)
 from ..checkpoint.training_state import latest_checkpoint, load_training_state
 from ..pipeline.grad_norm import clip_grad_norm_
 from .presets import load_config
@@ -72,7 +73,8 @@ class TrainConfig:
     resume: bool = False  # continue from the latest complete checkpoint in ckpt, if there is one
     export: str | None = None  # write a plain Hugging Face checkpoint (and tokenizer) here at the end
     device: str = "auto"  # auto (CUDA + NCCL when there is a GPU, else CPU + gloo), cpu or cuda
-    dtype: str = "float32"  # compute dtype: float32, or bfloat16 (autocast; float32 weights and optimizer state)
+    dtype: str | None = None  # compute dtype over float32 weights, gradients and AdamW state: float32 or bfloat16
+    # (FSDP2's mixed precision where dp shards, else autocast); None: bfloat16 on a GPU, float32 on the CPU
     max_grad_norm: float | None = None  # clip gradients to this global norm (over tp, pp and dp); None: no clipping
     on_nonfinite: str = "stop"  # a step with a nan/inf loss or gradient norm is never applied: stop the run, or skip it
     skip_limit: int = 5  # under on_nonfinite="skip": this many non-finite steps in a row stop the run
@@ -103,6 +105,7 @@ def train(config: TrainConfig) -> dict:
     except ValueError as exc:  # from the arguments alone: every rank finds the same, and rank 0 says it once
         raise TrainConfigError(f"rewrite train: cannot start:\n  {exc}") from None
     device, _ = pick_device(config.device)
+    dtype = compute_dtype_for(device, config.dtype)
     problems = setting_problems(config, plan, model_config)
     if source.tokenizer:
         data = TextBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed)
@@ -114,10 +117,10 @@ def train(config: TrainConfig) -> dict:
     resume = latest_checkpoint(config.ckpt) if config.resume and config.ckpt else None
     parity = config.parity
     if parity is None:
-        parity = source.kind != "checkpoint" and device.type == "cpu" and config.dtype == "float32"
+        parity = source.kind != "checkpoint" and device.type == "cpu" and dtype == "float32"
     parity = parity and resume is None
     rank = dist.get_rank()
-    built = build_stage(source, plan, device=device, seed=config.seed, parity=parity)
+    built = build_stage(source, plan, device=device, seed=config.seed, parity=parity, dtype=dtype)
     stage, reference = built.stage, built.reference
     m, dp, data_parallel = plan.pipeline.microbatches, plan.mesh.dp, plan.data_parallel.sharding
     lr = config.lr if config.lr is not None else LOADED_LR if source.kind == "checkpoint" else RANDOM_LR
@@ -140,7 +143,7 @@ def train(config: TrainConfig) -> dict:
     log.write(
         f"training {config.model} ({built.model_class}, {built.total_params:,} parameters) with {weights} "
         f"under {plan.source}, AdamW lr {lr:g} ({lr_why}): "
-        f"{plan.mesh.shape_text()} on {plural(dist.get_world_size(), 'rank')} ({device.type}, {config.dtype}); "
+        f"{plan.mesh.shape_text()} on {plural(dist.get_world_size(), 'rank')} ({device.type}, {_recipe(dtype, built.stage)}); "
         f"{plural(m, 'microbatch')} x {config.batch_size} x {config.seq_len} {data.what} per step"
         + (f" and replica ({dp} replicas, {data_parallel} sharding)" if dp > 1 else "")
     )
@@ -158,7 +161,6 @@ def train(config: TrainConfig) -> dict:
             log.write(f"warning: the data differ from the run that saved ({'; '.join(changed)}): the steps "
                       "from here on do not see the windows an uninterrupted run would")
     metrics_log = MetricsLog(config.out_dir, enabled=rank == 0, first_step=first)
-    autocast = torch.autocast(device.type, dtype=getattr(torch, config.dtype), enabled=config.dtype != "float32")
     guard = StateGuard(config.on_nonfinite, config.skip_limit, config.ckpt, lr, config.on_save_error)
     log.start()
     losses, step_seconds, parity_result = [], [], None
@@ -170,8 +172,7 @@ def train(config: TrainConfig) -> dict:
             cursor += sequences
             mine = slice(stage.dp_rank * m, (stage.dp_rank + 1) * m)
             t0 = time.perf_counter()
-            with autocast:
-                loss = run_schedule(stage, inputs[mine], targets[mine])
+            loss = run_schedule(stage, inputs[mine], targets[mine])
             seconds = time.perf_counter() - t0
             if reference is not None:
                 parity_result = parity_check(stage.model, reference, inputs, targets, loss)
@@ -232,6 +233,14 @@ def train(config: TrainConfig) -> dict:
     if rank == 0 and losses:
         write_outputs(config, metrics, events, plan)
     return metrics
+
+
+def _recipe(dtype: str, stage) -> str:
+    """'float32', or how the stage computes in bfloat16 over its float32 weights."""
+    if stage.precision is None:
+        return dtype
+    how = "FSDP2 mixed precision" if stage.precision.by == "fsdp" else "autocast"
+    return f"{dtype} compute ({how}), float32 weights"
 
 
 def _data_key(config: TrainConfig) -> dict:

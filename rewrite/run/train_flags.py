@@ -65,7 +65,8 @@ FLAGS = [
          {"metavar": "DIR"}),
     Flag("device", "--device", "auto: CUDA with NCCL when there is a GPU (one per rank), else CPU with gloo",
          {"choices": DEVICES}),
-    Flag("dtype", "--dtype", "compute dtype; bfloat16 keeps float32 weights and optimizer state (default %(default)s)",
+    Flag("dtype", "--dtype", "compute dtype over float32 weights, gradients and AdamW state (FSDP2 mixed precision "
+         "where dp shards, else autocast; docs/precision.md); default: bfloat16 on a GPU, float32 on the CPU",
          {"dest": "train_dtype", "choices": DTYPES}),
     Flag("max_grad_norm", "--max-grad-norm", "clip gradients to this norm of the whole model (over tp, pp and dp)",
          {"type": float, "metavar": "NORM"}),

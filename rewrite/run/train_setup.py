@@ -26,7 +26,7 @@ __all__ = ["DEVICES", "DTYPES", "pick_device", "train_plan", "setting_problems",
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 _TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DEVICES = ("auto", "cpu", "cuda")  # --device
-DTYPES = ("float32", "bfloat16")  # --dtype: the compute dtype
+DTYPES = ("float32", "bfloat16")  # --dtype: the compute dtype over float32 master weights
 
 
 def pick_device(name: str) -> tuple[torch.device, str]:
@@ -87,8 +87,19 @@ class Built:
     tokenizer: Any
 
 
-def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, parity: bool) -> Built:
-    """This rank's stage of the model under `plan` (collective), and what the run reports about it."""
+def compute_dtype_for(device: torch.device, given: str | None) -> str:
+    """`--dtype`, else the recipe's default on `device`: bfloat16 on a GPU that computes in it, else float32
+    (as `rewrite plan` and `show` default to bfloat16 on a GPU profile with a bfloat16 peak)."""
+    if given is not None:
+        return given
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
+def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, parity: bool,
+                dtype: str = "float32") -> Built:
+    """This rank's stage of the model under `plan` (collective), and what the run reports about it.
+
+    Float32 master weights, computed in `dtype` (`apply_plan`'s compute_dtype)."""
     from ..checkpoint.hf_load import from_pretrained
     from ..rewriter import apply_plan
 
@@ -106,11 +117,12 @@ def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, p
             from transformers import AutoModelForCausalLM
 
             reference = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32)
-        stage = from_pretrained(source.directory, plan, device=device, dtype=torch.float32)  # float32 master weights
+        stage = from_pretrained(source.directory, plan, device=device, dtype=torch.float32,  # float32 master weights
+                                compute_dtype=getattr(torch, dtype))
     else:
         model = build_model(config, seed=seed, device=device)
         reference = copy.deepcopy(model) if parity else None
-        stage = apply_plan(model, plan)
+        stage = apply_plan(model, plan, compute_dtype=getattr(torch, dtype))
     return Built(stage, model_class, total, reference, tokenizer)
 
 
@@ -147,7 +159,7 @@ def setting_problems(config, plan, model_config) -> list[str]:
         problems.append(f"--keep is {config.keep}; keep at least 1 checkpoint")
     if (config.resume or config.save_every) and not config.ckpt:
         problems.append("--resume and --save-every need --ckpt DIR: where the training state is kept")
-    if config.dtype not in DTYPES:
+    if config.dtype is not None and config.dtype not in DTYPES:
         problems.append(f"--dtype {config.dtype!r}: use {either(DTYPES)}")
     if config.on_nonfinite not in ON_NONFINITE:
         problems.append(f"--on-nonfinite {config.on_nonfinite!r}: use {either(ON_NONFINITE)}")

@@ -62,6 +62,7 @@ def test_train_a_checkpoint_resume_under_another_plan_and_export(tmp_path):
                       "--ckpt", str(ckpt), "--resume", "--out", str(out), "--dtype", "bfloat16", *ARGS)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step-00000003" in second.stdout, second.stdout
+    assert "(cpu, bfloat16 compute (FSDP2 mixed precision), float32 weights)" in second.stdout, second.stdout
     # The weights are the training state's, not the folder's; the learning rate the saved run's.
     assert f"with the weights of {ckpt / 'step-00000003'} under" in second.stdout, second.stdout
     assert "with its saved weights" not in second.stdout and "AdamW lr 0.003 (the saved run's)" in second.stdout
