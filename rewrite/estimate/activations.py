@@ -7,7 +7,7 @@ and the resolved plan; a meta-device model will do.
 
 Notation: s = pipeline.seq_len, b = sequences per microbatch (1 unless given), h = hidden_size,
 a / g = query / key-value heads of size d, i = intermediate_size, V = vocab_size, t = mesh.tp,
-B = bytes per element of the parameters' dtype. Tokens: T = b s. Under sequence_parallel a
+B = bytes per element of the compute dtype. Tokens: T = b s. Under sequence_parallel a
 rank holds C = b ceil(s / t) tokens between the blocks and the MLP runs on R = b t ceil(s / t)
 rows (the padding rows too); without it C = R = T. A block whose first linear is split
 ('column') divides its inner activations by t' = t, an unsplit one by t' = 1; r = tp ranks
@@ -61,6 +61,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..models.flops import config_size
@@ -71,7 +72,7 @@ from ..schedules.table import alive_counts
 
 __all__ = [
     "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations", "activation_problem",
-    "plan_sizes", "stage_activations", "place_activations", "place_peaks",
+    "compute_dtype", "plan_sizes", "stage_activations", "place_activations", "place_peaks",
 ]
 
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
@@ -202,9 +203,24 @@ class RankActivations:
     peak: int  # the estimate: the most bytes alive at once, recompute included
 
 
-def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1) -> Sizes:
-    """The `Sizes` of a resolved plan's run: the model's config and dtype, the plan's seq_len, tp and switches."""
-    first = next(iter(model.parameters()), None)
+def compute_dtype(model: nn.Module, given: str | torch.dtype | None = None) -> torch.dtype:
+    """The dtype a run computes in: `given` (a torch dtype or its name), else the model's parameters'.
+
+    Raises:
+        ValueError: `given` names no torch floating dtype.
+    """
+    if given is None:
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    found = given if isinstance(given, torch.dtype) else getattr(torch, str(given).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ValueError(f"compute dtype {given!r}: use a floating dtype's name (float32, bfloat16, float16)")
+    return found
+
+
+def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
+               dtype: str | torch.dtype | None = None) -> Sizes:
+    """The `Sizes` of a resolved plan's run: the model's config, the plan's seq_len, tp and switches, and
+    B from the compute dtype (`dtype`; default the parameters' dtype)."""
     attention = model.get_submodule(f"{resolved.backbone.layer(0)}.self_attn")
     plan = resolved.plan
     return Sizes.of(
@@ -212,14 +228,15 @@ def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1)
         seq_len=plan.pipeline.seq_len,
         batch_size=batch_size,
         tp=resolved.tp,
-        dtype_bytes=first.element_size() if first is not None else F32,
+        dtype_bytes=compute_dtype(model, dtype).itemsize,
         sequence_parallel=plan.sequence_parallel,
         qk_norm=hasattr(attention, "q_norm"),
         kv_replicas=resolved.kv_replicas,
     )
 
 
-def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1) -> list[RankActivations]:
+def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
+                     dtype: str | torch.dtype | None = None) -> list[RankActivations]:
     """The estimated activation bytes of each pp rank, in pp-rank order.
 
     Args:
@@ -227,6 +244,7 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
         model: the model it was resolved against (meta will do): its config, parameter
             dtype, and whether its attention has per-head norms.
         batch_size: sequences per microbatch, each `pipeline.seq_len` tokens.
+        dtype: the compute dtype (default the parameters' dtype): B in the model above.
 
     Returns:
         One `RankActivations` per pp rank; see the module docstring for the model.
@@ -243,15 +261,16 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
     problem = activation_problem(resolved, model)
     if problem:
         raise ValueError(problem)
-    return place_activations(resolved, *stage_activations(resolved, model, batch_size=batch_size))
+    return place_activations(resolved, *stage_activations(resolved, model, batch_size=batch_size, dtype=dtype))
 
 
-def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1) -> tuple[list[int], list[int]]:
+def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
+                      dtype: str | torch.dtype | None = None) -> tuple[list[int], list[int]]:
     """Per stage: the bytes one microbatch keeps until its backward, and the bytes its largest recomputed
     module holds again during the backward. Independent of the schedule and the microbatch count: a
     search computes them once per batch size and checkpointing (`place_activations` adds the schedule)."""
     bb = resolved.backbone
-    z = plan_sizes(resolved, model, batch_size=batch_size)
+    z = plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
     styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
     last = resolved.num_stages - 1
     kept, rebuilt, memo = [], [], {}

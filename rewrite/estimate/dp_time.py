@@ -22,16 +22,20 @@ ADAMW_TRAFFIC = 16  # float32 moments, each read and written, per element; plus 
 class DpTime:
     """Data-parallel costs of one binding: `units` per stage (FSDP2 unit -> bytes on a rank)."""
 
-    def __init__(self, resolved: ResolvedPlan, units: list[dict[str, int]], hw: Hardware, gpus_per_node: int) -> None:
+    def __init__(self, resolved: ResolvedPlan, units: list[dict[str, int]], hw: Hardware, gpus_per_node: int,
+                 *, gathered: float = 1.0) -> None:
+        """`gathered`: bytes a gathered parameter moves per byte it is stored in (0.5: FSDP2 gathers
+        float32 weights in bfloat16); gradients reduce in the stored dtype."""
         dp, pp, tp = resolved.plan.mesh.dp, resolved.pp, resolved.tp
         self.dp, self.units, self.hw, self.eff = dp, units, hw, hw.efficiency.collective
+        self.gathered = gathered
         groups = [[global_rank(d, p, t, pp=pp, tp=tp) for d in range(dp)] for p in range(pp) for t in range(tp)]
         self.link = groups_link(hw, groups, gpus_per_node)
         self.gather = {s: [self._ag(b) for b in u.values()] for s, u in enumerate(units)}
         self.layers_only = {s: [self._ag(b) for name, b in u.items() if name != "root"] for s, u in enumerate(units)}
 
     def _ag(self, nbytes: float) -> float:
-        return all_gather_s(nbytes, self.dp, self.link, self.eff)
+        return all_gather_s(nbytes * self.gathered, self.dp, self.link, self.eff)
 
     def sharding(self, resolved: ResolvedPlan) -> str | None:
         """The plan's data-parallel sharding, None without data parallelism."""
@@ -69,6 +73,7 @@ class DpTime:
 
     def tail(self, stages: tuple[int, ...], times: list, sharding: str | None, split: bool,
              window: float, dtype_bytes: int, reduce: str = "step") -> tuple[float, float]:
+        # dtype_bytes: the parameters' (master) bytes per element: AdamW reads and writes them
         """(data-parallel seconds exposed after a rank's last action, AdamW's seconds) for a rank holding
         `stages`. `window`: that action's duration, beside which the gradients reduce; an infinite one
         gives the least exposed. Under `reduce: microbatch` the backwards reduced as they went (`costs`)."""

@@ -11,7 +11,7 @@ from typing import Annotated
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["Link", "Efficiency", "Hardware", "HARDWARE_NAMES", "PROFILES", "load_hardware"]
+__all__ = ["Link", "Efficiency", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
 
 PROFILES = Path(__file__).with_name("profiles")
 HARDWARE_NAMES = tuple(sorted(p.stem for p in PROFILES.glob("*.yaml")))
@@ -72,6 +72,14 @@ class Hardware(_Strict):
                 f"add peak_flops.{dtype} to the profile, or set `dtype` to one of those"
             )
         return self.peak_flops[dtype]
+
+
+def default_dtype(hardware: Hardware) -> str:
+    """The compute dtype a run on `hardware` takes by default: bfloat16 where the profile's bfloat16
+    peak passes its float32 one (a GPU's tensor cores), else float32 (a CPU). `rewrite train`'s rule
+    on a device is the same: bfloat16 on a GPU that computes in it."""
+    fast = hardware.peak_flops.get("bfloat16", 0.0) > hardware.peak_flops.get("float32", float("inf"))
+    return "bfloat16" if fast else "float32"
 
 
 def load_hardware(source: str | Path | Hardware) -> Hardware:

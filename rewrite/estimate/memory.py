@@ -20,12 +20,13 @@ import functools
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..binding.params import held_parameters
 from ..binding.resolve import ResolvedPlan
 from ..schedules import splits_backward
-from .activations import activation_problem, rank_activations
+from .activations import activation_problem, compute_dtype, rank_activations
 
 __all__ = [
     "Footprint", "ParamSums", "RankMemory", "REDUCES", "SHARDINGS", "GIB", "footprint", "param_sums", "rank_footprints", "rank_memory", "rank_parameters", "rank_held", "param_unit",
@@ -85,7 +86,7 @@ def param_sums(params: list[tuple], dp: int) -> ParamSums:
 
 def footprint(
     params: list[tuple] | ParamSums, *, dp: int = 1, sharding: str = "full", split: bool = False,
-    reduce: str = "step",
+    reduce: str = "step", compute_bytes: int | None = None,
 ) -> Footprint:
     """One rank's parameter memory for one data-parallel sharding.
 
@@ -101,6 +102,11 @@ def footprint(
         reduce: `step` or `microbatch` (`data_parallel.reduce`): under `full` and `grad_op`,
             whether the rank's whole gradients wait for the step's one reduce, or only the root's
             and one layer's are whole at a time, beside the reduced shards they accumulate into.
+        compute_bytes: bytes per element of the compute dtype when it is narrower than the
+            parameters' (mixed precision, `apply_plan(compute_dtype=)`); None computes in theirs. Where
+            dp shards, FSDP2 gathers the parameters in it (gradients still accumulate and reduce
+            in the parameters' dtype); elsewhere autocast keeps a copy of each weight in it
+            through the step.
 
     Returns:
         A `Footprint`. The peak, with dp = 1: weights + gradients + AdamW. With dp > 1:
@@ -122,10 +128,12 @@ def footprint(
     if z.dp != dp:
         raise ValueError(f"parameter sums made for dp {z.dp}, asked for dp {dp}")
     whole, whole_bytes = z.whole, z.whole_bytes
+    mixed = compute_bytes is not None and compute_bytes * whole < whole_bytes
     if dp == 1 or sharding == "replicate":
         gathered = whole_bytes if dp > 1 else 0  # replicate's second copy: DDP's buckets, or FSDP2's gathered one
+        cast = compute_bytes * whole if mixed else 0  # autocast's cached casts of the weights
         return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
-                         2 * whole_bytes + ADAMW_BYTES * whole + gathered)
+                         2 * whole_bytes + ADAMW_BYTES * whole + gathered + cast)
     if reduce not in REDUCES:
         raise ValueError(f"data_parallel.reduce {reduce!r}: use one of {', '.join(REDUCES)}")
     held, held_bytes = z.held, z.held_bytes
@@ -133,6 +141,8 @@ def footprint(
     root = units.pop("root", 0)
     one_at_a_time = dp * (root + max(units.values(), default=0))  # the root and the largest layer, whole
     gathered = one_at_a_time if sharding == "full" and not split else dp * held_bytes
+    if mixed and held_bytes:  # FSDP2 gathers in the compute dtype
+        gathered = gathered * compute_bytes * held // held_bytes
     # The root's whole gradients live through each backward (its unit reduces when the backward ends).
     grads = held_bytes + one_at_a_time if reduce == "microbatch" else whole_bytes
     return Footprint(held, held_bytes, held_bytes, ADAMW_BYTES * held,
@@ -173,7 +183,7 @@ def rank_held(resolved: ResolvedPlan, pp_rank: int) -> list:
 
 
 def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, sharding: str | None = None,
-                    reduce: str | None = None) -> list[Footprint]:
+                    reduce: str | None = None, dtype: str | torch.dtype | None = None) -> list[Footprint]:
     """Each pp rank's footprint, in pp-rank order; every tp rank and every replica alike.
 
     Args:
@@ -183,16 +193,18 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
             totals are used.
         sharding: another mode than the plan's `data_parallel.sharding`, to compare.
         reduce: another than the plan's `data_parallel.reduce`, to compare.
+        dtype: the compute dtype, when narrower than the parameters' (`footprint`'s compute_bytes).
 
     Raises:
-        ValueError: mesh.dp > 1 and no model.
+        ValueError: mesh.dp > 1 and no model, or a dtype that is not a floating one.
     """
     dp, sharding = resolved.plan.mesh.dp, sharding or resolved.plan.data_parallel.sharding
     reduce = reduce or resolved.plan.data_parallel.reduce
+    compute = None if dtype is None else compute_dtype(model, dtype).itemsize
     if model is not None:
         split = splits_backward(resolved.plan.pipeline.schedule, resolved.plan.pipeline.table)
-        return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split, reduce=reduce)
-                for r in range(resolved.pp)]
+        return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split, reduce=reduce,
+                          compute_bytes=compute) for r in range(resolved.pp)]
     if dp > 1:
         raise ValueError(
             f"memory per rank under mesh.dp={dp} needs the parameters' shapes (FSDP2 pads each one's dim 0 "
@@ -202,7 +214,7 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
     for r in range(resolved.pp):
         stages = [resolved.stages[s] for s in resolved.rank_stages(r)]
         count, nbytes = sum(s.param_count for s in stages), sum(s.param_bytes for s in stages)
-        out.append(Footprint(count, nbytes, nbytes, ADAMW_BYTES * count, 2 * nbytes + ADAMW_BYTES * count))
+        out.append(footprint(ParamSums(1, count, nbytes, count, nbytes, ()), compute_bytes=compute))
     return out
 
 
@@ -268,6 +280,7 @@ def rank_memory(
     batch_size: int = 1,
     seq_len: int | None = None,
     microbatches: int | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> list[RankMemory]:
     """Parameters, gradients, AdamW state and activations of each rank of replica 0, in rank order.
 
@@ -277,6 +290,9 @@ def rank_memory(
             for the activations; without it, or for a torch.fx split, activations are None.
         batch_size: sequences per microbatch.
         seq_len, microbatches: override pipeline.seq_len and pipeline.microbatches.
+        dtype: the compute dtype (default the parameters'): the activations are counted in it
+            and, when narrower than the parameters (mixed precision), FSDP2's gathered copies
+            or autocast's cast weights (`footprint`).
 
     Returns:
         One `RankMemory` per global rank of replica 0 (`plan.ranks.global_rank`); activations follow the
@@ -290,9 +306,9 @@ def rank_memory(
     run = with_run(resolved, seq_len=seq_len, microbatches=microbatches)
     acts = None
     if model is not None and activation_problem(resolved, model) is None:
-        acts = rank_activations(run, model, batch_size=batch_size)
+        acts = rank_activations(run, model, batch_size=batch_size, dtype=dtype)
     out = []
-    for pp_rank, foot in enumerate(rank_footprints(resolved, model)):
+    for pp_rank, foot in enumerate(rank_footprints(resolved, model, dtype=dtype)):
         act = acts[pp_rank] if acts is not None else None
         for t in range(resolved.tp):
             out.append(RankMemory(

@@ -23,8 +23,8 @@ from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan
 from ..schedules import splits_backward
 from ..values import is_count
-from .activations import activation_problem
-from .hardware import Hardware, load_hardware
+from .activations import activation_problem, compute_dtype
+from .hardware import Hardware, default_dtype, load_hardware
 from .memory import GIB, rank_memory
 from .search_space import (
     CHECKPOINTING, SCHEDULES_BY_STAGES, Bound, bind, binds_sp, collector_paused, meshes, microbatch_counts, variant,
@@ -48,13 +48,14 @@ class Candidate:
     peak_bytes: int  # the busiest rank's estimated peak
     fits: bool
     checkpointing: str  # one of CHECKPOINTING
+    dtype: str = "float32"  # the compute dtype counted, over the model's parameters (float32 master weights)
 
     def as_dict(self) -> dict:
         """`{"plan": {...}, "batch_size", "step_s", "tokens_per_s", "mfu", "bubble", "peak_bytes", "fits", ...}`."""
         return {"plan": self.plan.model_dump(mode="json", exclude_none=True), "batch_size": self.batch_size,
                 "step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble,
                 "peak_bytes": self.peak_bytes, "fits": self.fits, "checkpointing": self.checkpointing,
-                "summary": self.summary()}
+                "dtype": self.dtype, "summary": self.summary()}
 
     def summary(self) -> str:
         """`dp=2 x pp=2 x tp=2, 1f1b, 8 x 2 seqs, full, sp + vocab/loss, checkpointing off`."""
@@ -75,15 +76,28 @@ class NoPlanFits(RewriteError, ValueError):
         self.advice = advice
 
 
-def _model(model_or_config, dtype: str | None) -> nn.Module:
+def _model(model_or_config) -> nn.Module:
+    """The model to plan: a config's built on the meta device in float32, as `rewrite train` holds its weights."""
     if isinstance(model_or_config, nn.Module):
         return model_or_config
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_or_config, **kwargs)
+        return AutoModelForCausalLM.from_config(model_or_config, dtype=torch.float32)
+
+
+def planned_dtype(model: nn.Module, hw: Hardware, given: str | None) -> str:
+    """The compute dtype a search counts: `given`, else the profile's default (`default_dtype`), never
+    wider than the model's parameters (the master weights)."""
+    import torch
+
+    if given is not None:
+        compute_dtype(model, given)  # a floating dtype's name, or ValueError
+        return given
+    master = compute_dtype(model)
+    chosen = default_dtype(hw)
+    return chosen if getattr(torch, chosen).itemsize <= master.itemsize else str(master).removeprefix("torch.")
 
 
 def check_arguments(world, device_memory, seq_len, global_batch, gpus_per_node) -> None:
@@ -118,7 +132,10 @@ def suggest_plans(
         global_batch: sequences per step over all replicas (default 4 x world); each replica's
             share is split into microbatches of equal size.
         hardware: a profile, its name or file (`estimate.hardware.load_hardware`).
-        dtype: the parameters' dtype for a config (default: the config's torch_dtype).
+        dtype: the compute dtype (`apply_plan`'s compute_dtype, `rewrite train --dtype`) over the
+            parameters' dtype, which a config's model takes as float32 (the master weights
+            `rewrite train` keeps); default: bfloat16 on a profile whose bfloat16 peak passes its
+            float32 one (a GPU), else float32 (`hardware.default_dtype`).
 
     Returns:
         One `Candidate` per (dp, pp, tp) that fits, ranked by `step_s`: for each, the schedule,
@@ -136,33 +153,35 @@ def suggest_plans(
     """
     check_arguments(world, device_memory, seq_len, global_batch, gpus_per_node)
     hw = load_hardware(hardware)
-    model = _model(model_or_config, dtype)
+    model = _model(model_or_config)
+    dtype = planned_dtype(model, hw, dtype)
     G = gpus_per_node or hw.devices_per_node
     limit = (device_memory or hw.memory_gib) * GIB
     batch = global_batch or 4 * world
     with collector_paused():
-        best = _search(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True)
+        best = _search(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True, dtype=dtype)
         if not best:
             raise NoPlanFits(
                 f"no plan fits: no layout of {world} device(s) at {limit / GIB:g} GiB each holds "
                 f"{type(model).__name__} at {seq_len} tokens x {batch} sequences",
-                _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch),
+                _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, dtype=dtype),
             )
-    ranked = sorted(best.values(), key=lambda c: c.step_s)
-    _verify(ranked[0], model)
+    ranked = sorted((dataclasses.replace(c, dtype=dtype) for c in best.values()), key=lambda c: c.step_s)
+    _verify(ranked[0], model, dtype)
     return ranked
 
 
-def _verify(best: Candidate, model: nn.Module) -> None:
+def _verify(best: Candidate, model: nn.Module, dtype: str) -> None:
     """The best plan bound afresh, from its own data, must hold what the search estimated for it."""
     resolved = resolve(load_plan(best.plan.model_dump(mode="json", exclude_none=True)), model)
-    peak = max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size))
+    peak = max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size, dtype=dtype))
     if peak != best.peak_bytes:
         raise RuntimeError(f"the plan search estimated {best.peak_bytes} bytes for {best.summary()}, its plan binds to "
                            f"{peak}: a bug in rewrite.estimate.search")
 
 
-def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: bool = False) -> dict:
+def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: bool = False,
+            dtype: str | None = None) -> dict:
     """The best fitting candidate per (dp, pp, tp); `timed` False: fit only (unit
     times), `frugal`: the least memory per mesh only (full sharding, every layer checkpointed)."""
     from ..models.hf_llama import find_backbone
@@ -192,7 +211,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
                     # Sequence parallelism changes no shard or stage: the same binding with the switch on.
                     plan = base.plan.model_copy(update={"sequence_parallel": True})
                     bases.append(dataclasses.replace(base, plan=plan))
-                bounds += [Bound(b, model) for b in bases]
+                bounds += [Bound(b, model, dtype) for b in bases]
         if not timed:
             found = next(filter(None, (_first_fit(b, G=G, limit=limit, n=n, frugal=frugal) for b in bounds)), None)
         else:
@@ -273,7 +292,8 @@ def _fastest(bounds: list[Bound], hw, *, G, limit, n) -> Candidate | None:
                 push(order, bound, group, mode_index + 1)
             continue
         got = predict_step(v, bound.model, hw, batch_size=n // m, gpus_per_node=G,
-                           parameters=bound.parameters, sim_cache=bound.sims, dp_time=bound.dp_time(hw, G))
+                           parameters=bound.parameters, sim_cache=bound.sims, dp_time=bound.dp_time(hw, G),
+                           dtype=bound.compute)
         if got.step_s < low:
             raise RuntimeError(f"the plan search bounded {got.step_s} s from below by {low} s for {v.plan.mesh.shape_text()}, "
                                f"{schedule}, {m} microbatches: a bug in rewrite.estimate.step_bound")
@@ -284,9 +304,9 @@ def _fastest(bounds: list[Bound], hw, *, G, limit, n) -> Candidate | None:
     return best
 
 
-def _advice(model, hw, *, world, G, limit, seq_len, batch) -> str:
+def _advice(model, hw, *, world, G, limit, seq_len, batch, dtype) -> str:
     """What would fit: the sequence length on this world, else the smallest world (doubling, up to 64x)."""
-    fits = lambda **kw: bool(_search(model, hw, G=G, limit=limit, timed=False, frugal=True, **kw))  # noqa: E731
+    fits = lambda **kw: bool(_search(model, hw, G=G, limit=limit, timed=False, frugal=True, dtype=dtype, **kw))  # noqa: E731
     if fits(world=world, seq_len=1, batch=batch):  # the parameters fit: some sequence length does
         s = seq_len // 2
         while s > 1 and not fits(world=world, seq_len=s, batch=batch):

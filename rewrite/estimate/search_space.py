@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import gc
 
+import torch
 from torch import nn
 
 from ..plan.from_hf import plan_from_hf
@@ -15,7 +16,7 @@ from ..binding.resolve import ResolvedPlan, resolve
 from ..plan.loading import load_plan
 from ..plan.schema import PlanError
 from ..schedules import placement, splits_backward
-from .activations import place_peaks, stage_activations
+from .activations import compute_dtype, place_peaks, stage_activations
 from .dp_time import DpTime
 from .hardware import Hardware
 from .memory import footprint, param_sums, rank_parameters
@@ -110,8 +111,10 @@ def variant(base: ResolvedPlan, *, schedule: str, microbatches: int, sharding: s
 class Bound:
     """What a search shares across candidates of one binding: parameters per stage, footprints per sharding."""
 
-    def __init__(self, base: ResolvedPlan, model: nn.Module) -> None:
+    def __init__(self, base: ResolvedPlan, model: nn.Module, dtype: str | torch.dtype | None = None) -> None:
+        """`dtype`: the compute dtype (default the parameters', which are the master weights)."""
         self.base, self.model = base, model
+        self.compute = compute_dtype(model, dtype)
         self.parameters = stage_parameters(base, model)
         self.sims: dict = {}
         self._feet: dict = {}
@@ -122,19 +125,21 @@ class Bound:
         self._dp: DpTime | None = None
         self._costs: dict = {}  # (sharding, split, checkpointing, batch size, reduce) -> `DpTime.costs`
         self._tails: dict = {}  # the same and the placement -> each rank's least tail
-        self.dtype_bytes = next(iter(model.parameters())).element_size()
+        self.dtype_bytes = compute_dtype(model).itemsize  # the master weights'
+        self.mixed = self.compute.itemsize < self.dtype_bytes  # `footprint`'s compute_bytes, else None
 
     def dp_time(self, hw: Hardware, G: int) -> DpTime:
         """The binding's `DpTime` (one hardware and node size a search)."""
         if self._dp is None:
-            self._dp = DpTime(self.base, self.parameters[0], hw, G)
+            self._dp = DpTime(self.base, self.parameters[0], hw, G, gathered=self.compute.itemsize / self.dtype_bytes)
         return self._dp
 
     def activation_peaks(self, variant: ResolvedPlan, schedule: str, m: int, mode: str, batch_size: int) -> list[int]:
         key = (schedule, m, mode, batch_size)  # the sharding changes no activation
         if key not in self._acts:
             if (mode, batch_size) not in self._stages:  # nor do the schedule and microbatches a stage's bytes
-                self._stages[mode, batch_size] = stage_activations(variant, self.model, batch_size=batch_size)
+                self._stages[mode, batch_size] = stage_activations(variant, self.model, batch_size=batch_size,
+                                                                   dtype=self.compute)
             self._acts[key] = place_peaks(variant, *self._stages[mode, batch_size])
         return self._acts[key]
 
@@ -145,7 +150,8 @@ class Bound:
             v = variant(self.base, schedule=pipe.schedule, microbatches=pipe.microbatches,
                         sharding=self.base.plan.data_parallel.sharding, checkpointing=mode)
             self._times[mode, batch_size] = stage_times(v, self.model, hw, batch_size=batch_size, gpus_per_node=G,
-                                                        layer_weights=self.parameters[1], root_weights=self.parameters[2])
+                                                        layer_weights=self.parameters[1], root_weights=self.parameters[2],
+                                                        dtype=self.compute)
         return self._times[mode, batch_size]
 
     def lower_bound(self, schedule: str, m: int, sharding: str, reduce: str, mode: str, batch_size: int,
@@ -172,7 +178,9 @@ class Bound:
             if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
                 self._params[variant.stage_rank] = [param_sums(rank_parameters(variant, self.model, r), dp)
                                                     for r in range(variant.pp)]
-            self._feet[key] = [footprint(p, dp=dp, sharding=sharding, split=split, reduce=reduce).peak
+            compute = self.compute.itemsize if self.mixed else None
+            self._feet[key] = [footprint(p, dp=dp, sharding=sharding, split=split, reduce=reduce,
+                                         compute_bytes=compute).peak
                                for p in self._params[variant.stage_rank]]
         return self._feet[key]
 

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
 from ..binding.resolve import ResolvedPlan
-from .activations import F32, Sizes, end_bytes, layer_bytes, plan_sizes
+from .activations import F32, Sizes, compute_dtype, end_bytes, layer_bytes, plan_sizes
 from .plan_parts import block_splits, loss_sharded, recomputed_parts, shard_styles
 from .collectives import all_gather_s, all_reduce_s, groups_link
 from .hardware import Hardware
@@ -131,6 +132,7 @@ def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool
 def stage_times(
     resolved: ResolvedPlan, model: nn.Module, hardware: Hardware, *, batch_size: int = 1, gpus_per_node: int | None = None,
     layer_weights: dict[int, int] | None = None, root_weights: tuple[int, int] = (0, 0),
+    dtype: str | torch.dtype | None = None,
 ) -> list[StageTimes]:
     """Each stage's times for one microbatch of `batch_size` sequences of pipeline.seq_len tokens.
 
@@ -142,16 +144,16 @@ def stage_times(
         gpus_per_node: devices per node (default the profile's), for the tp group's link.
         layer_weights: per decoder layer, the bytes of its weights on a rank (default 0: no weight traffic).
         root_weights: bytes of (the embedding, the final norm and head) on a rank.
+        dtype: the compute dtype (default the parameters'): its peak FLOP/s, its activation bytes.
 
     Example:
         >>> [round(t.forward, 4) for t in stage_times(resolved, model, load_hardware("h100-sxm"))]
     """
     bb, config = resolved.backbone, model.config
-    z = plan_sizes(resolved, model, batch_size=batch_size)
+    z = plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
     styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
-    dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
     link = groups_link(hardware, tp_groups(resolved), gpus_per_node or hardware.devices_per_node)
-    clock = _Clock(hardware, dtype, resolved.tp, link)
+    clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, link)
     layer_weights = layer_weights or {}
     last, out, memo = resolved.num_stages - 1, [], {}
     for stage, layers in enumerate(resolved.layer_indices):

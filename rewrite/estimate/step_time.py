@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..models.flops import TRAINING, head_flops, layer_flops
@@ -27,7 +28,7 @@ from ..binding.params import held_parameters
 from ..plan.ranks import global_rank
 from ..binding.resolve import ResolvedPlan
 from ..schedules import bubble, plan_table, simulate, splits_backward
-from .activations import activation_problem, plan_sizes
+from .activations import activation_problem, compute_dtype, plan_sizes
 from .collectives import groups_link, p2p_s
 from .hardware import Hardware, load_hardware
 from .dp_time import DpTime
@@ -95,18 +96,22 @@ def predict_step(
     parameters: tuple | None = None,
     sim_cache: dict | None = None,
     dp_time: DpTime | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> StepPrediction:
     """The predicted time of one training step of `resolved` on `hardware`.
 
     Args:
         resolved: `rewrite.resolve(plan, model)` of a Hugging Face LLaMA-family model.
-        model: the model it was resolved against (meta will do); its dtype is the compute dtype.
+        model: the model it was resolved against (meta will do); its parameters' dtype is
+            the master weights' (gradients, AdamW's reads and writes, gradient reductions).
         hardware: a profile, its name or file (`hardware.load_hardware`).
         batch_size: sequences per microbatch; seq_len, microbatches: override the plan's.
         gpus_per_node: devices per node (default the profile's): which groups cross nodes.
         parameters: `stage_parameters(resolved, model)`, when the caller has it.
         sim_cache: a dict kept across calls: tables timed alike are simulated once.
         dp_time: `DpTime(resolved, parameters[0], hardware, gpus_per_node)`, when the caller has it.
+        dtype: the compute dtype (default the parameters'): its peak FLOP/s, the activations'
+            bytes, FSDP2's gathers (`apply_plan(compute_dtype=)`).
 
     Raises:
         ValueError: a layout the model does not time (torch.fx splits, non-LLaMA layers), a
@@ -124,13 +129,14 @@ def predict_step(
     G = gpus_per_node or hw.devices_per_node
     units, layer_weights, root_weights = parameters or stage_parameters(run, model)
     times = stage_times(run, model, hw, batch_size=batch_size, gpus_per_node=G, layer_weights=layer_weights,
-                        root_weights=root_weights)
+                        root_weights=root_weights, dtype=dtype)
+    master, compute = compute_dtype(model), compute_dtype(model, dtype)
     dp, pp, tp, m = plan.mesh.dp, run.pp, run.tp, pipe.microbatches
     eff, split = hw.efficiency.collective, splits_backward(pipe.schedule, pipe.table)
-    dpt = dp_time or DpTime(run, units, hw, G)
+    dpt = dp_time or DpTime(run, units, hw, G, gathered=compute.itemsize / master.itemsize)
     sharding, reduce = dpt.sharding(run), plan.data_parallel.reduce
 
-    z = plan_sizes(run, model, batch_size=batch_size)
+    z = plan_sizes(run, model, batch_size=batch_size, dtype=compute)
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp rank its sequence chunk)
 
     def hop_s(a: int, b: int) -> float:  # pp rank a to pp rank b, over the slowest pair of global ranks
@@ -161,7 +167,7 @@ def predict_step(
     ends, worst_dp, worst_opt = [], 0.0, 0.0
     for r, row in enumerate(table):
         window = sim[row[-1]][1] - sim[row[-1]][0] if row else 0.0
-        exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, z.dtype_bytes, reduce)
+        exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, master.itemsize, reduce)
         end = sim[row[-1]][1] if row else 0.0  # a row's actions run one after another: its last ends last
         ends.append(end + exposed + optimizer)
         worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)
@@ -172,6 +178,6 @@ def predict_step(
     world = dp * pp * tp
     return StepPrediction(
         step_s=step, tokens_per_s=sequences * z.seq_len / step / world,
-        mfu=flops / (step * world * hw.flops(str(next(iter(model.parameters())).dtype))),
+        mfu=flops / (step * world * hw.flops(str(compute).removeprefix("torch."))),
         bubble=bubble(table, sim), pipeline_s=span, dp_s=worst_dp, optimizer_s=worst_opt, stages=tuple(times),
     )

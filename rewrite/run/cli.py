@@ -22,7 +22,13 @@ from .flag_words import in_flags
 
 __all__ = ["main", "console", "build_parser"]
 
-_DTYPES = ("float32", "bfloat16", "float16")
+
+def shown_dtype(hardware: str | None) -> str:
+    """`show`'s and `plan`'s default `--dtype`: the profile's (`estimate.hardware.default_dtype`:
+    bfloat16 on a GPU), float32 without one, as `rewrite train` takes bfloat16 on a GPU."""
+    from ..estimate.hardware import default_dtype, load_hardware
+
+    return "float32" if hardware is None else default_dtype(load_hardware(hardware))
 
 
 def _meta_model(model: str, dtype: str | None = None):
@@ -44,12 +50,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from .show.report import render_text
     from .show.schedule import format_schedule
 
-    model = _meta_model(args.model, args.dtype or "float32")  # what `rewrite train` holds, whatever the config says
+    model = _meta_model(args.model, "float32")  # the master weights `rewrite train` holds, whatever the config says
     resolved = resolve(args.plan, model, world_size=args.world_size)
     data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                      microbatches=args.microbatches, memory_limit=args.memory_limit,
                      warnings=[*resolved.warnings, *balance_warnings(resolved, model)],
-                     hardware=args.hardware, gpus_per_node=args.gpus_per_node)
+                     hardware=args.hardware, gpus_per_node=args.gpus_per_node,
+                     dtype=args.dtype or shown_dtype(args.hardware))
     if args.json:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
@@ -153,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .plan_cmd import add_calibrate_parser, add_hardware_flags, add_plan_parser
     from .presets import PRESETS
     from .train_flags import MODEL_HELP, PLAN_HELP, add_train_flags
+    from .train_setup import DTYPES  # `--dtype` of show, plan and train: one meaning, one default
 
     parser = argparse.ArgumentParser(
         prog="rewrite",
@@ -164,10 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("plan", metavar="PLAN", help=PLAN_HELP)
     show.add_argument("--model", required=True, metavar="MODEL", help=MODEL_HELP)
     show.add_argument("--world-size", type=int, default=None, help="check the mesh against this many ranks")
-    show.add_argument("--dtype", choices=_DTYPES, default=None,
-                      help="parameter and activation dtype for the memory table (default float32: `rewrite train` "
-                      "keeps float32 weights, gradients and AdamW state, also under --dtype bfloat16, where its "
-                      "activations take about half the float32 figure); bfloat16 for a loop of your own in it")
+    show.add_argument("--dtype", choices=DTYPES, default=None,
+                      help="compute dtype over float32 weights, gradients and AdamW state, as `rewrite train "
+                      "--dtype` runs it (default: bfloat16 with a --hardware profile whose bfloat16 peak passes "
+                      "its float32 one, a GPU's; else float32)")
     show.add_argument("--batch-size", type=_at_least_one(int), default=1, metavar="N",
                       help="sequences per microbatch, for the activations (default %(default)s)")
     show.add_argument("--seq-len", type=_at_least_one(int), default=None, metavar="TOKENS",

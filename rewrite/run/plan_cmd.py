@@ -26,8 +26,8 @@ def add_hardware_flags(parser: argparse.ArgumentParser, help: str, default: str 
 
 
 def add_plan_parser(sub) -> None:
-    from .cli import _DTYPES
     from .train_flags import MODEL_HELP
+    from .train_setup import DTYPES
 
     plan = sub.add_parser("plan", help="the fastest plan that fits: a model, the devices and their memory in, a plan file out")
     plan.add_argument("--model", required=True, metavar="MODEL", help=MODEL_HELP)
@@ -38,8 +38,10 @@ def add_plan_parser(sub) -> None:
     plan.add_argument("--seq-len", type=int, default=2048, metavar="TOKENS", help="tokens per sequence (default %(default)s)")
     plan.add_argument("--global-batch", type=int, default=None, metavar="SEQUENCES",
                       help="sequences per step over all replicas (default: 4 per device)")
-    plan.add_argument("--dtype", choices=_DTYPES, default=None,
-                      help="parameter and compute dtype (default: the config's torch_dtype, else float32)")
+    plan.add_argument("--dtype", choices=DTYPES, default=None,
+                      help="compute dtype over float32 weights, gradients and AdamW state, as `rewrite train --dtype` "
+                      "runs it (default: bfloat16 on a profile whose bfloat16 peak passes its float32 one, a GPU's; "
+                      "else float32)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table printed (default %(default)s)")
     plan.add_argument("--out", default=None, metavar="FILE", help="write the best plan here (default: print it)")
     plan.add_argument("--json", action="store_true", help='print {"candidates": [...]} ranked by step_s instead of tables')
@@ -79,7 +81,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except NoPlanFits as exc:
         return _fail(str(exc), 1)
     best = found[0]
-    text = plan_file_text(best, args, hardware.name, searched_dtype(config, args.dtype))
+    text = plan_file_text(best, args, hardware.name)
     if args.out:
         Path(args.out).write_text(text)
     if args.json:
@@ -118,36 +120,27 @@ def _dp_text(plan) -> str:
     return f"{dpp.sharding}, per {dpp.reduce}" if plan.mesh.dp > 1 else "-"
 
 
-def searched_dtype(config, given: str | None) -> str:
-    """The parameter dtype the search counted: `--dtype`, else the config's, else float32 (as the model is built)."""
-    found = given or getattr(config, "dtype", None)
-    return str(found).removeprefix("torch.") if found is not None else "float32"
-
-
-def plan_file_text(best, args: argparse.Namespace, hardware: str, dtype_name: str = "float32") -> str:
-    """The best candidate as a commented plan file: what it predicts and the commands that run and show it.
-    `dtype_name`: the parameter dtype the search counted, which the `show` line repeats so that it prints
-    the same memory."""
+def plan_file_text(best, args: argparse.Namespace, hardware: str) -> str:
+    """The best candidate as a commented plan file: what it predicts and the commands that run and show it,
+    both with the compute dtype the search counted (`best.dtype`), so that they run and print what was planned."""
     plan, pipe = best.plan, best.plan.pipeline
     world = plan.mesh.world_size
-    dtype = f" --dtype {dtype_name}"
-    held = ("" if dtype_name == "float32" else
-            f"# Weights and gradients counted in {dtype_name}, the model's dtype; `rewrite train` keeps them in float32 "
-            "(also under --dtype bfloat16): plan with --dtype float32 for it.")
+    dtype = f" --dtype {best.dtype}"
     name = args.out or "plan.yaml"
     described = plan.model_copy(update={"description": f"planned by rewrite plan for {args.model} on {world} x {hardware}"})
     return "\n".join([
         f"# Planned by `rewrite plan --model {args.model} --world {world} --seq-len {pipe.seq_len}"
-        f"{' --device-memory ' + format(args.device_memory, 'g') if args.device_memory else ''} --hardware {hardware}`:",
+        f"{' --device-memory ' + format(args.device_memory, 'g') if args.device_memory else ''} --hardware {hardware}"
+        f"{dtype}`:",
         f"# {best.summary()}.",
         f"# Predicted on {hardware}: a step of {best.step_s:.3g} s ({plan.mesh.dp * pipe.microbatches * best.batch_size} "
         f"sequences of {pipe.seq_len} tokens), {best.tokens_per_s:,.0f} tokens/s per device, MFU {best.mfu:.0%}, "
         f"bubble {best.bubble:.0%};",
-        f"# the busiest rank holds {best.peak_bytes / 1024**3:.2f} GiB at its peak (weights, gradients, AdamW, activations).",
+        f"# the busiest rank holds {best.peak_bytes / 1024**3:.2f} GiB at its peak (weights, gradients, AdamW, activations;"
+        f" float32 weights computed in {best.dtype}).",
         f"#   rewrite show {name} --model {args.model} --batch-size {best.batch_size}{dtype} --hardware {hardware}",
         f"#   torchrun --nproc-per-node {world} -m rewrite train {name} --model {args.model} "
-        f"--batch-size {best.batch_size} --seq-len {pipe.seq_len}",
-        *([held] if held else []),
+        f"--batch-size {best.batch_size} --seq-len {pipe.seq_len}{dtype}",
         described.to_yaml(),
     ])
 

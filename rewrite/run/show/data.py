@@ -134,11 +134,11 @@ def _memory_entry(m: RankMemory, limit: float | None) -> dict:
     }
 
 
-def _fullest(resolved: ResolvedPlan, model: nn.Module | None) -> dict | None:
+def _fullest(resolved: ResolvedPlan, model: nn.Module | None, dtype) -> dict | None:
     # Under each sharding mode, the fullest rank (the highest peak): bytes between steps and at the peak; dp > 1 only.
     if resolved.plan.mesh.dp == 1:
         return None
-    feet = {m: max(rank_footprints(resolved, model, sharding=m), key=lambda f: f.peak) for m in SHARDINGS}
+    feet = {m: max(rank_footprints(resolved, model, sharding=m, dtype=dtype), key=lambda f: f.peak) for m in SHARDINGS}
     return {m: {"at_rest": f.at_rest, "peak": f.peak} for m, f in feet.items()}
 
 
@@ -154,6 +154,7 @@ def show_data(
     warnings: Sequence[str] | None = None,
     hardware=None,
     gpus_per_node: int | None = None,
+    dtype: str | None = None,
 ) -> dict:
     """What `rewrite show` prints, as data: `--json` prints this dict, `report.render_text` lays it out.
 
@@ -166,6 +167,8 @@ def show_data(
         warnings: lines to pass on (e.g. from a stage-balance check).
         hardware: a profile, its name or file: adds `predicted` (`estimate.step_time`), with
             gpus_per_node devices per node (default the profile's).
+        dtype: the compute dtype over the model's parameters (`apply_plan`'s compute_dtype);
+            default the parameters'.
 
     Returns:
         {"plan", "description", "model", "mesh", "pipeline", "data_parallel", "tensor_parallel",
@@ -189,8 +192,10 @@ def show_data(
     """
     plan, pipe = resolved.plan, resolved.plan.pipeline
     limit = None if memory_limit is None else memory_limit * GIB
-    ranks = rank_memory(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches)
+    ranks = rank_memory(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches,
+                        dtype=dtype)
     first = next(iter(model.parameters()), None) if model is not None else None
+    master = None if first is None else str(first.dtype).removeprefix("torch.")
     out = {
         "plan": plan.source,
         "description": plan.description,
@@ -212,12 +217,13 @@ def show_data(
         "recomputed_modules": len(resolved.recomputed),
         "stages": stage_entries(resolved),
         "memory": {
-            "dtype": None if first is None else str(first.dtype).removeprefix("torch."),
+            "dtype": master,
+            "compute_dtype": dtype or master,
             "optimizer": "AdamW, 2 moments in float32",
             "limit_bytes": limit,
             "not_fitting": sum(1 for m in ranks if m.fits(limit) is False),
             "ranks": [_memory_entry(m, limit) for m in ranks],
-            "fullest": _fullest(resolved, model),
+            "fullest": _fullest(resolved, model, dtype),
             "activations_not_estimated": (
                 "no model given" if model is None else activation_problem(resolved, model)
             ) if not ranks or ranks[0].activations is None else None,
@@ -227,7 +233,7 @@ def show_data(
     }
     if hardware is not None:
         out["predicted"] = predicted(resolved, model, hardware, batch_size=batch_size, seq_len=seq_len,
-                                     microbatches=microbatches, gpus_per_node=gpus_per_node)
+                                     microbatches=microbatches, gpus_per_node=gpus_per_node, dtype=dtype)
     return out
 
 

@@ -92,9 +92,11 @@ def memory_notes(data: dict) -> list[str]:
 def memory_lines(data: dict) -> list[str]:
     """The memory section: a heading naming the dtypes, the table (`memory_table`), the notes (`memory_notes`)."""
     dtype = data["memory"]["dtype"] or "the parameters' dtype"
+    compute = data["memory"].get("compute_dtype") or dtype
+    held = (f"weights, grads and activations in {dtype}" if compute == dtype else
+            f"weights and grads in {dtype}, activations and gathered or cast weights in {compute}")
     return [
-        f"Memory per rank: params held between steps; weights, grads and activations in {dtype}, "
-        "AdamW's 2 moments in float32",
+        f"Memory per rank: params held between steps; {held}, AdamW's 2 moments in float32",
         format_table(*memory_table(data["memory"])),
         *memory_notes(data),
     ]

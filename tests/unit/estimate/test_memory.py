@@ -87,6 +87,34 @@ def test_reduce_per_microbatch_holds_the_shards_and_one_layer_of_whole_gradients
         footprint(units, dp=2, reduce="layer")
 
 
+def test_mixed_precision_gathers_in_the_compute_dtype_or_caches_casts():
+    # The units above in float32, computed in bfloat16 (2 bytes). Where dp shards, FSDP2 gathers in
+    # bfloat16: half the gathered bytes (full: the root and the larger layer, 72 -> 36; grad_op: all, 104
+    # -> 52); gradients accumulate and reduce in float32 as before. Elsewhere autocast keeps a bfloat16
+    # copy of every weight through the step (21 elements x 2).
+    units = [((3, 4), 4, "layer 0"), ((2, 4), 4, "layer 1"), ((), 4, "root")]
+    for sharding, gathered in (("full", 72), ("grad_op", 104)):
+        plain, mixed = (footprint(units, dp=2, sharding=sharding, compute_bytes=c) for c in (None, 2))
+        assert plain.peak - mixed.peak == gathered // 2 and plain.at_rest == mixed.at_rest
+    alone = footprint(units, compute_bytes=2)
+    assert alone.peak == footprint(units).peak + 21 * 2 and alone.weights == 84  # float32 master weights
+    assert footprint(units, dp=2, sharding="replicate", compute_bytes=2).peak == (
+        footprint(units, dp=2, sharding="replicate").peak + 21 * 2)
+    for kw in ({}, {"dp": 2, "sharding": "full"}, {"dp": 2, "sharding": "replicate"}):  # no narrower: no change
+        assert footprint(units, compute_bytes=4, **kw) == footprint(units, **kw)
+
+
+def test_show_counts_the_recipe_float32_weights_bfloat16_compute(llama):
+    resolved = rewrite.resolve(PLANS / "llama-dp2-tp2-pp2.yaml", llama)
+    plain = show_data(resolved, llama, hardware="h100-sxm")
+    mixed = show_data(resolved, llama, hardware="h100-sxm", dtype="bfloat16")
+    for a, b in zip(plain["memory"]["ranks"], mixed["memory"]["ranks"]):
+        assert (a["weights"], a["grads"], a["adamw"]) == (b["weights"], b["grads"], b["adamw"])  # float32 master
+        assert b["activations"] < a["activations"] and b["gathered"] < a["gathered"]
+    assert mixed["memory"]["compute_dtype"] == "bfloat16" and plain["memory"]["compute_dtype"] == "float32"
+    assert mixed["predicted"]["step_s"] < plain["predicted"]["step_s"]  # the bfloat16 peak, 15x float32's
+
+
 @pytest.mark.parametrize("sharding", ["full", "grad_op", "replicate"])
 def test_each_sharding_per_rank(llama, sharding):
     dp = 3  # divides none of tiny-llama's dims: every parameter is padded

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+import torch
+
 import rewrite
 from rewrite.estimate.memory import GIB, rank_memory
 from rewrite.estimate.search import NoPlanFits
@@ -26,13 +28,15 @@ def test_the_planner_reduces_per_microbatch_where_a_steps_whole_gradients_do_not
     (best,) = [c for c in rewrite.suggest_plans(config, world=8, device_memory=80, seq_len=4096, global_batch=32)
                if c.plan.mesh.dp == 8]
     assert best.plan.data_parallel.reduce == "microbatch" and best.plan.data_parallel.sharding == "full"
-    model = build_model(config, device="meta")
+    # The recipe `rewrite train` runs on a GPU: float32 master weights, bfloat16 compute (h100-sxm's default).
+    assert best.dtype == "bfloat16"
+    model = build_model(config, device="meta", dtype=torch.float32)
     peaks = {}
     for reduce in ("step", "microbatch"):
         plan = best.plan.model_copy(update={"data_parallel": best.plan.data_parallel.model_copy(update={"reduce": reduce})})
         resolved = rewrite.resolve(rewrite.load_plan(plan.model_dump(mode="json")), model)
-        peaks[reduce] = max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size))
-    # The whole model's bf16 gradients (16 GB) held to the step's end would not fit; one layer's at a time does.
+        peaks[reduce] = max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size, dtype="bfloat16"))
+    # The whole model's float32 gradients (32 GB) held to the step's end would not fit; one layer's at a time does.
     assert peaks["microbatch"] == best.peak_bytes <= 80 * GIB < peaks["step"]
 
 
@@ -44,9 +48,9 @@ def test_llama_8b_over_8_devices_of_80_gib():
     assert {tp for _, _, tp in _meshes(found)} == {1, 2, 4, 8}
     assert all(0 < c.mfu < 1 and c.tokens_per_s > 0 for c in found)
     best = found[0]
-    model = build_model(load_config(CONFIGS / "llama-3.1-8b.json"), device="meta")
+    model = build_model(load_config(CONFIGS / "llama-3.1-8b.json"), device="meta", dtype=torch.float32)
     resolved = rewrite.resolve(rewrite.load_plan(best.plan.model_dump(mode="json")), model)
-    assert max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size)) == best.peak_bytes
+    assert max(m.total for m in rank_memory(resolved, model, batch_size=best.batch_size, dtype=best.dtype)) == best.peak_bytes
     assert best.plan.mesh.dp * best.plan.pipeline.microbatches * best.batch_size == 32  # 4 sequences a device
 
 
@@ -113,17 +117,26 @@ def test_rewrite_plan_writes_a_plan_that_validates_and_shows_the_memory_it_predi
     shown = rewrite_cmd("show", str(out), "--model", "tiny-llama", "--batch-size", str(best["batch_size"]), "--json")
     assert shown.returncode == 0, shown.stderr
     assert max(r["total"] for r in json.loads(shown.stdout)["memory"]["ranks"]) == best["peak_bytes"]
-    # A bfloat16 config: the plan's own show line repeats the dtype the search counted, and prints its memory.
+    assert best["dtype"] == "float32" and "--dtype float32" in text  # the cpu profile has no bfloat16 peak
+    # On a GPU profile (h100-sxm, plan's default) the recipe computes in bfloat16 over float32 weights: the
+    # plan's show and train lines name it, and show prints the memory planned, with --dtype or by its default.
     big = tmp_path / "8b.yaml"
     config = str(CONFIGS / "llama-3.1-8b.json")
     run = rewrite_cmd("plan", "--model", config, "--world", "8", "--device-memory", "80", "--out", str(big), "--json")
     assert run.returncode == 0, run.stderr
     best = json.loads(run.stdout)["candidates"][0]
-    show_line = next(line for line in big.read_text().splitlines() if line.startswith("#   rewrite show"))
-    assert f"--batch-size {best['batch_size']} --dtype bfloat16" in show_line
-    assert "counted in bfloat16, the model's dtype; `rewrite train` keeps them in float32" in big.read_text()
-    shown = rewrite_cmd(*show_line.removeprefix("#   rewrite ").split(), "--json")
-    assert max(r["total"] for r in json.loads(shown.stdout)["memory"]["ranks"]) == best["peak_bytes"]
+    assert best["dtype"] == "bfloat16"
+    lines = big.read_text().splitlines()
+    show_line = next(line for line in lines if line.startswith("#   rewrite show"))
+    train_line = next(line for line in lines if line.startswith("#   torchrun"))
+    assert f"--batch-size {best['batch_size']} --dtype bfloat16 --hardware h100-sxm" in show_line
+    assert train_line.endswith(f"--batch-size {best['batch_size']} --seq-len 2048 --dtype bfloat16"), train_line
+    for line in (show_line, show_line.replace(" --dtype bfloat16", "")):
+        shown = rewrite_cmd(*line.removeprefix("#   rewrite ").split(), "--json")
+        data = json.loads(shown.stdout)
+        assert max(r["total"] for r in data["memory"]["ranks"]) == best["peak_bytes"]
+        assert data["memory"]["dtype"] == "float32" and data["memory"]["compute_dtype"] == "bfloat16"
+        assert data["predicted"]["step_s"] == pytest.approx(best["step_s"])
     table = rewrite_cmd("plan", "--model", "tiny-llama", "--world", "2", "--hardware", "cpu", "--seq-len", "64",
                         "--top", "2")
     assert table.returncode == 0 and "Plans for tiny-llama on 2 x cpu" in table.stdout

@@ -49,10 +49,11 @@ def test_show_data_parallel_in_the_plans_dtype():
     assert "mesh: dp=2 x pp=2 x tp=2 = 8 ranks" in text
     assert "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank" in text
     assert "(0: ranks 0-3, 1: ranks 4-7)" in text and "data parallel: sharding full" in text
-    assert "weights, grads and activations in bfloat16, AdamW's 2 moments in float32" in flat
-    # Rank 0: stage 0's 53,504 tp-local parameters halved by dp; 2 bytes each, AdamW 8.
+    assert ("weights and grads in float32, activations and gathered or cast weights in bfloat16, AdamW's 2 moments "
+            "in float32") in flat
+    # Rank 0: stage 0's 53,504 tp-local parameters halved by dp; float32 master weights: 4 bytes each, AdamW 8.
     rows = [line.split() for line in text.splitlines()]
-    assert ["0", "0", "0", "26,752", "52.2", "KiB", "52.2", "KiB", "209.0", "KiB"] == next(r for r in rows if len(r) == 16 and r[0] == "0")[:10]
+    assert ["0", "0", "0", "26,752", "104.5", "KiB", "104.5", "KiB", "209.0", "KiB"] == next(r for r in rows if len(r) == 16 and r[0] == "0")[:10]
     assert "ranks 4-7 (replica 1) hold the same as ranks 0-3, rank for rank" in text
     assert "the fullest rank under each sharding, params + grads + AdamW: full " in flat
 
