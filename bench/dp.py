@@ -37,10 +37,10 @@ def _mine(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return ids[rank * per : (rank + 1) * per], targets[rank * per : (rank + 1) * per]
 
 
-def _ours(rank: int, sharding: str):
+def _ours(rank: int, sharding: str, compute_dtype: torch.dtype | None = None):
     ids, targets = _mine(rank)
     plan = {"mesh": {"dp": REPLICAS}, "data_parallel": {"sharding": sharding}, "pipeline": {"microbatches": len(ids)}}
-    stage = rewrite.apply_plan(common.model(), plan)
+    stage = rewrite.apply_plan(common.model(), plan, compute_dtype=compute_dtype)
     return stage.module, lambda: rewrite.run_schedule(stage, ids, targets)
 
 
@@ -65,16 +65,19 @@ def _ddp(rank: int):
     return lm.module, lambda: _accumulate(lm, ids, targets, lambda last: nullcontext() if last else lm.no_sync())
 
 
-def _fsdp2(rank: int):
+def _fsdp2(rank: int, compute_dtype: torch.dtype | None = None):
+    """torch's FSDP2 on the same units; with `compute_dtype`, the same mixed precision policy as the recipe's
+    (`MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=float32)`)."""
     from contextlib import contextmanager
 
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     ids, targets = _mine(rank)
     lm = common.model()
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
     for layer in lm.model.layers:
-        fully_shard(layer)
-    fully_shard(lm)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(lm, mp_policy=policy)
 
     @contextmanager
     def sync(last: bool):

@@ -8,7 +8,8 @@ the allocator, caches and threads; here every run is a fresh process pair runnin
 only. Round r runs each pair's two sides one after the other (torch's first on odd rounds);
 a run's time is the median of its steps (the slower rank's, after warm-up); a pair's figure is
 the median over rounds of ours / torch's. The pairs: dp 2 `replicate` against DDP and `full`
-against FSDP2 (`bench.dp`), and afab, interleaved-1f1b and zbv against `ScheduleGPipe`,
+against FSDP2 (`bench.dp`), in float32 and in the bfloat16 recipe (`full-bf16`: both sides under
+`MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`), and afab, interleaved-1f1b and zbv against `ScheduleGPipe`,
 `ScheduleInterleaved1F1B` and `ScheduleZBVZeroBubble` (`bench.pp`). Writes the "turns" entry of
 bench/results.json.
 """
@@ -18,11 +19,14 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import torch
+
 from bench import common, dp, pp
 
 PAIRS = {  # name: (rewrite's side, torch's side)
     "replicate": ("rewrite replicate", "torch DDP"),
     "full": ("rewrite full", "torch FSDP2"),
+    "full-bf16": ("rewrite full bf16", "torch FSDP2 bf16"),
     "afab": ("rewrite afab", "torch afab"),
     "interleaved-1f1b": ("rewrite interleaved-1f1b", "torch interleaved-1f1b"),
     "zbv": ("rewrite zbv", "torch zbv"),
@@ -40,6 +44,10 @@ def _build(rank: int, world: int, side: str):
         return dp._ddp(rank)
     if side == "torch FSDP2":
         return dp._fsdp2(rank)
+    if side == "rewrite full bf16":  # the bfloat16 recipe: FSDP2's MixedPrecisionPolicy under both
+        return dp._ours(rank, "full", torch.bfloat16)
+    if side == "torch FSDP2 bf16":
+        return dp._fsdp2(rank, torch.bfloat16)
     who, schedule = side.split(" ", 1)
     if who == "rewrite":
         stage, step, _ = pp._ours(rank, world, 4, schedule)

@@ -16,10 +16,12 @@ from pathlib import Path
 
 from ..lent import lend
 
-__all__ = ["calibrate", "profile_yaml"]
+__all__ = ["calibrate", "device_rates", "profile_yaml"]
 
 # [tokens, hidden] x [hidden, 4 hidden]: an MLP projection at the bench model's sizes and above.
 MATMUL_SHAPES = ((512, 256, 1024), (512, 512, 2048), (1024, 1024, 1024))
+# A GPU reaches its peak only on large products: a 1B-8B model's projections at 8192 tokens.
+GPU_MATMUL_SHAPES = ((8192, 2048, 8192), (8192, 4096, 4096), (8192, 4096, 14336))
 MESSAGE_BYTES = (4, 64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
 
 
@@ -35,6 +37,28 @@ def _best(fn, repeats: int, *, sync=lambda: None) -> float:
     return min(times)  # the best of the repeats: what the hardware can do, less this machine's noise
 
 
+def device_rates(device, repeats: int = 10, dtypes: tuple[str, ...] | None = None) -> dict:
+    """{"flops": {dtype: FLOP/s}, "memory_bandwidth": bytes/s} of one device: the median of three
+    transformer-shaped matmuls per dtype, and a 128 MiB copy. `dtypes`: default float32 and
+    bfloat16 on a GPU, float32 alone on a CPU (where `rewrite train` computes in float32 by default,
+    and a profile's default dtype follows its fastest peak: `estimate.hardware.default_dtype`)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out: dict = {"flops": {}}
+    for dtype in (getattr(torch, d) for d in dtypes or (("float32", "bfloat16") if cuda else ("float32",))):
+        rates = []
+        for m, k, n in GPU_MATMUL_SHAPES if cuda else MATMUL_SHAPES:
+            a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+            rates.append(2 * m * k * n / _best(lambda: a @ b, repeats, sync=sync))
+        out["flops"][str(dtype).removeprefix("torch.")] = statistics.median(rates)
+    big = torch.empty(32 * 1024 * 1024, dtype=torch.float32, device=device)  # 128 MiB
+    copy = torch.empty_like(big)
+    out["memory_bandwidth"] = 2 * big.numel() * 4 / _best(lambda: copy.copy_(big), repeats, sync=sync)
+    return out
+
+
 def _measure(repeats: int) -> dict:
     """On every rank at once: compute, memory, then collectives with the other ranks (rank 0 and 1 for p2p)."""
     import torch
@@ -43,16 +67,7 @@ def _measure(repeats: int) -> dict:
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    out: dict = {"flops": {}}
-    for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
-        rates = []
-        for m, k, n in MATMUL_SHAPES:
-            a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-            rates.append(2 * m * k * n / _best(lambda: a @ b, repeats, sync=sync))
-        out["flops"][str(dtype).removeprefix("torch.")] = statistics.median(rates)
-    big = torch.empty(32 * 1024 * 1024, dtype=torch.float32, device=device)  # 128 MiB
-    copy = torch.empty_like(big)
-    out["memory_bandwidth"] = 2 * big.numel() * 4 / _best(lambda: copy.copy_(big), repeats, sync=sync)
+    out = device_rates(device, repeats)
     # On a GPU the host queues kernels ahead of the device, so dispatch hides behind compute: not modelled.
     out["layer_overhead_s"] = 0.0 if cuda else _layer_overhead(repeats)
     rank = dist.get_rank()

@@ -107,6 +107,9 @@ def train(config: TrainConfig) -> dict:
     device, _ = pick_device(config.device)
     dtype = compute_dtype_for(device, config.dtype)
     problems = setting_problems(config, plan, model_config)
+    if config.parity and dtype != "float32":
+        problems.append(f"--parity compares step 1 with one process in float32 to 1e-5, and this run computes in "
+                        f"{dtype}: add --dtype float32, or leave --parity out")
     if source.tokenizer:
         data = TextBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed)
     else:

@@ -106,7 +106,8 @@ def test_weights_without_a_tokenizer_and_bad_settings_are_refused(tmp_path):
     if not torch.cuda.is_available():
         assert "--device cuda: no GPU is visible" in run.stderr, run.stderr[-2000:]
     run = torchrun(2, "train", "plans/llama-tp2.yaml", "--steps", "1", "--resume", "--save-every", "-1",
-                   "--max-grad-norm", "0")
+                   "--max-grad-norm", "0", "--parity", "--dtype", "bfloat16")
     assert run.returncode != 0
-    for text in ("--resume and --save-every need --ckpt", "--save-every is -1", "--max-grad-norm is 0"):
+    for text in ("--resume and --save-every need --ckpt", "--save-every is -1", "--max-grad-norm is 0",
+                 "--parity compares step 1 with one process in float32 to 1e-5, and this run computes in bfloat16"):
         assert text in run.stderr, run.stderr[-2000:]
