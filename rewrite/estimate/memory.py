@@ -29,7 +29,7 @@ from ..schedules import splits_backward
 from .activations import activation_problem, compute_dtype, rank_activations
 
 __all__ = [
-    "Footprint", "ParamSums", "RankMemory", "REDUCES", "SHARDINGS", "GIB", "footprint", "param_sums", "rank_footprints", "rank_memory", "rank_parameters", "rank_held", "param_unit",
+    "Footprint", "ParamSums", "RankMemory", "REDUCES", "SHARDINGS", "GIB", "footprint", "param_sums", "rank_footprints", "rank_memory", "rank_parameters", "rank_held", "param_unit", "reduce_as_run",
     "with_run",
 ]
 
@@ -149,6 +149,14 @@ def footprint(
                      held_bytes + ADAMW_BYTES * held + gathered + grads)
 
 
+def reduce_as_run(reduce: str, *, microbatches: int, virtual_stages: int, split: bool) -> str:
+    """The gradient reduction a step makes under `data_parallel.reduce`: `step` with one whole backward
+    on a rank (one microbatch, one stage a rank, no split backward) reduces each unit as that backward
+    leaves it (the runner arms the sync before a step's last backward), which is `microbatch`'s memory."""
+    alone = microbatches == 1 and virtual_stages == 1 and not split
+    return "microbatch" if reduce == "step" and alone else reduce
+
+
 def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> list[tuple[tuple[int, ...], int, str]]:
     """(shape on the rank, bytes per element, FSDP2 unit) of every parameter pp rank `pp_rank` holds, each once.
 
@@ -192,17 +200,19 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
             when mesh.dp > 1, for FSDP2's padding. Without it (dp = 1) the stages'
             totals are used.
         sharding: another mode than the plan's `data_parallel.sharding`, to compare.
-        reduce: another than the plan's `data_parallel.reduce`, to compare.
+        reduce: another than the plan's `data_parallel.reduce`, to compare (either as the step
+            runs it: `reduce_as_run`).
         dtype: the compute dtype, when narrower than the parameters' (`footprint`'s compute_bytes).
 
     Raises:
         ValueError: mesh.dp > 1 and no model, or a dtype that is not a floating one.
     """
-    dp, sharding = resolved.plan.mesh.dp, sharding or resolved.plan.data_parallel.sharding
-    reduce = reduce or resolved.plan.data_parallel.reduce
+    dp, sharding, pipe = resolved.plan.mesh.dp, sharding or resolved.plan.data_parallel.sharding, resolved.plan.pipeline
+    split = splits_backward(pipe.schedule, pipe.table)
+    reduce = reduce_as_run(reduce or resolved.plan.data_parallel.reduce, microbatches=pipe.microbatches,
+                           virtual_stages=pipe.virtual_stages, split=split)
     compute = None if dtype is None else compute_dtype(model, dtype).itemsize
     if model is not None:
-        split = splits_backward(resolved.plan.pipeline.schedule, resolved.plan.pipeline.table)
         return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split, reduce=reduce,
                           compute_bytes=compute) for r in range(resolved.pp)]
     if dp > 1:
@@ -308,7 +318,7 @@ def rank_memory(
     if model is not None and activation_problem(resolved, model) is None:
         acts = rank_activations(run, model, batch_size=batch_size, dtype=dtype)
     out = []
-    for pp_rank, foot in enumerate(rank_footprints(resolved, model, dtype=dtype)):
+    for pp_rank, foot in enumerate(rank_footprints(run, model, dtype=dtype)):
         act = acts[pp_rank] if acts is not None else None
         for t in range(resolved.tp):
             out.append(RankMemory(

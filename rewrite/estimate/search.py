@@ -231,8 +231,9 @@ def _groups(bound: Bound, n: int, frugal: bool = False):
         reduces = ("step", "microbatch") if dp > 1 and not splits_backward(schedule) else ("step",)
         reduces = reduces[::-1] if frugal else reduces  # the least memory: whole gradients one layer at a time
         for m in (n,) if frugal else sorted(microbatch_counts(n, pp * k), reverse=True):
+            alone = m == 1 and k == 1  # one whole backward a rank: `step` reduces as it goes (`reduce_as_run`)
             for sharding in shardings:
-                for reduce in reduces if sharding != "replicate" else ("step",):
+                for reduce in reduces if sharding != "replicate" and not alone else ("step",):
                     yield schedule, m, sharding, reduce
 
 

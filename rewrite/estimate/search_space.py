@@ -19,7 +19,7 @@ from ..schedules import placement, splits_backward
 from .activations import compute_dtype, place_peaks, stage_activations
 from .dp_time import DpTime
 from .hardware import Hardware
-from .memory import footprint, param_sums, rank_parameters
+from .memory import footprint, param_sums, rank_parameters, reduce_as_run
 from .stage_time import StageTimes, stage_times
 from .step_bound import step_lower_bound
 from .step_time import stage_parameters
@@ -172,6 +172,8 @@ class Bound:
         return step_lower_bound(stage_rank, split, m, self._costs[key], self._tails[key + (stage_rank,)])
 
     def footprint_peaks(self, variant: ResolvedPlan, sharding: str, split: bool, reduce: str = "step") -> list[int]:
+        pipe = variant.plan.pipeline
+        reduce = reduce_as_run(reduce, microbatches=pipe.microbatches, virtual_stages=pipe.virtual_stages, split=split)
         key = (sharding, split, variant.stage_rank, reduce)
         if key not in self._feet:
             dp = variant.plan.mesh.dp

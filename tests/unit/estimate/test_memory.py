@@ -87,6 +87,26 @@ def test_reduce_per_microbatch_holds_the_shards_and_one_layer_of_whole_gradients
         footprint(units, dp=2, reduce="layer")
 
 
+def test_one_whole_backward_a_rank_reduces_as_it_goes_under_step_too(llama):
+    # The runner arms the sync before a step's last whole backward: with one microbatch and one stage a
+    # rank that is the only one, so `step` holds what `microbatch` holds; not with two microbatches, two
+    # stages a rank, or a split backward (W after it).
+    from rewrite.estimate.memory import reduce_as_run
+
+    assert reduce_as_run("step", microbatches=1, virtual_stages=1, split=False) == "microbatch"
+    for kw in ({"microbatches": 2, "virtual_stages": 1, "split": False},
+               {"microbatches": 1, "virtual_stages": 2, "split": False},
+               {"microbatches": 1, "virtual_stages": 1, "split": True}):
+        assert reduce_as_run("step", **kw) == "step" and reduce_as_run("microbatch", **kw) == "microbatch"
+    one = rewrite.resolve(_plan(2) | {"pipeline": {"microbatches": 1}}, llama)
+    two = rewrite.resolve(_plan(2) | {"pipeline": {"microbatches": 2}}, llama)
+    each = rewrite.resolve(_plan(2) | {"pipeline": {"microbatches": 2}, "data_parallel": {"reduce": "microbatch"}}, llama)
+    peak = lambda r: rank_footprints(r, llama)[0].peak  # noqa: E731
+    assert peak(one) == peak(each) < peak(two)
+    # show's --microbatches counts the run it shows
+    assert rewrite.rank_memory(two, llama, microbatches=1)[0].gathered == rewrite.rank_memory(one, llama)[0].gathered
+
+
 def test_mixed_precision_gathers_in_the_compute_dtype_or_caches_casts():
     # The units above in float32, computed in bfloat16 (2 bytes). Where dp shards, FSDP2 gathers in
     # bfloat16: half the gathered bytes (full: the root and the larger layer, 72 -> 36; grad_op: all, 104
