@@ -164,7 +164,17 @@ def _mask_params(fn) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Tensor):
+def _documents(position_ids: torch.Tensor) -> torch.Tensor:
+    """`[b, s]`: which document of its row each token belongs to: a new one starts wherever a
+    position is not its predecessor's plus one (the rule of transformers' packed-sequence
+    detection), computed where the positions are, with no read to the host."""
+    before = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (before != 1).cumsum(-1)
+
+
+def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Tensor | None):
+    """The mask layers of `kind` take; `position_ids` `[b, s]` given: documents (positions restarting)
+    attend only within themselves, as the model's own forward masks them without a cache."""
     builders = _mask_builders()
     if kind in _RECURRENT:
         return None
@@ -175,15 +185,23 @@ def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Te
         fn = next(f for k, f in fn.items() if k not in _RECURRENT)
     names = _mask_params(fn)
     # The keyword names moved between transformers releases; pass what this one takes.
-    # Positions 0 .. s-1 hold one sequence, so the builder is not given them to look for packed
-    # ones: that look reads a tensor on the host (a device synchronisation per microbatch on a GPU).
+    # The builder is not given the positions to look for packed documents itself: that look
+    # reads a tensor on the host (a device synchronisation per microbatch on a GPU). Documents
+    # are the same predicate computed here on the device, given as the mask's extra condition.
     kwargs = {"config": config, "attention_mask": None, "position_ids": None}
+    if position_ids is not None:
+        if "and_mask_function" in names:
+            from transformers.masking_utils import packed_sequence_mask_function
+
+            kwargs["and_mask_function"] = packed_sequence_mask_function(_documents(position_ids))
+        else:  # a builder without the extra condition: it finds the documents in the positions itself
+            kwargs["position_ids"] = position_ids
     kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
     for cache_name in ("cache", "past_key_values"):
         if cache_name in names:
             kwargs[cache_name] = None
-    if "cache_position" in names:
-        kwargs["cache_position"] = position_ids[0]
+    if "cache_position" in names:  # where each token sits in the row, whatever its document
+        kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
     return fn(**kwargs)
 
 
@@ -197,13 +215,16 @@ def run_backbone(
     last: bool,
     seq_len: int | None = None,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run one stage of the backbone: embeddings (first), the given layers, norm and head (last).
 
     `x` is `input_ids` `(b, s)` on the first stage, hidden states `(b, s, h)` otherwise
     (`(b, s / tp, h)` under sequence parallelism: then `seq_len` gives s). `head`
-    replaces `model.lm_head` (e.g. to keep vocabulary shards). Returns hidden states,
-    or logits `(b, s, vocab)` from the last stage.
+    replaces `model.lm_head` (e.g. to keep vocabulary shards). `position_ids` `(b, s)`:
+    each token's position in its document (packed documents restart at 0 and attend only
+    within themselves); default 0 .. s - 1 in every row. Returns hidden states, or logits
+    `(b, s, vocab)` from the last stage.
     """
     part = model.get_submodule
     config, family = model.config, family_forward(model.config)
@@ -216,7 +237,11 @@ def run_backbone(
     if first and family.norm_before_layers:
         hidden = part(backbone.norm)(hidden)
     seq = hidden.shape[1] if seq_len is None else seq_len
-    position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)  # (1, s)
+    documents = position_ids is not None
+    if documents:
+        position_ids = position_ids.to(hidden.device)  # (b, s)
+    else:
+        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)  # (1, s)
     # Rebuilt on every stage from the hidden states: only they cross the boundary.
     rotary = _rotary(part(backbone.rotary), config, hidden, position_ids, layer_indices)
     # The masks read batch, length and dtype from it: the whole sequence's, even when a shard arrived.
@@ -226,7 +251,7 @@ def run_backbone(
     for index in layer_indices:
         kind = _attention_kind(config, index)
         if kind not in masks:
-            masks[kind] = _causal_mask(config, kind, like, position_ids)
+            masks[kind] = _causal_mask(config, kind, like, position_ids if documents else None)
         out = layers[str(index) if isinstance(layers, nn.ModuleDict) else index](
             hidden,
             attention_mask=masks[kind],

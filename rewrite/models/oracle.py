@@ -24,7 +24,8 @@ from ..values import is_int
 from .families import set_local_kv_groups
 from .hf_llama import find_backbone, run_backbone
 
-__all__ = ["config_value", "exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "tiny_clone_config", "TOLERANCE"]
+__all__ = ["config_value", "exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "packing_problem",
+           "tiny_clone_config", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
 _LAYERS = 4  # the clone's layers: enough for each attention type and a two-stage split
@@ -155,6 +156,56 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
         f"{family} model with this config's flags, tolerance {TOLERANCE:g}): {model_class.__name__}.forward does more "
         "than embeddings -> layers -> norm -> head (a scale, a soft cap, an extra norm)"
     )
+
+
+def packing_problem(model: nn.Module) -> str | None:
+    """Why `model` cannot train on packed documents (`position_ids` restarting at 0), or None when it can.
+
+    On a tiny clone: the model's own forward with packed positions must give a document the
+    logits it has alone (a convolution or recurrent layer carries state from one document
+    into the next: the family's forward does not separate them), and the module walker with
+    the same positions, whole and split in two stages, the model's own logits.
+    """
+    config = model.config
+    try:
+        tiny = tiny_clone_config(config)
+    except Exception as exc:
+        return f"cannot build a tiny {config.model_type} config to check packed documents against ({exception_line(exc)})"
+    return _packing(type(model), type(tiny), json.dumps(tiny.to_dict(), sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=128)
+def _packing(model_class: type, config_class: type, key: str) -> str | None:
+    config = config_class.from_dict(json.loads(key))
+    family = config.model_type
+    with _tiny_run():
+        tiny = model_class(config).float().eval()
+        for param in tiny.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+        ids = torch.randint(0, config.vocab_size, (1, 8))
+        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])  # two documents, of 3 and 5 tokens
+        try:
+            packed = tiny(input_ids=ids, position_ids=positions, use_cache=False).logits
+            alone = tiny(input_ids=ids[:, 3:], use_cache=False).logits
+        except Exception as exc:
+            return f"{family}'s own forward does not run on packed documents ({exception_line(exc)})"
+        leak = (packed[:, 3:] - alone).abs().max().item()
+        if leak > TOLERANCE:
+            return (f"{family}'s own forward lets one packed document reach the next (max |difference| {leak:.3g} from the "
+                    "document alone: a convolution or recurrent layer carries state across them, or its attention "
+                    "does not read the documents' mask); pass one document a row (token ids without position_ids)")
+        bb, n = find_backbone(tiny), config.num_hidden_layers
+        try:
+            whole = run_backbone(tiny, bb, ids, list(range(n)), first=True, last=True, position_ids=positions)
+            hidden = run_backbone(tiny, bb, ids, list(range(n // 2)), first=True, last=False, position_ids=positions)
+            split = run_backbone(tiny, bb, hidden, list(range(n // 2, n)), first=False, last=True, position_ids=positions)
+        except Exception as exc:
+            return f"the module walker cannot run {family}'s layers on packed documents ({exception_line(exc)})"
+    worst = max((got - packed).abs().max().item() for got in (whole, split))
+    if worst > TOLERANCE:
+        return (f"the module walker's stages do not give {family}'s own logits on packed documents (max |difference| "
+                f"{worst:.3g}); pass one document a row (token ids without position_ids)")
+    return None
 
 
 def narrowed_problem(model: nn.Module, styles: Mapping[str, str], replicated: Iterable[str] = ()) -> str | None:

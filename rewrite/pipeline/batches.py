@@ -1,5 +1,8 @@
 """A replica's microbatches from a global batch of token ids, with next-token targets.
 
+Token ids alone, or with each token's position in its document (packed documents) and the
+labels to predict (a chat's assistant turns, -100 elsewhere).
+
 Each data-parallel replica passes its own rows of the global batch: replica d of dp
 takes rows `[d * b / dp, (d + 1) * b / dp)`, so the replicas cover the batch once.
 """
@@ -10,6 +13,7 @@ import torch
 
 from ..tensor_parallel.loss import IGNORE_INDEX
 from ..errors import InputError
+from .positions import document_ends
 
 __all__ = ["microbatches"]
 
@@ -21,8 +25,9 @@ def _multiples(step: int, near: int) -> str:
 
 
 def microbatches(
-    ids: torch.Tensor, n: int, *, dp_rank: int = 0, dp: int = 1
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    ids: torch.Tensor, n: int, *, dp_rank: int = 0, dp: int = 1,
+    position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+) -> tuple[list, list[torch.Tensor]]:
     """This replica's share of a global batch, cut into `n` microbatches of inputs and targets.
 
     Args:
@@ -30,26 +35,38 @@ def microbatches(
         n: microbatches per step (the plan's `pipeline.microbatches`).
         dp_rank: this rank's replica (`stage.dp_rank`).
         dp: the number of replicas (`stage.dp`).
+        position_ids: `[batch, seq]`, each token's position in its document: documents packed
+            into a row restart at 0 and attend only within themselves. Default: one sequence a
+            row (0 .. seq - 1).
+        labels: `[batch, seq]`, the tokens to predict, aligned with `ids` (Hugging Face's
+            convention: -100 where no loss is counted, e.g. a chat's prompt). Default: `ids`.
 
     Returns:
-        `(inputs, targets)`: `n` tensors each, `[batch / dp / n, seq]`. Inputs are the ids;
-        targets the ids shifted left by one, with -100 (ignored) in the last position, so
-        `causal_lm_loss(logits, target)` is next-token prediction.
+        `(inputs, targets)`: `n` each, `[batch / dp / n, seq]`. Inputs are the ids, or dicts of
+        `input_ids` and `position_ids` when positions are given; targets the labels shifted left
+        by one, with -100 (ignored) where a token has no next one in its document (the row's
+        last, a packed document's last), so `causal_lm_loss(logits, target)` is next-token prediction.
 
     Raises:
-        TypeError: `ids` is not an integer tensor.
-        ValueError: `ids` is not `[batch, seq]`; dp does not divide the batch; n does not
-            divide this replica's rows; a count below 1 or a dp_rank outside `[0, dp)`.
+        TypeError: `ids`, `position_ids` or `labels` is not an integer tensor.
+        ValueError: `ids` is not `[batch, seq]` or the others not of its shape; a negative position;
+            dp does not divide the batch; n does not divide this replica's rows; a count below 1 or
+            a dp_rank outside `[0, dp)`.
 
     Example:
         >>> inputs, targets = microbatches(ids, 4, dp_rank=stage.dp_rank, dp=stage.dp)
         >>> loss = rewrite.run_schedule(stage, inputs, targets)
     """
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        found = type(ids).__name__ if not isinstance(ids, torch.Tensor) else f"a {ids.dtype} tensor"
-        raise TypeError(f"microbatches: ids must be a tensor of integer token ids, got {found}")
+    _integers("ids", ids)
     if ids.dim() != 2:
         raise InputError(f"microbatches: ids must be [batch, seq], got shape {list(ids.shape)}; add a batch dimension with ids[None]")
+    for name, given in (("position_ids", position_ids), ("labels", labels)):
+        if given is not None:
+            _integers(name, given)
+            if given.shape != ids.shape:
+                raise InputError(f"microbatches: {name} is {list(given.shape)} but ids are {list(ids.shape)}: one per token")
+    if position_ids is not None and bool((position_ids < 0).any()):
+        raise InputError("microbatches: position_ids hold a negative position; positions count from 0 where each document starts")
     if n < 1 or dp < 1:
         raise InputError(f"microbatches: n={n} and dp={dp} must both be >= 1")
     if not 0 <= dp_rank < dp:
@@ -69,7 +86,20 @@ def microbatches(
             f"microbatches: each replica gets {rows} rows ({batch} / dp={dp}), which {n} microbatches cannot "
             f"split evenly; use n in {divisors} or a global batch of {_multiples(dp * n, batch)} rows"
         )
-    mine = ids[dp_rank * rows : (dp_rank + 1) * rows]  # (batch / dp, seq)
-    targets = torch.full_like(mine, IGNORE_INDEX, dtype=torch.long)
-    targets[:, :-1] = mine[:, 1:]  # position t predicts token t + 1; the last has no next token
-    return list(mine.chunk(n)), list(targets.chunk(n))  # n x (batch / dp / n, seq)
+    mine = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    chosen = (ids if labels is None else labels)[mine].long()  # (batch / dp, seq)
+    targets = torch.full_like(chosen, IGNORE_INDEX)
+    targets[:, :-1] = chosen[:, 1:]  # position t predicts token t + 1; the last has no next token
+    if position_ids is None:
+        return list(ids[mine].chunk(n)), list(targets.chunk(n))  # n x (batch / dp / n, seq)
+    positions = position_ids[mine]
+    targets[document_ends(positions)] = IGNORE_INDEX  # a document's last token predicts nothing of the next
+    inputs = [{"input_ids": i, "position_ids": p} for i, p in zip(ids[mine].chunk(n), positions.chunk(n))]
+    return inputs, list(targets.chunk(n))
+
+
+def _integers(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        found = type(x).__name__ if not isinstance(x, torch.Tensor) else f"a {x.dtype} tensor"
+        what = "token ids" if name == "ids" else name
+        raise TypeError(f"microbatches: {name} must be a tensor of integer {what}, got {found}")

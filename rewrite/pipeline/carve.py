@@ -98,7 +98,7 @@ def _replace(model: nn.Module, path: str, module: nn.Module | None) -> None:
 
 
 class _StageForward:
-    """Runs one stage of an HF backbone on a microbatch: `fn(x, seq_len=None)`."""
+    """Runs one stage of an HF backbone on a microbatch: `fn(x, seq_len=None, position_ids=None)`."""
 
     def __init__(self, model: nn.Module, resolved: ResolvedPlan, stage_id: int, head: ColumnParallelLinear | None):
         self.model, self.bb, self.stage_id = model, resolved.backbone, stage_id
@@ -107,7 +107,7 @@ class _StageForward:
         self.head = head.forward_shard if head is not None and self.last else None
         self.sequence = sequence_state(model)
 
-    def __call__(self, x, *, seq_len: int | None = None):
+    def __call__(self, x, *, seq_len: int | None = None, position_ids=None):
         if self.sequence is not None:
             if not self.first and seq_len is None:
                 raise ValueError(
@@ -116,7 +116,8 @@ class _StageForward:
                 )
             self.sequence.length = x.shape[1] if self.first else seq_len
         return run_backbone(
-            self.model, self.bb, x, self.layers, first=self.first, last=self.last, seq_len=seq_len, head=self.head
+            self.model, self.bb, x, self.layers, first=self.first, last=self.last, seq_len=seq_len, head=self.head,
+            position_ids=position_ids,
         )
 
 

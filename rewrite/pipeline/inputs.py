@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..agreement import agree, describe_ranks, ranks_by_value
 from ..lent import lend
 from ..tensor_parallel.loss import IGNORE_INDEX
+from .positions import KEYS, ids_of, packing_of, positions_mark, positions_of
 from .stage import Stage
 from ..errors import InputError
 
@@ -43,14 +44,17 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what
         what: the caller's name, for the message.
     """
     view, found = _describe(inputs), True
+    replica, replicas = (stage.mesh.dp_rank, stage.mesh.dp) if isinstance(stage, Stage) else (0, 1)
+    positions = positions_mark(inputs)
     if isinstance(stage, Stage):
-        found = _structure_fails(_facts(stage), _layout(inputs), _layout(targets), default_loss)
+        found = _structure_fails(_facts(stage, _packed(inputs)), _layout(inputs), _layout(targets), default_loss)
         found = found or not _values_fit(stage, inputs, targets, default_loss)
-    if not _verdict(stage.mesh.host_group if isinstance(stage, Stage) else None, view, found):
+    group = stage.mesh.host_group if isinstance(stage, Stage) else None
+    if not _verdict(group, view, found, positions, replica, replicas):
         return
     # Some rank found a problem or saw other microbatches: every rank is here; say what each found.
-    views = agree(_local_problems(stage, inputs, targets, default_loss), what, view=view)
-    groups = ranks_by_value(views)
+    views = agree(_local_problems(stage, inputs, targets, default_loss), what, view=(view, replica, positions))
+    groups = ranks_by_value([v for v, _, _ in views])
     if len(groups) > 1:
         seen = "; ".join(f"{describe_ranks(r)}: {v}" for v, r in groups.items())
         raise InputError(
@@ -59,18 +63,34 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what
             + ("; data-parallel replicas pass their own microbatches, all of the same count, shapes and dtypes"
                if stage.mesh.dp > 1 else "")
         )
+    for d in range(replicas):
+        marks = ranks_by_value([p for v, r, p in views if r == d])
+        if len(marks) > 1:
+            ranks = [i for i, (_, r, _) in enumerate(views) if r == d]
+            raise InputError(
+                f"{what}: {describe_ranks(ranks)}" + (f" (replica {d})" if replicas > 1 else "")
+                + " were given different position_ids; every stage reads them from its own microbatches, "
+                "so pass the same microbatches on every rank" + (" of a replica" if replicas > 1 else "")
+            )
 
 
-def _verdict(group, view: str, found: bool) -> bool:
-    """On every rank alike: whether any rank found a problem or ranks' views differ (one all-reduce of 3 int64)."""
+def _verdict(group, view: str, found: bool, positions: int, replica: int, replicas: int) -> bool:
+    """On every rank alike: whether any rank found a problem, ranks' views differ, or the ranks of a
+    replica hold different positions (one all-reduce of 3 + 2 x dp int64)."""
     if dist.get_world_size() == 1:
         return found
     mark = _fingerprint(view)
-    verdict = torch.tensor([mark, -mark, int(found)], dtype=torch.int64)
+    verdict = torch.full((3 + 2 * replicas,), _LOWEST, dtype=torch.int64)
+    verdict[:3] = torch.tensor([mark, -mark, int(found)])
+    verdict[3 + 2 * replica : 5 + 2 * replica] = torch.tensor([positions, -positions])  # the other replicas' stay lowest
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     lend(verdict)
-    highest, negated_lowest, flagged = verdict.tolist()
-    return bool(flagged) or highest != -negated_lowest
+    highest, negated_lowest, flagged, *marks = verdict.tolist()
+    spread = any(top != -low for top, low in zip(marks[::2], marks[1::2]) if top != _LOWEST)
+    return bool(flagged) or highest != -negated_lowest or spread
+
+
+_LOWEST = torch.iinfo(torch.int64).min
 
 
 @lru_cache(maxsize=256)
@@ -79,26 +99,45 @@ def _fingerprint(view: str) -> int:
     return int.from_bytes(hashlib.blake2b(view.encode(), digest_size=8).digest(), "little") >> 2
 
 
-def _facts(stage: Stage) -> tuple:
-    """What the structure rules read of the stage (hashable: part of a cache key)."""
-    return stage.takes_token_ids, stage.is_last, stage.num_classes
+def _facts(stage: Stage, packed: bool) -> tuple:
+    """What the structure rules read of the stage (hashable: part of a cache key); with packed
+    microbatches, why the model cannot take them (None when it can)."""
+    return stage.takes_token_ids, stage.is_last, stage.num_classes, packing_of(stage) if packed else None
+
+
+def _packed(inputs) -> bool:
+    return isinstance(inputs, Sequence) and any(isinstance(x, dict) for x in inputs)
 
 
 def _layout(values) -> tuple | str:
-    """A list of tensors as (shape, dtype) pairs, anything else as its type's name (hashable: part of a cache key)."""
+    """A list of microbatches as (shape, dtype) pairs, with (shape, dtype) of the positions third where
+    a dict carries them; anything else as its type's name (hashable: part of a cache key)."""
     if not isinstance(values, Sequence):
         return type(values).__name__
-    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in values)
+    return tuple(_entry(x) for x in values)
+
+
+def _entry(x) -> tuple | str:
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), x.dtype
+    if isinstance(x, dict) and tuple(sorted(x)) == KEYS and all(isinstance(v, torch.Tensor) for v in x.values()):
+        ids, pos = x["input_ids"], x["position_ids"]
+        return tuple(ids.shape), ids.dtype, (tuple(pos.shape), pos.dtype)
+    return type(x).__name__
 
 
 @lru_cache(maxsize=256)
 def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, default_loss: bool) -> bool:
     """Whether a structure (from `_layout`) breaks a rule that shapes and dtypes alone decide (`_local_problems`')."""
-    takes_ids, last, classes = facts
+    takes_ids, last, classes, unpackable = facts
     if isinstance(inputs, str) or not inputs or any(isinstance(x, str) for x in inputs):
         return True
-    if takes_ids and any(len(shape) != 2 or not _integer_dtype(dtype) for shape, dtype in inputs):
+    if unpackable is not None:
         return True
+    if takes_ids and any(len(x[0]) != 2 or not _integer_dtype(x[1]) for x in inputs):
+        return True
+    if any(len(x) == 3 and (not takes_ids or x[2][0] != x[0] or not _integer_dtype(x[2][1])) for x in inputs):
+        return True  # positions: an HF model's, one per token, integers
     if not last:
         return False
     if isinstance(targets, str) or len(targets) != len(inputs):
@@ -121,7 +160,8 @@ def _values_fit(stage: Stage, inputs, targets, default_loss: bool) -> bool:
     """
     spans = []  # (a tensor, the highest value it may hold; its lowest is 0)
     if stage.takes_token_ids and stage.is_first:
-        spans += [(x, stage.vocab_size - 1) for x in inputs]
+        spans += [(ids_of(x), stage.vocab_size - 1) for x in inputs]
+    spans += [(p, None) for p in map(positions_of, inputs) if p is not None]  # positions from 0 up
     if stage.is_last and default_loss:
         top = stage.num_classes - 1 if stage.num_classes else None
         # -100 (ignored) is allowed: read as 0 here, so only other negatives fall below 0.
@@ -135,15 +175,21 @@ def _values_fit(stage: Stage, inputs, targets, default_loss: bool) -> bool:
 
 
 def _is_tensor_list(values) -> bool:
-    return isinstance(values, Sequence) and len(values) > 0 and all(isinstance(x, torch.Tensor) for x in values)
+    """A non-empty list of microbatches: tensors, or dicts of tensors."""
+    return isinstance(values, Sequence) and len(values) > 0 and all(
+        isinstance(x, torch.Tensor) or (isinstance(x, dict) and x and all(isinstance(v, torch.Tensor) for v in x.values()))
+        for x in values
+    )
 
 
-def _kind(x: torch.Tensor) -> str:
+def _kind(x) -> str:
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {_kind(v)}" for k, v in x.items()) + "}"
     return f"[{', '.join(map(str, x.shape))}] {str(x.dtype).removeprefix('torch.')}"
 
 
 def _describe(inputs) -> str:
-    """'4 x [2, 16] int64' when uniform, else every microbatch's shape and dtype."""
+    """'4 x [2, 16] int64' when uniform, else every microbatch's shape and dtype (dicts: every entry's)."""
     if not _is_tensor_list(inputs):
         return "no list of tensors"
     kinds = [_kind(x) for x in inputs]
@@ -178,8 +224,12 @@ def _local_problems(stage: Stage, inputs, targets, default_loss: bool) -> list[s
         got = f"a tensor of shape {list(inputs.shape)}" if isinstance(inputs, torch.Tensor) else type(inputs).__name__
         return [f"inputs must be a non-empty list of tensors, one per microbatch (on every rank), got {got}; "
                 "cut a [batch, seq] batch of token ids with `inputs, targets = rewrite.microbatches(ids, "
-                "stage.resolved.plan.pipeline.microbatches, dp_rank=stage.dp_rank, dp=stage.dp)`"]
-    problems = []
+                "stage.resolved.plan.pipeline.microbatches, dp_rank=stage.dp_rank, dp=stage.dp)` "
+                "(packed documents: add position_ids=, and each microbatch is a dict of input_ids and position_ids)"]
+    problems = _position_problems(stage, inputs)
+    if problems:
+        return problems
+    inputs = [ids_of(x) for x in inputs]
     if stage.takes_token_ids:
         vocab = stage.vocab_size
         not_ids = [i for i, x in enumerate(inputs) if x.dim() != 2 or not _is_integer(x)]
@@ -195,6 +245,34 @@ def _local_problems(stage: Stage, inputs, targets, default_loss: bool) -> list[s
             problems.append(f"targets must be a list with one tensor per microbatch ({len(inputs)}), got {got}")
         elif default_loss:
             problems += _target_problems(stage, inputs, targets)
+    return problems
+
+
+def _position_problems(stage: Stage, inputs) -> list[str]:
+    """What is wrong with the microbatches given as dicts (`input_ids` with `position_ids`)."""
+    dicts = [i for i, x in enumerate(inputs) if isinstance(x, dict)]
+    if not dicts:
+        return []
+    if not stage.takes_token_ids:
+        return [f"{_names('inputs', dicts)} are dicts: position_ids need a Hugging Face decoder model run by "
+                "the module walker; a traced model takes one tensor per microbatch"]
+    if unpackable := packing_of(stage):
+        return [f"{_names('inputs', dicts)} carry position_ids (packed documents), which "
+                f"{type(stage.model).__name__} cannot take: {unpackable}"]
+    problems = []
+    for i in dicts:
+        x = inputs[i]
+        if tuple(sorted(x)) != KEYS:
+            problems.append(f"inputs[{i}] has keys {sorted(x)}; a microbatch with positions has exactly "
+                            "'input_ids' and 'position_ids'")
+            continue
+        ids, pos = x["input_ids"], x["position_ids"]
+        if pos.shape != ids.shape or not _is_integer(pos):
+            problems.append(f"inputs[{i}]['position_ids'] is {_kind(pos)} but its input_ids are {_kind(ids)}: "
+                            "one integer position per token")
+        elif bad := _first_outside(pos, 0, None):
+            problems.append(f"inputs[{i}]['position_ids'] holds {bad}: positions count from 0 where each "
+                            "document starts")
     return problems
 
 

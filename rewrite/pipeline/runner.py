@@ -25,6 +25,7 @@ from . import p2p
 from .backward import Deferred, backward_input, backward_weight
 from .inbox import Inbox, messages_between
 from .inputs import check_step_inputs
+from .positions import ids_of, positions_of
 from .loss import causal_lm_loss, loss_for
 from .clock import StepClock
 from .stage import Stage
@@ -48,8 +49,11 @@ def run_schedule(
 
     Args:
         stage: this rank's `Stage` from `apply_plan`.
-        inputs: one tensor per microbatch. Pass the same list on every rank: the first
-            stage feeds it to the model, later stages read only its length and shapes.
+        inputs: one per microbatch: a tensor of token ids `[mb, seq]`, or a dict of
+            `input_ids` and `position_ids` (packed documents: positions restart at 0 where a
+            document starts, and documents attend only within themselves). Pass the same list
+            on every rank: the first stage feeds it to the model, later stages read its length,
+            shapes and positions.
         targets: one tensor per microbatch, aligned with the model output; needed on
             the last stage (may be None elsewhere).
         loss_fn: `loss_fn(output, target)`; default: cross-entropy over the last
@@ -159,6 +163,8 @@ class _Step:
         self.stage, self.loss_fn = stage, loss_fn
         self.precision = stage.precision
         self.inputs = _on_device(inputs, self.device) if stage.is_first else inputs
+        # Every stage of a packed microbatch needs its positions: read from this rank's copy.
+        self.positions = _on_device([positions_of(x) for x in self.inputs], self.device)
         self.targets = _on_device(targets, self.device) if stage.is_last else targets
         self.place, self.last = stage.stage_rank, stage.num_stages - 1
         me = stage.pp_rank
@@ -184,7 +190,7 @@ class _Step:
         return [p for p in self.stage.parameters() if p.requires_grad]
 
     def _shapes(self, mb: int, s: int) -> dict:
-        return self.stage.boundary_shapes(tuple(self.inputs[mb].shape), s)
+        return self.stage.boundary_shapes(tuple(ids_of(self.inputs[mb]).shape), s)
 
     def _shape_of(self, key):
         kind, mb, s = key
@@ -230,7 +236,7 @@ class _Step:
 
     def forward(self, mb: int, s: int):
         if s == 0:
-            x = self.inputs[mb].to(self.device)
+            x = ids_of(self.inputs[mb]).to(self.device)
             if x.is_floating_point():
                 x = x.to(self.dtype)
         else:
@@ -238,8 +244,10 @@ class _Step:
             x.requires_grad_(x.is_floating_point())
         start = self.clock.mark()
         with nullcontext() if self.precision is None else self.precision.forward_context(self.device):
-            # Token models: stages past a sequence-parallel split need the whole length.
-            y = self.stage.run(s, x, seq_len=self.inputs[mb].shape[-1]) if self.stage.takes_token_ids else self.stage.run(s, x)
+            if self.stage.takes_token_ids:  # stages past a sequence-parallel split need the whole length
+                y = self.stage.run(s, x, seq_len=ids_of(self.inputs[mb]).shape[-1], position_ids=self.positions[mb])
+            else:
+                y = self.stage.run(s, x)
             if s == self.last:
                 y = self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
         if s != self.last:
@@ -286,8 +294,15 @@ def _on_device(values, device: torch.device):
     """
     if device.type == "cpu" or values is None:
         return values
-    return [x if not isinstance(x, torch.Tensor) else x.to(device) if x.device.type != "cpu"
-            else x.pin_memory().to(device, non_blocking=True) for x in values]
+
+    def copy(x):
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.to(device) if x.device.type != "cpu" else x.pin_memory().to(device, non_blocking=True)
+
+    return [copy(x) for x in values]
 
 
 def _step_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:

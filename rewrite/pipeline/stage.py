@@ -24,7 +24,8 @@ from .precision import Precision
 
 __all__ = ["ForwardFn", "GradientSync", "Stage", "TimelineEvent"]
 
-ForwardFn = Callable[..., torch.Tensor]  # runs one stage on a microbatch: fn(x) or fn(x, seq_len=...)
+# Runs one stage on a microbatch: fn(x), or for an HF backbone fn(x, seq_len=..., position_ids=...).
+ForwardFn = Callable[..., torch.Tensor]
 
 
 @runtime_checkable
@@ -100,24 +101,35 @@ class Stage:
     tp_sums: StepSums | None = None
     precision: Precision | None = None
 
-    def __call__(self, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
-        """Run this rank's stage on one microbatch: model input on the first stage, else hidden states."""
+    def __call__(self, x, *, seq_len: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this rank's stage on one microbatch: model input on the first stage (token ids, or a
+        dict of `input_ids` and `position_ids`), else hidden states."""
         if len(self.forward_fns) != 1:
             raise TypeError(
                 f"this rank holds stages {list(self.stage_ids)}: run one with stage.run(stage_id, x)"
             )
-        return self.run(self.stage_ids[0], x, seq_len=seq_len)
+        return self.run(self.stage_ids[0], x, seq_len=seq_len, position_ids=position_ids)
 
-    def run(self, stage_id: int, x: torch.Tensor, *, seq_len: int | None = None) -> torch.Tensor:
+    def run(self, stage_id: int, x, *, seq_len: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run stage `stage_id` (one this rank holds) on one microbatch.
 
-        `seq_len`: the microbatch's whole sequence length, needed by a stage that receives
-        sequence shards (`sequence_parallel`, any stage but the first).
+        `x`: the model input on the first stage (token ids `[mb, seq]`, or a dict of `input_ids`
+        and `position_ids`), hidden states on the others. `seq_len`: the microbatch's whole
+        sequence length, needed by a stage that receives sequence shards (`sequence_parallel`,
+        any stage but the first). `position_ids` `[mb, seq]`: the microbatch's positions, which
+        every stage of a packed microbatch needs (the first reads them from a dict `x` too).
         """
         if stage_id not in self.forward_fns:
             raise ValueError(f"stage {stage_id} is not on this rank; it holds stages {list(self.stage_ids)}")
         fn = self.forward_fns[stage_id]
-        out = fn(x) if seq_len is None else fn(x, seq_len=seq_len)
+        if isinstance(x, dict):
+            position_ids = x.get("position_ids", position_ids)
+            x = x["input_ids"]
+        kwargs = {k: v for k, v in (("seq_len", seq_len), ("position_ids", position_ids)) if v is not None}
+        if "position_ids" in kwargs and not self.takes_token_ids:
+            raise TypeError("position_ids need a Hugging Face decoder model run by the module walker; "
+                            "a traced stage takes its inputs as its forward does")
+        out = fn(x, **kwargs)
         # A whole Hugging Face model run as one traced stage returns its ModelOutput: the runner takes its logits.
         return out if isinstance(out, torch.Tensor) or not hasattr(out, "logits") else out.logits
 

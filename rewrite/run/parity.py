@@ -35,10 +35,13 @@ class Parity:
 
 
 def reference_step(reference: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-    """The same step single-process: each microbatch's loss / m, gradients accumulated."""
+    """The same step single-process: each microbatch's loss / m, gradients accumulated. A microbatch
+    with positions (a dict of input_ids and position_ids) runs the model's own forward with them and
+    no cache: it masks packed documents off each other itself."""
     total = torch.zeros(())
     for x, y in zip(inputs, targets):
-        loss = causal_lm_loss(reference(input_ids=x).logits, y) / len(inputs)
+        out = reference(**x, use_cache=False) if isinstance(x, dict) else reference(input_ids=x)
+        loss = causal_lm_loss(out.logits, y) / len(inputs)
         loss.backward()
         total += loss.detach()
     return total

@@ -63,3 +63,37 @@ def test_refusals_name_the_sizes_that_work():
         rewrite.microbatches(_ids(), 0)
     with pytest.raises(TypeError, match="integer token ids, got a torch.float32 tensor"):
         rewrite.microbatches(_ids().float(), 1)
+
+
+def test_packed_documents_carry_positions_and_predict_nothing_across_documents():
+    ids = _ids(4, 6)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5], [0, 0, 1, 0, 1, 2], [3, 4, 5, 0, 1, 2]])
+    inputs, targets = rewrite.microbatches(ids, 2, dp_rank=1, dp=2, position_ids=positions)
+    assert len(inputs) == 2 and all(sorted(x) == ["input_ids", "position_ids"] for x in inputs)
+    assert torch.equal(inputs[0]["input_ids"], ids[2:3]) and torch.equal(inputs[1]["position_ids"], positions[3:])
+    # Row 2: documents [0], [1, 2], [3, 4, 5]; row 3: a document's tail (positions 3..5), then one of 3.
+    assert targets[0].tolist() == [[-100, 14, -100, 16, 17, -100]]
+    assert targets[1].tolist() == [[19, 20, -100, 22, 23, -100]]
+    whole, _ = rewrite.microbatches(ids, 1, position_ids=positions)
+    assert torch.equal(whole[0]["position_ids"], positions)
+
+
+def test_labels_mask_what_is_not_trained_and_shift_like_ids():
+    ids = _ids(2, 5)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt: not predicted
+    (_,), (y,) = rewrite.microbatches(ids, 1, labels=labels)
+    assert y.tolist() == [[-100, -100, 3, 4, -100], [6, 7, 8, 9, -100]]
+    positions = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 0, 1, 2]])
+    (_,), (y,) = rewrite.microbatches(ids, 1, labels=labels, position_ids=positions)
+    assert y.tolist() == [[-100, -100, 3, 4, -100], [6, -100, 8, 9, -100]]
+
+
+def test_refusals_of_positions_and_labels():
+    ids = _ids(2, 5)
+    with pytest.raises(ValueError, match=r"position_ids is \[2, 4\] but ids are \[2, 5\]: one per token"):
+        rewrite.microbatches(ids, 1, position_ids=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="negative position"):
+        rewrite.microbatches(ids, 1, position_ids=torch.full((2, 5), -1))
+    with pytest.raises(TypeError, match="labels must be a tensor of integer labels, got a torch.float32 tensor"):
+        rewrite.microbatches(ids, 1, labels=ids.float())
