@@ -12,7 +12,7 @@ import torch
 
 from .byte_data import TrainConfigError
 
-__all__ = ["TokenWindows", "load_text_windows", "read_documents", "tokenize_documents"]
+__all__ = ["EpochOrder", "TokenWindows", "load_text_windows", "load_tokenizer", "read_documents", "tokenize_documents"]
 
 _SUFFIXES = (".txt", ".jsonl")
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by save_to_disk
@@ -170,6 +170,41 @@ def tokenize_documents(documents: list[str], tokenizer) -> torch.Tensor:
     return torch.frombuffer(stream, dtype=torch.int64).clone()  # no per-element copy
 
 
+class EpochOrder:
+    """`count` items drawn in shuffled epochs: position `p` of the endless sequence is item
+    `perm_e[p % count]` of epoch `e = p // count`, `perm_e = torch.randperm(count)` seeded with
+    `seed * 1_000_003 + e`. A position (the cursor) is all a resumed run needs."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        self.count, self.seed = count, seed
+        self._perms: dict[int, torch.Tensor] = {}  # epoch -> permutation, the last two used
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The item order of `epoch`, shape `(count,)`."""
+        if epoch not in self._perms:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            if len(self._perms) >= 2:
+                del self._perms[next(iter(self._perms))]  # oldest first: dicts keep insertion order
+            self._perms[epoch] = torch.randperm(self.count, generator=generator)
+        return self._perms[epoch]
+
+    def items(self, cursor: int, count: int) -> torch.Tensor:
+        """The items at positions `cursor .. cursor + count - 1`, shape `(count,)`.
+
+        Raises:
+            ValueError: a negative cursor or count.
+        """
+        if cursor < 0 or count < 0:
+            raise ValueError(f"take(cursor={cursor}, count={count}): both must be >= 0")
+        positions = torch.arange(cursor, cursor + count)  # (count,)
+        epochs, slots = positions // self.count, positions % self.count
+        chosen = torch.empty(count, dtype=torch.int64)
+        for epoch in epochs.unique().tolist():
+            here = epochs == epoch
+            chosen[here] = self.permutation(epoch)[slots[here]]
+        return chosen
+
+
 class TokenWindows:
     """A token stream cut into windows of `seq_len + 1` tokens, drawn in shuffled epochs.
 
@@ -203,20 +238,14 @@ class TokenWindows:
         self.stream = stream.long()
         self.seq_len = seq_len
         self.seed = seed
-        self._count = count
-        self._perms: dict[int, torch.Tensor] = {}  # epoch -> permutation, the last two used
+        self._order = EpochOrder(count, seed)
 
     def __len__(self) -> int:
-        return self._count
+        return self._order.count
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """The window order of `epoch`, shape `(len(self),)`."""
-        if epoch not in self._perms:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            if len(self._perms) >= 2:
-                del self._perms[next(iter(self._perms))]  # oldest first: dicts keep insertion order
-            self._perms[epoch] = torch.randperm(self._count, generator=generator)
-        return self._perms[epoch]
+        return self._order.permutation(epoch)
 
     def take(self, cursor: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The windows at positions `cursor .. cursor + count - 1`, as inputs and targets.
@@ -226,14 +255,7 @@ class TokenWindows:
         Raises:
             ValueError: a negative cursor or count.
         """
-        if cursor < 0 or count < 0:
-            raise ValueError(f"take(cursor={cursor}, count={count}): both must be >= 0")
-        positions = torch.arange(cursor, cursor + count)  # (count,)
-        epochs, slots = positions // self._count, positions % self._count
-        windows = torch.empty(count, dtype=torch.int64)
-        for epoch in epochs.unique().tolist():
-            here = epochs == epoch
-            windows[here] = self.permutation(epoch)[slots[here]]
+        windows = self._order.items(cursor, count)
         offsets = torch.arange(self.seq_len + 1)  # (seq + 1,)
         tokens = self.stream[windows.unsqueeze(1) * self.seq_len + offsets]  # (count, seq + 1)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -255,6 +277,16 @@ def load_text_windows(data_path: str | Path, tokenizer_dir: str | Path, *, seq_l
     Example:
         >>> windows = load_text_windows("data/alice29.txt", "tiny", seq_len=128, seed=0)  # doctest: +SKIP
     """
+    stream = tokenize_documents(read_documents(data_path), load_tokenizer(tokenizer_dir))
+    return TokenWindows(stream, seq_len, seed)
+
+
+def load_tokenizer(tokenizer_dir: str | Path):
+    """The Hugging Face tokenizer in a model directory.
+
+    Raises:
+        TrainConfigError: the directory holds none, or it does not load.
+    """
     from transformers import AutoTokenizer
 
     tokenizer_dir = Path(tokenizer_dir)
@@ -265,8 +297,6 @@ def load_text_windows(data_path: str | Path, tokenizer_dir: str | Path, *, seq_l
             "tokenizer.save_pretrained(DIR), or make a model directory with one by `rewrite init-model DIR`"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        return AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except (OSError, ValueError) as exc:
         raise TrainConfigError(f"--model {str(tokenizer_dir)!r}: cannot load its tokenizer: {exc}") from None
-    stream = tokenize_documents(read_documents(data_path), tokenizer)
-    return TokenWindows(stream, seq_len, seed)

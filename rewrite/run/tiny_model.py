@@ -13,6 +13,15 @@ from .text_data import read_documents
 __all__ = ["make_tiny_checkpoint"]
 
 BOS, EOS = "<s>", "</s>"
+# Each turn as "<|role|>\ncontent</s>"; the assistant's content and its </s> marked as generated
+# (transformers' `return_assistant_tokens_mask` reads the marks); a generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>\n"
+    "{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 _MIN_VOCAB = 256 + 2  # every byte, then <s> and </s>: byte-level BPE needs no <unk>
 
 
@@ -69,6 +78,7 @@ def make_tiny_checkpoint(
         eos_token_id=tokenizer.eos_token_id,
     )
     tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.chat_template = CHAT_TEMPLATE  # conversations train with the assistant's turns counted
     model = build_model(config, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))

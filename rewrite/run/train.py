@@ -28,6 +28,9 @@ from ..checkpoint.training_state import latest_checkpoint, load_training_state
 from ..pipeline.grad_norm import clip_grad_norm_
 from .presets import load_config
 from ..pipeline.runner import run_schedule
+from ..tensor_parallel.loss import IGNORE_INDEX
+from .packing import TuningBatches
+from .tuning_data import is_tuning_file
 from ..pipeline.timeline import events_to_dicts, gather_timeline
 from ..plan.wording import plural
 
@@ -56,6 +59,8 @@ class TrainConfig:
     plan: str  # plan file; its mesh fixes the number of processes (dp * pp * tp)
     model: str = "tiny-llama"  # preset name, HF config.json, or a model directory (weights + tokenizer: loaded)
     data: str | None = None  # .txt, .jsonl, a directory of them, or a saved `datasets` dataset; None: data/alice29.txt
+    # (a .jsonl of messages or prompt/completion lines: fine-tuning examples, `tuning_data`)
+    pack: bool = True  # fine-tuning examples packed several a row (documents apart); False: one a row, padded
     steps: int = 30  # optimizer steps in all (a resumed run goes on up to this many)
     batch_size: int = 8  # sequences per microbatch (the plan sets microbatches per step and replica)
     seq_len: int = 128  # tokens (or bytes) per sequence; targets are the same window shifted by one
@@ -110,8 +115,14 @@ def train(config: TrainConfig) -> dict:
     if config.parity and dtype != "float32":
         problems.append(f"--parity compares step 1 with one process in float32 to 1e-5, and this run computes in "
                         f"{dtype}: add --dtype float32, or leave --parity out")
-    if source.tokenizer:
+    if source.tokenizer and config.data and is_tuning_file(config.data):
+        data = TuningBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed, pack=config.pack)
+    elif source.tokenizer:
         data = TextBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed)
+    elif config.data and is_tuning_file(config.data):
+        raise TrainConfigError(f"rewrite train: cannot start:\n  --data {config.data} holds fine-tuning examples "
+                               f"(messages or prompt/completion), which need the model's tokenizer, and --model "
+                               f"{config.model} has none; pass a model directory with one (`rewrite init-model DIR`)")
     else:
         data = ByteBatches(config.data, seq_len=config.seq_len, seed=config.seed)
     problems += data.problems(getattr(model_config, "vocab_size", 0))
@@ -150,6 +161,8 @@ def train(config: TrainConfig) -> dict:
         f"{plural(m, 'microbatch')} x {config.batch_size} x {config.seq_len} {data.what} per step"
         + (f" and replica ({dp} replicas, {data_parallel} sharding)" if dp > 1 else "")
     )
+    if hasattr(data, "per_step"):
+        log.write(data.per_step(sequences))
     if reference is not None:
         held = sum(p.numel() * p.element_size() for p in reference.parameters())
         log.write(f"--parity: each rank also holds the whole model once more, in one process, for step 1's check: "
@@ -185,7 +198,8 @@ def train(config: TrainConfig) -> dict:
             grad_norm = float(clip_grad_norm_(stage, config.max_grad_norm))
             lr = optimizer.param_groups[0]["lr"]
             losses.append(float(loss))
-            line = {"loss": losses[-1], "lr": lr, "grad_norm": grad_norm}
+            counted = sum(int((t != IGNORE_INDEX).sum()) for t in targets)  # the global batch's
+            line = {"loss": losses[-1], "lr": lr, "grad_norm": grad_norm, "counted_tokens": counted}
             try:  # the same two numbers on every rank (both reduced over it): every rank decides alike
                 applied = guard.applies(step, losses[-1], grad_norm)
             except TrainStopped:
@@ -248,7 +262,7 @@ def _recipe(dtype: str, stage) -> str:
 
 def _data_key(config: TrainConfig) -> dict:
     """What fixes the order of the windows: a resumed run with other values continues on other data."""
-    return {"data": config.data, "seq_len": config.seq_len, "seed": config.seed}
+    return {"data": config.data, "seq_len": config.seq_len, "seed": config.seed, "pack": config.pack}
 
 
 def _export(stage, plan, tokenizer, out_dir: str) -> None:

@@ -41,7 +41,10 @@ FLAGS = [
     Flag("model", "--model", MODEL_HELP + " (default %(default)s)", {"metavar": "MODEL"}),
     Flag("data", "--data", "a .txt or .jsonl (a `text` field per line) file, a directory of them, or a `datasets` "
          "dataset saved with save_to_disk; tokenized with the model's tokenizer, or read as bytes when it has none "
-         "(default: data/alice29.txt)"),
+         "(default: data/alice29.txt). A .jsonl of `messages` (chat template; the loss on the assistant's turns) or "
+         "`prompt`/`completion` lines (the loss on the completion) is fine-tuning data, packed into --seq-len rows"),
+    Flag("pack", "--no-pack", "fine-tuning data: one example a row, padded, instead of several packed a row "
+         "(documents kept apart)", {"action": "store_true"}, negate=True),
     Flag("steps", "--steps", "optimizer steps (default %(default)s)", {"type": int}),
     Flag("batch_size", "--batch-size", "sequences per microbatch (default %(default)s)", {"type": int}),
     Flag("seq_len", "--seq-len", "tokens (bytes) per sequence (default %(default)s)", {"type": int}),
