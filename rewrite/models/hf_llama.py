@@ -20,7 +20,7 @@ from torch import nn
 
 from .families import family_forward
 
-__all__ = ["Backbone", "backbone_problem", "find_backbone", "run_backbone"]
+__all__ = ["Backbone", "backbone_problem", "document_index", "find_backbone", "run_backbone"]
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def _mask_params(fn) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def _documents(position_ids: torch.Tensor) -> torch.Tensor:
+def document_index(position_ids: torch.Tensor) -> torch.Tensor:
     """`[b, s]`: which document of its row each token belongs to: a new one starts wherever a
     position is not its predecessor's plus one (the rule of transformers' packed-sequence
     detection), computed where the positions are, with no read to the host."""
@@ -193,7 +193,7 @@ def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Te
         if "and_mask_function" in names:
             from transformers.masking_utils import packed_sequence_mask_function
 
-            kwargs["and_mask_function"] = packed_sequence_mask_function(_documents(position_ids))
+            kwargs["and_mask_function"] = packed_sequence_mask_function(document_index(position_ids))
         else:  # a builder without the extra condition: it finds the documents in the positions itself
             kwargs["position_ids"] = position_ids
     kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = hidden
