@@ -1,10 +1,11 @@
-"""The dp x pp x tp process mesh: this rank's coordinates and its process groups.
+"""The dp x pp x cp x tp process mesh: this rank's coordinates and its process groups.
 
-Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank (`plan.ranks`): a stage's tensor-parallel
-ranks are contiguous (on one machine under torchrun), pipeline neighbours share a
-tp_rank, and data-parallel replicas are the outermost dimension (across machines).
-The groups come from a torch `DeviceMesh` with dimensions ("dp", "pp", "tp"); this
-module is the only one that creates groups.
+Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank (`plan.ranks`): a stage's
+tensor-parallel ranks are contiguous (on one machine under torchrun), then its context-parallel
+ranks, pipeline neighbours share a cp_rank and tp_rank, and data-parallel replicas are the
+outermost dimension (across machines). The groups come from a torch `DeviceMesh` with dimensions
+("dp", "pp", "tp"), or ("dp", "pp", "cp", "tp") with context parallelism; this module is the only
+one that creates groups.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .plan.ranks import coordinates, global_rank, shape_text
+from .plan.ranks import coordinates, cp_rank_of, global_rank, shape_text
 from .values import is_count
 from .errors import InputError
 
@@ -25,7 +26,7 @@ __all__ = ["Mesh", "build_mesh", "check_world"]
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in a dp x pp x tp mesh, with the groups it communicates in."""
+    """This rank's place in a dp x pp x cp x tp mesh, with the groups it communicates in."""
 
     pp: int
     tp: int
@@ -40,37 +41,52 @@ class Mesh:
     # The whole world on a backend that takes host tensors, for agreements that must not wait on a
     # device; None where the default group does (gloo, or "cpu:gloo,cuda:nccl").
     host_group: ProcessGroup | None = None
+    cp: int = 1
+    cp_group: ProcessGroup | None = None  # this stage's context-parallel ranks (cp > 1)
+    # The ranks holding the same parameters: the dp replicas times the cp ranks (dp x cp), a 1-D
+    # DeviceMesh that FSDP2 / replicate / DDP reduce gradients over; None when there is one.
+    replica_mesh: DeviceMesh | None = None
 
     @property
     def tp_rank(self) -> int:
-        return coordinates(self.rank, pp=self.pp, tp=self.tp)[2]
+        return coordinates(self.rank, pp=self.pp, tp=self.tp, cp=self.cp)[2]
 
     @property
     def pp_rank(self) -> int:
-        return coordinates(self.rank, pp=self.pp, tp=self.tp)[1]
+        return coordinates(self.rank, pp=self.pp, tp=self.tp, cp=self.cp)[1]
 
     @property
     def dp_rank(self) -> int:
-        return coordinates(self.rank, pp=self.pp, tp=self.tp)[0]
+        return coordinates(self.rank, pp=self.pp, tp=self.tp, cp=self.cp)[0]
+
+    @property
+    def cp_rank(self) -> int:
+        return cp_rank_of(self.rank, tp=self.tp, cp=self.cp)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters, whose gradients are reduced together: dp x cp."""
+        return self.dp * self.cp
 
     def global_rank(self, pp_rank: int, tp_rank: int | None = None) -> int:
-        """Global rank of pipeline rank `pp_rank` at `tp_rank` (default: this rank's), in this replica."""
+        """Global rank of pipeline rank `pp_rank` at `tp_rank` (default: this rank's), in this replica,
+        at this rank's cp_rank."""
         tp_rank = self.tp_rank if tp_rank is None else tp_rank
-        return global_rank(self.dp_rank, pp_rank, tp_rank, pp=self.pp, tp=self.tp)
+        return global_rank(self.dp_rank, pp_rank, tp_rank, pp=self.pp, tp=self.tp, cp=self.cp, cp_rank=self.cp_rank)
 
 
-def check_world(pp: int, tp: int, dp: int = 1) -> None:
-    """Raise ValueError unless the default group exists and has dp * pp * tp ranks."""
-    n = dp * pp * tp
+def check_world(pp: int, tp: int, dp: int = 1, cp: int = 1) -> None:
+    """Raise ValueError unless the default group exists and has dp * pp * cp * tp ranks."""
+    n = dp * pp * cp * tp
     if not dist.is_available() or not dist.is_initialized():
         raise InputError(
             f"torch.distributed is not initialised: call torch.distributed.init_process_group() "
-            f"on each of the {n} ranks ({shape_text(dp, pp, tp)}) first, e.g. under torchrun"
+            f"on each of the {n} ranks ({shape_text(dp, pp, tp, cp)}) first, e.g. under torchrun"
         )
     world = dist.get_world_size()
     if world != n:
         raise InputError(
-            f"the plan's mesh needs {shape_text(dp, pp, tp)} = {n} ranks, but the world size is {world}; "
+            f"the plan's mesh needs {shape_text(dp, pp, tp, cp)} = {n} ranks, but the world size is {world}; "
             f"launch {n} processes (torchrun --nproc-per-node {n}, or --nnodes N with {n} in all) or change the mesh"
         )
 
@@ -80,29 +96,45 @@ def _device_type() -> str:
     return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
 
 
-def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1) -> Mesh:
+def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1, cp: int = 1) -> Mesh:
     """Create the mesh's groups. Collective: every rank must call it, with the same sizes.
 
     `kv_replicas` > 1 (dividing tp) adds the groups of `kv_replicas` neighbouring tp ranks that
-    hold the same key/value head: tp ranks `[j * r, (j + 1) * r)` of each tp group.
+    hold the same key/value head: tp ranks `[j * r, (j + 1) * r)` of each tp group. `cp` > 1 adds
+    the cp dimension and, for the gradients, the groups of dp x cp ranks holding the same parameters.
     """
-    check_world(pp, tp, dp)
+    check_world(pp, tp, dp, cp)
     if not is_count(kv_replicas) or tp % kv_replicas:
         raise InputError(f"build_mesh: kv_replicas must be an int >= 1 dividing tp={tp}, got {kv_replicas!r}")
     rank = dist.get_rank()
-    device_mesh = init_device_mesh(_device_type(), (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    sizes, names = ((dp, pp, cp, tp), ("dp", "pp", "cp", "tp")) if cp > 1 else ((dp, pp, tp), ("dp", "pp", "tp"))
+    device_mesh = init_device_mesh(_device_type(), sizes, mesh_dim_names=names)
+
+    def at(d: int, p: int, c: int, t: int) -> int:
+        return global_rank(d, p, t, pp=pp, tp=tp, cp=cp, cp_rank=c)
+
+    here = (*coordinates(rank, pp=pp, tp=tp, cp=cp), cp_rank_of(rank, tp=tp, cp=cp))  # (dp, pp, tp, cp)
     tied_group = None
     if pp == 2:
         tied_group = device_mesh.get_group("pp")  # the first and last pipeline rank are all of it
     elif pp > 2:
         # new_group is collective over the whole world: every rank creates every group, in order.
         for d in range(dp):
-            for t in range(tp):
-                group = dist.new_group([global_rank(d, 0, t, pp=pp, tp=tp), global_rank(d, pp - 1, t, pp=pp, tp=tp)])
-                if coordinates(rank, pp=pp, tp=tp) in ((d, 0, t), (d, pp - 1, t)):
-                    tied_group = group
-    kv_group = _kv_group(pp, tp, dp, kv_replicas, device_mesh.get_group("tp"))
+            for c in range(cp):
+                for t in range(tp):
+                    group = dist.new_group([at(d, 0, c, t), at(d, pp - 1, c, t)])
+                    if here in ((d, 0, t, c), (d, pp - 1, t, c)):
+                        tied_group = group
+    kv_group = _kv_group(pp, tp, dp, cp, kv_replicas, device_mesh.get_group("tp"), at, here)
     host_group = None if "gloo" in str(dist.get_backend()).lower() else dist.new_group(backend="gloo")
+    replica_mesh = device_mesh["dp"] if dp > 1 and cp == 1 else None
+    if cp > 1:
+        for p in range(pp):
+            for t in range(tp):
+                ranks = [at(d, p, c, t) for d in range(dp) for c in range(cp)]
+                group = dist.new_group(ranks)
+                if here[1:3] == (p, t):
+                    replica_mesh = DeviceMesh.from_group(group, _device_type(), mesh=ranks, mesh_dim_names=("replicas",))
     return Mesh(
         pp=pp,
         tp=tp,
@@ -115,20 +147,24 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1) -> Mesh:
         dp_group=device_mesh.get_group("dp"),
         device_mesh=device_mesh,
         host_group=host_group,
+        cp=cp,
+        cp_group=device_mesh.get_group("cp") if cp > 1 else None,
+        replica_mesh=replica_mesh,
     )
 
 
-def _kv_group(pp: int, tp: int, dp: int, r: int, tp_group: ProcessGroup) -> ProcessGroup | None:
+def _kv_group(pp: int, tp: int, dp: int, cp: int, r: int, tp_group: ProcessGroup, at, here) -> ProcessGroup | None:
     """This rank's group of `r` tp neighbours sharing a kv head; the tp group itself when r == tp."""
     if r == 1:
         return None
     if r == tp:
         return tp_group
-    mine, here = None, coordinates(dist.get_rank(), pp=pp, tp=tp)
+    mine = None
     for d in range(dp):  # new_group is collective over the world: every rank makes every group, in order
         for p in range(pp):
-            for slot in range(tp // r):
-                group = dist.new_group([global_rank(d, p, slot * r + j, pp=pp, tp=tp) for j in range(r)])
-                if here[:2] == (d, p) and here[2] // r == slot:
-                    mine = group
+            for c in range(cp):
+                for slot in range(tp // r):
+                    group = dist.new_group([at(d, p, c, slot * r + j) for j in range(r)])
+                    if (here[0], here[1], here[3]) == (d, p, c) and here[2] // r == slot:
+                        mine = group
     return mine

@@ -17,13 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .agreement import describe_ranks, raise_problems, ranks_by_value, share
+from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as register_context_parallel
+from .context_parallel.family import context_parallel_problem
 from .data_parallel import apply_data_parallel
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.precision import precision_for
 from .pipeline.stage import Stage
 from .binding.resolve import APPLIED, ResolvedPlan, resolve
-from .plan.schema import ParallelPlan
+from .plan.schema import ParallelPlan, PlanError
 from .plan.loading import load_plan_for
 from .recompute import apply_activation_checkpointing
 from .tensor_parallel.replicated import StepSums
@@ -39,9 +41,11 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     """Rewrite `model` in place for this rank and return its `Stage`.
 
     Collective: every rank of the default process group calls it with the same
-    model (same weights) and plan. Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
-    With mesh.dp > 1 each replica's modules are then sharded (or replicated) over dp
-    with torch FSDP2 (`data_parallel.sharding`); with dp = 1 nothing is installed.
+    model (same weights) and plan. Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp
+    + tp_rank. With mesh.dp x mesh.cp > 1 each replica's modules are then sharded (or
+    replicated) over the dp x cp ranks holding them with torch FSDP2 (`data_parallel.sharding`);
+    with one, nothing is installed. With mesh.cp > 1 the model's attention runs on sequence
+    shards (`rewrite.context_parallel`).
 
     Args:
         model: a Hugging Face LLaMA-family model, or any module torch.fx can trace
@@ -72,16 +76,22 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     resolved, error, precision = None, None, None
     try:
         plan = load_plan_for(plan, model)
-        check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
+        check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, plan.mesh.cp)
         resolved = resolve(plan, model, world_size=dist.get_world_size())
-        shards = plan.mesh.dp > 1 and plan.data_parallel.sharding != "replicate"
+        if plan.mesh.cp > 1 and (problem := context_parallel_problem(model)):
+            raise PlanError(plan.source, [f"{plan.where('mesh', 'cp')}mesh.cp={plan.mesh.cp}: {type(model).__name__}: "
+                                          f"{problem}; use cp 1"])
+        shards = plan.mesh.dp * plan.mesh.cp > 1 and plan.data_parallel.sharding != "replicate"
         precision = precision_for(compute_dtype, _floating_dtype(model), shards=shards)
     except (ValueError, TypeError) as exc:
         if not (dist.is_available() and dist.is_initialized()):
             raise  # no group: no peer is waiting
         error = exc
     _agree_on_binding(model, resolved, error)  # the first collective
-    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, kv_replicas=resolved.kv_replicas)
+    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, kv_replicas=resolved.kv_replicas, cp=plan.mesh.cp)
+    if mesh.cp > 1:
+        register_context_parallel()
+        model.set_attn_implementation(CONTEXT_PARALLEL)  # its layers call it; the stage passes each its shard
     if mesh.tp > 1:
         apply_tensor_parallel(model, resolved, mesh.tp_group, kv_group=mesh.kv_group)
     carved = carve_stage(model, resolved, mesh)

@@ -237,6 +237,10 @@ def resolve(
     else:
         module_sets, cuts, stage_problems = fx_stages(plan, model)
         layer_sets, layer_names = [], module_sets
+        if plan.mesh.cp > 1:
+            stage_problems.append(
+                f"{plan.where('mesh', 'cp')}mesh.cp={plan.mesh.cp}: context parallelism runs a Hugging Face decoder "
+                f"model's own attention on sequence shards, and {type(model).__name__} is not one; use cp 1")
     problems += stage_problems + option_problems(plan, model, bb, list(shards))
     if problems:
         raise PlanError(plan.source, by_line(collapse_repeats(problems)))

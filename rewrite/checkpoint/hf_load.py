@@ -15,6 +15,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from . import refuse_context_parallel
 from ..agreement import agree
 from ..mesh import check_world
 from ..models.names import first_names
@@ -86,6 +87,7 @@ def from_pretrained(
         >>> loss = rewrite.run_schedule(stage, ids, targets)
     """
     plan = load_plan(plan)
+    refuse_context_parallel(plan.mesh.cp, "from_pretrained")
     check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
     directory = Path(directory)
     _, pp_rank, tp_rank = coordinates(dist.get_rank(), pp=plan.mesh.pp, tp=plan.mesh.tp)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from . import refuse_context_parallel
 from ..agreement import agree, share
 from ..lent import lend
 from ..mesh import check_world
@@ -166,6 +167,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         >>> rewrite.save_pretrained(stage, "plans/llama-tp2-pp2.yaml", "ckpt/")
     """
     plan = load_plan(plan)
+    refuse_context_parallel(plan.mesh.cp, "save_pretrained")
     check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
     stage = model if isinstance(model, Stage) else None
     model = stage.model if stage is not None else model

@@ -74,7 +74,7 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
     if unsupported:
         raise NotImplementedError(f"context-parallel attention does not take {', '.join(unsupported)} "
-                                  f"({type(module).__name__}); run this family at mesh.cp 1")
+                                  f"({type(module).__name__})")
     if shard.cp > 1:
         key = gather_sequence(key, shard.group, shard.cp, shard.seq)  # (b, kv, s, d)
         value = gather_sequence(value, shard.group, shard.cp, shard.seq)

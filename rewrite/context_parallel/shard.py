@@ -13,19 +13,9 @@ from functools import lru_cache
 import torch
 
 from ..errors import InputError
+from ..plan.ranks import length_problem
 
 __all__ = ["length_problem", "held", "shard_sequence", "gathered_order"]
-
-
-def length_problem(seq: int, cp: int) -> str | None:
-    """Why a sequence of `seq` tokens cannot be split over `cp` ranks, naming the lengths that can; None when it can."""
-    step = 2 * cp
-    if seq % step == 0 and seq > 0:
-        return None
-    below, above = seq // step * step, (seq // step + 1) * step
-    near = f"{below} or {above}" if below else f"{above}"
-    return (f"a sequence of {seq} tokens does not split into 2 x cp = {step} equal chunks (cp ranks hold two each, "
-            f"balanced for the causal mask); use a length that {step} divides, e.g. {near}")
 
 
 @lru_cache(maxsize=64)

@@ -115,11 +115,11 @@ def apply_data_parallel(
         on one stage per rank with whole backwards: the parts unchanged (plain
         parameters) and torch's DDP, built at the first step (`ddp.DdpSync`).
     """
-    if mesh.dp == 1:
+    if mesh.replicas == 1:
         return carved, None
     sharding = resolved.plan.data_parallel.sharding
     if sharding == "replicate" and ddp_fits(len(carved.forward_fns), split_backward):
-        return carved, DdpSync(carved.module, mesh.device_mesh["dp"].get_group())
+        return carved, DdpSync(carved.module, mesh.replica_mesh.get_group())
     units = data_parallel_units(carved.model, resolved, sorted(carved.forward_fns))
     loose = _loose_parameters(carved, resolved, units)
     agree(
@@ -128,7 +128,7 @@ def apply_data_parallel(
         if loose else [],
         "apply_plan",
     )
-    dp_mesh, model = mesh.device_mesh["dp"], carved.model
+    dp_mesh, model = mesh.replica_mesh, carved.model  # the dp replicas, times the cp ranks
     zero3 = sharding == "full" and not split_backward  # gathered for each use, let go after it
     names = first_names(model)
     policy = MixedPrecisionPolicy()

@@ -216,6 +216,7 @@ def run_backbone(
     seq_len: int | None = None,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     position_ids: torch.Tensor | None = None,
+    layer_kwargs: dict | None = None,
 ) -> torch.Tensor:
     """Run one stage of the backbone: embeddings (first), the given layers, norm and head (last).
 
@@ -223,8 +224,9 @@ def run_backbone(
     (`(b, s / tp, h)` under sequence parallelism: then `seq_len` gives s). `head`
     replaces `model.lm_head` (e.g. to keep vocabulary shards). `position_ids` `(b, s)`:
     each token's position in its document (packed documents restart at 0 and attend only
-    within themselves); default 0 .. s - 1 in every row. Returns hidden states, or logits
-    `(b, s, vocab)` from the last stage.
+    within themselves); default 0 .. s - 1 in every row. `layer_kwargs`: passed to every
+    decoder layer, which hands them on to its attention function (a context-parallel rank's
+    `sequence_shard`). Returns hidden states, or logits `(b, s, vocab)` from the last stage.
     """
     part = model.get_submodule
     config, family = model.config, family_forward(model.config)
@@ -257,6 +259,7 @@ def run_backbone(
             attention_mask=masks[kind],
             position_ids=position_ids,
             position_embeddings=rotary(index),
+            **(layer_kwargs or {}),
         )
         hidden = out[0] if isinstance(out, tuple) else out  # (b, s, h)
     if last:

@@ -98,7 +98,7 @@ def _replace(model: nn.Module, path: str, module: nn.Module | None) -> None:
 
 
 class _StageForward:
-    """Runs one stage of an HF backbone on a microbatch: `fn(x, seq_len=None, position_ids=None)`."""
+    """Runs one stage of an HF backbone on a microbatch: `fn(x, seq_len=None, position_ids=None, sequence_shard=None)`."""
 
     def __init__(self, model: nn.Module, resolved: ResolvedPlan, stage_id: int, head: ColumnParallelLinear | None):
         self.model, self.bb, self.stage_id = model, resolved.backbone, stage_id
@@ -107,7 +107,7 @@ class _StageForward:
         self.head = head.forward_shard if head is not None and self.last else None
         self.sequence = sequence_state(model)
 
-    def __call__(self, x, *, seq_len: int | None = None, position_ids=None):
+    def __call__(self, x, *, seq_len: int | None = None, position_ids=None, sequence_shard=None):
         if self.sequence is not None:
             if not self.first and seq_len is None:
                 raise ValueError(
@@ -118,6 +118,7 @@ class _StageForward:
         return run_backbone(
             self.model, self.bb, x, self.layers, first=self.first, last=self.last, seq_len=seq_len, head=self.head,
             position_ids=position_ids,
+            layer_kwargs=None if sequence_shard is None else {"sequence_shard": sequence_shard},
         )
 
 

@@ -37,7 +37,8 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
       once, on the first.
     - data parallel: a gradient sharded over dp (FSDP2 DTensors) contributes every shard;
       one replicated over dp (`sharding: replicate`, already averaged: a DTensor, or a
-      plain tensor under DDP) only once, on dp_rank 0.
+      plain tensor under DDP) only once, on dp_rank 0. The cp ranks of a stage hold the same
+      parameters as replicas do (FSDP2 shards them over dp x cp): counted alike.
 
     With norm_type 2 the total is `sqrt(sum of squares)` over every rank, with inf
     `max |g|`: one all-reduce of one float32 tensor on the default group. When
@@ -76,7 +77,7 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
     for name, param in stage.module.named_parameters():  # a tied object once
         if param.grad is None:
             continue
-        grad, once = _local_grad(param, mesh.dp_rank)
+        grad, once = _local_grad(param, mesh.dp_rank + mesh.cp_rank)  # 0 on the first of the dp x cp copies
         if once is None:
             partial.append(name)
             continue

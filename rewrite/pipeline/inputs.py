@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import agree, describe_ranks, ranks_by_value
+from ..plan.ranks import length_problem
 from ..lent import lend
 from ..tensor_parallel.loss import IGNORE_INDEX
 from .positions import KEYS, ids_of, packing_of, positions_mark, positions_of
@@ -102,7 +103,7 @@ def _fingerprint(view: str) -> int:
 def _facts(stage: Stage, packed: bool) -> tuple:
     """What the structure rules read of the stage (hashable: part of a cache key); with packed
     microbatches, why the model cannot take them (None when it can)."""
-    return stage.takes_token_ids, stage.is_last, stage.num_classes, packing_of(stage) if packed else None
+    return stage.takes_token_ids, stage.is_last, stage.num_classes, packing_of(stage) if packed else None, stage.mesh.cp
 
 
 def _packed(inputs) -> bool:
@@ -129,11 +130,13 @@ def _entry(x) -> tuple | str:
 @lru_cache(maxsize=256)
 def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, default_loss: bool) -> bool:
     """Whether a structure (from `_layout`) breaks a rule that shapes and dtypes alone decide (`_local_problems`')."""
-    takes_ids, last, classes, unpackable = facts
+    takes_ids, last, classes, unpackable, cp = facts
     if isinstance(inputs, str) or not inputs or any(isinstance(x, str) for x in inputs):
         return True
     if unpackable is not None:
         return True
+    if cp > 1 and any(len(x[0]) != 2 or length_problem(x[0][-1], cp) for x in inputs):
+        return True  # a sequence the cp ranks cannot share in balanced chunks
     if takes_ids and any(len(x[0]) != 2 or not _integer_dtype(x[1]) for x in inputs):
         return True
     if any(len(x) == 3 and (not takes_ids or x[2][0] != x[0] or not _integer_dtype(x[2][1])) for x in inputs):
@@ -239,6 +242,10 @@ def _local_problems(stage: Stage, inputs, targets, default_loss: bool) -> list[s
         for i, x in enumerate(inputs):
             if stage.is_first and i not in not_ids and (bad := _first_outside(x, 0, vocab)):
                 problems.append(f"inputs[{i}] holds id {bad}, outside the vocabulary [0, {vocab})")
+        uneven = [i for i, x in enumerate(inputs) if i not in not_ids and length_problem(x.shape[-1], stage.mesh.cp)]
+        if uneven and stage.mesh.cp > 1:
+            problems.append(f"{_names('inputs', uneven)}: mesh.cp={stage.mesh.cp}: "
+                            + length_problem(inputs[uneven[0]].shape[-1], stage.mesh.cp))
     if stage.is_last:
         if not isinstance(targets, Sequence) or len(targets) != len(inputs):
             got = len(targets) if isinstance(targets, Sequence) else type(targets).__name__

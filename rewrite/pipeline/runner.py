@@ -18,6 +18,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from ..context_parallel.microbatch import sequence_part
 from ..errors import InputError
 from ..lent import lend
 from ..schedules import Action, placement, plan_table, schedule_rules, table_problems
@@ -76,6 +77,12 @@ def run_schedule(
         >>> loss = run_schedule(stage, input_chunks, target_chunks)
         >>> optimizer.step(); optimizer.zero_grad()
     """
+    if loss_fn is not None and stage.mesh.cp > 1:  # the same on every rank: refused before any collective
+        raise InputError(
+            f"run_schedule: a loss_fn under mesh.cp={stage.mesh.cp}: each rank holds part of every sequence, and only "
+            "the default cross-entropy (a token mean, split as sums over each rank's tokens) is split that way; "
+            "pass loss_fn=None"
+        )
     check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None)
     pipeline, pp, m = stage.resolved.plan.pipeline, stage.mesh.pp, len(inputs)
     k = pipeline.virtual_stages
@@ -165,6 +172,12 @@ class _Step:
         self.inputs = _on_device(inputs, self.device) if stage.is_first else inputs
         # Every stage of a packed microbatch needs its positions: read from this rank's copy.
         self.positions = _on_device([positions_of(x) for x in self.inputs], self.device)
+        self.parts = None  # under context parallelism: this rank's tokens of each microbatch
+        mesh = stage.mesh
+        if mesh.cp > 1:
+            self.parts = [sequence_part(ids_of(x), positions_of(x), targets[i] if stage.is_last else None,
+                                        group=mesh.cp_group, cp=mesh.cp, rank=mesh.cp_rank, device=self.device)
+                          for i, x in enumerate(inputs)]
         self.targets = _on_device(targets, self.device) if stage.is_last else targets
         self.place, self.last = stage.stage_rank, stage.num_stages - 1
         me = stage.pp_rank
@@ -235,8 +248,9 @@ class _Step:
         self._send(p2p.send(tensor, dst), tensor)
 
     def forward(self, mb: int, s: int):
+        part = None if self.parts is None else self.parts[mb]
         if s == 0:
-            x = ids_of(self.inputs[mb]).to(self.device)
+            x = ids_of(self.inputs[mb]).to(self.device) if part is None else part.ids
             if x.is_floating_point():
                 x = x.to(self.dtype)
         else:
@@ -244,11 +258,20 @@ class _Step:
             x.requires_grad_(x.is_floating_point())
         start = self.clock.mark()
         with nullcontext() if self.precision is None else self.precision.forward_context(self.device):
-            if self.stage.takes_token_ids:  # stages past a sequence-parallel split need the whole length
+            if part is not None:  # this rank's tokens: the stage's sequence is seq / cp long
+                y = self.stage.run(s, x, seq_len=part.ids.shape[-1], position_ids=part.positions,
+                                   sequence_shard=part.shard)
+            elif self.stage.takes_token_ids:  # stages past a sequence-parallel split need the whole length
                 y = self.stage.run(s, x, seq_len=ids_of(self.inputs[mb]).shape[-1], position_ids=self.positions[mb])
             else:
                 y = self.stage.run(s, x)
-            if s == self.last:
+            if s == self.last and part is not None:
+                # This rank's tokens' share of the microbatch's mean; the dp x cp gradient average is
+                # undone for cp by scaling the backward, so the cp ranks' gradients add up.
+                share = self.loss_fn(y, part.targets) * part.share if part.counted else y.sum() * 0.0
+                self.losses[mb] = share / self.m
+                y = self.losses[mb] * self.mesh.cp
+            elif s == self.last:
                 y = self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
         if s != self.last:
             if y.is_floating_point() and y.dtype != self.dtype:

@@ -110,7 +110,8 @@ class Stage:
             )
         return self.run(self.stage_ids[0], x, seq_len=seq_len, position_ids=position_ids)
 
-    def run(self, stage_id: int, x, *, seq_len: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, stage_id: int, x, *, seq_len: int | None = None, position_ids: torch.Tensor | None = None,
+            sequence_shard=None) -> torch.Tensor:
         """Run stage `stage_id` (one this rank holds) on one microbatch.
 
         `x`: the model input on the first stage (token ids `[mb, seq]`, or a dict of `input_ids`
@@ -118,6 +119,8 @@ class Stage:
         sequence length, needed by a stage that receives sequence shards (`sequence_parallel`,
         any stage but the first). `position_ids` `[mb, seq]`: the microbatch's positions, which
         every stage of a packed microbatch needs (the first reads them from a dict `x` too).
+        `sequence_shard`: under context parallelism, which tokens this rank holds
+        (`context_parallel.SequenceShard`); `x` and `position_ids` are then this rank's tokens'.
         """
         if stage_id not in self.forward_fns:
             raise ValueError(f"stage {stage_id} is not on this rank; it holds stages {list(self.stage_ids)}")
@@ -125,7 +128,8 @@ class Stage:
         if isinstance(x, dict):
             position_ids = x.get("position_ids", position_ids)
             x = x["input_ids"]
-        kwargs = {k: v for k, v in (("seq_len", seq_len), ("position_ids", position_ids)) if v is not None}
+        kwargs = {k: v for k, v in (("seq_len", seq_len), ("position_ids", position_ids),
+                                    ("sequence_shard", sequence_shard)) if v is not None}
         if "position_ids" in kwargs and not self.takes_token_ids:
             raise TypeError("position_ids need a Hugging Face decoder model run by the module walker; "
                             "a traced stage takes its inputs as its forward does")
@@ -234,11 +238,12 @@ class Stage:
         if bb is None:
             return {"input": tuple(input_shape) if first else None, "output": None}
         config, plan, tp = self.model.config, self.resolved.plan, self.mesh.tp
-        hidden = (*input_shape, config.hidden_size)  # (mb, seq, hidden)
+        seq = input_shape[-1] // self.mesh.cp  # a context-parallel rank holds seq / cp tokens
+        hidden = (*input_shape[:-1], seq, config.hidden_size)  # (mb, seq, hidden)
         if plan.sequence_parallel and tp > 1:  # each tp rank passes on its ceil(seq / tp) tokens
-            hidden = (*input_shape[:-1], -(-input_shape[-1] // tp), config.hidden_size)
+            hidden = (*input_shape[:-1], -(-seq // tp), config.hidden_size)
         vocab = config.vocab_size // tp if self.logit_shard is not None else config.vocab_size
-        out = (*input_shape, vocab) if bb.has_head else hidden
+        out = (*input_shape[:-1], seq, vocab) if bb.has_head else hidden
         return {
             "input": tuple(input_shape) if first else hidden,
             "output": out if last else hidden,

@@ -1,34 +1,59 @@
-"""The one rank formula: global rank = (dp_rank * pp + pp_rank) * tp + tp_rank.
+"""The one rank formula: global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank.
 
-Tensor-parallel ranks are neighbours (one machine under torchrun), pipeline neighbours
-share a tp_rank, data-parallel replicas are the outermost dimension (across machines).
-Pure arithmetic: `rewrite.mesh` builds its groups with it, `show` and checkpoints name ranks with it.
+Tensor-parallel ranks are neighbours (one machine under torchrun), then the context-parallel
+ranks of a stage (each holding part of the sequence), pipeline neighbours share a cp_rank and
+tp_rank, data-parallel replicas are the outermost dimension (across machines). With cp = 1 it is
+(dp_rank * pp + pp_rank) * tp + tp_rank. Pure arithmetic: `rewrite.mesh` builds its groups with
+it, `show` and checkpoints name ranks with it.
 """
 
 from __future__ import annotations
 
-__all__ = ["global_rank", "coordinates", "shape_text"]
+__all__ = ["global_rank", "coordinates", "cp_rank_of", "length_problem", "shape_text"]
 
 
-def global_rank(dp_rank: int, pp_rank: int, tp_rank: int, *, pp: int, tp: int) -> int:
-    """The global rank at these coordinates of a (dp, pp, tp) mesh.
+def global_rank(dp_rank: int, pp_rank: int, tp_rank: int, *, pp: int, tp: int, cp: int = 1, cp_rank: int = 0) -> int:
+    """The global rank at these coordinates of a (dp, pp, cp, tp) mesh.
 
         >>> global_rank(1, 0, 1, pp=2, tp=2)
         5
+        >>> global_rank(0, 1, 0, pp=2, tp=2, cp=2, cp_rank=1)
+        6
     """
-    return (dp_rank * pp + pp_rank) * tp + tp_rank
+    return ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def coordinates(rank: int, *, pp: int, tp: int) -> tuple[int, int, int]:
-    """(dp_rank, pp_rank, tp_rank) of global rank `rank`: the inverse of `global_rank`.
+def coordinates(rank: int, *, pp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(dp_rank, pp_rank, tp_rank) of global rank `rank` (its cp_rank: `cp_rank_of`).
 
         >>> coordinates(5, pp=2, tp=2)
         (1, 0, 1)
     """
-    dp_rank, rest = divmod(rank, pp * tp)
-    return (dp_rank, *divmod(rest, tp))
+    dp_rank, rest = divmod(rank, pp * cp * tp)
+    pp_rank, rest = divmod(rest, cp * tp)
+    return dp_rank, pp_rank, rest % tp
 
 
-def shape_text(dp: int, pp: int, tp: int) -> str:
-    """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas."""
-    return (f"dp={dp} x " if dp > 1 else "") + f"pp={pp} x tp={tp}"
+def cp_rank_of(rank: int, *, tp: int, cp: int) -> int:
+    """The context-parallel rank of global rank `rank`.
+
+        >>> cp_rank_of(6, tp=2, cp=2)
+        1
+    """
+    return rank // tp % cp
+
+
+def shape_text(dp: int, pp: int, tp: int, cp: int = 1) -> str:
+    """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas and `cp=2 x ` before tp when cp > 1."""
+    return (f"dp={dp} x " if dp > 1 else "") + f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
+
+
+def length_problem(seq: int, cp: int) -> str | None:
+    """Why a sequence of `seq` tokens cannot be split over `cp` ranks, naming the lengths that can; None when it can."""
+    step = 2 * cp
+    if seq % step == 0 and seq > 0:
+        return None
+    below, above = seq // step * step, (seq // step + 1) * step
+    near = f"{below} or {above}" if below else f"{above}"
+    return (f"a sequence of {seq} tokens does not split into 2 x cp = {step} equal chunks (cp ranks hold two each, "
+            f"balanced for the causal mask); use a length that {step} divides, e.g. {near}")

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_serializer, model_validator
 
 from .files import PlanError
-from .ranks import global_rank, shape_text
+from .ranks import global_rank, length_problem, shape_text
 from .styles import Style
 from .pipeline_schema import Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
 from ..schedules import splits_backward
@@ -21,10 +21,11 @@ __all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError"]
 
 
 class MeshSpec(StrictModel):
-    """How the ranks are arranged: world size = dp * pp * tp.
+    """How the ranks are arranged: world size = dp * pp * cp * tp.
 
-    Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank: tensor-parallel ranks are
-    neighbours (one machine), data-parallel replicas the outermost (across machines).
+    Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: tensor-parallel
+    ranks are neighbours (one machine), then a stage's context-parallel ranks, data-parallel
+    replicas the outermost (across machines).
     """
 
     # The plan's `mesh` section (`ranks.global_rank` is the formula); `rewrite.Mesh` is a running
@@ -48,18 +49,38 @@ class MeshSpec(StrictModel):
     tp: Annotated[
         int, Field(ge=1, strict=True, description="Tensor-parallel ranks per stage (>= 1); contiguous global ranks.")
     ] = 1
+    cp: Annotated[
+        int,
+        Field(
+            ge=1,
+            strict=True,
+            description=(
+                "Context-parallel ranks per stage (>= 1): each holds seq / cp tokens of every microbatch (two "
+                "chunks of 2 cp, balanced for the causal mask) and attention gathers the keys and values of the "
+                "others; parameters are replicated over them like dp replicas."
+            ),
+        ),
+    ] = 1
+
+    @model_serializer(mode="wrap")
+    def _without_cp_one(self, handler):
+        # cp 1 is every plan before context parallelism: written plans and digests leave it out.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("cp") == 1:
+            data.pop("cp")
+        return data
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     def shape_text(self) -> str:
-        """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas."""
-        return shape_text(self.dp, self.pp, self.tp)
+        """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas and `cp=2 x ` before tp."""
+        return shape_text(self.dp, self.pp, self.tp, self.cp)
 
-    def global_rank(self, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> int:
+    def global_rank(self, pp_rank: int, tp_rank: int, dp_rank: int = 0, cp_rank: int = 0) -> int:
         """The global rank of these coordinates (`ranks.global_rank`)."""
-        return global_rank(dp_rank, pp_rank, tp_rank, pp=self.pp, tp=self.tp)
+        return global_rank(dp_rank, pp_rank, tp_rank, pp=self.pp, tp=self.tp, cp=self.cp, cp_rank=cp_rank)
 
 
 class DataParallel(StrictModel):
@@ -167,7 +188,9 @@ class ParallelPlan(StrictModel):
         pipe, pp = self.pipeline, self.mesh.pp
         problems = cut_point_problems(pipe.cut_points, pp, pipe.virtual_stages)
         problems += schedule_problems(pipe.schedule, pipe.table, pp, pipe.virtual_stages, pipe.microbatches)
-        if self.mesh.dp > 1 and self.data_parallel.reduce == "microbatch" and splits_backward(pipe.schedule, pipe.table):
+        if self.mesh.cp > 1 and pipe.seq_len is not None and (problem := length_problem(pipe.seq_len, self.mesh.cp)):
+            problems.append(f"{self.where('pipeline', 'seq_len')}pipeline.seq_len: {problem}")
+        if self.mesh.dp * self.mesh.cp > 1 and self.data_parallel.reduce == "microbatch" and splits_backward(pipe.schedule, pipe.table):
             problems.append(
                 f"data_parallel.reduce: microbatch reduces each unit's gradients as its backward ends, but "
                 f"{'the custom table' if pipe.schedule == 'custom' else f'schedule {pipe.schedule}'} splits backwards "

@@ -52,6 +52,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     model = _meta_model(args.model, "float32")  # the master weights `rewrite train` holds, whatever the config says
     resolved = resolve(args.plan, model, world_size=args.world_size)
+    _check_context_parallel(resolved, model, args.model)
+    if resolved.plan.mesh.cp > 1:
+        from ..plan.schema import PlanError
+
+        raise PlanError(args.plan, [
+            f"mesh.cp={resolved.plan.mesh.cp}: show's memory and step-time estimates do not count context parallelism "
+            "yet (seq / cp tokens a rank, the whole sequence's keys and values during attention, parameters sharded "
+            f"over dp x cp); `rewrite validate {args.plan} --model {args.model}` checks the plan"])
     data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                      microbatches=args.microbatches, memory_limit=args.memory_limit,
                      warnings=[*resolved.warnings, *balance_warnings(resolved, model)],
@@ -114,6 +122,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     model = _meta_model(args.model)
     resolved = resolve(args.plan, model, world_size=args.world_size)  # the file's problems and the model's at once
+    _check_context_parallel(resolved, model, args.model)
     plan, r, n = resolved.plan, resolved.kv_replicas, len(resolved.stages)
     kv = f" (kv heads replicated {r}x: each of the {plan.mesh.tp // r} on {r} tp ranks)" if r > 1 else ""
     print(
@@ -123,6 +132,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     for warning in [*resolved.warnings, *balance_warnings(resolved, model)]:  # valid, but worth a look
         print(f"warning: {args.plan}: {warning}", file=sys.stderr)
     return 0
+
+
+def _check_context_parallel(resolved, model, name: str) -> None:
+    """Refuse mesh.cp > 1 for a family whose attention context parallelism cannot run (as apply_plan does)."""
+    from ..context_parallel.family import context_parallel_problem
+    from ..plan.schema import PlanError
+
+    cp = resolved.plan.mesh.cp
+    if cp > 1 and (problem := context_parallel_problem(model)):
+        raise PlanError(resolved.plan.source, [
+            f"{resolved.plan.where('mesh', 'cp')}mesh.cp={cp}: {resolved.model_name} ({name}): {problem}; use cp 1"])
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from ..plan.loading import load_plan, load_plan_for
 from ..plan.schema import ParallelPlan, PlanError
 from ..plan.wording import either
 from ..values import is_count
+from ..plan.ranks import length_problem
 from .guard import ON_NONFINITE, ON_SAVE_ERROR
 from .presets import PRESETS, build_model, load_config
 
@@ -150,6 +151,12 @@ def setting_problems(config, plan, model_config) -> list[str]:
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(config, name) < 1:
             problems.append(f"--{name.replace('_', '-')} is {getattr(config, name)}; use 1 or more")
+    cp = plan.mesh.cp
+    if cp > 1 and config.seq_len >= 1 and (problem := length_problem(config.seq_len, cp)):
+        problems.append(f"--seq-len {config.seq_len} under mesh.cp={cp}: {problem}")
+    if cp > 1 and (config.ckpt or config.export):
+        problems.append(f"--ckpt and --export under mesh.cp={cp}: checkpoints are not written or read under context "
+                        "parallelism yet; leave them out, or use a plan with cp 1")
     if config.lr is not None and config.lr <= 0:
         problems.append(f"--lr is {config.lr}; use a positive learning rate such as 3e-3 (random weights) or 5e-5 "
                         "(fine-tuning)")

@@ -1,0 +1,75 @@
+"""Whether a model family runs under context parallelism: checked on a tiny clone, one process.
+
+The clone (`models.oracle.tiny_clone_config`) runs its own forward twice on a few packed
+documents: with its usual attention, and with the context-parallel attention function at cp 1
+(the whole sequence on one rank: the same mask predicates, no gather). They must agree: a family
+whose layers do not pass their keyword arguments down to the attention function, whose attention
+takes what this one does not (soft caps, sinks), or whose mask is not causal, sliding-window or
+documents (chunked attention), gives other logits or fails, and is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from ..models.oracle import TOLERANCE, exception_line, packing_problem, tiny_clone_config
+from .attention import NAME, register, sequence_shard
+
+__all__ = ["context_parallel_problem"]
+
+
+def context_parallel_problem(model: nn.Module) -> str | None:
+    """Why `model`'s family cannot run with mesh.cp > 1, or None when it can (cached per config)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        return f"{type(model).__name__} is not a Hugging Face decoder model: context parallelism runs the model's own " \
+               "attention through transformers' attention interface"
+    try:
+        tiny = tiny_clone_config(config)
+    except Exception as exc:
+        return f"cannot build a tiny {config.model_type} config to check context parallelism against ({exception_line(exc)})"
+    mixing = packing_problem(model)  # anything but the masked attention carrying tokens into others
+    if mixing is not None and "reach the next" in mixing:
+        return (f"{config.model_type}'s layers mix tokens outside attention (a convolution or recurrent state, or "
+                "attention that ignores its mask: packed documents reach each other), which a rank holding part of "
+                "the sequence cannot compute")
+    return _check(type(model), type(tiny), json.dumps(tiny.to_dict(), sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=64)
+def _check(model_class: type, config_class: type, key: str) -> str | None:
+    config = config_class.from_dict(json.loads(key))
+    family = config.model_type
+    register()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            tiny = model_class(config).float().eval()
+            for param in tiny.parameters():
+                param.add_(torch.randn_like(param) * 0.1)
+            ids = torch.randint(0, config.vocab_size, (1, 8))
+            positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+            try:
+                expected = tiny(input_ids=ids, position_ids=positions, use_cache=False).logits
+                tiny.set_attn_implementation(NAME)
+                shard = sequence_shard(None, 1, 0, 8, device="cpu", position_ids=positions)
+                got = tiny(input_ids=ids, position_ids=positions, sequence_shard=shard, use_cache=False).logits
+            except Exception as exc:
+                if "without its sequence_shard" in str(exc):
+                    return (f"{family}'s layers do not pass their keyword arguments on to the attention function, "
+                            "which needs the rank's sequence shard")
+                return f"{family}'s layers do not run with context-parallel attention ({exception_line(exc)})"
+    finally:
+        torch.set_num_threads(threads)
+    worst = (got - expected).abs().max().item()
+    if worst > TOLERANCE:
+        return (f"{family}'s attention is not what context-parallel attention computes (max |difference| {worst:.3g} "
+                "on a tiny clone): its mask or its attention arguments (soft cap, sinks, chunks) are not causal, "
+                "sliding-window and documents alone")
+    return None

@@ -1,0 +1,59 @@
+"""One microbatch as a context-parallel rank holds it: its tokens of the ids, positions and targets.
+
+Every rank holds the whole microbatch; each keeps its two chunks (`shard.py`). Positions are
+the tokens' own (0 .. seq - 1, or a packed row's restarting ones), so rotary embeddings see
+where each token is; the attention's `SequenceShard` keeps the whole row's documents. The loss of
+a microbatch is its token mean over the whole sequence: each rank's share is the sum over its
+counted tokens divided by the whole microbatch's count, so the shares add up to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ..tensor_parallel.loss import IGNORE_INDEX
+from .attention import SequenceShard, sequence_shard
+from .shard import held, shard_sequence
+
+__all__ = ["SequencePart", "sequence_part"]
+
+
+@dataclass(frozen=True)
+class SequencePart:
+    """This rank's part of one microbatch."""
+
+    ids: torch.Tensor  # [mb, seq / cp]
+    positions: torch.Tensor  # [mb, seq / cp]
+    shard: SequenceShard
+    targets: torch.Tensor | None  # [mb, seq / cp] (None where the stage computes no loss)
+    counted: int  # targets this rank's loss counts
+    whole: int  # targets the whole microbatch counts
+
+    @property
+    def share(self) -> float:
+        """This rank's tokens' share of the microbatch's mean: counted / whole (0 when nothing counts)."""
+        return self.counted / self.whole if self.whole else 0.0
+
+
+def sequence_part(ids: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor | None, *,
+                  group: ProcessGroup | None, cp: int, rank: int, device: torch.device) -> SequencePart:
+    """This rank's part of a microbatch of whole `ids` `[mb, seq]` (and `positions`, `targets` alike)."""
+    seq = ids.shape[-1]
+    mine = held(seq, cp, rank)
+    local_positions = mine.expand(ids.shape[0], -1) if positions is None else shard_sequence(positions, cp, rank)
+    local_targets, counted, whole = None, 0, 0
+    if targets is not None:
+        local_targets = shard_sequence(targets, cp, rank)
+        counted, whole = int((local_targets != IGNORE_INDEX).sum()), int((targets != IGNORE_INDEX).sum())
+        local_targets = local_targets.to(device)
+    return SequencePart(
+        ids=shard_sequence(ids, cp, rank).to(device),
+        positions=local_positions.to(device),
+        shard=sequence_shard(group, cp, rank, seq, device=device, position_ids=positions),
+        targets=local_targets,
+        counted=counted,
+        whole=whole,
+    )
