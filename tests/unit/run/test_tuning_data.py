@@ -10,7 +10,6 @@ from collections import Counter
 import pytest
 import torch
 
-import rewrite
 from rewrite.run.byte_data import TrainConfigError
 from rewrite.run.packing import TuningBatches, pack_examples
 from rewrite.run.tiny_model import make_tiny_checkpoint
