@@ -15,7 +15,6 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from . import refuse_context_parallel
 from ..agreement import agree
 from ..mesh import check_world
 from ..models.names import first_names
@@ -87,10 +86,9 @@ def from_pretrained(
         >>> loss = rewrite.run_schedule(stage, ids, targets)
     """
     plan = load_plan(plan)
-    refuse_context_parallel(plan.mesh.cp, "from_pretrained")
-    check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
+    check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, plan.mesh.cp)
     directory = Path(directory)
-    _, pp_rank, tp_rank = coordinates(dist.get_rank(), pp=plan.mesh.pp, tp=plan.mesh.tp)
+    _, pp_rank, tp_rank = coordinates(dist.get_rank(), pp=plan.mesh.pp, tp=plan.mesh.tp, cp=plan.mesh.cp)
     what = f"from_pretrained({str(directory)!r}, {plan.source})"
     problems, sources, entries, meta, generation, note, floats = [], {}, [], None, None, None, None
     try:
@@ -117,7 +115,7 @@ def from_pretrained(
     by_name = {e.name: e for e in entries}
     if floats is not None:  # FSDP2 units keep the dtype their parameters had when made
         meta.to(floats)
-    if plan.mesh.dp == 1:
+    if plan.mesh.dp * plan.mesh.cp == 1:  # no data-parallel units: plain tensors, each rank's own
         # Whole tied weights first: apply_plan broadcasts the first stage's copy to the last
         # stage. Tied weights split along the vocabulary stay meta: each end reads its rows.
         agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what, error=CheckpointError)

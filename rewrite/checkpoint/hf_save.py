@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from . import refuse_context_parallel
 from ..agreement import agree, share
 from ..lent import lend
 from ..mesh import check_world
@@ -34,7 +33,7 @@ from ..plan.schema import ParallelPlan, PlanError
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import swap
-from ..plan.ranks import coordinates, global_rank, shape_text
+from ..plan.ranks import coordinates, cp_rank_of, global_rank, shape_text
 from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
 
 __all__ = ["save_pretrained"]
@@ -81,8 +80,8 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stag
             resolved = resolve(plan, meta)
         except PlanError as exc:
             return [f"the model's config does not fit the plan: {exc}"], []
-    dp, tp, pp = plan.mesh.dp, plan.mesh.tp, plan.mesh.pp
-    dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp)
+    dp, tp, pp, cp = plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.mesh.cp
+    dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp, cp=cp)
     mine = stage_entries(meta, resolved, pp_rank, tp_rank)
     have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
     want = {e.name: e.local_shape for e in mine}
@@ -100,12 +99,13 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stag
     if not problems:
         problems = _summary(f"{where}: {{n}} layers are not what the plan makes of them:",
                             [p for e in mine if (p := _expected_layer(model, e, tp_rank))])
-    split = f"not split over its {dp} data-parallel ranks" if dp > 1 else "split over data-parallel ranks"
-    ddp = dp > 1 and plan.data_parallel.sharding == "replicate"  # torch's DDP keeps plain parameters
+    replicas = dp * cp  # the ranks holding the same parameters: FSDP2 spreads them over all of them
+    split = f"not split over its {replicas} data-parallel ranks" if replicas > 1 else "split over data-parallel ranks"
+    ddp = replicas > 1 and plan.data_parallel.sharding == "replicate"  # torch's DDP keeps plain parameters
     problems += _summary(
-        f"{where}: the plan has mesh.dp={dp}, but {{n}} parameters are {split}, e.g.",
+        f"{where}: the plan has mesh.dp={dp}" + (f" x cp={cp}" if cp > 1 else "") + f", but {{n}} parameters are {split}, e.g.",
         [f"{n}: {_dp_text(p)}" for n, p in model.named_parameters()
-         if _dp_size(p) != dp and not (ddp and not isinstance(p, DTensor))],
+         if _dp_size(p) != replicas and not (ddp and not isinstance(p, DTensor))],
     )
     if problems:
         problems[-1] += "; pass the plan the model was rewritten with"
@@ -167,17 +167,16 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         >>> rewrite.save_pretrained(stage, "plans/llama-tp2-pp2.yaml", "ckpt/")
     """
     plan = load_plan(plan)
-    refuse_context_parallel(plan.mesh.cp, "save_pretrained")
-    check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp)
+    check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, plan.mesh.cp)
     stage = model if isinstance(model, Stage) else None
     model = stage.model if stage is not None else model
-    directory, rank, tp, pp = Path(directory), dist.get_rank(), plan.mesh.tp, plan.mesh.pp
+    directory, rank, tp, pp, cp = Path(directory), dist.get_rank(), plan.mesh.tp, plan.mesh.pp, plan.mesh.cp
     if not isinstance(model, nn.Module):
         problems, entries = [f"save_pretrained needs a model or Stage, got {type(model).__name__}"], []
-    elif stage is not None and (stage.mesh.dp, stage.mesh.pp, stage.mesh.tp) != (plan.mesh.dp, pp, tp):
+    elif stage is not None and (stage.mesh.dp, stage.mesh.pp, stage.mesh.cp, stage.mesh.tp) != (plan.mesh.dp, pp, cp, tp):
         problems, entries = [
-            f"the stage was built with mesh {shape_text(stage.mesh.dp, stage.mesh.pp, stage.mesh.tp)}, the plan "
-            f"says {shape_text(plan.mesh.dp, pp, tp)}; pass the plan the model was rewritten with"
+            f"the stage was built with mesh {shape_text(stage.mesh.dp, stage.mesh.pp, stage.mesh.tp, stage.mesh.cp)}, "
+            f"the plan says {shape_text(plan.mesh.dp, pp, tp, cp)}; pass the plan the model was rewritten with"
         ], []
     else:
         try:
@@ -193,16 +192,17 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     tokens = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)  # first collective
     save_id = tokens[0]
     tmp = swap.temporary(directory, save_id)
-    dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp)
+    dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp, cp=cp)
+    first = dp_rank == 0 and cp_rank_of(rank, tp=tp, cp=cp) == 0  # the copy that writes: replica 0, cp rank 0
     local = model.state_dict()  # FSDP2 registers its sharded parameters first: DTensors under dp
     error, sizes = None, {}
     try:
         tensors = {}
         for e in entries:  # the same entries, in the same order, on every rank of a dp group
             whole = _gather_dp(local[e.name])
-            if dp_rank == 0:  # one replica writes; the others only took part in the dp gathers
-                tensors[e.canonical] = _gather(model, whole, e, stage, global_rank(0, pp_rank, 0, pp=pp, tp=tp))
-        if dp_rank == 0 and tp_rank == 0:
+            if first:  # one replica (and cp rank) writes; the others only took part in the dp x cp gathers
+                tensors[e.canonical] = _gather(model, whole, e, stage, global_rank(0, pp_rank, 0, pp=pp, tp=tp, cp=cp))
+        if first and tp_rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
             tensors = {k: _own_storage(t) for k, t in tensors.items()}
             save_file(tensors, str(tmp / shard_file(pp_rank, pp)), metadata={"format": "pt", SAVE_ID: save_id})
@@ -216,7 +216,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         errors.append(f"nothing in {directory} was changed")
     elif rank == 0:
         try:
-            stored = {k: (coordinates(r, pp=pp, tp=tp)[1], n)  # name: (stage, bytes)
+            stored = {k: (coordinates(r, pp=pp, tp=tp, cp=cp)[1], n)  # name: (stage, bytes)
                       for r, (_, s) in enumerate(results) for k, n in s.items()}
             _finish(model, tmp, directory, pp, stored, save_id)
         except Exception as exc:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from . import refuse_context_parallel
 from ..agreement import agree, raise_problems, share
 from ..pipeline.stage import Stage
 from .optimizer_state import fit_problems, fresh_optimizer_pieces, optimizer_pieces
@@ -52,7 +51,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _mesh(stage: Stage) -> dict:
-    return {"dp": stage.mesh.dp, "pp": stage.mesh.pp, "tp": stage.mesh.tp}
+    return {"dp": stage.mesh.dp, "pp": stage.mesh.pp, "cp": stage.mesh.cp, "tp": stage.mesh.tp}
 
 
 def save_training_state(
@@ -104,7 +103,6 @@ def save_training_state(
         >>> rewrite.save_training_state("ckpt", stage, optimizer, scheduler, extra={"step": 50})
     """
     directory, problems, path = Path(directory), [], None
-    refuse_context_parallel(stage.mesh.cp if isinstance(stage, Stage) else 1, "save_training_state")
     try:
         latest = latest_checkpoint(directory)
         if step is None:
@@ -227,7 +225,6 @@ def load_training_state(
         >>> start = extra["step"] + 1
     """
     directory, problems, state, fresh, path = Path(directory), [], {}, [], None
-    refuse_context_parallel(stage.mesh.cp if isinstance(stage, Stage) else 1, "load_training_state")
     rank = dist.get_rank()
     try:
         if step is None:

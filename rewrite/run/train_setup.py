@@ -154,9 +154,6 @@ def setting_problems(config, plan, model_config) -> list[str]:
     cp = plan.mesh.cp
     if cp > 1 and config.seq_len >= 1 and (problem := length_problem(config.seq_len, cp)):
         problems.append(f"--seq-len {config.seq_len} under mesh.cp={cp}: {problem}")
-    if cp > 1 and (config.ckpt or config.export):
-        problems.append(f"--ckpt and --export under mesh.cp={cp}: checkpoints are not written or read under context "
-                        "parallelism yet; leave them out, or use a plan with cp 1")
     if config.lr is not None and config.lr <= 0:
         problems.append(f"--lr is {config.lr}; use a positive learning rate such as 3e-3 (random weights) or 5e-5 "
                         "(fine-tuning)")

@@ -86,7 +86,7 @@ def test_a_sliding_window_family_under_context_parallelism():
     print(run(_layouts, 4, "mistral", {"sliding_window": 6}, ["cp2 x tp2 sp vocab loss, recompute"], timeout_s=300)[0])
 
 
-def _refusals(rank: int, world: int, out: str) -> list[str]:
+def _refusals(rank: int, world: int) -> list[str]:
     messages = []
 
     def refused(call) -> str:
@@ -108,14 +108,12 @@ def _refusals(rank: int, world: int, out: str) -> list[str]:
     inputs, targets = rewrite.microbatches(ids, 1, position_ids=positions, labels=labels)
     assert "only the default cross-entropy" in refused(
         lambda: rewrite.run_schedule(stage, inputs, targets, loss_fn=torch.nn.functional.cross_entropy))
-    assert "not written or read under context parallelism yet" in refused(
-        lambda: rewrite.save_pretrained(stage, stage.resolved.plan, out))
     loss = rewrite.run_schedule(stage, inputs, targets)  # after every refusal, a step still runs
     return [f"{float(loss):.5f}", *messages]
 
 
-def test_refusals_come_on_every_rank(tmp_path):
-    results = run(_refusals, 4, str(tmp_path / "saved"), timeout_s=240)
+def test_refusals_come_on_every_rank():
+    results = run(_refusals, 4, timeout_s=240)
     for r in results:
         assert r == results[0], "every rank refuses alike"
     print("\n".join(results[0][1:]))

@@ -41,7 +41,7 @@ def test_fast_checks_refuse_exactly_what_the_full_checks_name():
         assert (stage.is_first, stage.is_last, stage.takes_token_ids, stage.vocab_size) == (first, last, True, 256)
         for (i_name, x), (t_name, t) in itertools.product(inputs.items(), targets.items()):
             full = checks._local_problems(stage, x, t, default_loss)
-            fast = checks._structure_fails(checks._facts(stage), checks._layout(x), checks._layout(t), default_loss)
+            fast = checks._structure_fails(checks._facts(stage, checks._packed(x)), checks._layout(x), checks._layout(t), default_loss)
             fast = fast or not checks._values_fit(stage, x, t, default_loss)
             assert fast == bool(full), (first, last, default_loss, i_name, t_name, full)
 
