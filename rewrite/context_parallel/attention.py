@@ -13,9 +13,10 @@ attention, which picks the CPU kernels or the CUDA ones by device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch.nn import functional as F
 from torch.distributed import ProcessGroup
 
 from ..models.hf_llama import document_index
@@ -37,6 +38,31 @@ class SequenceShard:
     seq: int  # the whole sequence's length
     queries: torch.Tensor  # [seq / cp]: the global index of each token this rank holds
     documents: torch.Tensor | None  # [b, seq]: each token's document (packed), or None: one a row
+    # (sliding window, dtype) -> each block's additive mask: built once a microbatch, one tensor per
+    # block for every layer, so the attention kernels' saved copies of it are one storage, not one a layer
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def blocks(self, sliding_window: int | None) -> list[tuple[slice, int, int]]:
+        """(this rank's queries, first key, end key) per chunk it holds: a chunk of global queries
+        [a, a + L) attends keys [0, a + L) at most (causal), [a - window + 1, a + L) with a window,
+        so the keys past it, or too far before it, are never computed."""
+        length = self.seq // (2 * self.cp)
+        out = []
+        for i, start in enumerate((self.rank * length, (2 * self.cp - 1 - self.rank) * length)):
+            first = max(0, start - sliding_window + 1) if sliding_window is not None else 0
+            out.append((slice(i * length, (i + 1) * length), first, start + length))
+        return out
+
+    def masks(self, sliding_window: int | None, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per block, 0 where a query attends a key and -inf elsewhere, `[b or 1, 1, L, keys]` (cached)."""
+        key = (sliding_window, dtype)
+        if key not in self._masks:
+            allowed = self.mask(sliding_window)  # (b or 1, 1, s / cp, s)
+            self._masks[key] = [
+                torch.zeros_like(allowed[:, :, rows, first:end], dtype=dtype).masked_fill_(
+                    ~allowed[:, :, rows, first:end], float("-inf"))
+                for rows, first, end in self.blocks(sliding_window)]
+        return self._masks[key]
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """`[b or 1, 1, seq / cp, seq]` bool: which keys each of this rank's queries attends to."""
@@ -64,9 +90,10 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
                                sliding_window: int | None = None, **kwargs):
     """transformers' attention signature: `query` `[b, heads, s / cp, d]`, `key`/`value` `[b, kv, s / cp, d]`
     of this rank's tokens; returns `([b, s / cp, heads, d], None)`. `attention_mask` is ignored (the
-    model builds none for this implementation): the mask comes from the layer's `sequence_shard` kwarg."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    model builds none for this implementation): the mask comes from the layer's `sequence_shard` kwarg.
+    torch's SDPA computes each of the rank's two chunks of queries against the keys it can see (the
+    CPU flash kernel, or CUDA's, by device), grouped keys and values kept grouped (`enable_gqa`), one
+    additive mask tensor per chunk and microbatch."""
     shard: SequenceShard | None = kwargs.pop("sequence_shard", None)
     if shard is None:
         raise RuntimeError(f"attention {NAME!r} ran without its sequence_shard: run the model through its stage "
@@ -78,9 +105,13 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     if shard.cp > 1:
         key = gather_sequence(key, shard.group, shard.cp, shard.seq)  # (b, kv, s, d)
         value = gather_sequence(value, shard.group, shard.cp, shard.seq)
-    mask = shard.mask(sliding_window)
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=False,
-                                  **kwargs)
+    grouped = query.shape[1] != key.shape[1]
+    outs = [  # each chunk of queries against the keys it can see: the rest of the sequence is never computed
+        F.scaled_dot_product_attention(query[:, :, rows], key[:, :, first:end], value[:, :, first:end], attn_mask=mask,
+                                       dropout_p=dropout, scale=scaling, enable_gqa=grouped)
+        for (rows, first, end), mask in zip(shard.blocks(sliding_window), shard.masks(sliding_window, query.dtype))
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
