@@ -48,6 +48,9 @@ def _plans(model) -> dict[str, dict]:
                                       "pipeline": {"schedule": "afab", "microbatches": 2}},
         "dp2 x cp2 replicate": {"mesh": {"dp": 2, "cp": 2}, "data_parallel": {"sharding": "replicate"},
                                 "pipeline": {"schedule": "afab", "microbatches": 2}},
+        "dp2 x cp2 grad_op 1f1b": {"mesh": {"dp": 2, "cp": 2}, "data_parallel": {"sharding": "grad_op"},
+                                   "pipeline": {"schedule": "1f1b", "microbatches": 2}},
+        "cp2 x tp2": {"mesh": {"cp": 2, "tp": 2}, "tensor_parallel": tp, "pipeline": {"microbatches": 2}},
     }
 
 
@@ -71,7 +74,7 @@ def _layouts(rank: int, world: int, family: str, overrides: dict, names: list[st
         total = rewrite.clip_grad_norm_(stage, None)  # each gradient counted once over dp x cp
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
         assert_close(f"{tag} gradient norm", total, norm)
-        out.append(f"{name}: {float(loss):.5f}")
+        out.append(f"{name}: {float(loss):.5f}, kv heads held by {stage.mesh.kv_replicas} tp ranks each")
     return out
 
 
@@ -80,6 +83,13 @@ def _layouts(rank: int, world: int, family: str, overrides: dict, names: list[st
                                    ["dp2 x cp2 full, recompute", "dp2 x cp2 replicate"]])
 def test_context_parallel_steps_equal_one_process(names):
     print(run(_layouts, 4, "llama", {}, names, timeout_s=300)[0])
+
+
+def test_kv_heads_replicated_past_tp_and_grad_op_under_context_parallelism():
+    # One kv head at tp 2: both tp ranks hold it (kv replication) while cp gathers it over the sequence.
+    results = run(_layouts, 4, "llama", {"num_key_value_heads": 1}, ["cp2 x tp2"], timeout_s=300)[0]
+    assert "kv heads held by 2 tp ranks each" in results[0], results
+    print(run(_layouts, 4, "llama", {}, ["dp2 x cp2 grad_op 1f1b"], timeout_s=300)[0])
 
 
 def test_a_sliding_window_family_under_context_parallelism():
