@@ -45,14 +45,16 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
 
 
 def assert_grads_match(model: nn.Module, reference: nn.Module, *, atol: float = 1e-5, prefix: str = "") -> int:
-    """Every parameter's gradient equals the reference's (its slice, when sharded)."""
+    """Every parameter's gradient equals the reference's (its slice, when sharded). A data-parallel
+    DTensor gradient is gathered first: collective over its mesh, so every rank calls it."""
     ref = dict(reference.named_parameters(remove_duplicate=False))
     checked = 0
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         assert name in ref, f"{prefix}{name}: no parameter of that name in the reference model"
-        assert_close(f"{prefix}{name}.grad", param.grad, expected_shard(model, name, ref[name].grad), atol=atol)
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        assert_close(f"{prefix}{name}.grad", grad, expected_shard(model, name, ref[name].grad), atol=atol)
         checked += 1
     return checked
 
@@ -61,3 +63,18 @@ def assert_params_match(model: nn.Module, reference: nn.Module, *, atol: float =
     ref = dict(reference.named_parameters(remove_duplicate=False))
     for name, param in model.named_parameters():
         assert_close(f"{prefix}{name}", param.detach(), expected_shard(model, name, ref[name].detach()), atol=atol)
+
+
+def assert_replica_step(stage, model: nn.Module, reference: nn.Module, inputs: list, targets: list, tag: str):
+    """Run this replica's equal share of the global batch `inputs` (replica d takes the d-th share, in
+    order) and check the step loss and every gradient against `reference` running all of it in one
+    process. Returns the loss. Collective: every rank calls it."""
+    from rewrite import run_schedule
+    from rewrite.run.parity import reference_step
+
+    per = len(inputs) // stage.dp
+    mine = slice(stage.dp_rank * per, (stage.dp_rank + 1) * per)
+    loss = run_schedule(stage, inputs[mine], targets[mine])
+    assert_close(f"{tag} loss", loss, reference_step(reference, inputs, targets))
+    assert_grads_match(model, reference, prefix=f"{tag} ")
+    return loss

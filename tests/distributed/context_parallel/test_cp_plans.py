@@ -12,11 +12,10 @@ import pytest
 import torch
 
 import rewrite
-from rewrite.run.parity import reference_step
 from tests.asserts import assert_close
 from tests.families import TINY, tiny_family_model
 from tests.multiproc import run
-from tests.reference import expected_shard
+from tests.reference import assert_replica_step
 
 SEQ = 16
 RECOMPUTE = {"model.layers.*": "full"}
@@ -63,14 +62,8 @@ def _layouts(rank: int, world: int, family: str, overrides: dict, names: list[st
         stage = rewrite.apply_plan(model, plan)
         ids, positions, labels = _batch(2 * stage.dp * 2)
         inputs, targets = rewrite.microbatches(ids, 2 * stage.dp, position_ids=positions, labels=labels)
-        mine = slice(2 * stage.dp_rank, 2 * stage.dp_rank + 2)
-        loss = rewrite.run_schedule(stage, inputs[mine], targets[mine])
         tag = f"{family} {name} rank {rank}"
-        assert_close(f"{tag} loss", loss, reference_step(reference, inputs, targets))
-        ref = dict(reference.named_parameters(remove_duplicate=False))
-        for pname, param in model.named_parameters():
-            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-            assert_close(f"{tag} {pname}.grad", grad, expected_shard(model, pname, ref[pname].grad))
+        loss = assert_replica_step(stage, model, reference, inputs, targets, tag)
         total = rewrite.clip_grad_norm_(stage, None)  # each gradient counted once over dp x cp
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
         assert_close(f"{tag} gradient norm", total, norm)

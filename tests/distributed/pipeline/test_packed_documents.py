@@ -12,11 +12,10 @@ import pytest
 import torch
 
 import rewrite
-from rewrite.run.parity import reference_step
 from tests.asserts import assert_close
 from tests.families import TINY, tiny_family_model
 from tests.multiproc import run
-from tests.reference import expected_shard
+from tests.reference import assert_replica_step
 
 SEQ = 12
 # Three rows of documents: lengths 5 + 4 + 3, 12, 2 + 10; a fourth row starts mid-document.
@@ -60,15 +59,7 @@ def _layouts(rank: int, world: int, family: str, overrides: dict) -> list[str]:
         stage = rewrite.apply_plan(model, plan)
         ids, positions, labels = _batch(2 * stage.dp * 2)
         inputs, targets = rewrite.microbatches(ids, 2 * stage.dp, position_ids=positions, labels=labels)
-        mine = slice(2 * stage.dp_rank, 2 * stage.dp_rank + 2)
-        loss = rewrite.run_schedule(stage, inputs[mine], targets[mine])
-        tag = f"{family} {name} rank {rank}"
-        expected = reference_step(reference, inputs, targets)
-        assert_close(f"{tag} loss", loss, expected)
-        ref = dict(reference.named_parameters(remove_duplicate=False))
-        for pname, param in model.named_parameters():
-            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-            assert_close(f"{tag} {pname}.grad", grad, expected_shard(model, pname, ref[pname].grad))
+        loss = assert_replica_step(stage, model, reference, inputs, targets, f"{family} {name} rank {rank}")
         out.append(f"{name}: {float(loss):.5f}")
     return out
 

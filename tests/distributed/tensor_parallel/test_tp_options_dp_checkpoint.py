@@ -18,7 +18,7 @@ from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
 from tests.distributed.tensor_parallel.test_tp_options import _batch, _plan
 from tests.multiproc import run
-from tests.reference import expected_shard
+from tests.reference import assert_replica_step, expected_shard
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -33,19 +33,15 @@ def _dp2_tp2(sharding: str) -> str:
     stage = rewrite.apply_plan(model, plan)
     ids, targets = _batch(config.vocab_size, 2)  # three microbatches per replica
     ids, targets = ids + [x.flip(0) for x in ids], targets + [t.flip(0) for t in targets]
-    mine = slice(3 * stage.dp_rank, 3 * stage.dp_rank + 3)
-    loss = rewrite.run_schedule(stage, ids[mine], targets[mine])
     name = f"dp2 x tp2 {sharding}"
-    assert_close(f"{name} loss", loss, reference_step(reference, ids, targets))
-    ref = dict(reference.named_parameters(remove_duplicate=False))
-    for pname, param in model.named_parameters():
-        assert_close(f"{name} {pname}.grad", _whole(param.grad), expected_shard(model, pname, ref[pname].grad))
+    loss = assert_replica_step(stage, model, reference, ids, targets, name)  # three microbatches a replica
     # One AdamW step, compared across plans: sound because eps = 1e-3 is far above the gradients'
     # rounding. The first step is lr * g / (|g| + eps), of slope at most lr / eps = 10 in g, so the
     # gradients' reduction-order noise (~1e-7 here) moves the weights by ~1e-6 at most, inside 1e-5;
     # with the default eps = 1e-8 a gradient near eps would turn 1e-9 of noise into ~lr.
     torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-3).step()
     torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3).step()
+    ref = dict(reference.named_parameters(remove_duplicate=False))
     for pname, param in model.named_parameters():
         assert_close(f"{name} {pname} after AdamW", _whole(param.detach()), expected_shard(model, pname, ref[pname].detach()))
     return f"{float(loss):.6f}"

@@ -11,19 +11,6 @@ import torch
 
 from rewrite.run.byte_data import TrainConfigError, default_data_path
 from rewrite.run.text_data import TokenWindows, load_text_windows, read_documents, tokenize_documents
-from rewrite.run.tiny_model import make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(checkpoint):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(checkpoint)
 
 
 def write_jsonl(path, records):

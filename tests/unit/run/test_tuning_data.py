@@ -12,25 +12,12 @@ import torch
 
 from rewrite.run.byte_data import TrainConfigError
 from rewrite.run.packing import TuningBatches, pack_examples
-from rewrite.run.tiny_model import make_tiny_checkpoint
 from rewrite.run.tuning_data import Example, chat_example, is_tuning_file, read_examples
 from tests.paths import ROOT
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who fell?"},
         {"role": "assistant", "content": "Alice did."}, {"role": "user", "content": "Where to?"},
         {"role": "assistant", "content": "Down the rabbit hole."}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _write(path, lines) -> str:
@@ -138,8 +125,8 @@ def test_examples_lie_in_rows_once_with_their_positions_and_labels(pack):
     assert not torch.equal(pack_examples(examples, 8, pad_id=pad, seed=4, pack=pack).ids, rows.ids)
 
 
-def test_batches_predict_nothing_across_documents(tmp_path, model_dir):
-    data = TuningBatches(str(ROOT / "data" / "chat-sums.jsonl"), model_dir, seq_len=128, seed=0)
+def test_batches_predict_nothing_across_documents(tmp_path, checkpoint):
+    data = TuningBatches(str(ROOT / "data" / "chat-sums.jsonl"), checkpoint, seq_len=128, seed=0)
     inputs, targets = data.take(1, 0, 8, 2)
     assert len(inputs) == 4 and all(sorted(x) == ["input_ids", "position_ids"] for x in inputs)
     for x, y in zip(inputs, targets):
@@ -149,7 +136,7 @@ def test_batches_predict_nothing_across_documents(tmp_path, model_dir):
         assert (y[last] == -100).all(), "a document's last token predicts nothing of the next"
         assert (y != -100).any()
     assert "a step of 8 rows holds about" in data.per_step(8) and "trained (counted by the loss)" in data.per_step(8)
-    plain = TuningBatches(str(ROOT / "data" / "chat-sums.jsonl"), model_dir, seq_len=128, seed=0, pack=False)
+    plain = TuningBatches(str(ROOT / "data" / "chat-sums.jsonl"), checkpoint, seq_len=128, seed=0, pack=False)
     inputs, targets = plain.take(1, 0, 4, 2)
     assert all(isinstance(x, torch.Tensor) for x in inputs), "--no-pack: one document a row, no positions needed"
     assert len(plain.rows) == 240 and "one a row (--no-pack)" in plain.what
