@@ -73,7 +73,8 @@ class SavedTensors:
     Seen through `torch.autograd.graph.saved_tensors_hooks`, so it works for any runner
     that calls the module's forward on this thread. A storage counts once, however many
     saved tensors view it, from its first save until autograd drops the last of them;
-    `module`'s parameters (which every matmul saves) do not count.
+    `module`'s parameters (which every matmul saves) do not count, nor the whole parameters FSDP2
+    gathers into the modules for their forward (a replicated stage under dp x cp).
 
         >>> saved = SavedTensors(module)
         >>> with saved.hooks():
@@ -83,6 +84,7 @@ class SavedTensors:
 
     def __init__(self, module: torch.nn.Module):
         # A DTensor parameter (FSDP2's shard) keeps its storage in its local tensor.
+        self.module = module
         self.params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in module.parameters()}
         self.refs: dict[int, int] = {}  # storage address -> saved tensors holding it
         self.live = self.peak = 0
@@ -94,7 +96,7 @@ class SavedTensors:
         local = getattr(tensor, "_local_tensor", tensor)  # a DTensor keeps its local shard's storage
         storage = local.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self.params:
+        if ptr == 0 or ptr in self.params or ptr in self._gathered():
             return tensor
         if self.refs.get(ptr, 0) == 0:
             self.live += storage.nbytes()
@@ -103,6 +105,11 @@ class SavedTensors:
         # Detached: a saved output holding its own grad_fn would keep its graph alive in a cycle
         # autograd cannot break (a graph kept for a split backward never frees it).
         return _Saved(self, tensor.detach(), ptr, storage.nbytes())
+
+    def _gathered(self) -> set[int]:
+        # FSDP2 sets each module's parameters to their gathered (unsharded) copies for its forward:
+        # read them as they are now, their storages freed and made again as the units reshard.
+        return {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in self.module.parameters()}
 
     def _drop(self, ptr: int, nbytes: int) -> None:
         self.refs[ptr] -= 1

@@ -9,7 +9,8 @@ one sequence; no optimizer), timed after a warm-up step, the slowest rank's; the
 autograd saves for the backward on a rank, at their peak (`common.SavedTensors`); and under cp the
 bytes a rank receives in the K/V all-gathers, against `2 x (cp - 1) / cp x seq x kv_heads x
 head_dim x 4` per layer (`context_parallel/collectives.py`). Ratios are per round, then the median.
-Targets: saved activations per rank at cp 2 <= 0.55x one process; the cp 2 step <= 0.60x.
+Targets: saved activations per rank at cp 2 <= 0.55x one process; the cp 2 step <= 0.60x. Beside
+each layout's saved activations, `rewrite.estimate.rank_activations`' estimate for its plan.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def _plan(layout: str, seq: int) -> dict:
     meta = common.build_model(common.MODEL, device="meta")
     return {"mesh": {"tp": 2}, "tensor_parallel": rewrite.plan_from_hf(meta.config, tp=2).tensor_parallel,
             "pipeline": pipeline}
+
+
+def estimate(layout: str, seq: int) -> int:
+    """The activation estimate of a layout's plan (its busiest rank), in bytes."""
+    from rewrite.estimate import rank_activations
+
+    meta = common.build_model(common.MODEL, device="meta")
+    resolved = rewrite.resolve(rewrite.load_plan(_plan(layout, seq)), meta)
+    return max(r.peak for r in rank_activations(resolved, meta))
 
 
 def measure(rank: int, world: int, layout: str, seq: int, steps: int) -> dict:
@@ -89,12 +99,17 @@ def main() -> None:
     med = {k: {m: common.median([rd[k][m] / rd["one process"][m] for rd in rounds]) for m in ("seconds", "saved")}
            for k in ("cp 2", "tp 2")}
     kv_measured = rounds[0]["cp 2"]["kv"]
+    estimates = {k: estimate(k, args.seq) for k in ("one process", "cp 2", "tp 2")}
+    for k, v in estimates.items():
+        measured = rounds[0][k]["saved"]
+        print(f"{k}: saved activations {measured / 2**20:.1f} MiB measured, {v / 2**20:.1f} MiB estimated "
+              f"({v / measured:.2f}x)")
     print(f"median over {args.rounds} rounds at seq {args.seq}: cp 2 step {med['cp 2']['seconds']:.2f}x one process "
           f"(target <= 0.60), saved activations {med['cp 2']['saved']:.2f}x (target <= 0.55); tp 2 step "
           f"{med['tp 2']['seconds']:.2f}x, saved {med['tp 2']['saved']:.2f}x; K/V received per layer under cp 2: "
           f"{kv_measured / 2**20:.2f} MiB measured, {formula / 2**20:.2f} MiB by the formula")
     common.save_result(args.out, "context parallel", {
-        "seq": args.seq, "rounds": rounds, "median_ratio": med, "kv_bytes_per_layer": kv_measured,
+        "seq": args.seq, "rounds": rounds, "median_ratio": med, "kv_bytes_per_layer": kv_measured, "estimates": estimates,
         "kv_bytes_formula": formula})
 
 

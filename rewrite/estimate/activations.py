@@ -7,9 +7,10 @@ and the resolved plan; a meta-device model will do.
 
 Notation: s = pipeline.seq_len, b = sequences per microbatch (1 unless given), h = hidden_size,
 a / g = query / key-value heads of size d, i = intermediate_size, V = vocab_size, t = mesh.tp,
-B = bytes per element of the compute dtype. Tokens: T = b s. Under sequence_parallel a
-rank holds C = b ceil(s / t) tokens between the blocks and the MLP runs on R = b t ceil(s / t)
-rows (the padding rows too); without it C = R = T. A block whose first linear is split
+B = bytes per element of the compute dtype, c = mesh.cp. Tokens a rank holds: T = b s / c (context
+parallelism splits the sequence). Under sequence_parallel a rank holds C = b ceil(s / (c t)) tokens
+between the blocks and the MLP runs on R = b t ceil(s / (c t)) rows (the padding rows too); without
+it C = R = T. A block whose first linear is split
 ('column') divides its inner activations by t' = t, an unsplit one by t' = 1; r = tp ranks
 holding each kv head of a split attention (t / g when t passes g, else 1; unsplit: 1).
 
@@ -19,11 +20,12 @@ Bytes one decoder layer keeps for its backward:
                                            and 1 / rms (float32) per token
     attention         T B h                its input, read by q/k/v (under sequence_parallel the
                                            all-gathered input: the column layers keep it whole)
-                    + T (B (a + 2 g r) d + 2 B a d + 4 a) / t'
-                                           q and k after RoPE and v (SDPA's inputs; GQA keeps
-                                           g r / t' heads a rank), SDPA's output and its copy
-                                           read by o_proj, and SDPA's float32 logsumexp (the flash
-                                           and memory-efficient kernels keep no s x s matrix)
+                    + T (B a d + 2 B a d + 4 a) / t' + b s B 2 g r d / t'
+                                           q after RoPE, SDPA's output and its copy read by o_proj,
+                                           SDPA's float32 logsumexp (the flash and memory-efficient
+                                           kernels keep no s x s matrix); k after RoPE and v, the
+                                           whole sequence's (GQA keeps g r / t' heads a rank; under
+                                           cp the gathered keys and values, c T tokens)
                     + T ((4 + B) (a + g r) d + 4 (a + g r)) / t'   with per-head q_norm / k_norm (Qwen3)
     MLP               R B h + 4 R B i / t'  its input; gate, SiLU(gate), up and their product
 
@@ -36,6 +38,11 @@ self_attn, post_attention_layernorm or mlp) keeps only its input, B h per token:
 (the model's first layer under sequence_parallel keeps T: it splits its own input). While
 its backward runs, its forward runs again and holds its full activations: the largest
 recomputed module of a rank counts once, not per microbatch.
+
+Under cp each stage also keeps, per microbatch, the additive masks of its rank's two query chunks
+(`context_parallel.attention`: one tensor per chunk shared by the layers): chunks of L = s / (2 c)
+queries against (2 c + 1) L keys together, B (2 c + 1) L^2 bytes (b times with packed documents;
+a sliding window's are counted whole).
 
 The last stage adds the final norm, C (4 h + B h + 4); the LM head's input, T B h; and the
 loss: without loss_parallel F.cross_entropy keeps float32 log-probabilities of the whole
@@ -95,6 +102,7 @@ class Sizes:
     sequence_parallel: bool = False
     qk_norm: bool = False  # per-head q_norm / k_norm (Qwen3)
     kv_replicas: int = 1  # r: tp ranks holding each kv head when the attention is split
+    cp: int = 1  # c: context-parallel ranks, each holding s / c tokens of every sequence
 
     @classmethod
     def of(cls, config, *, seq_len: int, **run) -> Sizes:
@@ -109,13 +117,21 @@ class Sizes:
 
     @property
     def tokens(self) -> int:
-        """T = b s: the whole sequence."""
-        return self.batch_size * self.seq_len
+        """T = b s / c: the tokens of the sequence a rank holds (all of them without context parallelism)."""
+        return self.batch_size * (self.seq_len // self.cp)
 
     @property
     def chunk(self) -> int:
-        """C: the tokens a rank holds between the blocks (b ceil(s / t) under sequence parallelism)."""
-        return self.batch_size * math.ceil(self.seq_len / self.tp) if self.split_sequence else self.tokens
+        """C: the tokens a rank holds between the blocks (b ceil(s / (c t)) under sequence parallelism)."""
+        return self.batch_size * math.ceil(self.seq_len // self.cp / self.tp) if self.split_sequence else self.tokens
+
+    @property
+    def mask_bytes(self) -> int:
+        """Under cp, the additive masks of a rank's two query chunks: B (2 c + 1) L^2, L = s / (2 c); else 0."""
+        if self.cp == 1:
+            return 0
+        chunk = self.seq_len // (2 * self.cp)
+        return self.dtype_bytes * (2 * self.cp + 1) * chunk * chunk
 
     @property
     def mlp_rows(self) -> int:
@@ -137,7 +153,8 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int
     B, h, d, a = z.dtype_bytes, z.hidden, z.head_dim, z.heads
     ta, tm, T, R = (z.tp if attention_split else 1), (z.tp if mlp_split else 1), z.tokens, z.mlp_rows
     g = z.kv_heads * (z.kv_replicas if attention_split else 1)  # g r: a rank holds g r / t' kv heads
-    attention = T * B * h + T * (B * (a + 2 * g) * d + 2 * B * a * d + F32 * a) // ta
+    kv_tokens = z.batch_size * z.seq_len  # SDPA keeps the whole sequence's keys and values (gathered under cp)
+    attention = T * B * h + (T * (B * a * d + 2 * B * a * d + F32 * a) + kv_tokens * B * 2 * g * d) // ta
     if z.qk_norm:
         attention += T * ((F32 + B) * (a + g) * d + F32 * (a + g)) // ta
     return {
@@ -232,6 +249,7 @@ def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
         sequence_parallel=plan.sequence_parallel,
         qk_norm=hasattr(attention, "q_norm"),
         kv_replicas=resolved.kv_replicas,
+        cp=plan.mesh.cp,
     )
 
 
@@ -288,6 +306,7 @@ def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: i
             k_sum += end_bytes(z, has_head=bb.has_head, loss_parallel=loss_sharded(resolved, styles))
         else:
             k_sum += z.chunk * z.dtype_bytes * z.hidden  # the output, held for its backward
+        k_sum += z.mask_bytes
         kept.append(k_sum)
         rebuilt.append(r_max)
     return kept, rebuilt

@@ -25,11 +25,13 @@ class DpTime:
     def __init__(self, resolved: ResolvedPlan, units: list[dict[str, int]], hw: Hardware, gpus_per_node: int,
                  *, gathered: float = 1.0) -> None:
         """`gathered`: bytes a gathered parameter moves per byte it is stored in (0.5: FSDP2 gathers
-        float32 weights in bfloat16); gradients reduce in the stored dtype."""
-        dp, pp, tp = resolved.plan.mesh.dp, resolved.pp, resolved.tp
-        self.dp, self.units, self.hw, self.eff = dp, units, hw, hw.efficiency.collective
+        float32 weights in bfloat16); gradients reduce in the stored dtype. The group is every rank
+        holding the same parameters: the dp replicas times the cp ranks (`dp` below counts them all)."""
+        dp, pp, tp, cp = resolved.plan.mesh.dp, resolved.pp, resolved.tp, resolved.plan.mesh.cp
+        self.dp, self.units, self.hw, self.eff = dp * cp, units, hw, hw.efficiency.collective
         self.gathered = gathered
-        groups = [[global_rank(d, p, t, pp=pp, tp=tp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+        groups = [[global_rank(d, p, t, pp=pp, tp=tp, cp=cp, cp_rank=c) for d in range(dp) for c in range(cp)]
+                  for p in range(pp) for t in range(tp)]
         self.link = groups_link(hw, groups, gpus_per_node)
         self.gather = {s: [self._ag(b) for b in u.values()] for s, u in enumerate(units)}
         self.layers_only = {s: [self._ag(b) for name, b in u.items() if name != "root"] for s, u in enumerate(units)}

@@ -5,8 +5,10 @@ shapes (a meta-device model will do); `rank_memory` adds the activations that
 `rewrite.estimate.activations` estimates for a batch size, sequence length and microbatch count.
 
 With data parallelism each rank's parameters become torch FSDP2 units
-(`rewrite.data_parallel`). FSDP2 splits every parameter along dim 0, padded up to a
-multiple of dp, so a rank holds `ceil(d0 / dp) * d1 * ...` elements of a `[d0, d1, ...]`
+(`rewrite.data_parallel`) over the ranks holding the same parameters: the dp replicas times the
+cp ranks (context parallelism splits the sequence, not the parameters), n = dp x cp of them below
+("dp" in `footprint`). FSDP2 splits every parameter along dim 0, padded up to a
+multiple of n, so a rank holds `ceil(d0 / n) * d1 * ...` elements of a `[d0, d1, ...]`
 parameter. Gradients are synchronised once per step, so during a step each unit
 accumulates whole gradients and stays gathered from its first backward to the step's
 one reduce. `replicate` holds a second, gradient-sized buffer beside the parameters:
@@ -207,7 +209,8 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
     Raises:
         ValueError: mesh.dp > 1 and no model, or a dtype that is not a floating one.
     """
-    dp, sharding, pipe = resolved.plan.mesh.dp, sharding or resolved.plan.data_parallel.sharding, resolved.plan.pipeline
+    mesh, sharding, pipe = resolved.plan.mesh, sharding or resolved.plan.data_parallel.sharding, resolved.plan.pipeline
+    dp = mesh.dp * mesh.cp  # the ranks sharing the parameters: replicas times the cp ranks
     split = splits_backward(pipe.schedule, pipe.table)
     reduce = reduce_as_run(reduce or resolved.plan.data_parallel.reduce, microbatches=pipe.microbatches,
                            virtual_stages=pipe.virtual_stages, split=split)
@@ -217,8 +220,9 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
                           compute_bytes=compute) for r in range(resolved.pp)]
     if dp > 1:
         raise ValueError(
-            f"memory per rank under mesh.dp={dp} needs the parameters' shapes (FSDP2 pads each one's dim 0 "
-            "to a multiple of dp): pass the model the plan was resolved against, e.g. format_plan(resolved, model=model)"
+            f"memory per rank with {dp} ranks sharing the parameters (mesh.dp={mesh.dp} x mesh.cp={mesh.cp}) needs "
+            "the parameters' shapes (FSDP2 pads each one's dim 0 to a multiple of dp x cp): pass the model the plan "
+            "was resolved against, e.g. format_plan(resolved, model=model)"
         )
     out = []
     for r in range(resolved.pp):
@@ -246,6 +250,7 @@ class RankMemory:
     gathered: int  # what a step adds under mesh.dp > 1: gathered parameters, whole gradients (0 when dp = 1)
     activations: int | None  # None: not estimated (`activations.activation_problem`, or no model given)
     in_flight: int | None  # the most (microbatch, stage) pairs alive at once on the rank
+    cp_rank: int = 0
 
     @property
     def total(self) -> int:
@@ -305,8 +310,9 @@ def rank_memory(
             or autocast's cast weights (`footprint`).
 
     Returns:
-        One `RankMemory` per global rank of replica 0 (`plan.ranks.global_rank`); activations follow the
-        plan's schedule (AFAB keeps every microbatch alive, 1F1B at most pp - r on rank r).
+        One `RankMemory` per global rank of replica 0 (`plan.ranks.global_rank`), its cp ranks included
+        (they hold the same); activations follow the plan's schedule (AFAB keeps every microbatch alive,
+        1F1B at most pp - r on rank r).
 
     Example:
         >>> [m.total for m in rank_memory(rewrite.resolve("plans/llama-pp2.yaml", model), model)]
@@ -317,14 +323,15 @@ def rank_memory(
     acts = None
     if model is not None and activation_problem(resolved, model) is None:
         acts = rank_activations(run, model, batch_size=batch_size, dtype=dtype)
-    out = []
+    out, mesh = [], resolved.plan.mesh
     for pp_rank, foot in enumerate(rank_footprints(run, model, dtype=dtype)):
         act = acts[pp_rank] if acts is not None else None
-        for t in range(resolved.tp):
-            out.append(RankMemory(
-                rank=resolved.plan.mesh.global_rank(pp_rank, t), pp_rank=pp_rank, tp_rank=t, stages=resolved.rank_stages(pp_rank),
-                params=foot.params, weights=foot.weights, grads=foot.grads, adamw=foot.adamw,
-                gathered=foot.peak - foot.at_rest, activations=None if act is None else act.peak,
-                in_flight=None if act is None else act.in_flight,
-            ))
+        for c in range(mesh.cp):
+            for t in range(resolved.tp):
+                out.append(RankMemory(
+                    rank=mesh.global_rank(pp_rank, t, cp_rank=c), pp_rank=pp_rank, tp_rank=t,
+                    stages=resolved.rank_stages(pp_rank), params=foot.params, weights=foot.weights, grads=foot.grads,
+                    adamw=foot.adamw, gathered=foot.peak - foot.at_rest, activations=None if act is None else act.peak,
+                    in_flight=None if act is None else act.in_flight, cp_rank=c,
+                ))
     return out

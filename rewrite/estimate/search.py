@@ -1,7 +1,8 @@
-"""The plan search: every valid (dp, pp, tp), schedule, microbatch count, sharding and switch,
+"""The plan search: every valid (dp, pp, cp, tp), schedule, microbatch count, sharding and switch,
 the ones whose busiest rank fits the device memory, ranked by predicted step time.
 
-For each mesh (tp within a node, each layout `resolve` accepts) and each choice of
+For each mesh (tp within a node, cp where 2 cp chunks split the sequence, each layout `resolve`
+accepts) and each choice of
 vocab + loss parallelism and sequence parallelism the plan is bound once (`auto` cuts, per
 virtual-stage count); schedules, microbatch counts, data-parallel sharding and activation
 checkpointing (off, every other layer, every layer) vary on that binding. Each candidate's
@@ -62,9 +63,10 @@ class Candidate:
         plan, pipe = self.plan, self.plan.pipeline
         switches = [name for on, name in ((plan.sequence_parallel, "sp"), (plan.loss_parallel, "vocab/loss")) if on]
         k = f" x{pipe.virtual_stages} stages" if pipe.virtual_stages > 1 else ""
+        shared = plan.mesh.dp * plan.mesh.cp > 1  # ranks holding the same parameters: dp replicas x cp ranks
         return (f"{plan.mesh.shape_text()}, {pipe.schedule}{k}, {pipe.microbatches} x {self.batch_size} seq, "
-                f"{plan.data_parallel.sharding if plan.mesh.dp > 1 else 'no dp'}"
-                f"{' reduced per microbatch' if plan.mesh.dp > 1 and plan.data_parallel.reduce == 'microbatch' else ''}, "
+                f"{plan.data_parallel.sharding if shared else 'no dp'}"
+                f"{' reduced per microbatch' if shared and plan.data_parallel.reduce == 'microbatch' else ''}, "
                 f"{' + '.join(switches) or 'no switches'}, checkpointing {self.checkpointing}")
 
 
@@ -120,8 +122,9 @@ def suggest_plans(
     global_batch: int | None = None,
     hardware: Hardware | str = "h100-sxm",
     dtype: str | None = None,
+    max_cp: int | None = None,
 ) -> list[Candidate]:
-    """The plans that fit, fastest first by predicted step time: the best of each (dp, pp, tp).
+    """The plans that fit, fastest first by predicted step time: the best of each (dp, pp, cp, tp).
 
     Args:
         model_or_config: a transformers causal LM (meta will do) or its config.
@@ -136,9 +139,13 @@ def suggest_plans(
             parameters' dtype, which a config's model takes as float32 (the master weights
             `rewrite train` keeps); default: bfloat16 on a profile whose bfloat16 peak passes its
             float32 one (a GPU), else float32 (`hardware.default_dtype`).
+        max_cp: the most context-parallel ranks a plan may split a sequence over (default: any the
+            world and seq_len allow); 1 leaves context parallelism out, as for a family whose attention
+            it cannot run (`rewrite.context_parallel.family.context_parallel_problem`; `rewrite plan`
+            checks it).
 
     Returns:
-        One `Candidate` per (dp, pp, tp) that fits, ranked by `step_s`: for each, the schedule,
+        One `Candidate` per (dp, pp, cp, tp) that fits, ranked by `step_s`: for each, the schedule,
         microbatch count, sharding, switches and least checkpointing that predict the fastest step.
 
     Raises:
@@ -152,6 +159,8 @@ def suggest_plans(
         >>> best.plan.mesh.shape_text(), round(best.step_s, 3)
     """
     check_arguments(world, device_memory, seq_len, global_batch, gpus_per_node)
+    if max_cp is not None and not is_count(max_cp):
+        raise ValueError(f"`max_cp` is {max_cp!r}; use a whole number >= 1")
     hw = load_hardware(hardware)
     model = _model(model_or_config)
     dtype = planned_dtype(model, hw, dtype)
@@ -159,12 +168,14 @@ def suggest_plans(
     limit = (device_memory or hw.memory_gib) * GIB
     batch = global_batch or 4 * world
     with collector_paused():
-        best = _search(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True, dtype=dtype)
+        best = _search(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True, dtype=dtype,
+                       max_cp=max_cp)
         if not best:
             raise NoPlanFits(
                 f"no plan fits: no layout of {world} device(s) at {limit / GIB:g} GiB each holds "
                 f"{type(model).__name__} at {seq_len} tokens x {batch} sequences",
-                _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, dtype=dtype),
+                _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, dtype=dtype,
+                        max_cp=max_cp),
             )
     ranked = sorted((dataclasses.replace(c, dtype=dtype) for c in best.values()), key=lambda c: c.step_s)
     _verify(ranked[0], model, dtype)
@@ -181,8 +192,8 @@ def _verify(best: Candidate, model: nn.Module, dtype: str) -> None:
 
 
 def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: bool = False,
-            dtype: str | None = None) -> dict:
-    """The best fitting candidate per (dp, pp, tp); `timed` False: fit only (unit
+            dtype: str | None = None, max_cp: int | None = 1) -> dict:
+    """The best fitting candidate per (dp, pp, cp, tp); `timed` False: fit only (unit
     times), `frugal`: the least memory per mesh only (full sharding, every layer checkpointed)."""
     from ..models.hf_llama import find_backbone
 
@@ -190,7 +201,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
     best: dict = {}
     sp_binds: dict = {}  # (tp, vocab_loss) -> whether sequence parallelism binds
     binds: dict = {}  # resolve's cache: the shards per (tp, switches), the parameters per stage set
-    for dp, pp, tp in meshes(world, G, num_layers):
+    for dp, pp, cp, tp in meshes(world, G, num_layers, seq_len=seq_len, max_cp=max_cp):
         if batch % dp:
             continue
         n = batch // dp
@@ -198,7 +209,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
         for vocab_loss in ((True,) if frugal else (False, True)) if tp > 1 else (False,):
             for k in (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,):
                 base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len,
-                            cache=binds)
+                            cache=binds, cp=cp)
                 if isinstance(base, str):
                     continue
                 problem = activation_problem(base, model)
@@ -217,13 +228,14 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
         else:
             found = _fastest(bounds, hw, G=G, limit=limit, n=n)
         if found is not None:
-            best[dp, pp, tp] = found
+            best[dp, pp, cp, tp] = found
     return best
 
 
 def _groups(bound: Bound, n: int, frugal: bool = False):
     """(schedule, microbatches, sharding, reduce) of one binding, in the order the search names them."""
-    dp, pp, k = bound.base.plan.mesh.dp, bound.base.pp, bound.base.plan.pipeline.virtual_stages
+    mesh, pp, k = bound.base.plan.mesh, bound.base.pp, bound.base.plan.pipeline.virtual_stages
+    dp = mesh.dp * mesh.cp  # the ranks a sharding spreads the parameters over
     schedules = ("1f1b",) if frugal else SCHEDULES_BY_STAGES[k] if pp > 1 else ("1f1b", "afab")
     shardings = ("full",) if dp == 1 or frugal else ("replicate", "grad_op", "full")  # the fastest first
     for schedule in schedules:
@@ -305,9 +317,10 @@ def _fastest(bounds: list[Bound], hw, *, G, limit, n) -> Candidate | None:
     return best
 
 
-def _advice(model, hw, *, world, G, limit, seq_len, batch, dtype) -> str:
+def _advice(model, hw, *, world, G, limit, seq_len, batch, dtype, max_cp) -> str:
     """What would fit: the sequence length on this world, else the smallest world (doubling, up to 64x)."""
-    fits = lambda **kw: bool(_search(model, hw, G=G, limit=limit, timed=False, frugal=True, dtype=dtype, **kw))  # noqa: E731
+    fits = lambda **kw: bool(_search(model, hw, G=G, limit=limit, timed=False, frugal=True, dtype=dtype,  # noqa: E731
+                                     max_cp=max_cp, **kw))
     if fits(world=world, seq_len=1, batch=batch):  # the parameters fit: some sequence length does
         s = seq_len // 2
         while s > 1 and not fits(world=world, seq_len=s, batch=batch):

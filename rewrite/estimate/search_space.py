@@ -67,12 +67,12 @@ def _rules(model: nn.Module, tp: int, vocab_loss: bool) -> dict:
     return rules
 
 
-def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, cache: dict | None = None) -> ResolvedPlan | str:
+def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, cache: dict | None = None, cp: int = 1) -> ResolvedPlan | str:
     """The mesh and switches bound to the model (the reason it does not bind, as text); `cache`: `resolve`'s,
     kept across the binds of one search."""
     try:
         data = {
-            "mesh": {"dp": dp, "pp": pp, "tp": tp},
+            "mesh": {"dp": dp, "pp": pp, "cp": cp, "tp": tp},
             "tensor_parallel": _rules(model, tp, vocab_loss),
             "pipeline": {"schedule": SCHEDULES_BY_STAGES[k][0], "virtual_stages": k, "seq_len": seq_len,
                          **({"cut_points": "auto"} if pp > 1 else {})},
@@ -176,7 +176,7 @@ class Bound:
         reduce = reduce_as_run(reduce, microbatches=pipe.microbatches, virtual_stages=pipe.virtual_stages, split=split)
         key = (sharding, split, variant.stage_rank, reduce)
         if key not in self._feet:
-            dp = variant.plan.mesh.dp
+            dp = variant.plan.mesh.dp * variant.plan.mesh.cp  # the ranks sharing the parameters
             if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
                 self._params[variant.stage_rank] = [param_sums(rank_parameters(variant, self.model, r), dp)
                                                     for r in range(variant.pp)]
@@ -187,13 +187,18 @@ class Bound:
         return self._feet[key]
 
 
-def meshes(world: int, G: int, num_layers: int):
+def meshes(world: int, G: int, num_layers: int, *, seq_len: int = 1, max_cp: int | None = 1):
+    """(dp, pp, cp, tp) of `world` devices: tp within a node, at most a stage a layer, cp up to `max_cp`
+    (None: any) where 2 cp chunks split `seq_len` evenly."""
     for tp in divisors(world):
         if tp > G or G % tp:
             continue  # tp within a node
         for pp in divisors(world // tp):
-            if pp <= num_layers:
-                yield world // (tp * pp), pp, tp
+            if pp > num_layers:
+                continue
+            for cp in divisors(world // (tp * pp)):
+                if cp == 1 or ((max_cp is None or cp <= max_cp) and seq_len % (2 * cp) == 0):
+                    yield world // (tp * pp * cp), pp, cp, tp
 
 
 @contextlib.contextmanager

@@ -17,6 +17,14 @@ eager CPU runs pay in full), a third in each of F, I and W.
 Collectives per split block (attention, MLP) and microbatch, of T h B bytes:
     plain tp             F: 1 all-reduce (row out)           I: 1 all-reduce (column in)
     sequence parallel    F: all-gather in, reduce-scatter out; I: the same two in reverse
+Under context parallelism (c = mesh.cp) a rank holds T = b s / c tokens: the projections, MLP and
+norms divide by c, and each rank's two query chunks of L = s / (2 c) score against (2 c + 1) L keys
+through a mask, every pair of their range computed. The scores are charged per pair computed as one
+process's are: its causal kernel computes the s^2 / 2 pairs under the mask and is charged the dense
+s x s, so a rank's (2 c + 1) L^2 pairs are charged (2 c + 1) / (2 c^2) of it (measured on CPU at
+4,096 tokens: the cp 2 step at 0.62x one process, this model 0.59x). Each
+layer all-gathers the keys and values of the whole sequence over the cp group in F, 2 b s g r d B / t'
+bytes, and reduce-scatters their gradients in I (again in a recomputed F).
 The first stage adds the embedding (a vocab-split one: an all-reduce of its output); the last
 the final norm, LM head and loss: a whole-vocabulary head gathered over tp ('column_gather')
 all-gathers T V B of logits, the vocabulary-parallel loss gathers 2 floats per token, and the
@@ -49,6 +57,7 @@ class StageTimes:
     weight_backward: float
     tp_comm: float  # of the three above, the tensor-parallel collectives
     flops: float  # training FLOPs the stage runs per microbatch, without recompute (for MFU)
+    cp_comm: float = 0.0  # of the three above, the context-parallel K/V gathers and their reduce-scatters
 
     @property
     def backward(self) -> float:
@@ -62,12 +71,19 @@ def tp_groups(resolved: ResolvedPlan) -> list[list[int]]:
     return [list(range(start, start + tp)) for start in range(0, resolved.world_size, tp)]
 
 
-class _Clock:
-    """Seconds for FLOPs and bytes on the profile's device, and for the tp group's collectives."""
+def cp_groups(resolved: ResolvedPlan) -> list[list[int]]:
+    """The global ranks of every cp group: a stage's ranks at one tp rank, tp apart."""
+    tp, cp = resolved.tp, resolved.plan.mesh.cp
+    return [[start + t + c * tp for c in range(cp)] for start in range(0, resolved.world_size, cp * tp) for t in range(tp)]
 
-    def __init__(self, hardware: Hardware, dtype: str, tp: int, link) -> None:
+
+class _Clock:
+    """Seconds for FLOPs and bytes on the profile's device, and for the tp and cp groups' collectives."""
+
+    def __init__(self, hardware: Hardware, dtype: str, tp: int, link, cp: int = 1, cp_link=None) -> None:
         self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
         self.bandwidth, self.tp, self.link, self.eff = hardware.memory_bandwidth, tp, link, hardware.efficiency.collective
+        self.cp, self.cp_link = cp, cp_link
         self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
 
     def run(self, flops: float, nbytes: float) -> float:
@@ -79,16 +95,25 @@ class _Clock:
     def gather(self, nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` whole
         return all_gather_s(nbytes, self.tp, self.link, self.eff) if self.tp > 1 else 0.0
 
+    def cp_gather(self, nbytes: float) -> float:  # the same over the cp group
+        return all_gather_s(nbytes, self.cp, self.cp_link, self.eff) if self.cp > 1 else 0.0
+
 
 def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomputed: set[str], weights: int):
-    """(F, I, W, tp collectives, training FLOPs) of one decoder layer."""
-    parts = {k: v * z.batch_size for k, v in layer_flop_parts(config, seq_len=z.seq_len).items()}
+    """(F, I, W, tp collectives, training FLOPs, cp collectives) of one decoder layer."""
+    c = z.cp
+    parts = {k: v * z.batch_size / (1 if k == "scores" else c)
+             for k, v in layer_flop_parts(config, seq_len=z.seq_len).items()}
+    if c > 1:  # (2c + 1) L^2 pairs computed, L = s / 2c, charged twice as the causal s^2 / 2 are
+        parts["scores"] *= (2 * c + 1) / (2 * c * c)
     ta = z.tp if splits["attention_split"] else 1
     tm = z.tp if splits["mlp_split"] else 1
     kv_share = z.kv_replicas if splits["attention_split"] else 1
     proj = (parts["q_o"] + parts["k_v"] * kv_share) / ta
     scores, mlp = parts["scores"] / ta, parts["mlp"] / tm
     norms = parts["norms"] / (z.tp if z.split_sequence else 1)
+    # The whole sequence's keys and values, gathered in F and their gradients reduce-scattered in I.
+    kv = clock.cp_gather(2 * z.batch_size * z.seq_len * z.kv_heads * kv_share * z.head_dim * z.dtype_bytes / ta)
     kept, _ = layer_bytes(z, **splits, first=first)
     block = z.tokens * z.dtype_bytes * z.hidden  # T h B: what a block's collective moves
     blocks = int(ta > 1) + int(tm > 1)
@@ -96,15 +121,15 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
         fwd_comm = bwd_comm = blocks * 2 * clock.gather(block)
     else:
         fwd_comm = bwd_comm = blocks * clock.all_reduce(block)
-    forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm + clock.overhead
-    input_backward = clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm + clock.overhead
+    forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm + kv + clock.overhead
+    input_backward = clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm + kv + clock.overhead
     weight_backward = clock.run(proj + mlp, 2 * weights) + clock.overhead
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
     share = 1.0 if "" in recomputed else len(recomputed & {"self_attn", "mlp"}) / 2
     input_backward += share * forward
     tp_comm = fwd_comm + bwd_comm + share * fwd_comm
     flops = (proj + scores + mlp + norms) + (proj + 2 * scores + mlp + 2 * norms) + (proj + mlp)
-    return forward, input_backward, weight_backward, tp_comm, flops
+    return forward, input_backward, weight_backward, tp_comm, flops, (2 + share) * kv
 
 
 def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool, weights: int, has_head: bool):
@@ -152,19 +177,21 @@ def stage_times(
     bb, config = resolved.backbone, model.config
     z = plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
     styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
-    link = groups_link(hardware, tp_groups(resolved), gpus_per_node or hardware.devices_per_node)
-    clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, link)
+    G = gpus_per_node or hardware.devices_per_node
+    link, cp = groups_link(hardware, tp_groups(resolved), G), resolved.plan.mesh.cp
+    clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, link,
+                   cp, groups_link(hardware, cp_groups(resolved), G))
     layer_weights = layer_weights or {}
     last, out, memo = resolved.num_stages - 1, [], {}
     for stage, layers in enumerate(resolved.layer_indices):
-        f = i = w = comm = flops = 0.0
+        f = i = w = comm = flops = kv = 0.0
         for index in layers:
             splits, parts = block_splits(styles, bb.layer(index)), frozenset(recomputed.get(index, ()))
             key = (tuple(splits.values()), index == 0, parts, layer_weights.get(index, 0))
             if key not in memo:  # decoder layers alike in shape: one computation each
                 memo[key] = _layer(z, config, clock, splits, first=index == 0, recomputed=parts, weights=key[3])
-            lf, li, lw, lc, lflops = memo[key]
-            f, i, w, comm, flops = f + lf, i + li, w + lw, comm + lc, flops + lflops
+            lf, li, lw, lc, lflops, lkv = memo[key]
+            f, i, w, comm, flops, kv = f + lf, i + li, w + lw, comm + lc, flops + lflops, kv + lkv
         if stage == 0:
             embed = z.tokens * z.dtype_bytes * z.hidden
             vocab_comm = clock.all_reduce(embed) if styles.get(bb.embed) == "vocab" else 0.0
@@ -176,5 +203,5 @@ def stage_times(
                                            sharded_loss=loss_sharded(resolved, styles), weights=root_weights[1],
                                            has_head=bb.has_head)
             f, i, w, comm, flops = f + hf, i + hi, w + hw, comm + hc, flops + hflops
-        out.append(StageTimes(f, i, w, comm, flops))
+        out.append(StageTimes(f, i, w, comm, flops, kv))
     return out

@@ -2,8 +2,8 @@
 
 Each stage's forward, input- and weight-backward per microbatch (`stage_time`) become the
 durations of the plan's schedule table, simulated on paper with the pipeline's transfers (the
-simulator that checks tables, `rewrite.schedules.simulate`). Data parallelism then adds, per
-rank, what torch does not hide:
+simulator that checks tables, `rewrite.schedules.simulate`). Data parallelism (over the dp x cp
+ranks holding the same parameters: `dp_time`) then adds, per rank, what torch does not hide:
     full        each F all-gathers its stage's FSDP2 units and each backward the layers again
                 (the root stays gathered), the next unit's gather beside this one's compute; a
                 split backward keeps them gathered through the step, as grad_op does
@@ -131,16 +131,17 @@ def predict_step(
     times = stage_times(run, model, hw, batch_size=batch_size, gpus_per_node=G, layer_weights=layer_weights,
                         root_weights=root_weights, dtype=dtype)
     master, compute = compute_dtype(model), compute_dtype(model, dtype)
-    dp, pp, tp, m = plan.mesh.dp, run.pp, run.tp, pipe.microbatches
+    dp, pp, tp, cp, m = plan.mesh.dp, run.pp, run.tp, plan.mesh.cp, pipe.microbatches
     eff, split = hw.efficiency.collective, splits_backward(pipe.schedule, pipe.table)
     dpt = dp_time or DpTime(run, units, hw, G, gathered=compute.itemsize / master.itemsize)
     sharding, reduce = dpt.sharding(run), plan.data_parallel.reduce
 
     z = plan_sizes(run, model, batch_size=batch_size, dtype=compute)
-    hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp rank its sequence chunk)
+    hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp and cp rank its sequence chunk)
 
     def hop_s(a: int, b: int) -> float:  # pp rank a to pp rank b, over the slowest pair of global ranks
-        pairs = [[global_rank(d, a, t, pp=pp, tp=tp), global_rank(d, b, t, pp=pp, tp=tp)] for d in range(dp) for t in range(tp)]
+        pairs = [[global_rank(d, a, t, pp=pp, tp=tp, cp=cp, cp_rank=c), global_rank(d, b, t, pp=pp, tp=tp, cp=cp, cp_rank=c)]
+                 for d in range(dp) for c in range(cp) for t in range(tp)]
         return p2p_s(hop, groups_link(hw, pairs, G), eff)
 
     table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)
@@ -175,7 +176,7 @@ def predict_step(
     sequences = dp * m * batch_size
     num_layers = sum(len(x) for x in run.layer_indices)
     flops = model_flops(model.config, seq_len=z.seq_len, num_layers=num_layers, has_head=run.backbone.has_head) * sequences
-    world = dp * pp * tp
+    world = dp * pp * cp * tp
     return StepPrediction(
         step_s=step, tokens_per_s=sequences * z.seq_len / step / world,
         mfu=flops / (step * world * hw.flops(str(compute).removeprefix("torch."))),

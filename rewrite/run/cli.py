@@ -53,13 +53,6 @@ def _cmd_show(args: argparse.Namespace) -> int:
     model = _meta_model(args.model, "float32")  # the master weights `rewrite train` holds, whatever the config says
     resolved = resolve(args.plan, model, world_size=args.world_size)
     _check_context_parallel(resolved, model, args.model)
-    if resolved.plan.mesh.cp > 1:
-        from ..plan.schema import PlanError
-
-        raise PlanError(args.plan, [
-            f"mesh.cp={resolved.plan.mesh.cp}: show's memory and step-time estimates do not count context parallelism "
-            "yet (seq / cp tokens a rank, the whole sequence's keys and values during attention, parameters sharded "
-            f"over dp x cp); `rewrite validate {args.plan} --model {args.model}` checks the plan"])
     data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                      microbatches=args.microbatches, memory_limit=args.memory_limit,
                      warnings=[*resolved.warnings, *balance_warnings(resolved, model)],

@@ -76,8 +76,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         check_arguments(**kwargs)
     except ValueError as exc:  # a bad argument: one line, no traceback
         return _fail(str(exc), BAD_ARGUMENTS)
+    model, max_cp = _planned_model(config)
     try:
-        found = suggest_plans(config, hardware=hardware, dtype=args.dtype, **kwargs)
+        found = suggest_plans(model, hardware=hardware, dtype=args.dtype, max_cp=max_cp, **kwargs)
     except NoPlanFits as exc:
         return _fail(str(exc), 1)
     best = found[0]
@@ -114,10 +115,27 @@ def format_candidates(found, *, hardware: str, total: int, args: argparse.Namesp
          "tokens/s/device", "MFU", "busiest rank"], rows)])
 
 
+def _planned_model(config):
+    """The model a search plans (meta, float32 master weights) and the most cp ranks it may use: 1, said on
+    stderr, where the family's attention does not run under context parallelism."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..context_parallel.family import context_parallel_problem
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    problem = context_parallel_problem(model)
+    if problem:
+        print(f"note: plans without context parallelism (cp 1): {problem}", file=sys.stderr)
+    return model, 1 if problem else None
+
+
 def _dp_text(plan) -> str:
-    """'full, per step' or 'grad_op, per microbatch' (`data_parallel`); '-' without replicas."""
+    """'full, per step' or 'grad_op, per microbatch' (`data_parallel`); '-' where no ranks share the parameters
+    (no replicas, no cp ranks)."""
     dpp = plan.data_parallel
-    return f"{dpp.sharding}, per {dpp.reduce}" if plan.mesh.dp > 1 else "-"
+    return f"{dpp.sharding}, per {dpp.reduce}" if plan.mesh.dp * plan.mesh.cp > 1 else "-"
 
 
 def plan_file_text(best, args: argparse.Namespace, hardware: str) -> str:

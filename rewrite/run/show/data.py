@@ -116,7 +116,8 @@ def stage_entries(resolved: ResolvedPlan) -> list[dict]:
         out.append({
             "stage": s.stage_idx,
             "pp_rank": pp_rank,
-            "ranks": [resolved.plan.mesh.global_rank(pp_rank, t) for t in range(resolved.tp)],
+            "ranks": [resolved.plan.mesh.global_rank(pp_rank, t, cp_rank=c)
+                      for c in range(resolved.plan.mesh.cp) for t in range(resolved.tp)],
             "est_compute": s.est_compute,
             "modules": collapse_names(s.modules),
             "layers": list(layers),
@@ -128,15 +129,17 @@ def stage_entries(resolved: ResolvedPlan) -> list[dict]:
 
 def _memory_entry(m: RankMemory, limit: float | None) -> dict:
     return {
-        "rank": m.rank, "pp_rank": m.pp_rank, "tp_rank": m.tp_rank, "stages": list(m.stages), "params": m.params,
+        "rank": m.rank, "pp_rank": m.pp_rank, "cp_rank": m.cp_rank, "tp_rank": m.tp_rank, "stages": list(m.stages),
+        "params": m.params,
         "weights": m.weights, "grads": m.grads, "adamw": m.adamw, "gathered": m.gathered,
         "activations": m.activations, "microbatches_alive": m.in_flight, "total": m.total, "fits": m.fits(limit),
     }
 
 
 def _fullest(resolved: ResolvedPlan, model: nn.Module | None, dtype) -> dict | None:
-    # Under each sharding mode, the fullest rank (the highest peak): bytes between steps and at the peak; dp > 1 only.
-    if resolved.plan.mesh.dp == 1:
+    # Under each sharding mode, the fullest rank (the highest peak): bytes between steps and at the peak; only where
+    # ranks share the parameters (dp replicas x cp ranks).
+    if resolved.plan.mesh.dp * resolved.plan.mesh.cp == 1:
         return None
     feet = {m: max(rank_footprints(resolved, model, sharding=m, dtype=dtype), key=lambda f: f.peak) for m in SHARDINGS}
     return {m: {"at_rest": f.at_rest, "peak": f.peak} for m, f in feet.items()}
@@ -200,7 +203,8 @@ def show_data(
         "plan": plan.source,
         "description": plan.description,
         "model": {"name": resolved.model_name, "label": model_label},
-        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp, "world_size": resolved.world_size},
+        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "cp": plan.mesh.cp, "tp": plan.mesh.tp,
+                 "world_size": resolved.world_size},
         "pipeline": {
             "schedule": pipe.schedule, "microbatches": microbatches or pipe.microbatches,
             "virtual_stages": pipe.virtual_stages, "seq_len": seq_len or pipe.seq_len, "batch_size": batch_size,

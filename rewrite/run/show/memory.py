@@ -30,11 +30,13 @@ def memory_table(memory: dict) -> tuple[list[str], list[list[str]]]:
     """
     ranks, limit = memory["ranks"], memory["limit_bytes"]
     dp = any(m["gathered"] for m in ranks)
-    header = ["rank", "stages", "tp_rank", "params", "weights", "grads", "AdamW", *(["gathered"] if dp else []),
-              "activations", "total", *(["fits"] if limit is not None else [])]
+    cp = any(m.get("cp_rank", 0) for m in ranks)  # a cp_rank column under context parallelism
+    header = ["rank", "stages", *(["cp_rank"] if cp else []), "tp_rank", "params", "weights", "grads", "AdamW",
+              *(["gathered"] if dp else []), "activations", "total", *(["fits"] if limit is not None else [])]
     rows = []
     for m in ranks:
-        row = [str(m["rank"]), ",".join(map(str, m["stages"])), str(m["tp_rank"]), f"{m['params']:,}",
+        row = [str(m["rank"]), ",".join(map(str, m["stages"])), *([str(m["cp_rank"])] if cp else []),
+               str(m["tp_rank"]), f"{m['params']:,}",
                *(format_bytes(m[k]) for k in ("weights", "grads", "adamw")),
                *([format_bytes(m["gathered"])] if dp else []),
                "-" if m["activations"] is None else format_bytes(m["activations"]), format_bytes(m["total"])]
@@ -48,7 +50,8 @@ def memory_notes(data: dict) -> list[str]:
     """The lines under the memory table: other replicas, the activations' settings, what total adds up,
     under dp the fullest rank under each sharding, and with a memory limit how many ranks do not fit."""
     mesh, pipe, memory, out = data["mesh"], data["pipeline"], data["memory"], []
-    ranks, per, dp = memory["ranks"], mesh["pp"] * mesh["tp"], mesh["dp"]
+    ranks, per, dp = memory["ranks"], mesh["pp"] * mesh.get("cp", 1) * mesh["tp"], mesh["dp"]
+    shared = dp * mesh.get("cp", 1) > 1  # ranks holding the same parameters: FSDP2 / replicate over them
     if dp == 2:
         out.append(f"  {span(per, 2 * per - 1)} (replica 1) hold the same as {span(0, per - 1)}, rank for rank")
     elif dp > 2:
@@ -56,15 +59,17 @@ def memory_notes(data: dict) -> list[str]:
                    "replica 0, rank for rank")
     b, s, m = pipe["batch_size"], pipe["seq_len"], pipe["microbatches"]
     if ranks and ranks[0]["activations"] is not None:
-        alive = ", ".join(f"rank {r['rank']}: {r['microbatches_alive']}" for r in ranks if r["tp_rank"] == 0)
+        alive = ", ".join(f"rank {r['rank']}: {r['microbatches_alive']}" for r in ranks
+                          if r["tp_rank"] == 0 and r.get("cp_rank", 0) == 0)
+        held = f" ({s // mesh['cp']} on each cp rank)" if mesh.get("cp", 1) > 1 else ""
         out.append(
-            f"  activations: {b} sequence{'s' if b != 1 else ''} of {s} tokens per microbatch, "
+            f"  activations: {b} sequence{'s' if b != 1 else ''} of {s} tokens{held} per microbatch, "
             f"{m} microbatch{'es' if m != 1 else ''} under {pipe['schedule']} (microbatch-stages alive at most: "
             f"{alive}); {UNCOUNTED}"
         )
     else:
         out.append(f"  activations: not estimated ({memory['activations_not_estimated']})")
-    if dp == 1:
+    if not shared:
         out.append("  total = weights + grads + AdamW + activations")
     else:
         out.append(

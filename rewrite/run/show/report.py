@@ -66,20 +66,35 @@ _MODES = {
 
 
 def _layout_lines(data: dict) -> list[str]:
-    """The rank layout, and for dp > 1 the replicas and the sharding mode."""
+    """The rank layout; under cp the sequence's split; with ranks sharing the parameters (dp x cp > 1) the
+    replicas and the sharding mode."""
     mesh, pipe = data["mesh"], data["pipeline"]
-    dp, per = mesh["dp"], mesh["pp"] * mesh["tp"]
-    if dp == 1:
+    dp, cp = mesh["dp"], mesh.get("cp", 1)
+    per = mesh["pp"] * cp * mesh["tp"]
+    if dp == 1 and cp == 1:
         return ["ranks: rank = pp_rank * tp + tp_rank (tp innermost: a stage's tp ranks are neighbours, on one machine)"]
-    shown = list(range(dp)) if dp <= 4 else [0, 1, None, dp - 1]
-    replicas = ", ".join("..." if d is None else f"{d}: {span(d * per, d * per + per - 1)}" for d in shown)
+    out = []
+    if cp == 1:
+        out.append("ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank (tp innermost: neighbours on one machine; "
+                   "dp outermost: replicas across machines)")
+    else:
+        s = pipe["seq_len"]
+        out += [
+            "ranks: rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank (tp innermost, then a stage's cp "
+            "ranks: neighbours on one machine; dp outermost: replicas across machines)",
+            f"context parallel: each of a stage's {cp} cp ranks holds {s // cp} of a sequence's {s} tokens (two chunks "
+            f"of {s // (2 * cp)}, balanced for the causal mask); each layer all-gathers the whole sequence's keys and "
+            "values over them; they hold the same parameters",
+        ]
+    if dp > 1:
+        shown = list(range(dp)) if dp <= 4 else [0, 1, None, dp - 1]
+        replicas = ", ".join("..." if d is None else f"{d}: {span(d * per, d * per + per - 1)}" for d in shown)
+        out.append(f"replicas: {dp}, each a whole pipeline on its own microbatches ({replicas})")
     sharding, schedule = data["data_parallel"]["sharding"], pipe["schedule"]
     split = sharding == "full" and pipe["splits_backward"]
-    return [
-        "ranks: rank = (dp_rank * pp + pp_rank) * tp + tp_rank (tp innermost: neighbours on one machine; "
-        "dp outermost: replicas across machines)",
-        f"replicas: {dp}, each a whole pipeline on its own microbatches ({replicas})",
-        f"data parallel: sharding {sharding}: {_MODES[sharding]}"
+    over = f" over the {dp * cp} ranks holding the same parameters (dp x cp; dp below counts them)" if cp > 1 else ""
+    return out + [
+        f"data parallel: sharding {sharding}{over}: {_MODES[sharding]}"
         + (f"; schedule {schedule} splits backwards, so as under grad_op the layers stay gathered from "
            "forward to the step's end" if split else "")
         + ("; gradients reduced as each microbatch's backward ends (data_parallel.reduce: microbatch)"
@@ -126,6 +141,7 @@ def _pipeline_lines(data: dict) -> list[str]:
     shape = "V" if pipe["schedule"] == "zbv" else "looped"
     per_rank = f" on {plural(pp, 'rank')} ({k} per rank, {shape})" if k > 1 else ""
     ranks = "ranks (replica 0)" if mesh["dp"] > 1 else "ranks"
+    tp = tp * mesh.get("cp", 1)  # a stage's ranks: its cp ranks' tp ranks
     header = ["stage", ranks, "est. compute", "modules"]
     lead = max(len(ranks), len(",".join(str(r) for r in range(tp)))) + len("stage") + len("est. compute") + 2 + 3 * 2
     return [
@@ -150,7 +166,7 @@ def render_text(data: dict) -> str:
     m = pipe["planned"]["microbatches"]
     out = [
         f"{data['plan']} on {name}",
-        f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'])} = {mesh['world_size']} ranks; "
+        f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'], mesh.get('cp', 1))} = {mesh['world_size']} ranks; "
         f"{plural(m, 'microbatch')} per step{' per replica' if mesh['dp'] > 1 else ''}, "
         f"schedule {pipe['schedule']}; {'module walker (hf)' if pipe['kind'] == 'hf' else 'torch.fx stages'}",
         *_layout_lines(data),

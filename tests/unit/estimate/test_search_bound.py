@@ -20,12 +20,12 @@ from tests.paths import ROOT
 GIB = 1024**3
 
 
-def _bounds(model, dp, pp, tp, seq_len):
+def _bounds(model, dp, pp, tp, seq_len, cp=1):
     """Every binding the search makes for a mesh: vocab/loss parallelism, virtual stages, sequence parallelism."""
     layers, out = model.config.num_hidden_layers, []
     for vocab_loss in (False, True) if tp > 1 else (False,):
         for k in (2, 1) if pp > 1 and 2 * pp <= layers else (1,):
-            base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len)
+            base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len, cp=cp)
             if isinstance(base, str):
                 continue
             out.append(Bound(base, model))
@@ -37,12 +37,12 @@ def _bounds(model, dp, pp, tp, seq_len):
 
 def _groups(model, *, world, G, seq_len, batch):
     """(mesh, bound, schedule, microbatches, sharding, reduce, sequences per replica) of the whole search space."""
-    for dp, pp, tp in meshes(world, G, model.config.num_hidden_layers):
+    for dp, pp, cp, tp in meshes(world, G, model.config.num_hidden_layers, seq_len=seq_len, max_cp=None):
         if batch % dp:
             continue
-        for bound in _bounds(model, dp, pp, tp, seq_len):
+        for bound in _bounds(model, dp, pp, tp, seq_len, cp):
             for schedule, m, sharding, reduce in search._groups(bound, batch // dp):
-                yield (dp, pp, tp), bound, schedule, m, sharding, reduce, batch // dp
+                yield (dp, pp, cp, tp), bound, schedule, m, sharding, reduce, batch // dp
 
 
 @pytest.mark.parametrize("case", ["tiny-cpu", "8b-two-nodes"])
@@ -61,7 +61,7 @@ def test_the_lower_bound_is_never_above_the_prediction_and_exact_without_a_pipel
         step = predict_step(v, model, hw, batch_size=b, gpus_per_node=kw["G"], parameters=bound.parameters).step_s
         assert 0 < low <= step, (mesh, schedule, m, sharding, reduce, mode, low, step)
         checked += 1
-        if mesh[0] == mesh[1] == 1:  # one rank's actions back to back, nothing overlapped: the bound is the step
+        if mesh[0] == mesh[1] == mesh[2] == 1:  # one rank's actions back to back, nothing overlapped: the bound is the step
             assert low == pytest.approx(step, rel=1e-6), (mesh, schedule, m, mode)
             exact += 1
     assert checked > 100 and (exact > 0 or case != "tiny-cpu")
@@ -99,7 +99,8 @@ def test_the_best_first_search_keeps_what_an_exhaustive_pass_keeps(case):
                             batch=batch)
     found = rewrite.suggest_plans(model, world=world, device_memory=memory_gib, hardware=hardware, seq_len=seq_len,
                                   global_batch=batch, gpus_per_node=4)
-    got = {(c.plan.mesh.dp, c.plan.mesh.pp, c.plan.mesh.tp): (c.step_s, c.plan, c.peak_bytes) for c in found}
+    got = {(c.plan.mesh.dp, c.plan.mesh.pp, c.plan.mesh.cp, c.plan.mesh.tp): (c.step_s, c.plan, c.peak_bytes)
+           for c in found}
     assert got.keys() == want.keys() and len(got) >= 3
     for mesh in want:
         assert got[mesh][0] == want[mesh][0], mesh
