@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from torch.distributed import ProcessGroup
 
 from ..models.hf_llama import document_index
+from .causal_blocks import causal_chunk_attention, runs_unmasked
 from .collectives import gather_sequence
 from .shard import held
 
@@ -41,6 +42,11 @@ class SequenceShard:
     # (sliding window, dtype) -> each block's additive mask: built once a microbatch, one tensor per
     # block for every layer, so the attention kernels' saved copies of it are one storage, not one a layer
     _masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def unmasked(self, sliding_window: int | None) -> bool:
+        """Whether every chunk's mask is the plain causal one: no packed documents, no window cutting into
+        the keys a chunk sees (`causal_blocks` then needs no mask)."""
+        return self.documents is None and (sliding_window is None or sliding_window >= self.seq)
 
     def blocks(self, sliding_window: int | None) -> list[tuple[slice, int, int]]:
         """(this rank's queries, first key, end key) per chunk it holds: a chunk of global queries
@@ -91,9 +97,11 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     """transformers' attention signature: `query` `[b, heads, s / cp, d]`, `key`/`value` `[b, kv, s / cp, d]`
     of this rank's tokens; returns `([b, s / cp, heads, d], None)`. `attention_mask` is ignored (the
     model builds none for this implementation): the mask comes from the layer's `sequence_shard` kwarg.
-    torch's SDPA computes each of the rank's two chunks of queries against the keys it can see (the
-    CPU flash kernel, or CUDA's, by device), grouped keys and values kept grouped (`enable_gqa`), one
-    additive mask tensor per chunk and microbatch."""
+    Each of the rank's two chunks of queries is computed against the keys it can see, grouped keys and
+    values kept grouped. Under the plain causal mask on CPU, without a mask (`causal_blocks`: the keys
+    before the chunk, then its causal diagonal block, merged by log-sum-exp); otherwise through torch's
+    SDPA (the CPU flash kernel, or CUDA's, by device) with one additive mask tensor per chunk and
+    microbatch (packed documents, a sliding window shorter than the sequence, other devices)."""
     shard: SequenceShard | None = kwargs.pop("sequence_shard", None)
     if shard is None:
         raise RuntimeError(f"attention {NAME!r} ran without its sequence_shard: run the model through its stage "
@@ -105,11 +113,16 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     if shard.cp > 1:
         key = gather_sequence(key, shard.group, shard.cp, shard.seq)  # (b, kv, s, d)
         value = gather_sequence(value, shard.group, shard.cp, shard.seq)
+    blocks = shard.blocks(sliding_window)
+    if shard.unmasked(sliding_window) and runs_unmasked(query, dropout):
+        outs = [causal_chunk_attention(query[:, :, rows], key, value, end - (rows.stop - rows.start), scaling)
+                for rows, _, end in blocks]
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
     grouped = query.shape[1] != key.shape[1]
     outs = [  # each chunk of queries against the keys it can see: the rest of the sequence is never computed
         F.scaled_dot_product_attention(query[:, :, rows], key[:, :, first:end], value[:, :, first:end], attn_mask=mask,
                                        dropout_p=dropout, scale=scaling, enable_gqa=grouped)
-        for (rows, first, end), mask in zip(shard.blocks(sliding_window), shard.masks(sliding_window, query.dtype))
+        for (rows, first, end), mask in zip(blocks, shard.masks(sliding_window, query.dtype))
     ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
