@@ -32,7 +32,7 @@ PARAMS = {
 # heads or be a multiple of them (each kv head then held whole by tp / kv ranks).
 #   smollm2-135m: 9 heads, 3 kv heads: tp 1, 3 or 9; neither tp 2 nor tp 4.
 #   qwen2.5-0.5b: 14 heads, 2 kv heads: tp 1, 2 or 14; not tp 4.
-TP2 = {"llama-tp2", "llama-tp2-sp", "llama-tp2-pp2", "llama-dp2-tp2", "llama-dp2-tp2-pp2"}
+TP2 = {"llama-tp2", "llama-tp2-sp", "llama-tp2-pp2", "llama-dp2-tp2", "llama-dp2-tp2-pp2", "llama-cp2-tp2"}
 REFUSED = {
     "llama-3.1-8b": set(),
     "llama-3.2-1b": set(),
