@@ -16,10 +16,10 @@ def test_a_missing_plan_file_names_its_full_path_the_closest_plan_and_the_shippe
     assert main(["validate", "plans/llama-tp3.yaml", "--model", "tiny-llama"]) == 1
     err = capsys.readouterr().err
     assert f"no plan file at {ROOT / 'plans' / 'llama-tp3.yaml'}; did you mean plans/llama-tp4.yaml?" in err
-    assert "The plans in plans/: llama-dp2-tp2-pp2.yaml," in err and "plan.schema.json" not in err
+    assert "The plans in plans/: llama-cp2-tp2.yaml, llama-dp2-tp2-pp2.yaml," in err and "plan.schema.json" not in err
     assert main(["show", "my-plan.yaml", "--model", "tiny-llama"]) == 1  # none beside it: the shipped ones
     err = capsys.readouterr().err
-    assert f"no plan file at {ROOT / 'my-plan.yaml'}; the plans in plans/: llama-dp2-tp2-pp2.yaml" in err
+    assert f"no plan file at {ROOT / 'my-plan.yaml'}; the plans in plans/: llama-cp2-tp2.yaml, llama-dp2-tp2-pp2.yaml" in err
 
 
 def test_a_model_typo_gets_the_preset_it_was_close_to():
