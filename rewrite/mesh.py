@@ -21,7 +21,7 @@ from .plan.ranks import coordinates, cp_rank_of, global_rank, shape_text
 from .values import is_count
 from .errors import InputError
 
-__all__ = ["Mesh", "build_mesh", "check_world"]
+__all__ = ["Mesh", "build_mesh", "check_world", "expert_groups"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,21 @@ class Mesh:
     # The ranks holding the same parameters: the dp replicas times the cp ranks (dp x cp), a 1-D
     # DeviceMesh that FSDP2 / replicate / DDP reduce gradients over; None when there is one.
     replica_mesh: DeviceMesh | None = None
+    ep: int = 1
+    ep_group: ProcessGroup | None = None  # the ep neighbouring dp replicas splitting the experts (ep > 1)
+    # The ranks holding this rank's experts: same ep_rank in every ep group of the stage, times the cp
+    # ranks ((dp / ep) x cp); None when ep = 1 or there is one.
+    expert_replica_group: ProcessGroup | None = None
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group: dp_rank % ep."""
+        return self.dp_rank % self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts, whose expert gradients are summed together: (dp / ep) x cp."""
+        return self.dp // self.ep * self.cp
 
     @property
     def tp_rank(self) -> int:
@@ -96,16 +111,20 @@ def _device_type() -> str:
     return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
 
 
-def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1, cp: int = 1) -> Mesh:
+def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1, cp: int = 1, ep: int = 1) -> Mesh:
     """Create the mesh's groups. Collective: every rank must call it, with the same sizes.
 
     `kv_replicas` > 1 (dividing tp) adds the groups of `kv_replicas` neighbouring tp ranks that
     hold the same key/value head: tp ranks `[j * r, (j + 1) * r)` of each tp group. `cp` > 1 adds
     the cp dimension and, for the gradients, the groups of dp x cp ranks holding the same parameters.
+    `ep` > 1 (dividing dp) adds the expert-parallel groups: dp ranks `[g * ep, (g + 1) * ep)` at the
+    same pp, cp and tp ranks split the experts (`expert_groups`).
     """
     check_world(pp, tp, dp, cp)
     if not is_count(kv_replicas) or tp % kv_replicas:
         raise InputError(f"build_mesh: kv_replicas must be an int >= 1 dividing tp={tp}, got {kv_replicas!r}")
+    if not is_count(ep) or dp % ep:
+        raise InputError(f"build_mesh: ep must be an int >= 1 dividing dp={dp}, got {ep!r}")
     rank = dist.get_rank()
     sizes, names = ((dp, pp, cp, tp), ("dp", "pp", "cp", "tp")) if cp > 1 else ((dp, pp, tp), ("dp", "pp", "tp"))
     device_mesh = init_device_mesh(_device_type(), sizes, mesh_dim_names=names)
@@ -135,6 +154,7 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1, cp: int =
                 group = dist.new_group(ranks)
                 if here[1:3] == (p, t):
                     replica_mesh = DeviceMesh.from_group(group, _device_type(), mesh=ranks, mesh_dim_names=("replicas",))
+    ep_group, expert_replica_group = _expert_groups(pp, tp, dp, cp, ep, at, here)
     return Mesh(
         pp=pp,
         tp=tp,
@@ -150,7 +170,44 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1, cp: int =
         cp=cp,
         cp_group=device_mesh.get_group("cp") if cp > 1 else None,
         replica_mesh=replica_mesh,
+        ep=ep,
+        ep_group=ep_group,
+        expert_replica_group=expert_replica_group,
     )
+
+
+def expert_groups(pp: int, tp: int, dp: int, cp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-replica groups) of a mesh, as lists of global ranks.
+
+    An expert-parallel group is `ep` neighbouring dp replicas at the same pp, cp and tp ranks
+    (dp ranks `[g * ep, (g + 1) * ep)`): together they hold every expert once, dp rank `d` the
+    experts of block `d % ep`. The replicas of a block (dp ranks `d` with the same `d % ep`, over
+    every cp rank) hold the same experts.
+
+        >>> expert_groups(1, 1, 4, 1, 2)
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    """
+    def at(d: int, p: int, c: int, t: int) -> int:
+        return global_rank(d, p, t, pp=pp, tp=tp, cp=cp, cp_rank=c)
+
+    places = [(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)]
+    groups = [[at(g * ep + e, p, c, t) for e in range(ep)] for g in range(dp // ep) for p, c, t in places]
+    replicas = [[at(g * ep + e, p, c, t) for g in range(dp // ep) for c in range(cp)]
+                for p in range(pp) for t in range(tp) for e in range(ep)]
+    return groups, replicas
+
+
+def _expert_groups(pp: int, tp: int, dp: int, cp: int, ep: int, at, here) -> tuple:
+    """This rank's expert-parallel group and expert-replica group (None where ep = 1 or it has one rank)."""
+    if ep == 1:
+        return None, None
+    rank, mine = at(here[0], here[1], here[3], here[2]), [None, None]
+    for kind, lists in enumerate(expert_groups(pp, tp, dp, cp, ep)):
+        for ranks in lists:  # new_group is collective over the world: every rank makes every group, in order
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine[kind] = group
+    return tuple(mine)
 
 
 def _kv_group(pp: int, tp: int, dp: int, cp: int, r: int, tp_group: ProcessGroup, at, here) -> ProcessGroup | None:

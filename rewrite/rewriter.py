@@ -20,6 +20,7 @@ from .agreement import describe_ranks, raise_problems, ranks_by_value, share
 from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as register_context_parallel
 from .context_parallel.family import context_parallel_problem
 from .data_parallel import apply_data_parallel
+from .expert_parallel import ExpertGradSync, apply_expert_parallel, expert_parameters
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.precision import precision_for
@@ -83,21 +84,31 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
                                           f"{problem}; use cp 1"])
         shards = plan.mesh.dp * plan.mesh.cp > 1 and plan.data_parallel.sharding != "replicate"
         precision = precision_for(compute_dtype, _floating_dtype(model), shards=shards)
+        if plan.mesh.ep > 1 and precision is not None:
+            raise PlanError(plan.source, [f"{plan.where('mesh', 'ep')}mesh.ep={plan.mesh.ep}: experts split over ep "
+                                          f"computing in {compute_dtype} over float32 master weights is not built yet; "
+                                          "train them in the parameters' dtype (no compute_dtype), or use ep 1"])
     except (ValueError, TypeError) as exc:
         if not (dist.is_available() and dist.is_initialized()):
             raise  # no group: no peer is waiting
         error = exc
     _agree_on_binding(model, resolved, error)  # the first collective
-    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, kv_replicas=resolved.kv_replicas, cp=plan.mesh.cp)
+    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, kv_replicas=resolved.kv_replicas, cp=plan.mesh.cp,
+                      ep=plan.mesh.ep)
     if mesh.cp > 1:
         register_context_parallel()
         model.set_attn_implementation(CONTEXT_PARALLEL)  # its layers call it; the stage passes each its shard
     if mesh.tp > 1:
         apply_tensor_parallel(model, resolved, mesh.tp_group, kv_group=mesh.kv_group)
+    apply_expert_parallel(model, resolved, mesh)
     carved = carve_stage(model, resolved, mesh)
     recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)
-    carved, grad_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split, precision=precision)
+    experts = expert_parameters(carved.module)
+    carved, grad_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split, precision=precision,
+                                            ignored=experts)
+    if experts:
+        grad_sync = ExpertGradSync(grad_sync, experts, mesh)
     setattr(model, APPLIED, f"a stage of {plan.source}")
     return Stage(
         model=carved.model,

@@ -13,6 +13,7 @@ and not deep inside a training step. Checked on torch 2.13 (the range pyproject.
   last backward, and asked afterwards whether every bucket was reduced.
 - `backward_input`, `backward_weight`: torch.distributed.pipelining's split backward (dL/dx now,
   dL/dW later), which zero-bubble schedules need.
+- `ddp_ignore`: parameters DDP leaves alone (neither broadcast nor reduced): experts split over ep.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "CHECKED_ON", "replicate", "finish_fsdp_backward", "prepare_ddp_for_backward", "ddp_reducer_finished",
-    "backward_input", "backward_weight",
+    "backward_input", "backward_weight", "ddp_ignore",
 ]
 
 CHECKED_ON = "2.13"
@@ -41,6 +42,11 @@ def finish_fsdp_backward(root: nn.Module, *, replicated: bool) -> None:
         for group in each._fsdp_param_groups:
             group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def ddp_ignore(module: nn.Module, names: list[str]) -> None:
+    """Have the DDP built next on `module` leave its parameters `names` alone (set before building it)."""
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
 def prepare_ddp_for_backward(ddp: DistributedDataParallel) -> None:

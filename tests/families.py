@@ -59,3 +59,21 @@ def tiny_family_model(family: str, *, seed: int = 0, **overrides):
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.1)
     return model
+
+
+# A mixture of experts made tiny: 4 experts of width 32, 2 chosen per token, every layer sparse
+# (each key set only where the family's config has it).
+TINY_MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+            "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def tiny_moe_model(family: str, *, seed: int = 0, **overrides):
+    """A tiny mixture-of-experts causal LM of `family` (`TINY_MOE` on `TINY`), as `tiny_family_model`."""
+    from transformers import AutoConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        keys = AutoConfig.for_model(family).to_dict()
+    moe = {k: v for k, v in TINY_MOE.items() if k in keys}
+    return tiny_family_model(family, seed=seed, **{**moe, **overrides})

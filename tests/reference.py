@@ -27,7 +27,8 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
     Column: the output rows, each of `parts` packed blocks cut into tp / replicas slices, a rank
     holding slice rank // replicas of every block, blocks in order. Row: the weight's input
     columns cut into tp slices (the bias whole). Vocab: the embedding rows cut into tp slices.
-    Anything else is whole.
+    Fused experts split over ep: every tensor's experts (dim 0) cut into ep slices, the rank
+    of the expert-parallel group holding its slice. Anything else is whole.
     """
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
@@ -40,6 +41,9 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
         return full if leaf == "bias" else full.chunk(size, dim=1)[rank]
     if isinstance(owner, VocabParallelEmbedding):
         rank, size = _place(owner.group)
+        return full.chunk(size)[rank]
+    if hasattr(owner, "expert_shard"):
+        rank, size = _place(owner.expert_shard.group)
         return full.chunk(size)[rank]
     return full
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .experts import ExpertSpec
 from .tp_rules import ShardSpec
 
 __all__ = ["HeldParameter", "held_parameters", "held_by_stage", "held_count", "parameter_walk"]
@@ -25,6 +26,7 @@ class HeldParameter:
     shape: tuple[int, ...]  # on each tp rank: the shard's shape where the plan splits it
     element_size: int  # bytes per element
     ident: int = field(default=0, compare=False, repr=False)  # id() of the parameter: one tied to another is one
+    by_expert: bool = False  # experts split over ep (its shape a rank's E / ep): never sharded over dp
 
     @property
     def nbytes(self) -> int:
@@ -63,10 +65,11 @@ def parameter_walk(model: nn.Module) -> tuple[tuple, ...]:
 
 def held_by_stage(
     model: nn.Module, module_sets: Sequence[Iterable[str]], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = (),
-    walk: tuple[tuple, ...] | None = None,
+    walk: tuple[tuple, ...] | None = None, experts: Iterable[ExpertSpec] = (),
 ) -> list[list[HeldParameter]]:
     """`held_parameters` of each set of modules (a stage's), in one walk over the model's parameters
-    (`walk`: `parameter_walk(model)`, when the caller keeps it).
+    (`walk`: `parameter_walk(model)`, when the caller keeps it). The parameters of `experts` split over
+    ep > 1 are held as a rank's E / ep experts (`ExpertSpec.split`).
 
     A parameter shared by two sets (tied embeddings on the first and last stage) is in both;
     `HeldParameter.ident` tells a rank holding both stages that it is one.
@@ -74,6 +77,7 @@ def held_by_stage(
     sets = [set(m) for m in module_sets]
     specs = shards.values() if isinstance(shards, Mapping) else shards
     split = {s.fqn: s for s in specs if s.style != "grad_allreduce"}
+    by_expert = {s.fqn: s for s in experts if s.ep > 1}
     # Which sets hold each module path: a parameter is looked up by its few prefixes, not tested against
     # every set (a 70B model over 32 stages: 700 parameters x 32 sets per walk otherwise).
     everything = {i for i, modules in enumerate(sets) if "" in modules}
@@ -87,9 +91,11 @@ def held_by_stage(
         found = everything.union(*(holders.get(prefix, ()) for prefix in prefixes))
         if not found:
             continue
-        shard = split.get(owner)
+        shard, spec = split.get(owner), by_expert.get(owner)
         shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
-        held = HeldParameter(name, tuple(shape or whole), element_size, ident)
+        if spec is not None:
+            shape = spec.split.local_shape(whole)
+        held = HeldParameter(name, tuple(shape or whole), element_size, ident, spec is not None)
         for i in sorted(found):
             if ident not in seen[i]:
                 seen[i].add(ident)

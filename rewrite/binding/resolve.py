@@ -21,6 +21,7 @@ from ..plan.schema import ParallelPlan, PlanError
 from ..plan.size_checks import PipelineShape, by_line, stage_count, world_problem
 from .stage_split import fx_stages, hf_stages
 from ..plan.patterns import closest, match_pattern
+from .experts import ExpertSpec, expert_problems
 from .tp_rules import ShardSpec, TpRules, shard_problems
 from ..plan.wording import collapse_repeats
 from .tp_switches import option_problems
@@ -63,6 +64,7 @@ class ResolvedPlan:
     stage_rank: tuple[int, ...] = (0,)  # the pp rank holding each stage
     recomputed: tuple[str, ...] = ()  # modules whose activations are recomputed (activation_checkpointing)
     warnings: tuple[str, ...] = ()  # valid, but worth a line at `validate` and `show` (a rule that changes nothing)
+    experts: tuple[ExpertSpec, ...] = ()  # fused experts modules split over mesh.ep (each checked, ep > 1 or not)
 
     @property
     def num_stages(self) -> int:
@@ -148,8 +150,8 @@ def _stages(rules: TpRules, seq_len: int, shape: PipelineShape, n: int, bb: Back
     return hf_stages(shape, n, bb, costs)  # `costs` is (rules, seq_len) estimated
 
 
-def _held(rules: TpRules, sets: tuple, model: nn.Module, shards: tuple, walk: tuple | None) -> list:
-    return held_by_stage(model, sets, shards, walk)  # `shards` is `rules` bound
+def _held(rules: TpRules, sets: tuple, experts: tuple, model: nn.Module, shards: tuple, walk: tuple | None) -> list:
+    return held_by_stage(model, sets, shards, walk, experts)  # `shards` is `rules` bound
 
 
 def _bind_shards(rules: TpRules, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[tuple, tuple, tuple]:
@@ -210,6 +212,8 @@ def resolve(
     rules, seq_len, shape = TpRules.of(plan), plan.pipeline.seq_len, PipelineShape.of(plan)
     shards, tp_problems, notes = _memo(cache, _bind_shards, (rules,), model, modules)
     problems += tp_problems
+    experts, expert_issues = expert_problems(plan, model, modules)
+    problems += expert_issues
     recomputed, ac_problems = _recomputed(plan, modules)
     problems += ac_problems
     bb = find_backbone(model)
@@ -248,7 +252,7 @@ def resolve(
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)
     sets = module_sets if pp > 1 else [[""]]
     walk = _memo(cache, parameter_walk, (), model) if cache is not None else None
-    held_sets = _memo(cache, _held, (rules, tuple(map(tuple, sets))), model, shards, walk)
+    held_sets = _memo(cache, _held, (rules, tuple(map(tuple, sets)), experts), model, shards, walk)
     stages = []
     for s, held in enumerate(held_sets):
         count, size = sum(p.numel for p in held), sum(p.nbytes for p in held)
@@ -269,4 +273,5 @@ def resolve(
         stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
         recomputed=tuple(recomputed),
         warnings=tuple(collapse_repeats(list(notes))),
+        experts=experts,
     )

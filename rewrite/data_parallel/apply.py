@@ -95,7 +95,8 @@ def _loose_parameters(carved: Carved, resolved: ResolvedPlan, units: list[nn.Mod
 
 
 def apply_data_parallel(
-    carved: Carved, resolved: ResolvedPlan, mesh: Mesh, *, split_backward: bool, precision: Precision | None = None
+    carved: Carved, resolved: ResolvedPlan, mesh: Mesh, *, split_backward: bool, precision: Precision | None = None,
+    ignored: list[nn.Parameter] = (),
 ) -> tuple[Carved, GradSync | DdpSync | None]:
     """Shard (or replicate) this rank's modules over dp, in place.
 
@@ -107,6 +108,8 @@ def apply_data_parallel(
             forward to backward, as `grad_op` does.
         precision: with `by="fsdp"`, every unit gathers its parameters in the compute
             dtype and reduces gradients in the master dtype (FSDP2's `MixedPrecisionPolicy`).
+        ignored: parameters left alone, whole and unreduced (experts split over ep, which
+            differ between the replicas and are reduced by `expert_parallel`).
 
     Returns:
         `(carved, grad_sync)`: the parts with the forward functions and tied parameters
@@ -119,7 +122,8 @@ def apply_data_parallel(
         return carved, None
     sharding = resolved.plan.data_parallel.sharding
     if sharding == "replicate" and ddp_fits(len(carved.forward_fns), split_backward):
-        return carved, DdpSync(carved.module, mesh.replica_mesh.get_group())
+        names = first_names(carved.module)
+        return carved, DdpSync(carved.module, mesh.replica_mesh.get_group(), ignore=[names[id(p)] for p in ignored])
     units = data_parallel_units(carved.model, resolved, sorted(carved.forward_fns))
     loose = _loose_parameters(carved, resolved, units)
     agree(
@@ -135,13 +139,15 @@ def apply_data_parallel(
     if precision is not None and precision.by == "fsdp":
         policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=precision.master)
     tied = [names[id(p)] for p in carved.tied]
+    left = set(ignored) or None
     for module in [*units, model]:  # the root last
         if sharding == "replicate":
-            replicate(module, mesh=dp_mesh)
+            replicate(module, mesh=dp_mesh, ignored_params=left)
         else:
             # The root's parameters are needed again by the backward right after the forward:
             # kept gathered in between, as fully_shard does for a root by default.
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3 and module is not model, mp_policy=policy)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3 and module is not model, mp_policy=policy,
+                        ignored_params=left)
     forward_fns = carved.forward_fns
     if any(fn is not model for fn in forward_fns.values()):
         fns = dict(forward_fns)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from ..torch_internals import ddp_reducer_finished, prepare_ddp_for_backward
+from ..torch_internals import ddp_ignore, ddp_reducer_finished, prepare_ddp_for_backward
 
 __all__ = ["DdpSync", "ddp_fits"]
 
@@ -34,8 +34,8 @@ def ddp_fits(stages_on_rank: int, split_backward: bool) -> bool:
 class DdpSync:
     """The pipeline's `GradientSync` for `replicate` on DDP: one bucketed, overlapped all-reduce per step."""
 
-    def __init__(self, module: nn.Module, group: ProcessGroup):
-        self.module, self.group = module, group
+    def __init__(self, module: nn.Module, group: ProcessGroup, *, ignore: list[str] = ()):
+        self.module, self.group, self.ignore = module, group, list(ignore)  # ignore: parameter names DDP leaves alone
         self.ddp: DistributedDataParallel | None = None
         self.armed = False
 
@@ -46,6 +46,8 @@ class DdpSync:
         shapes and starts them from dp rank 0's values); every rank calls it at its first step.
         """
         if self.ddp is None:
+            if self.ignore:
+                ddp_ignore(self.module, self.ignore)
             self.ddp = DistributedDataParallel(self.module, process_group=self.group, forward_sync_buffers=False)
         self.ddp.require_backward_grad_sync = False
         self.armed = False
@@ -62,7 +64,8 @@ class DdpSync:
             raise RuntimeError("replicate on DDP: the step had no whole last backward to reduce in")
         self.armed = False
         if not ddp_reducer_finished(self.ddp):
-            missing = [n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+            missing = [n for n, p in self.module.named_parameters()
+                       if p.requires_grad and p.grad is None and n not in self.ignore]
             raise RuntimeError(
                 "data_parallel.sharding replicate: the step's last backward did not reach every trainable "
                 f"parameter ({', '.join(missing[:4]) or 'some of them'}), so their gradients were not averaged "

@@ -55,6 +55,13 @@ class Footprint:
         """Weights + gradients + AdamW state, between steps."""
         return self.weights + self.grads + self.adamw
 
+    def __add__(self, other: Footprint) -> Footprint:
+        """Two sets of parameters one rank holds (the dense ones and its experts), each counted as it is held."""
+        return Footprint(*(a + b for a, b in zip(self._fields(), other._fields())))
+
+    def _fields(self) -> tuple[int, ...]:
+        return self.params, self.weights, self.grads, self.adamw, self.peak
+
 
 def _dp_shard(shape: tuple[int, ...], dp: int) -> int:
     # FSDP2's shard of a parameter: dim 0 padded to a multiple of dp, then split (a scalar as [1]).
@@ -159,19 +166,22 @@ def reduce_as_run(reduce: str, *, microbatches: int, virtual_stages: int, split:
     return "microbatch" if reduce == "step" and alone else reduce
 
 
-def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int) -> list[tuple[tuple[int, ...], int, str]]:
+def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int, *, by_expert: bool = False
+                    ) -> list[tuple[tuple[int, ...], int, str]]:
     """(shape on the rank, bytes per element, FSDP2 unit) of every parameter pp rank `pp_rank` holds, each once.
 
     Every tp rank of a stage holds the same shapes; a parameter shared by two modules
     the rank holds (tied embeddings on one rank) counts once. The unit is the decoder
     layer (a traced model: the module of its layer sequence) holding it, else "root".
+    `by_expert`: only the experts split over ep (a rank's E / ep, which FSDP2 leaves whole),
+    else all the others.
     """
     layers = frozenset(m for s in resolved.stages for m in s.layers)
     held = rank_held(resolved, pp_rank) if all(s.held or not s.param_count for s in resolved.stages) else None
     if held is None:  # a ResolvedPlan built by hand, without its stages' parameters
         modules = resolved.rank_modules(pp_rank) if resolved.pp > 1 else ("",)
         held = held_parameters(model, modules, resolved.shards)
-    return [(p.shape, p.element_size, param_unit(p.name, layers)) for p in held]
+    return [(p.shape, p.element_size, param_unit(p.name, layers)) for p in held if p.by_expert == by_expert]
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a plan search asks for the same names under the same layers often
@@ -216,8 +226,10 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
                            virtual_stages=pipe.virtual_stages, split=split)
     compute = None if dtype is None else compute_dtype(model, dtype).itemsize
     if model is not None:
+        # Experts split over ep are whole on each rank (weights, gradients and AdamW state), never gathered.
         return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split, reduce=reduce,
-                          compute_bytes=compute) for r in range(resolved.pp)]
+                          compute_bytes=compute) + footprint(rank_parameters(resolved, model, r, by_expert=True))
+                for r in range(resolved.pp)]
     if dp > 1:
         raise ValueError(
             f"memory per rank with {dp} ranks sharing the parameters (mesh.dp={mesh.dp} x mesh.cp={mesh.cp}) needs "

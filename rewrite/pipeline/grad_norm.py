@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..expert_parallel import expert_parameters
 from ..lent import lend
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
@@ -39,6 +40,9 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
       one replicated over dp (`sharding: replicate`, already averaged: a DTensor, or a
       plain tensor under DDP) only once, on dp_rank 0. The cp ranks of a stage hold the same
       parameters as replicas do (FSDP2 shards them over dp x cp): counted alike.
+    - expert parallel: experts split over ep are whole on each rank of their group, one
+      block each; a block's replicas (dp ranks `d` with the same `d % ep`) count it once,
+      on the first (dp_rank < ep).
 
     With norm_type 2 the total is `sqrt(sum of squares)` over every rank, with inf
     `max |g|`: one all-reduce of one float32 tensor on the default group. When
@@ -73,11 +77,13 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
     mesh = stage.mesh
     split = _tp_split_ids(stage.module, mesh.tp_rank) if mesh.tp > 1 else set()
     not_mine = {id(p) for p in stage.tied} if not stage.is_first else set()
+    experts = {id(p) for p in expert_parameters(stage.module)}
     grads, counted, partial = [], [], []
     for name, param in stage.module.named_parameters():  # a tied object once
         if param.grad is None:
             continue
-        grad, once = _local_grad(param, mesh.dp_rank + mesh.cp_rank)  # 0 on the first of the dp x cp copies
+        replica = mesh.dp_rank // mesh.ep if id(param) in experts else mesh.dp_rank
+        grad, once = _local_grad(param, replica + mesh.cp_rank)  # 0 on the first of the dp x cp copies
         if once is None:
             partial.append(name)
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from .loading import load_plan
+from .patterns import match_pattern
 from .schema import ParallelPlan
 from .styles import STYLE_ALIASES, STYLES
 
@@ -35,6 +36,8 @@ def plan_from_hf(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
+    dp: int | None = None,
     microbatches: int = 1,
     cut_points: list[str] | str | None = None,
     schedule: str = "afab",
@@ -42,7 +45,8 @@ def plan_from_hf(
     loss_parallel: bool = False,
     sequence_parallel: bool = False,
 ) -> ParallelPlan:
-    """A plan from the model's `base_model_tp_plan` (and its `lm_head` rule when untied).
+    """A plan from the model's `base_model_tp_plan` (and its `lm_head` rule when untied), and for a
+    mixture of experts its `base_model_ep_plan`.
 
     Hugging Face style names map onto ours (`STYLE_ALIASES`): `colwise` -> column,
     `embedding_rowwise` -> vocab (an embedding the model declares, split by vocabulary rows).
@@ -50,9 +54,15 @@ def plan_from_hf(
     the embedding stay whole (a `vocab` rule the model declares for its embedding is dropped);
     with it both are split along the vocabulary alike.
 
+    A mixture of experts's fused experts modules get the ep plan's rule (`ep_dispatch_experts` ->
+    `expert_parallel`, checked at ep 1 too) in place of the tp plan's rules inside them (each expert
+    split over tp is not built); given a model, tp rules matching none of its modules (a dense MLP's,
+    where every layer is sparse) are left out.
+
     Args:
         model_or_config: a transformers model (a causal LM or its base model) or config.
         tp, pp: the mesh.
+        ep, dp: experts split over ep ranks borrowed from the dp replicas (dp defaults to ep).
         microbatches, cut_points, schedule, virtual_stages: the pipeline
             (cut_points None: balanced; "auto": by estimated compute).
         loss_parallel: the LM head becomes 'column' (vocabulary shards of the logits) and
@@ -91,6 +101,7 @@ def plan_from_hf(
     if not base_rules:
         raise ValueError(f"{type(config).__name__} has no base_model_tp_plan to build a plan from")
     rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_rules.items()}
+    rules = _with_experts(rules, config, prefix, model_or_config)
     tied = getattr(config, "tie_word_embeddings", False)
     if loss_parallel:
         if not prefix:
@@ -121,7 +132,7 @@ def plan_from_hf(
         pipeline["cut_points"] = cut_points
     # Through load_plan, so a bad argument reads like a bad plan file: each problem with its fix.
     return load_plan({
-        "mesh": {"pp": pp, "tp": tp},
+        "mesh": {"pp": pp, "tp": tp, "ep": ep, "dp": ep if dp is None else dp},
         "tensor_parallel": rules,
         "pipeline": pipeline,
         "loss_parallel": loss_parallel,
@@ -131,3 +142,17 @@ def plan_from_hf(
 
 def _is_vocab(style: str) -> bool:
     return style == "vocab" or STYLE_ALIASES.get(style) == "vocab"
+
+
+def _with_experts(rules: dict[str, str], config, prefix: str, model_or_config) -> dict[str, str]:
+    """The tp rules with the ep plan's experts rules in place of those inside the experts modules."""
+    ep_rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items()}
+    experts = [k for k, v in ep_rules.items() if STYLE_ALIASES.get(v) == "expert_parallel"]
+    if not experts:
+        return rules
+    inside = [k for k in rules if any(k == e or k.startswith(e + ".") for e in experts)]
+    kept = {k: v for k, v in rules.items() if k not in inside}
+    if isinstance(model_or_config, nn.Module):
+        names = [n for n, _ in model_or_config.named_modules() if n]
+        kept = {k: v for k, v in kept.items() if any(match_pattern(k, n) for n in names)}
+    return {**kept, **{e: "expert_parallel" for e in experts}}

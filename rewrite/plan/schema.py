@@ -61,14 +61,38 @@ class MeshSpec(StrictModel):
             ),
         ),
     ] = 1
+    ep: Annotated[
+        int,
+        Field(
+            ge=1,
+            strict=True,
+            description=(
+                "Expert-parallel ranks (>= 1, dividing dp): adds no ranks. Each group of ep neighbouring dp replicas "
+                "splits the experts of every mixture-of-experts layer (the modules a tensor_parallel rule names "
+                "'expert_parallel'), E / ep per rank; tokens reach their experts' ranks and come back by all-to-all."
+            ),
+        ),
+    ] = 1
 
     @model_serializer(mode="wrap")
     def _without_cp_one(self, handler):
-        # cp 1 is every plan before context parallelism: written plans and digests leave it out.
+        # cp 1 and ep 1 are every plan before them: written plans and digests leave them out.
         data = handler(self)
-        if isinstance(data, dict) and data.get("cp") == 1:
-            data.pop("cp")
+        for key in ("cp", "ep"):
+            if isinstance(data, dict) and data.get(key) == 1:
+                data.pop(key)
         return data
+
+    @model_validator(mode="after")
+    def _ep_divides_dp(self) -> MeshSpec:
+        if self.ep > 1 and self.dp % self.ep:
+            fits = [e for e in range(2, self.dp + 1) if self.dp % e == 0]
+            use = f"use ep {', '.join(map(str, fits))} or 1" if fits else "use ep 1, or dp a multiple of ep"
+            raise ValueError(
+                f"mesh.ep={self.ep} does not divide mesh.dp={self.dp}: expert parallelism borrows its ranks from the "
+                f"data-parallel replicas (each group of ep of them splits the experts); {use}"
+            )
+        return self
 
     @property
     def world_size(self) -> int:

@@ -18,7 +18,7 @@ class StyleInfo:
     """What a style does to its module, as data every reader (rules, layers, checkpoints) looks up."""
 
     what: str  # one line for users (`rewrite show`, the plan schema)
-    layer: Literal["column", "row", "vocab", "whole"]  # Column/RowParallelLinear, VocabParallelEmbedding, or kept
+    layer: Literal["column", "row", "vocab", "whole", "experts"]  # Column/RowParallelLinear, VocabParallelEmbedding, kept
     output_sharded: bool = False  # its output stays split over tp: a `row` layer must read it
     input_sharded: bool = False  # it reads an input already split over tp (a `column` layer's output)
     gathers_output: bool = False  # its output is all-gathered back whole
@@ -46,6 +46,8 @@ STYLE_INFO: dict[str, StyleInfo] = {
                        "zeros elsewhere, and one all-reduce sums the result", "vocab"),
     "grad_allreduce": StyleInfo("any module kept whole whose input is sharded (e.g. per-head q/k norms): "
                                 "its parameter gradients are summed over the tensor-parallel group", "whole"),
+    "expert_parallel": StyleInfo("a fused experts module (a mixture of experts) split by expert over mesh.ep, not tp: "
+                                 "each rank holds E / ep experts and tokens reach them by all-to-all", "experts"),
 }
 STYLES: dict[str, str] = {name: info.what for name, info in STYLE_INFO.items()}
 
@@ -62,6 +64,7 @@ STYLE_ALIASES: dict[str, str] = {
     "replicated_with_grad_allreduce": "grad_allreduce",
     "embedding_rowwise": "vocab",
     "packed_colwise": "packed_column",
+    "ep_dispatch_experts": "expert_parallel",
 }
 
 # The styles that split output features (ColumnParallelLinear).

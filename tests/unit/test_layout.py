@@ -30,6 +30,7 @@ LEVELS = {
     "estimate": 2,  # numbers only: activations, memory, stage balance
     "mesh": 2,  # the only place process groups are made (the rank formula is plan.ranks)
     "tensor_parallel": 3,
+    "expert_parallel": 3.2,  # experts split over ep, the all-to-all token dispatch, their gradients
     "context_parallel": 3.5,  # sequence shards, the K/V all-gather, the attention function
     "pipeline": 4,
     "data_parallel": 4.5,  # FSDP2 / replicate units and the once-per-step gradient sync

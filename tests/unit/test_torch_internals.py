@@ -38,6 +38,7 @@ def test_transformers_is_the_release_the_families_were_checked_on():
 def test_every_private_name_used_is_there():
     assert callable(_backward.stage_backward_input) and callable(_backward.stage_backward_weight)
     assert hasattr(torch_internals.replicate, "state") and hasattr(torch.distributed.fsdp.fully_shard, "state")
+    assert callable(torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     assert hasattr(FSDPState, "_root_post_backward_final_callback")

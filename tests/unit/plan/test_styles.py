@@ -10,7 +10,8 @@ from rewrite.plan.styles import COLUMN_STYLES, STYLE_ALIASES, STYLE_INFO, STYLES
 
 # The documented layout (docs/layers.md), written out: (weight dim, bias dim) split per style.
 SPLITS = {"column": (0, 0), "column_gather": (0, 0), "packed_column": (0, 0), "row": (1, None),
-          "row_split": (1, None), "vocab": (0, None), "grad_allreduce": (None, None)}
+          "row_split": (1, None), "vocab": (0, None), "grad_allreduce": (None, None),
+          "expert_parallel": (None, None)}  # split over ep, not tp: ExpertSpec.split
 
 
 @pytest.mark.parametrize("style", list(STYLES))

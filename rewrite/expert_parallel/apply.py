@@ -1,0 +1,75 @@
+"""Splitting a model's fused experts over mesh.ep, in place, and their gradients' reduction.
+
+Each experts module a plan names keeps its rank's experts (every tensor's rows along dim 0,
+`ExpertSpec.split`) and sends tokens to them (`dispatch`). Data parallelism leaves these
+parameters alone: they differ from rank to rank of an ep group. Their gradients already hold
+every token's contribution from the group's ranks (the exchange's backward brought them);
+`ExpertGradSync` sums them over the ranks holding the same experts ((dp / ep) x cp) and divides
+by dp x cp, as the dense gradients are averaged over the replicas, once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..binding.resolve import ResolvedPlan
+from ..mesh import Mesh
+from ..tensor_parallel.mixins import add_mixin
+from .dispatch import ExpertParallelMixin, ExpertShard
+
+__all__ = ["apply_expert_parallel", "expert_parameters", "ExpertGradSync"]
+
+
+def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> None:
+    """Keep this rank's experts of every module the plan splits over ep, in place (ep 1: nothing)."""
+    if mesh.ep == 1:
+        return
+    for spec in resolved.experts:
+        module = model.get_submodule(spec.fqn)
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            part = spec.split.take(tensor.detach(), mesh.ep_rank).clone()
+            if isinstance(tensor, nn.Parameter):
+                setattr(module, name, nn.Parameter(part, requires_grad=tensor.requires_grad))
+            else:
+                module.register_buffer(name, part)
+        module.num_experts = spec.local  # the family's forward counts its experts with it
+        add_mixin(module, ExpertParallelMixin).expert_shard = ExpertShard(
+            spec.num_experts, spec.local, mesh.ep_rank * spec.local, mesh.ep, mesh.ep_group)
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `module` that hold this rank's experts only (split over ep)."""
+    return [p for m in module.modules() if isinstance(m, ExpertParallelMixin) for p in m.parameters()]
+
+
+class ExpertGradSync:
+    """The step's gradient sync with the experts' own reduction after the dense one (`GradientSync`)."""
+
+    def __init__(self, dense, params: list[nn.Parameter], mesh: Mesh):
+        self.dense, self.params, self.mesh = dense, params, mesh
+
+    def begin(self) -> None:
+        self.dense.begin()
+
+    def sync_next_backward(self) -> None:
+        self.dense.sync_next_backward()
+
+    def finish(self) -> None:
+        """Reduce the dense gradients, then sum the experts' over their replicas and divide by dp x cp."""
+        self.dense.finish()
+        for param in self.params:  # a rank whose experts saw no row all step still adds its zeros
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in self.params if p.requires_grad]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.mesh.expert_replica_group is not None:
+            dist.all_reduce(flat, group=self.mesh.expert_replica_group)
+        flat.div_(self.mesh.replicas)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
+            offset += grad.numel()

@@ -1,0 +1,78 @@
+"""A fused experts module split over ep: each (token, choice) row goes to its expert's rank and back.
+
+On a rank holding experts `[a, a + n)` of `E` (`n = E / ep`), the module's own forward is the
+family's math for those experts: given rows, their experts (local ids) and routing weights, it runs
+each row through its expert and applies the weight where the family does. A layer's call
+`experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])` then becomes:
+
+    rows      = hidden repeated per choice, sorted by expert        (T k, H) and (T k,) weights
+    counts    = rows per expert, exchanged                           -> rows per (source, local expert)
+    received  = all-to-all(rows | weights)                           (R, H + 1), sources in rank order
+    out       = own_forward(received, local ids [R, 1], weights [R, 1])     (R, H)
+    back      = all-to-all(out), rows in the order they were sent    (T k, H)
+    result    = back unsorted, summed over the k choices             (T, H)
+
+Dropless: every row reaches its expert (no capacity). Rows and weights travel in one exchange,
+in their common dtype (a weight wider than the hidden states keeps its bits; rows widened and
+narrowed back are exact), so a step makes one exchange each way per layer, always in the same
+order on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from .collectives import exchange_counts, exchange_rows
+
+__all__ = ["ExpertShard", "ExpertParallelMixin"]
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """A rank's share of one experts module: experts `[first, first + local)` of `total`, and its ep group."""
+
+    total: int
+    local: int
+    first: int
+    ep: int
+    group: ProcessGroup
+
+
+class ExpertParallelMixin:
+    """Put in front of a fused experts module's class: its forward sends rows to their experts' ranks."""
+
+    expert_shard: ExpertShard
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
+        shard = self.expert_shard
+        tokens, k = top_k_index.shape
+        hidden = hidden_states.shape[-1]
+        hidden_states = hidden_states.reshape(tokens, hidden)
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)  # (T k,): rows grouped by expert, so by rank
+        per_expert = torch.bincount(experts, minlength=shard.total)
+        received = exchange_counts(per_expert, shard.ep, shard.group)  # (ep, local)
+        send = per_expert.view(shard.ep, -1).sum(1).tolist()
+        receive = received.sum(1).tolist()
+        dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+        rows = torch.cat([hidden_states[order // k].to(dtype), top_k_weights.reshape(-1, 1)[order].to(dtype)], dim=1)
+        got = exchange_rows(rows, send, receive, shard.group)  # (R, H + 1)
+        local_ids = torch.repeat_interleave(
+            torch.arange(shard.local, device=got.device).repeat(shard.ep), received.reshape(-1).to(got.device))
+        out = self._own_experts(got[:, :hidden].to(hidden_states.dtype), local_ids.unsqueeze(1),
+                                got[:, hidden:].to(top_k_weights.dtype), *args, **kwargs)
+        back = exchange_rows(out, receive, send, shard.group)  # (T k, H), in `order`
+        unsorted = torch.empty_like(back).index_copy(0, order, back)
+        return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _own_experts(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The family's forward over this rank's experts; with no row, zeros that still reach every
+        parameter (their gradient is 0, as on one process, not missing) and the received (empty) rows,
+        so that the backward runs the exchanges' backwards here as on the ranks that got rows."""
+        if rows.shape[0]:
+            return super().forward(rows, ids, weights, *args, **kwargs)
+        touch = (sum(p.sum() for p in self.parameters() if p.requires_grad) + rows.sum() + weights.sum()) * 0
+        return rows.new_zeros(0, rows.shape[-1]) + touch

@@ -1,0 +1,55 @@
+"""The fused experts module of a Hugging Face mixture of experts, as rewrite can split it by expert.
+
+transformers' MoE families hold a layer's experts in one module (`gate_up_proj [E, 2I, H]`,
+`down_proj [E, H, I]`, gpt-oss's transposed ones and biases alike) called as
+`experts(hidden_states, top_k_index, top_k_weights)`: it runs each (token, choice) row through its
+expert and applies the routing weight itself, wherever the family applies it. Every parameter's
+first dimension is the expert, so a rank holding experts `[a, b)` holds the rows `[a, b)` of each,
+and the module's own forward on those rows is the family's math for them. Llama 4's experts
+(called on inputs already weighted, every token through every expert) are not of this kind.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+__all__ = ["EXPERTS_CALL", "experts_problem", "num_experts"]
+
+# The call every fused experts module answers: the token rows, their chosen experts and weights
+# (gpt-oss names the last two router_indices and routing_weights).
+EXPERTS_CALL = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def num_experts(module: nn.Module) -> int | None:
+    """The experts a fused experts module holds (its `num_experts`), or None when it has no such count."""
+    count = getattr(module, "num_experts", None)
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+
+
+def experts_problem(module: nn.Module) -> str | None:
+    """Why `module` cannot be split by expert, in a phrase; None when it can.
+
+    It can when it answers `EXPERTS_CALL` (three arguments, the first the hidden states), says how many experts it holds, has parameters,
+    and every parameter (and buffer) has the experts as its first dimension.
+    """
+    name = type(module).__name__
+    count = num_experts(module)
+    if count is None:
+        return f"a {name} with no num_experts: not a fused experts module"
+    try:
+        params = tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        params = ()
+    if len(params) < 3 or params[0] != EXPERTS_CALL[0]:
+        return (f"a {name} called as forward({', '.join(params)}), not as forward({', '.join(EXPERTS_CALL)}): its "
+                "experts do not take each token's chosen experts and weights, so they cannot be split by expert")
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    if not tensors:
+        return f"a {name} without parameters"
+    other = [f"{n} {tuple(t.shape)}" for n, t in tensors if t.dim() == 0 or t.shape[0] != count]
+    if other:
+        return (f"a {name} whose {', '.join(other[:3])} {'does' if len(other) == 1 else 'do'} not have its "
+                f"{count} experts as first dimension")
+    return None

@@ -1,0 +1,101 @@
+"""mesh.ep in a plan and its binding: ep borrows ranks from dp (the groups it makes), `expert_parallel`
+rules bind fused experts modules only, every refusal names the sizes or the rule that works, a rank's
+parameters and memory count E / ep experts held whole, and plan_from_hf reads a family's ep plan."""
+
+from __future__ import annotations
+
+import pytest
+
+import rewrite
+from rewrite.mesh import expert_groups
+from rewrite.models.experts import experts_problem
+from rewrite.estimate import rank_footprints
+from tests.families import tiny_family_model, tiny_moe_model
+
+RULE = {"model.layers.*.mlp.experts": "expert_parallel"}
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe():
+    return tiny_moe_model("qwen3_moe")
+
+
+def _problems(plan: dict, model) -> str:
+    with pytest.raises(ValueError) as info:
+        rewrite.resolve(plan, model)
+    return str(info.value)
+
+
+def test_ep_in_the_mesh():
+    plan = rewrite.load_plan({"mesh": {"dp": 4, "ep": 2}, "tensor_parallel": RULE})
+    assert plan.mesh.ep == 2 and plan.mesh.world_size == 4  # ep adds no ranks
+    assert "ep: 2" in plan.to_yaml()
+    assert "ep:" not in rewrite.load_plan({"mesh": {"dp": 2}}).to_yaml()  # plans without ep read as before
+    with pytest.raises(ValueError, match=r"mesh.ep=3 does not divide mesh.dp=4: .* use ep 2, 4 or 1"):
+        rewrite.load_plan({"mesh": {"dp": 4, "ep": 3}})
+    with pytest.raises(ValueError, match=r"mesh.ep=2 does not divide mesh.dp=1: .* use ep 1"):
+        rewrite.load_plan({"mesh": {"ep": 2}})
+    for bad in (0, "2", 1.5):
+        with pytest.raises(ValueError, match="ep"):
+            rewrite.load_plan({"mesh": {"dp": 2, "ep": bad}})
+
+
+def test_expert_groups_are_neighbouring_replicas():
+    # dp 4 x pp 2 x tp 1, ep 2: global rank = dp_rank * 2 + pp_rank.
+    groups, replicas = expert_groups(2, 1, 4, 1, 2)
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]  # dp ranks (0, 1) and (2, 3) at each pp rank
+    assert replicas == [[0, 4], [2, 6], [1, 5], [3, 7]]  # the same experts: dp ranks 0 and 2, 1 and 3
+    groups, replicas = expert_groups(1, 2, 2, 2, 2)  # cp 2 x tp 2: each (cp, tp) place has its group
+    assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]] and replicas == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    covered = sorted(r for g in groups for r in g)
+    assert covered == list(range(8))
+
+
+def test_what_can_be_split_by_expert():
+    for family, holder in [("qwen3_moe", "mlp"), ("mixtral", "mlp"), ("olmoe", "mlp"), ("qwen2_moe", "mlp"),
+                           ("deepseek_v3", "mlp"), ("gpt_oss", "mlp")]:
+        model = tiny_moe_model(family)
+        assert experts_problem(model.get_submodule(f"model.layers.0.{holder}.experts")) is None, family
+    llama4 = tiny_moe_model("llama4_text")
+    assert "called as forward(hidden_states), not as forward(hidden_states, top_k_index, top_k_weights)" in (
+        experts_problem(llama4.get_submodule("model.layers.0.feed_forward.experts")))
+    mlp = tiny_family_model("llama").get_submodule("model.layers.0.mlp")
+    assert "no num_experts" in experts_problem(mlp)
+
+
+def test_refusals_name_the_fix(qwen3_moe):
+    assert "add 'model.layers.*.mlp.experts': expert_parallel" in _problems({"mesh": {"dp": 2, "ep": 2}}, qwen3_moe)
+    llama = tiny_family_model("llama")
+    assert "LlamaForCausalLM has no fused experts module to split; use ep 1" in _problems(
+        {"mesh": {"dp": 2, "ep": 2}}, llama)
+    text = _problems({"mesh": {"dp": 2}, "tensor_parallel": {"model.layers.*.mlp": "expert_parallel"}}, llama)
+    assert "matches 'model.layers.*.mlp', a LlamaMLP with no num_experts: not a fused experts module" in text
+    text = _problems({"mesh": {"dp": 8, "ep": 8}, "tensor_parallel": RULE}, qwen3_moe)
+    assert "mesh.ep=8 does not divide the 4 experts of model.layers.*.mlp.experts; use ep 1, 2, 4" in text
+    text = _problems({"mesh": {"dp": 2, "ep": 2, "tp": 2}, "tensor_parallel": RULE}, qwen3_moe)
+    assert "mesh.ep=2 with mesh.tp=2: experts split over ep beside attention split over tp is not built yet" in text
+    assert rewrite.resolve({"mesh": {"dp": 2}, "tensor_parallel": RULE}, qwen3_moe).experts  # ep 1: checked, kept
+
+
+def test_a_rank_holds_its_experts_whole(qwen3_moe):
+    experts = sum(p.numel() for n, p in qwen3_moe.named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in qwen3_moe.parameters())
+    at_ep2 = rewrite.resolve({"mesh": {"dp": 2, "ep": 2}, "tensor_parallel": RULE}, qwen3_moe)
+    assert at_ep2.experts[0].local == 2 and at_ep2.stages[0].param_count == total - experts // 2
+    dense = total - experts
+    for dp, ep in [(2, 2), (4, 2), (4, 4)]:
+        resolved = rewrite.resolve({"mesh": {"dp": dp, "ep": ep}, "tensor_parallel": RULE}, qwen3_moe)
+        # FSDP2 shards the dense parameters over dp (padded dim 0), never the experts a rank holds.
+        held = rank_footprints(resolved, qwen3_moe)[0].params
+        assert experts // ep + dense // dp <= held <= experts // ep + dense // dp + 4 * 64 * 4, (dp, ep, held)
+
+
+def test_plan_from_hf_reads_the_ep_plan(qwen3_moe):
+    plan = rewrite.plan_from_hf(qwen3_moe.config, ep=2)
+    assert plan.mesh.ep == 2 and plan.mesh.dp == 2
+    assert plan.tensor_parallel["model.layers.*.mlp.experts"] == "expert_parallel"
+    assert not [k for k in plan.tensor_parallel if ".experts." in k]  # each expert split over tp is not built
+    assert "model.layers.*.mlp.gate_proj" in plan.tensor_parallel  # a config may have dense layers
+    fitted = rewrite.plan_from_hf(qwen3_moe, ep=2, dp=4)
+    assert fitted.mesh.dp == 4 and "model.layers.*.mlp.gate_proj" not in fitted.tensor_parallel  # none here
+    assert rewrite.resolve(fitted, qwen3_moe).experts[0].ep == 2
