@@ -1,7 +1,7 @@
-"""The family table: every Hugging Face family the sweep covers, at tp 2, pp 2, sequence and vocab/loss
-parallelism, from the sweep's own results.
+"""The family tables: every Hugging Face family the sweeps cover, from the sweeps' own results.
 
-    .venv/bin/python -m bench.families      # about 5 minutes on 2 cores; writes docs/families.md
+    .venv/bin/python -m bench.families        # about 5 minutes on 2 cores; writes docs/families.md
+    .venv/bin/python -m bench.families --moe  # the mixture-of-experts families: docs/moe_families.md
 
 Runs tests/distributed/test_family_sweep.py (each family tiny, one spawn of 2 ranks, the step
 loss and every gradient against one process) with REWRITE_FAMILY_TABLE set, then writes what
@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "families.md"
 SWEEP = "tests/distributed/test_family_sweep.py"
+MOE_OUT = ROOT / "docs" / "moe_families.md"
+MOE_SWEEP = "tests/distributed/expert_parallel/test_moe_family_sweep.py"
 
 
 def _cell(text: str) -> str:
@@ -58,20 +60,51 @@ def render(results: dict[str, dict[str, str]], transformers_version: str) -> str
     return "\n".join(lines) + "\n"
 
 
+MOE_COLUMNS = {"ep2": "ep 2 (dp 2)", "pp2": "pp 2 (1f1b)", "tp2": "tp 2 (experts whole)"}
+
+
+def render_moe(results: dict[str, dict[str, str]], transformers_version: str) -> str:
+    both = sum(r.get("ep2") == "works" and r.get("pp2") == "works" for r in results.values())
+    counts = ", ".join(f"{sum(r.get(k) == 'works' for r in results.values())} at {v}" for k, v in MOE_COLUMNS.items())
+    lines = [
+        "# Hugging Face mixture-of-experts families",
+        "",
+        f"Every mixture-of-experts causal LM of transformers {transformers_version} (an ep plan, or a count of "
+        "experts in its config; no sub-models), built tiny from its own config (hidden 64, 4 layers, 4 experts "
+        "of width 32, 2 chosen per token, random weights), one training step at ep 2 (dp 2, its experts "
+        "modules split by expert: docs/expert_parallel.md), at pp 2 (1f1b) and at tp 2 (its own tp plan through "
+        "`plan_from_hf`, the attention split and the experts whole), the loss and every gradient compared with "
+        "one process running the model's own forward. A case either works or is refused on every rank before "
+        "anything runs, with the reason below; none trains silently wrong. ep 2 x tp 2 is refused for every "
+        "family (not built yet).",
+        "",
+        f"{both} of {len(results)} work at ep 2 and at pp 2; {counts}. Written by `python -m bench.families --moe` "
+        f"on {date.today().isoformat()} from `{MOE_SWEEP}`.",
+        "",
+        "| family | " + " | ".join(MOE_COLUMNS.values()) + " |",
+        "|---" * (len(MOE_COLUMNS) + 1) + "|",
+    ]
+    for family, result in sorted(results.items()):
+        lines.append(f"| `{family}` | " + " | ".join(_cell(result.get(k, "-")) for k in MOE_COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     import transformers
 
+    moe = "--moe" in sys.argv[1:]
+    sweep, out, key = (MOE_SWEEP, MOE_OUT, "REWRITE_MOE_TABLE") if moe else (SWEEP, OUT, "REWRITE_FAMILY_TABLE")
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(tmp) / "families.json"
-        env = {**os.environ, "REWRITE_FAMILY_TABLE": str(table)}
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", SWEEP], cwd=ROOT, env=env)
+        env = {**os.environ, key: str(table)}
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", sweep], cwd=ROOT, env=env)
         if not table.exists():
             print("the sweep wrote no results", file=sys.stderr)
             return 1
         results = json.loads(table.read_text())
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(render(results, transformers.__version__))
-    print(f"wrote {OUT.relative_to(ROOT)}: {len(results)} families" + ("" if run.returncode == 0 else " (some cases failed)"))
+    out.parent.mkdir(exist_ok=True)
+    out.write_text((render_moe if moe else render)(results, transformers.__version__))
+    print(f"wrote {out.relative_to(ROOT)}: {len(results)} families" + ("" if run.returncode == 0 else " (some cases failed)"))
     return run.returncode
 
 

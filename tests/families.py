@@ -68,6 +68,44 @@ TINY_MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "mo
             "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
+# What a family's own config needs beyond TINY_MOE to build tiny with its experts on.
+MOE_EXTRA = {
+    "dots1": {"n_shared_experts": 1},
+    "zaya": {"num_experts_per_tok": 1},  # ZAYA routes each token to one expert
+    "gemma4_text": {"enable_moe_block": True, "top_k_experts": 2},
+    "longcat_flash": {"moe_topk": 2, "zero_expert_num": 2, "expert_ffn_hidden_size": 32},
+    "lfm2_moe": {"num_dense_layers": 0},
+    "kimi_linear": {"num_experts_per_token": 2},
+    "ernie4_5_moe": {"moe_k": 2, "moe_layer_start_index": 0, "moe_layer_end_index": 3},
+}
+
+
+def moe_families() -> list[str]:
+    """Causal-LM model types of the installed transformers with a mixture of experts (an ep plan, or a
+    count of experts in the config), no encoder-decoder and no sub-models."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config_class = CONFIG_MAPPING[model_type]
+        except (KeyError, ImportError):
+            continue
+        if getattr(config_class, "is_encoder_decoder", False) or getattr(config_class, "sub_configs", None):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                keys = config_class().to_dict()
+        except Exception:
+            keys = {}
+        counts = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+        if getattr(config_class, "base_model_ep_plan", None) or any(keys.get(k) for k in counts):
+            found.append(model_type)
+    return found
+
+
 def tiny_moe_model(family: str, *, seed: int = 0, **overrides):
     """A tiny mixture-of-experts causal LM of `family` (`TINY_MOE` on `TINY`), as `tiny_family_model`."""
     from transformers import AutoConfig
@@ -75,5 +113,5 @@ def tiny_moe_model(family: str, *, seed: int = 0, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         keys = AutoConfig.for_model(family).to_dict()
-    moe = {k: v for k, v in TINY_MOE.items() if k in keys}
+    moe = {k: v for k, v in {**TINY_MOE, **MOE_EXTRA.get(family, {})}.items() if k in keys}
     return tiny_family_model(family, seed=seed, **{**moe, **overrides})

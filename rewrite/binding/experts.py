@@ -39,7 +39,7 @@ class ExpertSpec:
     @property
     def split(self) -> TensorSplit:
         """Every tensor of the module, by expert: ep rank `r` holds slice `r` of dim 0."""
-        return TensorSplit(0, self.ep)
+        return TensorSplit(0, self.ep, over="ep")
 
 
 def _general(fqn: str) -> str:
@@ -74,6 +74,12 @@ def expert_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.
             f"{ep_at}mesh.ep={ep} splits the experts of the modules tensor_parallel names '{EXPERT_STYLE}', and no rule "
             + (f"does; add {found[0]!r}: {EXPERT_STYLE}" if found else
                f"does: {name} has no fused experts module to split; use ep 1"))
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False) and any(experts_problem(m) is None for m in modules.values()):
+        problems.append(
+            f"{name}: config.output_router_logits is True: the model would add its auxiliary load-balancing loss "
+            "(router_aux_loss_coef x the routers' balance), and rewrite's runner does not count it yet; set "
+            "config.output_router_logits = False to train on the language-model loss alone")
     if ep > 1 and specs and plan.mesh.tp > 1:
         problems.append(
             f"{ep_at}mesh.ep={ep} with mesh.tp={plan.mesh.tp}: experts split over ep beside attention split over tp "

@@ -6,6 +6,7 @@ it needs no process group. Every problem is collected and raised once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from ..plan.size_checks import PipelineShape, by_line, stage_count, world_proble
 from .stage_split import fx_stages, hf_stages
 from ..plan.patterns import closest, match_pattern
 from .experts import ExpertSpec, expert_problems
+from .shard_layout import TensorSplit, state_split
 from .tp_rules import ShardSpec, TpRules, shard_problems
 from ..plan.wording import collapse_repeats
 from .tp_switches import option_problems
@@ -91,6 +93,14 @@ class ResolvedPlan:
     @property
     def world_size(self) -> int:
         return self.plan.mesh.world_size
+
+    def split_of(self, name: str) -> TensorSplit:
+        """How each rank holds state-dict tensor `name` (`shard_layout.state_split`)."""
+        return state_split(self._by_fqn[0], self._by_fqn[1], name)
+
+    @functools.cached_property
+    def _by_fqn(self) -> tuple[dict, dict]:
+        return {s.fqn: s for s in self.shards}, {e.fqn: e for e in self.experts}
 
     @property
     def kv_replicas(self) -> int:

@@ -8,6 +8,10 @@ order (`replicas` neighbouring ranks hold the same slice: a k/v projection past 
     column weight, bias  dim 0, slices tp / replicas, parts 1 or 2   (output features)
     row weight           dim 1, slices tp                            (input features; bias whole)
     vocab weight         dim 0, slices tp                            (rows of the vocabulary)
+    experts' tensors     dim 0, slices ep, over "ep"                 (experts; ep rank r holds slice r)
+
+`over` names the ranks that hold the slices: a stage's tp ranks, or the ranks of an
+expert-parallel group (`holder` picks this rank's place among them).
 
 The binding gives each module's per-rank shapes with it (`tp_rules`), the layers cut their shards with it (`shard_of`), checkpoints place them (`checkpoint/layout.py`,
 `checkpoint/pieces.py`), the gradient norm counts each slice once (`counts_on`).
@@ -15,17 +19,19 @@ The binding gives each module's per-rank shapes with it (`tp_rules`), the layers
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from ..plan.styles import STYLE_INFO
 
 if TYPE_CHECKING:
+    from .experts import ExpertSpec
     from .tp_rules import ShardSpec  # which builds its per-rank shapes with TensorSplit
 
-__all__ = ["TensorSplit", "WHOLE", "split_dim", "tensor_split"]
+__all__ = ["TensorSplit", "WHOLE", "split_dim", "tensor_split", "state_split"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,11 @@ class TensorSplit:
     slices: int = 1
     parts: int = 1
     replicas: int = 1
+    over: Literal["tp", "ep"] = "tp"  # the ranks holding the slices: tp ranks, or an expert-parallel group's
+
+    def holder(self, tp_rank: int, ep_rank: int) -> int:
+        """This rank's place among the ranks holding the slices (its tp_rank, or its ep_rank)."""
+        return ep_rank if self.over == "ep" else tp_rank
 
     def slot(self, tp_rank: int) -> int:
         """The slice tp rank `tp_rank` holds."""
@@ -81,6 +92,15 @@ def split_dim(style: str, leaf: str) -> int | None:
     if leaf == "bias":  # a column layer's bias is split with its output features; a row layer's is whole
         return 0 if info.layer == "column" else None
     return info.weight_dim  # vocab: rows of the vocabulary
+
+
+def state_split(shards: Mapping[str, ShardSpec], experts: Mapping[str, ExpertSpec], name: str) -> TensorSplit:
+    """How a rank holds state-dict tensor `name`, given the plan's shards and experts split over ep, by module path."""
+    owner, _, leaf = name.rpartition(".")
+    expert = experts.get(owner)
+    if expert is not None and expert.ep > 1:
+        return expert.split
+    return tensor_split(shards.get(owner), leaf)
 
 
 def tensor_split(spec: ShardSpec | None, leaf: str) -> TensorSplit:

@@ -88,7 +88,7 @@ def from_pretrained(
     plan = load_plan(plan)
     check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, plan.mesh.cp)
     directory = Path(directory)
-    _, pp_rank, tp_rank = coordinates(dist.get_rank(), pp=plan.mesh.pp, tp=plan.mesh.tp, cp=plan.mesh.cp)
+    dp_rank, pp_rank, tp_rank = coordinates(dist.get_rank(), pp=plan.mesh.pp, tp=plan.mesh.tp, cp=plan.mesh.cp)
     what = f"from_pretrained({str(directory)!r}, {plan.source})"
     problems, sources, entries, meta, generation, note, floats = [], {}, [], None, None, None, None
     try:
@@ -96,7 +96,7 @@ def from_pretrained(
         config, generation = _read_configs(directory)
         meta = meta_model(config)
         resolved = _resolve(plan, meta, directory, config)
-        entries = stage_entries(meta, resolved, pp_rank, tp_rank)
+        entries = stage_entries(meta, resolved, pp_rank, tp_rank, dp_rank % plan.mesh.ep)
         weight_map, index_id = weight_map_of(directory)
         sources, problems = _check_sources(directory, weight_map, entries)
         headers = read_headers(directory, weight_map.values())  # every file: all ranks decide alike

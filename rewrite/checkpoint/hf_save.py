@@ -51,6 +51,13 @@ def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
     if entry.dim is None:
         return None
     owner = model.get_submodule(entry.name.rpartition(".")[0])
+    if entry.over == "ep":
+        shard = getattr(owner, "expert_shard", None)
+        if shard is None:
+            return f"{entry.name}: the plan splits its experts over ep, the model holds a {type(owner).__name__} whole"
+        if shard.first != entry.start:
+            return f"{entry.name}: the module holds experts from {shard.first}, the plan gives this rank {entry.start}"
+        return None
     classes = (ColumnParallelLinear, VocabParallelEmbedding) if entry.dim == 0 else (RowParallelLinear,)
     if not isinstance(owner, classes):
         wanted = " or ".join(c.__name__ for c in classes)
@@ -82,7 +89,8 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stag
             return [f"the model's config does not fit the plan: {exc}"], []
     dp, tp, pp, cp = plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.mesh.cp
     dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp, cp=cp)
-    mine = stage_entries(meta, resolved, pp_rank, tp_rank)
+    mine = stage_entries(meta, resolved, pp_rank, tp_rank, dp_rank % plan.mesh.ep)
+    by_expert = {e.name for e in mine if e.over == "ep"}  # whole on each rank of their group: never dp-sharded
     have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
     want = {e.name: e.local_shape for e in mine}
     where = (f"dp_rank {dp_rank}, " if dp > 1 else "") + f"pp_rank {pp_rank}, tp_rank {tp_rank}"
@@ -105,7 +113,7 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stag
     problems += _summary(
         f"{where}: the plan has mesh.dp={dp}" + (f" x cp={cp}" if cp > 1 else "") + f", but {{n}} parameters are {split}, e.g.",
         [f"{n}: {_dp_text(p)}" for n, p in model.named_parameters()
-         if _dp_size(p) != replicas and not (ddp and not isinstance(p, DTensor))],
+         if _dp_size(p) != replicas and not (ddp and not isinstance(p, DTensor)) and n not in by_expert],
     )
     if problems:
         problems[-1] += "; pass the plan the model was rewritten with"
@@ -173,10 +181,12 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     directory, rank, tp, pp, cp = Path(directory), dist.get_rank(), plan.mesh.tp, plan.mesh.pp, plan.mesh.cp
     if not isinstance(model, nn.Module):
         problems, entries = [f"save_pretrained needs a model or Stage, got {type(model).__name__}"], []
-    elif stage is not None and (stage.mesh.dp, stage.mesh.pp, stage.mesh.cp, stage.mesh.tp) != (plan.mesh.dp, pp, cp, tp):
+    elif stage is not None and (stage.mesh.dp, stage.mesh.pp, stage.mesh.cp, stage.mesh.tp, stage.mesh.ep) != (
+            plan.mesh.dp, pp, cp, tp, plan.mesh.ep):
+        built = shape_text(stage.mesh.dp, stage.mesh.pp, stage.mesh.tp, stage.mesh.cp, stage.mesh.ep)
         problems, entries = [
-            f"the stage was built with mesh {shape_text(stage.mesh.dp, stage.mesh.pp, stage.mesh.tp, stage.mesh.cp)}, "
-            f"the plan says {shape_text(plan.mesh.dp, pp, tp, cp)}; pass the plan the model was rewritten with"
+            f"the stage was built with mesh {built}, the plan says {plan.mesh.shape_text()}; pass the plan the model "
+            "was rewritten with"
         ], []
     else:
         try:
@@ -198,9 +208,14 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     error, sizes = None, {}
     try:
         tensors = {}
+        experts_group = dp_rank < plan.mesh.ep and cp_rank_of(rank, tp=tp, cp=cp) == 0  # replica 0's experts' ranks
         for e in entries:  # the same entries, in the same order, on every rank of a dp group
             whole = _gather_dp(local[e.name])
-            if first:  # one replica (and cp rank) writes; the others only took part in the dp x cp gathers
+            if e.over == "ep" and experts_group:  # the first ep group's experts, gathered to replica 0
+                gathered = _gather_experts(model, whole, e, global_rank(0, pp_rank, tp_rank, pp=pp, tp=tp, cp=cp))
+                if first:
+                    tensors[e.canonical] = gathered
+            elif first and e.over != "ep":  # one replica (and cp rank) writes; the others took part in the gathers
                 tensors[e.canonical] = _gather(model, whole, e, stage, global_rank(0, pp_rank, 0, pp=pp, tp=tp, cp=cp))
         if first and tp_rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -264,6 +279,17 @@ def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | 
     # Packed (gate_up_proj): each rank holds its slice of every part; the full tensor is part after part.
     return torch.cat([chunk for p in range(entry.parts) for chunk in (t.chunk(entry.parts, entry.dim)[p] for t in parts)],
                      dim=entry.dim)
+
+
+def _gather_experts(model: nn.Module, local: torch.Tensor, entry: Entry, dst: int) -> torch.Tensor | None:
+    """The whole experts tensor on `dst` (the group's ep rank 0, in replica 0), None elsewhere: gathered
+    over the expert-parallel group, ep rank `r`'s experts at slice `r` of dim 0."""
+    group = model.get_submodule(entry.name.rpartition(".")[0]).expert_shard.group
+    local = local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
+    dist.gather(local, parts, dst=dst, group=group)
+    lend(local, *(parts or []))
+    return None if parts is None else torch.cat(parts, dim=entry.dim)
 
 
 def _model_class(model: nn.Module) -> type:

@@ -11,7 +11,6 @@ from torch import nn
 
 from ..models.names import canonical_names
 from ..binding.resolve import ResolvedPlan
-from ..binding.shard_layout import tensor_split
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -30,6 +29,7 @@ class Entry:
     length: int  # of each part
     parts: int = 1  # equal parts packed along `dim` (a fused gate_up_proj: 2), each sliced alike
     replicas: int = 1  # neighbouring tp ranks holding this same slice (a k/v projection past its kv heads)
+    over: str = "tp"  # the ranks holding the slices: a stage's tp ranks, or an expert-parallel group's ("ep")
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -62,24 +62,25 @@ def meta_model(config) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int) -> list[Entry]:
-    """Every state-dict tensor pipeline rank `pp_rank` holds (all its stages), with tp rank `tp_rank`'s slice.
+def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int, ep_rank: int = 0) -> list[Entry]:
+    """Every state-dict tensor pipeline rank `pp_rank` holds (all its stages), with the slice of tp rank
+    `tp_rank` (and, of experts split over ep, of ep rank `ep_rank`).
 
     A tensor split `slices` ways (`spec.slices`: tp, or tp / replicas for a k/v projection
-    past its kv heads) is held by tp rank `i` as slice `i // replicas`.
+    past its kv heads) is held by tp rank `i` as slice `i // replicas`; an experts tensor split
+    over ep by ep rank `r` as slice `r` (`ResolvedPlan.split_of`).
     """
     mods = [""] if resolved.pp == 1 else list(resolved.rank_modules(pp_rank))
-    shards = {s.fqn: s for s in resolved.shards}
     canonical = canonical_names(meta)
     entries = []
     for name, tensor in meta.state_dict(keep_vars=True).items():
         if not any(not m or name == m or name.startswith(m + ".") for m in mods):
             continue
-        owner, _, leaf = name.rpartition(".")
-        split, shape = tensor_split(shards.get(owner), leaf), tuple(tensor.shape)
+        split, shape = resolved.split_of(name), tuple(tensor.shape)
         length = split.length(shape[split.dim]) if split.dim is not None else 0
-        entries.append(Entry(name, canonical.get(name, name), shape, split.dim, split.slot(tp_rank) * length, length,
-                             split.parts, split.replicas))
+        start = split.slot(split.holder(tp_rank, ep_rank)) * length
+        entries.append(Entry(name, canonical.get(name, name), shape, split.dim, start, length, split.parts,
+                             split.replicas, split.over))
     return entries
 
 

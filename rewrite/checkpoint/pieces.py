@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..pipeline.stage import Stage
-from ..binding.shard_layout import tensor_split
 from ..errors import CheckpointError, InputError
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like"]
@@ -123,13 +122,11 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot:
 
 def model_pieces(stage: Stage) -> dict[str, Piece]:
     """Every tensor of this rank's state dict (tied ones under each name), as a box of the whole model's."""
-    shards = {s.fqn: s for s in stage.resolved.shards}
-    tp_rank = stage.mesh.tp_rank
+    tp_rank, ep_rank = stage.mesh.tp_rank, stage.mesh.ep_rank
     out = {}
     for name, tensor in stage.model.state_dict(keep_vars=True).items():
-        owner, _, leaf = name.rpartition(".")
-        split = tensor_split(shards.get(owner), leaf)
-        out[name] = _box(name, tensor, split.dim, split.slices, split.slot(tp_rank), split.parts)
+        split = stage.resolved.split_of(name)
+        out[name] = _box(name, tensor, split.dim, split.slices, split.slot(split.holder(tp_rank, ep_rank)), split.parts)
     return out
 
 

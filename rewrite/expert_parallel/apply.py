@@ -35,8 +35,8 @@ def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) 
             else:
                 module.register_buffer(name, part)
         module.num_experts = spec.local  # the family's forward counts its experts with it
-        add_mixin(module, ExpertParallelMixin).expert_shard = ExpertShard(
-            spec.num_experts, spec.local, mesh.ep_rank * spec.local, mesh.ep, mesh.ep_group)
+        add_mixin(module, ExpertParallelMixin).expert_shard = ExpertShard(spec.num_experts, spec.split, mesh.ep_rank,
+                                                                          mesh.ep_group)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
+from ..binding.shard_layout import TensorSplit
 from .collectives import exchange_counts, exchange_rows
 
 __all__ = ["ExpertShard", "ExpertParallelMixin"]
@@ -32,19 +33,35 @@ __all__ = ["ExpertShard", "ExpertParallelMixin"]
 
 @dataclass(frozen=True)
 class ExpertShard:
-    """A rank's share of one experts module: experts `[first, first + local)` of `total`, and its ep group."""
+    """A rank's share of one experts module: slice `ep_rank` of `split` (experts `[first, first + local)`
+    of `total`), and its expert-parallel group."""
 
     total: int
-    local: int
-    first: int
-    ep: int
+    split: TensorSplit  # `ExpertSpec.split`: dim 0 in ep slices
+    ep_rank: int
     group: ProcessGroup
+
+    @property
+    def ep(self) -> int:
+        return self.split.slices
+
+    @property
+    def local(self) -> int:
+        return self.split.length(self.total)
+
+    @property
+    def first(self) -> int:
+        return self.split.ranges(self.total, self.ep_rank)[0][0]
 
 
 class ExpertParallelMixin:
     """Put in front of a fused experts module's class: its forward sends rows to their experts' ranks."""
 
     expert_shard: ExpertShard
+
+    def shard_of(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of the module's whole tensor `full` (named `leaf`)."""
+        return self.expert_shard.split.take(full, self.expert_shard.ep_rank)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
         shard = self.expert_shard

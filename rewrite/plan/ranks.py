@@ -43,9 +43,11 @@ def cp_rank_of(rank: int, *, tp: int, cp: int) -> int:
     return rank // tp % cp
 
 
-def shape_text(dp: int, pp: int, tp: int, cp: int = 1) -> str:
-    """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas and `cp=2 x ` before tp when cp > 1."""
-    return (f"dp={dp} x " if dp > 1 else "") + f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
+def shape_text(dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1) -> str:
+    """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas (`dp=4 (ep=2) x ` when ep of them
+    split the experts) and `cp=2 x ` before tp when cp > 1."""
+    replicas = f"dp={dp}" + (f" (ep={ep})" if ep > 1 else "") + " x " if dp > 1 else ""
+    return replicas + f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
 
 
 def length_problem(seq: int, cp: int) -> str | None:

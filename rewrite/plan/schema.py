@@ -99,8 +99,9 @@ class MeshSpec(StrictModel):
         return self.dp * self.pp * self.cp * self.tp
 
     def shape_text(self) -> str:
-        """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas and `cp=2 x ` before tp."""
-        return shape_text(self.dp, self.pp, self.tp, self.cp)
+        """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas (`dp=4 (ep=2) x ` with ep) and
+        `cp=2 x ` before tp."""
+        return shape_text(self.dp, self.pp, self.tp, self.cp, self.ep)
 
     def global_rank(self, pp_rank: int, tp_rank: int, dp_rank: int = 0, cp_rank: int = 0) -> int:
         """The global rank of these coordinates (`ranks.global_rank`)."""

@@ -30,6 +30,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-mistral": ("MistralConfig", {**_TINY, "sliding_window": None}),
     "tiny-qwen2": ("Qwen2Config", _TINY),
     "tiny-qwen3": ("Qwen3Config", {**_TINY, "head_dim": 8}),
+    # A mixture of experts: 4 experts of width 32 in every layer, 2 chosen per token.
+    "tiny-qwen3-moe": ("Qwen3MoeConfig", {**_TINY, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                                          "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []}),
     # The benchmark model: small but real proportions.
     "bench-llama": (
         "LlamaConfig",
@@ -39,6 +42,25 @@ PRESETS: dict[str, tuple[str, dict]] = {
             num_hidden_layers=8,
             num_attention_heads=8,
             num_key_value_heads=4,
+            vocab_size=4096,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # The benchmark mixture of experts: Qwen3-MoE's shape, 8 experts of width 256, 2 chosen per token.
+    "bench-qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=256,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
             vocab_size=4096,
             max_position_embeddings=512,
             tie_word_embeddings=False,

@@ -174,9 +174,10 @@ def show_data(
             default the parameters'.
 
     Returns:
-        {"plan", "description", "model", "mesh", "pipeline", "data_parallel", "tensor_parallel",
+        {"plan", "description", "model", "mesh", "experts", "pipeline", "data_parallel", "tensor_parallel",
         "kv_replicas", "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory",
-        "whole_model", "warnings"}; memory sizes are bytes, replica 0's ranks (the other replicas hold
+        "whole_model", "warnings"}; `experts`: the modules split over mesh.ep > 1, each {"module",
+        "experts", "per_rank"}; memory sizes are bytes, replica 0's ranks (the other replicas hold
         the same); with `hardware` also "predicted": {"hardware", "step_s", "tokens_per_s" (per
         device), "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s"}, or {"hardware", "problem"}
         where the step is not timed. `kv_replicas`: tp ranks holding each kv head (tp / kv past the kv heads, else 1).
@@ -203,8 +204,10 @@ def show_data(
         "plan": plan.source,
         "description": plan.description,
         "model": {"name": resolved.model_name, "label": model_label},
-        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "cp": plan.mesh.cp, "tp": plan.mesh.tp,
+        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "cp": plan.mesh.cp, "tp": plan.mesh.tp, "ep": plan.mesh.ep,
                  "world_size": resolved.world_size},
+        "experts": [{"module": e.fqn, "experts": e.num_experts, "per_rank": e.local} for e in resolved.experts
+                    if e.ep > 1],
         "pipeline": {
             "schedule": pipe.schedule, "microbatches": microbatches or pipe.microbatches,
             "virtual_stages": pipe.virtual_stages, "seq_len": seq_len or pipe.seq_len, "batch_size": batch_size,

@@ -15,7 +15,7 @@ from ...plan.ranks import shape_text
 from ...binding.resolve import ResolvedPlan
 from ...plan.wording import plural
 from .columns import WIDTH, format_bytes, format_table, span, wrap_list, wrap_prose
-from .data import show_data
+from .data import collapse_names, show_data
 from .memory import memory_lines
 
 __all__ = ["render_text", "format_plan", "shard_rows", "stage_rows", "prediction_line"]
@@ -90,6 +90,7 @@ def _layout_lines(data: dict) -> list[str]:
         shown = list(range(dp)) if dp <= 4 else [0, 1, None, dp - 1]
         replicas = ", ".join("..." if d is None else f"{d}: {span(d * per, d * per + per - 1)}" for d in shown)
         out.append(f"replicas: {dp}, each a whole pipeline on its own microbatches ({replicas})")
+    out += _expert_lines(data)
     sharding, schedule = data["data_parallel"]["sharding"], pipe["schedule"]
     split = sharding == "full" and pipe["splits_backward"]
     over = f" over the {dp * cp} ranks holding the same parameters (dp x cp; dp below counts them)" if cp > 1 else ""
@@ -100,6 +101,19 @@ def _layout_lines(data: dict) -> list[str]:
         + ("; gradients reduced as each microbatch's backward ends (data_parallel.reduce: microbatch)"
            if data["data_parallel"]["reduce"] == "microbatch" else "; gradients reduced once per step"),
     ]
+
+
+def _expert_lines(data: dict) -> list[str]:
+    """Under ep: which replicas split the experts, and how many each rank holds."""
+    ep, experts = data["mesh"].get("ep", 1), data.get("experts") or []
+    if ep == 1 or not experts:
+        return []
+    groups = data["mesh"]["dp"] // ep
+    counts = sorted({(e["experts"], e["per_rank"]) for e in experts})
+    held = "; ".join(f"{total} experts, {each} per rank" for total, each in counts)
+    return [f"expert parallel: ep={ep}: replicas [g * {ep}, (g + 1) * {ep}) split the experts of "
+            f"{', '.join(collapse_names([e['module'] for e in experts]))} ({held}), {plural(groups, 'group')}; replica d holds "
+            f"block d % {ep}, whole (not sharded over dp); tokens reach their experts by all-to-all"]
 
 
 def _tensor_parallel_lines(data: dict) -> list[str]:
@@ -166,7 +180,7 @@ def render_text(data: dict) -> str:
     m = pipe["planned"]["microbatches"]
     out = [
         f"{data['plan']} on {name}",
-        f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'], mesh.get('cp', 1))} = {mesh['world_size']} ranks; "
+        f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'], mesh.get('cp', 1), mesh.get('ep', 1))} = {mesh['world_size']} ranks; "
         f"{plural(m, 'microbatch')} per step{' per replica' if mesh['dp'] > 1 else ''}, "
         f"schedule {pipe['schedule']}; {'module walker (hf)' if pipe['kind'] == 'hf' else 'torch.fx stages'}",
         *_layout_lines(data),

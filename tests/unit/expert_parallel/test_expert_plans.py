@@ -75,6 +75,9 @@ def test_refusals_name_the_fix(qwen3_moe):
     text = _problems({"mesh": {"dp": 2, "ep": 2, "tp": 2}, "tensor_parallel": RULE}, qwen3_moe)
     assert "mesh.ep=2 with mesh.tp=2: experts split over ep beside attention split over tp is not built yet" in text
     assert rewrite.resolve({"mesh": {"dp": 2}, "tensor_parallel": RULE}, qwen3_moe).experts  # ep 1: checked, kept
+    aux = tiny_moe_model("mixtral", output_router_logits=True)
+    text = _problems({"mesh": {"dp": 2}}, aux)
+    assert "config.output_router_logits is True" in text and "set config.output_router_logits = False" in text
 
 
 def test_a_rank_holds_its_experts_whole(qwen3_moe):
@@ -99,3 +102,16 @@ def test_plan_from_hf_reads_the_ep_plan(qwen3_moe):
     fitted = rewrite.plan_from_hf(qwen3_moe, ep=2, dp=4)
     assert fitted.mesh.dp == 4 and "model.layers.*.mlp.gate_proj" not in fitted.tensor_parallel  # none here
     assert rewrite.resolve(fitted, qwen3_moe).experts[0].ep == 2
+
+
+def test_show_says_who_holds_the_experts(qwen3_moe):
+    from rewrite.run.show.report import format_plan
+
+    resolved = rewrite.resolve({"mesh": {"dp": 4, "ep": 2}, "tensor_parallel": RULE}, qwen3_moe)
+    text = " ".join(format_plan(resolved, model=qwen3_moe).split())
+    assert "mesh: dp=4 (ep=2) x pp=1 x tp=1 = 4 ranks" in text
+    assert ("expert parallel: ep=2: replicas [g * 2, (g + 1) * 2) split the experts of model.layers.0-3.mlp.experts "
+            "(4 experts, 2 per rank), 2 groups") in text
+    plain = " ".join(format_plan(rewrite.resolve({"mesh": {"dp": 4}, "tensor_parallel": RULE}, qwen3_moe),
+                                 model=qwen3_moe).split())
+    assert "expert parallel" not in plain and "(ep=" not in plain

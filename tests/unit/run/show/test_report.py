@@ -135,7 +135,7 @@ def test_json_matches_the_text(tiny):
     data = json.loads(out)
     _, text = _show(*args)
     rows = _memory_rows(text)
-    assert data["mesh"] == {"dp": 2, "pp": 2, "cp": 1, "tp": 2, "world_size": 8}
+    assert data["mesh"] == {"dp": 2, "pp": 2, "cp": 1, "tp": 2, "ep": 1, "world_size": 8} and data["experts"] == []
     assert data["pipeline"]["seq_len"] == 256 and data["pipeline"]["schedule"] == "1f1b"
     assert [e["module"] for e in data["tensor_parallel"]][:2] == ["model.layers.0-3.self_attn.q_proj", "model.layers.0-3.self_attn.k_proj"]
     assert data["stages"][1]["modules"] == ["model.rotary_emb", "model.layers.2-3", "model.norm", "lm_head"]
