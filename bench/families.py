@@ -75,8 +75,8 @@ def render_moe(results: dict[str, dict[str, str]], transformers_version: str) ->
         "modules split by expert: docs/expert_parallel.md), at pp 2 (1f1b) and at tp 2 (its own tp plan through "
         "`plan_from_hf`, the attention split and the experts whole), the loss and every gradient compared with "
         "one process running the model's own forward. A case either works or is refused on every rank before "
-        "anything runs, with the reason below; none trains silently wrong. ep 2 x tp 2 is refused for every "
-        "family (not built yet).",
+        "anything runs, with the reason below; none trains silently wrong. ep 2 x tp 2 (the attention split by tp, the "
+        "experts by ep) is checked on Qwen3-MoE and DeepSeek-V3 by tests/distributed/expert_parallel/test_ep_steps.py.",
         "",
         f"{both} of {len(results)} work at ep 2 and at pp 2; {counts}. Written by `python -m bench.families --moe` "
         f"on {date.today().isoformat()} from `{MOE_SWEEP}`.",

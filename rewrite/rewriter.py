@@ -20,7 +20,8 @@ from .agreement import describe_ranks, raise_problems, ranks_by_value, share
 from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as register_context_parallel
 from .context_parallel.family import context_parallel_problem
 from .data_parallel import apply_data_parallel
-from .expert_parallel import ExpertGradSync, apply_expert_parallel, expert_parameters
+from .expert_parallel import ExpertGradSync, RouterLoss, apply_expert_parallel, expert_parameters
+from .models.experts import router_loss_parts
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.precision import precision_for
@@ -101,6 +102,8 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     if mesh.tp > 1:
         apply_tensor_parallel(model, resolved, mesh.tp_group, kv_group=mesh.kv_group)
     apply_expert_parallel(model, resolved, mesh)
+    parts = router_loss_parts(model)  # resolve refused what it cannot count: here a tuple or None
+    router_loss = RouterLoss(model, parts) if parts is not None else None
     carved = carve_stage(model, resolved, mesh)
     recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)
@@ -122,6 +125,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
         logit_shard=carved.logit_shard,
         tp_sums=StepSums(carved.module) or None,
         precision=precision,
+        router_loss=router_loss,
     )
 
 

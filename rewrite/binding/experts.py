@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..models.experts import experts_problem, num_experts
+from ..models.experts import experts_problem, num_experts, router_loss_parts
 from ..plan.patterns import match_pattern
 from ..plan.schema import ParallelPlan
 from .shard_layout import TensorSplit
@@ -74,14 +74,13 @@ def expert_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.
             f"{ep_at}mesh.ep={ep} splits the experts of the modules tensor_parallel names '{EXPERT_STYLE}', and no rule "
             + (f"does; add {found[0]!r}: {EXPERT_STYLE}" if found else
                f"does: {name} has no fused experts module to split; use ep 1"))
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False) and any(experts_problem(m) is None for m in modules.values()):
+    parts = router_loss_parts(model)
+    if isinstance(parts, str):
+        problems.append(f"{name}: {parts}; set config.output_router_logits = False to train on the language-model "
+                        "loss alone")
+    elif parts is not None and (plan.mesh.pp > 1 or plan.pipeline.virtual_stages > 1 or plan.mesh.cp > 1):
         problems.append(
-            f"{name}: config.output_router_logits is True: the model would add its auxiliary load-balancing loss "
-            "(router_aux_loss_coef x the routers' balance), and rewrite's runner does not count it yet; set "
-            "config.output_router_logits = False to train on the language-model loss alone")
-    if ep > 1 and specs and plan.mesh.tp > 1:
-        problems.append(
-            f"{ep_at}mesh.ep={ep} with mesh.tp={plan.mesh.tp}: experts split over ep beside attention split over tp "
-            "is not built yet; use tp 1 with ep, or ep 1")
+            f"{name}: config.output_router_logits is True: the routers' auxiliary loss pools every layer's rows of a "
+            "microbatch, and counting it across pipeline stages or sequence shards is not built yet; use one stage "
+            "and cp 1, or set config.output_router_logits = False")
     return tuple(specs), list(dict.fromkeys(problems))

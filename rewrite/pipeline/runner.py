@@ -257,6 +257,9 @@ class _Step:
             x = self._take("F", mb, s)
             x.requires_grad_(x.is_floating_point())
         start = self.clock.mark()
+        routers = self.stage.router_loss  # one stage holding every layer: its routers' loss is the microbatch's
+        if routers is not None:
+            routers.start()
         with nullcontext() if self.precision is None else self.precision.forward_context(self.device):
             if part is not None:  # this rank's tokens: the stage's sequence is seq / cp long
                 y = self.stage.run(s, x, seq_len=part.ids.shape[-1], position_ids=part.positions,
@@ -272,7 +275,10 @@ class _Step:
                 self.losses[mb] = share / self.m
                 y = self.losses[mb] * self.mesh.cp
             elif s == self.last:
-                y = self.losses[mb] = self.loss_fn(y, self.targets[mb].to(y.device)) / self.m
+                loss = self.loss_fn(y, self.targets[mb].to(y.device))
+                if routers is not None:
+                    loss = loss + routers.finish().to(loss.device)
+                y = self.losses[mb] = loss / self.m
         if s != self.last:
             if y.is_floating_point() and y.dtype != self.dtype:
                 y = y.to(self.dtype)  # under autocast: stages exchange what their peers' buffers hold

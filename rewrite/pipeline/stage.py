@@ -17,6 +17,7 @@ from torch import nn
 
 from ..mesh import Mesh
 from ..binding.resolve import ResolvedPlan
+from ..expert_parallel.aux_loss import RouterLoss
 from ..tensor_parallel.replicated import StepSums
 from .clock import StepClock, TimelineEvent
 from .loss import LogitShard
@@ -77,6 +78,9 @@ class Stage:
         precision: how the runner computes in a lower dtype than the parameters'
             (`apply_plan(..., compute_dtype=)`: FSDP2's mixed precision or autocast); None
             computes in the parameters' dtype.
+        router_loss: a mixture of experts' auxiliary load-balancing loss, which the runner
+            adds to each microbatch's loss as the model's own forward would
+            (`config.output_router_logits`); None when the model adds none.
 
     `apply_plan` builds it once, every field given. Not frozen: the runner replaces
     `clock` each step, and loading a checkpoint re-points `tied` at the tensors it
@@ -100,6 +104,7 @@ class Stage:
     logit_shard: LogitShard | None = None
     tp_sums: StepSums | None = None
     precision: Precision | None = None
+    router_loss: RouterLoss | None = None
 
     def __call__(self, x, *, seq_len: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run this rank's stage on one microbatch: model input on the first stage (token ids, or a

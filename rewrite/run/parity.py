@@ -37,11 +37,16 @@ class Parity:
 def reference_step(reference: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
     """The same step single-process: each microbatch's loss / m, gradients accumulated. A microbatch
     with positions (a dict of input_ids and position_ids) runs the model's own forward with them and
-    no cache: it masks packed documents off each other itself."""
+    no cache: it masks packed documents off each other itself. A mixture of experts that reports its
+    routers' auxiliary loss (`aux_loss`, under `output_router_logits`) adds it with its own coefficient,
+    as its forward does with labels."""
     total = torch.zeros(())
     for x, y in zip(inputs, targets):
         out = reference(**x, use_cache=False) if isinstance(x, dict) else reference(input_ids=x)
-        loss = causal_lm_loss(out.logits, y) / len(inputs)
+        loss = causal_lm_loss(out.logits, y)
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + reference.router_aux_loss_coef * out.aux_loss
+        loss = loss / len(inputs)
         loss.backward()
         total += loss.detach()
     return total

@@ -1,9 +1,10 @@
 """mesh.ep in a plan: each rank of an expert-parallel group holds E / ep experts of every MoE layer and
 tokens reach them by all-to-all, and a step equals one process running the whole global batch (loss,
 then every gradient, fp32, 1e-5; routing first): ep 2 (dp 2) under full and replicate sharding, ep 4,
-ep 2 inside dp 4 (experts held by two replicas), with pp 2 under 1f1b and zbv, with activation
-checkpointing; Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE (gated shared expert) and DeepSeek-V3 (shared
-experts, group-limited sigmoid router). An expert no token reaches has a gradient of exactly 0, and a
+ep 2 inside dp 4 (experts held by two replicas), with tp 2 (the attention split, the experts by ep),
+with pp 2 under 1f1b and zbv, with activation checkpointing, with the routers' auxiliary loss;
+Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE (gated shared expert) and DeepSeek-V3 (shared experts,
+group-limited sigmoid router). An expert no token reaches has a gradient of exactly 0, and a
 rank none of whose experts is chosen still takes part in every exchange."""
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ LAYOUTS = {
                                    "activation_checkpointing": {"model.layers.*": "full"}},
     "pp2 x dp2 ep2 1f1b": {"mesh": {"pp": 2, "dp": 2, "ep": 2}, "pipeline": {"schedule": "1f1b"}},
     "pp2 x dp2 ep2 zbv": {"mesh": {"pp": 2, "dp": 2, "ep": 2}, "pipeline": {"schedule": "zbv", "virtual_stages": 2}},
+    "dp2 ep2 x tp2": {"mesh": {"dp": 2, "ep": 2, "tp": 2}},  # the family's own tp plan for the rest
 }
 
 
-def _plan(name: str) -> dict:
+def _plan(name: str, model=None) -> dict:
     layout = copy.deepcopy(LAYOUTS[name])
     layout["pipeline"] = {"microbatches": 2, **layout.get("pipeline", {})}
-    return {**layout, "tensor_parallel": RULE}
+    rules = RULE
+    if layout["mesh"].get("tp", 1) > 1:
+        rules = rewrite.plan_from_hf(model, tp=layout["mesh"]["tp"]).tensor_parallel
+        assert rules["model.layers.*.mlp.experts"] == "expert_parallel"
+    return {**layout, "tensor_parallel": rules}
 
 
 def _routing(reference, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -52,8 +58,8 @@ def _routing(reference, ids: torch.Tensor) -> list[torch.Tensor]:
 def _steps(rank: int, world: int, family: str, overrides: dict, names: list[str]) -> list[str]:
     out = []
     for name in names:
-        plan = _plan(name)
         model = tiny_moe_model(family, **overrides)
+        plan = _plan(name, model)
         reference = copy.deepcopy(model)
         gen = torch.Generator().manual_seed(5)
         stage = rewrite.apply_plan(model, plan)
@@ -76,19 +82,25 @@ def _steps(rank: int, world: int, family: str, overrides: dict, names: list[str]
 
 
 @pytest.mark.parametrize("names", [["dp2 ep2 full", "dp2 ep2 replicate"],
-                                   ["dp4 ep4", "dp4 ep2 grad_op, recompute"],
+                                   ["dp4 ep4", "dp4 ep2 grad_op, recompute", "dp2 ep2 x tp2"],
                                    ["pp2 x dp2 ep2 1f1b", "pp2 x dp2 ep2 zbv"]])
 def test_qwen3_moe_steps_equal_one_process(names):
-    world = max(LAYOUTS[n]["mesh"]["dp"] * LAYOUTS[n]["mesh"].get("pp", 1) for n in names)
-    assert all(LAYOUTS[n]["mesh"]["dp"] * LAYOUTS[n]["mesh"].get("pp", 1) == world for n in names)
-    print(run(_steps, world, "qwen3_moe", {}, names, timeout_s=300)[0])
+    sizes = [LAYOUTS[n]["mesh"]["dp"] * LAYOUTS[n]["mesh"].get("pp", 1) * LAYOUTS[n]["mesh"].get("tp", 1) for n in names]
+    assert len(set(sizes)) == 1
+    print(run(_steps, sizes[0], "qwen3_moe", {}, names, timeout_s=300)[0])
 
 
-@pytest.mark.parametrize(("family", "overrides"), [
-    ("mixtral", {}), ("olmoe", {}), ("qwen2_moe", {}), ("deepseek_v3", {"n_group": 2, "topk_group": 1}),
+@pytest.mark.parametrize(("family", "overrides", "names"), [
+    ("mixtral", {}, ["dp4 ep2 grad_op, recompute", "pp2 x dp2 ep2 1f1b"]),
+    ("olmoe", {}, ["dp4 ep2 grad_op, recompute", "pp2 x dp2 ep2 1f1b"]),
+    ("qwen2_moe", {}, ["dp4 ep2 grad_op, recompute", "pp2 x dp2 ep2 1f1b"]),
+    ("deepseek_v3", {"n_group": 2, "topk_group": 1}, ["dp4 ep2 grad_op, recompute", "pp2 x dp2 ep2 1f1b", "dp2 ep2 x tp2"]),
+    # The routers' auxiliary loss on: each microbatch's, as one process running it counts it, recomputed
+    # layers not counting twice.
+    ("mixtral", {"output_router_logits": True, "router_aux_loss_coef": 0.5}, ["dp4 ep2 grad_op, recompute", "dp4 ep4"]),
 ])
-def test_moe_families_at_ep2_and_with_pp(family, overrides):
-    print(run(_steps, 4, family, overrides, ["dp4 ep2 grad_op, recompute", "pp2 x dp2 ep2 1f1b"], timeout_s=300)[0])
+def test_moe_families_at_ep2_with_pp_and_tp(family, overrides, names):
+    print(run(_steps, 4, family, overrides, names, timeout_s=300)[0])
 
 
 def _unreached(rank: int, world: int) -> str:
