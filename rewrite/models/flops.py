@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from .hf_llama import Backbone
 
-__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops", "TRAINING"]
+__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops", "moe_width",
+           "TRAINING"]
 
 # The backward computes two products for each forward one (input and weight gradients).
 TRAINING = 3
@@ -77,16 +78,44 @@ def layer_flop_parts(config, *, seq_len: int) -> dict[str, int]:
                                                                SDPA kernels compute it)
         mlp     MLP gate, up, down         6 s h i
         norms   two RMSNorms               2 * NORM_FLOPS s h
-    Elementwise work (RoPE, SiLU, residuals, the score softmax) is left out: ~1% here.
+    A mixture of experts (`moe_width`): i is the width a token runs through, k experts of width
+    i_e plus the shared ones, and the router adds 2 s h E. Elementwise work (RoPE, SiLU,
+    residuals, the score softmax) is left out: ~1% here.
     """
-    h, a, i = config_size(config, "hidden_size"), config_size(config, "num_attention_heads"), config_size(config, "intermediate_size")
+    h, a = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
+    moe = moe_width(config)
+    i = config_size(config, "intermediate_size") if moe is None else moe[0]
     kv = getattr(config, "num_key_value_heads", None) or a
     d = getattr(config, "head_dim", None) or h // a  # Mistral's config may hold head_dim=None
     s = seq_len
+    router = 0 if moe is None else 2 * s * h * moe[1]
     return {
         "q_o": 2 * s * h * d * 2 * a, "k_v": 2 * s * h * d * 2 * kv, "scores": 4 * s * s * a * d,
-        "mlp": 6 * s * h * i, "norms": 2 * NORM_FLOPS * s * h,
+        "mlp": 6 * s * h * i + router, "norms": 2 * NORM_FLOPS * s * h,
     }
+
+
+def _first(config, *names: str) -> int | None:
+    return next((v for n in names if isinstance(v := getattr(config, n, None), int) and v > 0), None)
+
+
+def moe_width(config) -> tuple[int, int] | None:
+    """(the MLP width a token runs through, the experts a router scores) of a mixture of experts' config;
+    None for a dense one. A token runs through its k chosen experts (`num_experts_per_tok`, ...) of width
+    `moe_intermediate_size` (else `intermediate_size`) and the shared experts, every layer taken as
+    sparse (a family's few dense layers are not counted apart)."""
+    if getattr(config, "is_moe", True) is False:  # Doge's config counts experts it does not use
+        return None
+    experts = _first(config, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    top_k = _first(config, "num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts", "num_experts_per_token")
+    if experts is None or top_k is None:
+        return None
+    width = _first(config, "moe_intermediate_size", "expert_ffn_hidden_size", "intermediate_size")
+    if width is None:
+        return None
+    shared = _first(config, "shared_expert_intermediate_size") or width * (
+        _first(config, "n_shared_experts", "num_shared_experts", "moe_num_shared_experts") or 0)
+    return top_k * width + shared, experts
 
 
 def layer_flops(config, *, seq_len: int) -> int:

@@ -117,3 +117,16 @@ def test_show_says_who_holds_the_experts(qwen3_moe):
     plain = " ".join(format_plan(rewrite.resolve({"mesh": {"dp": 4}, "tensor_parallel": RULE}, qwen3_moe),
                                  model=qwen3_moe).split())
     assert "expert parallel" not in plain and "(ep=" not in plain
+
+
+def test_the_compute_estimate_counts_the_experts_a_token_runs_through():
+    from rewrite.models.flops import layer_flop_parts, moe_width
+
+    # hidden 64; 4 experts, 2 chosen, of width 32 (Mixtral's and OLMoE's are intermediate_size wide: 128).
+    widths = {"qwen3_moe": (64, 4), "mixtral": (256, 4), "qwen2_moe": (96, 4), "deepseek_v3": (96, 4), "olmoe": (256, 4)}
+    for family, want in widths.items():
+        assert moe_width(tiny_moe_model(family).config) == want, family
+    llama = tiny_family_model("llama").config
+    assert moe_width(llama) is None
+    assert layer_flop_parts(llama, seq_len=16)["mlp"] == 6 * 16 * 64 * 128
+    assert layer_flop_parts(tiny_moe_model("qwen3_moe").config, seq_len=16)["mlp"] == 6 * 16 * 64 * 64 + 2 * 16 * 64 * 4
