@@ -35,8 +35,6 @@ COLUMNS = {"tp2": "tp 2", "pp2": "pp 2 (1f1b)", "sp": "tp 2 + sequence parallel"
 
 
 def render(results: dict[str, dict[str, str]], transformers_version: str) -> str:
-    both = sum(r.get("tp2") == "works" and r.get("pp2") == "works" for r in results.values())
-    counts = ", ".join(f"{sum(r.get(k) == 'works' for r in results.values())} at {v}" for k, v in COLUMNS.items())
     lines = [
         "# Hugging Face families",
         "",
@@ -48,15 +46,27 @@ def render(results: dict[str, dict[str, str]], transformers_version: str) -> str
         "split (multi-query: each rank holds the kv head whole), the loss and every gradient compared with one "
         "process running the model's own forward. A case either works or is refused on every rank before "
         "anything runs, with the reason below; none trains silently wrong.",
+    ]
+    return _table(lines, results, COLUMNS, ("tp2", "pp2"), "", SWEEP)
+
+
+def _table(lines: list[str], results: dict[str, dict[str, str]], columns: dict[str, str], pair: tuple[str, str],
+           flag: str, sweep: str) -> str:
+    """`lines` (title and what was run), then how many work at both cases of `pair` and at each column, and
+    the table: a row a family, a column a case."""
+    both = sum(all(r.get(k) == "works" for k in pair) for r in results.values())
+    counts = ", ".join(f"{sum(r.get(k) == 'works' for r in results.values())} at {v}" for k, v in columns.items())
+    lines = [
+        *lines,
         "",
-        f"{both} of {len(results)} work at tp 2 and at pp 2; {counts}. Written by `python -m bench.families` "
-        f"on {date.today().isoformat()} from `{SWEEP}`.",
+        f"{both} of {len(results)} work at {columns[pair[0]]} and at {columns[pair[1]]}; {counts}. Written by "
+        f"`python -m bench.families{flag}` on {date.today().isoformat()} from `{sweep}`.",
         "",
-        "| family | " + " | ".join(COLUMNS.values()) + " |",
-        "|---" * (len(COLUMNS) + 1) + "|",
+        "| family | " + " | ".join(columns.values()) + " |",
+        "|---" * (len(columns) + 1) + "|",
     ]
     for family, result in sorted(results.items()):
-        lines.append(f"| `{family}` | " + " | ".join(_cell(result.get(k, "-")) for k in COLUMNS) + " |")
+        lines.append(f"| `{family}` | " + " | ".join(_cell(result.get(k, "-")) for k in columns) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -64,8 +74,6 @@ MOE_COLUMNS = {"ep2": "ep 2 (dp 2)", "pp2": "pp 2 (1f1b)", "tp2": "tp 2 (experts
 
 
 def render_moe(results: dict[str, dict[str, str]], transformers_version: str) -> str:
-    both = sum(r.get("ep2") == "works" and r.get("pp2") == "works" for r in results.values())
-    counts = ", ".join(f"{sum(r.get(k) == 'works' for r in results.values())} at {v}" for k, v in MOE_COLUMNS.items())
     lines = [
         "# Hugging Face mixture-of-experts families",
         "",
@@ -77,16 +85,8 @@ def render_moe(results: dict[str, dict[str, str]], transformers_version: str) ->
         "one process running the model's own forward. A case either works or is refused on every rank before "
         "anything runs, with the reason below; none trains silently wrong. ep 2 x tp 2 (the attention split by tp, the "
         "experts by ep) is checked on Qwen3-MoE and DeepSeek-V3 by tests/distributed/expert_parallel/test_ep_steps.py.",
-        "",
-        f"{both} of {len(results)} work at ep 2 and at pp 2; {counts}. Written by `python -m bench.families --moe` "
-        f"on {date.today().isoformat()} from `{MOE_SWEEP}`.",
-        "",
-        "| family | " + " | ".join(MOE_COLUMNS.values()) + " |",
-        "|---" * (len(MOE_COLUMNS) + 1) + "|",
     ]
-    for family, result in sorted(results.items()):
-        lines.append(f"| `{family}` | " + " | ".join(_cell(result.get(k, "-")) for k in MOE_COLUMNS) + " |")
-    return "\n".join(lines) + "\n"
+    return _table(lines, results, MOE_COLUMNS, ("ep2", "pp2"), " --moe", MOE_SWEEP)
 
 
 def main() -> int:

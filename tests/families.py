@@ -3,7 +3,10 @@ transformers whose `base_model_tp_plan` uses only styles rewrite maps, each buil
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -17,23 +20,25 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "nu
         "eos_token_id": 2}
 
 
-def causal_lm_families() -> list[str]:
-    """Model types with a causal-LM class, a tp plan of mapped styles only, no encoder-decoder and no
-    sub-models (a multimodal config's vision or audio tower)."""
+def _decoder_configs():
+    """(model type, config class) of every causal LM of the installed transformers with no encoder-decoder
+    and no sub-models (a multimodal config's vision or audio tower beside the text model)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    found = []
     for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         try:
             config_class = CONFIG_MAPPING[model_type]
         except (KeyError, ImportError):
             continue
-        plan = getattr(config_class, "base_model_tp_plan", None)
-        composite = getattr(config_class, "sub_configs", None)  # vision or audio towers beside the text model
-        if plan and set(plan.values()) <= MAPPED and not getattr(config_class, "is_encoder_decoder", False) and not composite:
-            found.append(model_type)
-    return found
+        if not getattr(config_class, "is_encoder_decoder", False) and not getattr(config_class, "sub_configs", None):
+            yield model_type, config_class
+
+
+def causal_lm_families() -> list[str]:
+    """Decoder model types (`_decoder_configs`) with a tp plan of mapped styles only."""
+    return [model_type for model_type, config_class in _decoder_configs()
+            if (plan := getattr(config_class, "base_model_tp_plan", None)) and set(plan.values()) <= MAPPED]
 
 
 def tiny_family_model(family: str, *, seed: int = 0, **overrides):
@@ -81,19 +86,10 @@ MOE_EXTRA = {
 
 
 def moe_families() -> list[str]:
-    """Causal-LM model types of the installed transformers with a mixture of experts (an ep plan, or a
-    count of experts in the config), no encoder-decoder and no sub-models."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
+    """Decoder model types (`_decoder_configs`) with a mixture of experts: an ep plan, or a count of
+    experts in the config."""
     found = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        try:
-            config_class = CONFIG_MAPPING[model_type]
-        except (KeyError, ImportError):
-            continue
-        if getattr(config_class, "is_encoder_decoder", False) or getattr(config_class, "sub_configs", None):
-            continue
+    for model_type, config_class in _decoder_configs():
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -104,6 +100,31 @@ def moe_families() -> list[str]:
         if getattr(config_class, "base_model_ep_plan", None) or any(keys.get(k) for k in counts):
             found.append(model_type)
     return found
+
+
+def documented_works(doc, cases) -> dict[str, set[str]]:
+    """Family -> the cases a family table (`doc`, columns in `cases` order, as bench/families.py writes it)
+    says work: the floor a change may not lower."""
+    out = {}
+    for line in doc.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == len(cases) + 1 and cells[0].startswith("`"):
+            out[cells[0].strip("`")] = {case for case, cell in zip(cases, cells[1:]) if cell.startswith("works")}
+    return out
+
+
+def check_family(family: str, results: list[dict], doc, cases, table_env: str) -> None:
+    """A sweep's outcome for `family`, one dict a rank: the same on every rank, no case the table `doc`
+    says works lost; added to the JSON file `table_env` names, when set."""
+    assert results[0] == results[1], results  # a refusal is the same on every rank
+    lost = {case: results[0][case] for case in documented_works(doc, cases).get(family, ())
+            if not results[0][case].startswith("works")}
+    assert not lost, f"{family}: {doc.name} says these cases work, now: {lost}"
+    table = os.environ.get(table_env)
+    if table:
+        path = Path(table)
+        done = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**done, family: results[0]}, indent=2, sort_keys=True))
 
 
 def tiny_moe_model(family: str, *, seed: int = 0, **overrides):

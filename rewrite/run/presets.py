@@ -24,6 +24,20 @@ _TINY = dict(
     tie_word_embeddings=False,
 )
 
+# The benchmark models: small but real proportions (hidden 256, 8 layers, 8 query / 4 kv heads, vocabulary 4,096).
+_BENCH = dict(
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=4096,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+
+# Qwen3-MoE's experts in every layer, 2 chosen per token.
+_MOE = dict(num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+
 # name -> (transformers config class, overrides)
 PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-llama": ("LlamaConfig", _TINY),
@@ -31,41 +45,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-qwen2": ("Qwen2Config", _TINY),
     "tiny-qwen3": ("Qwen3Config", {**_TINY, "head_dim": 8}),
     # A mixture of experts: 4 experts of width 32 in every layer, 2 chosen per token.
-    "tiny-qwen3-moe": ("Qwen3MoeConfig", {**_TINY, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
-                                          "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "tiny-qwen3-moe": ("Qwen3MoeConfig", {**_TINY, **_MOE, "head_dim": 8, "num_experts": 4, "moe_intermediate_size": 32}),
     # The benchmark model: small but real proportions.
-    "bench-llama": (
-        "LlamaConfig",
-        dict(
-            hidden_size=256,
-            intermediate_size=688,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            vocab_size=4096,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "bench-llama": ("LlamaConfig", {**_BENCH, "intermediate_size": 688}),
     # The benchmark mixture of experts: Qwen3-MoE's shape, 8 experts of width 256, 2 chosen per token.
-    "bench-qwen3-moe": (
-        "Qwen3MoeConfig",
-        dict(
-            hidden_size=256,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=256,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            vocab_size=4096,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "bench-qwen3-moe": ("Qwen3MoeConfig", {**_BENCH, **_MOE, "head_dim": 32, "num_experts": 8,
+                                           "moe_intermediate_size": 256}),
 }
 
 

@@ -10,9 +10,6 @@ With REWRITE_FAMILY_TABLE=path set, each case adds its outcome to that JSON file
 from __future__ import annotations
 
 import copy
-import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ import torch
 import rewrite
 from rewrite.run.parity import reference_step
 from tests.asserts import assert_close
-from tests.families import TINY, causal_lm_families, tiny_family_model
+from tests.families import TINY, causal_lm_families, check_family, documented_works, tiny_family_model
 from tests.multiproc import run
 from tests.paths import ROOT
 from tests.reference import assert_grads_match
@@ -84,32 +81,15 @@ def _sweep(rank: int, world: int, family: str) -> dict:
     return out
 
 
-def documented_works() -> dict[str, set[str]]:
-    """Family -> the cases docs/families.md says work: the floor a change may not lower.
-
-    The table's columns are the sweep's cases in `PLANS` order (bench/families.py writes it)."""
-    out = {}
-    for line in (ROOT / "docs" / "families.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if len(cells) == len(PLANS) + 1 and cells[0].startswith("`"):
-            out[cells[0].strip("`")] = {case for case, cell in zip(PLANS, cells[1:]) if cell.startswith("works")}
-    return out
+DOC = ROOT / "docs" / "families.md"
 
 
 def test_the_documented_floor_is_read():
-    floor = documented_works()
+    floor = documented_works(DOC, PLANS)
     assert len(floor) >= 50 and sum(len(cases) for cases in floor.values()) >= 200, floor
     assert floor["llama"] == set(PLANS), floor["llama"]
 
 
 @pytest.mark.parametrize("family", causal_lm_families())
 def test_family_trains_as_itself_or_is_refused(family):
-    results = run(_sweep, 2, family, timeout_s=300)
-    assert results[0] == results[1], results  # a refusal is the same on every rank
-    lost = {case: results[0][case] for case in documented_works().get(family, ()) if not results[0][case].startswith("works")}
-    assert not lost, f"{family}: docs/families.md says these cases work, now: {lost}"
-    table = os.environ.get("REWRITE_FAMILY_TABLE")
-    if table:
-        path = Path(table)
-        done = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**done, family: results[0]}, indent=2, sort_keys=True))
+    check_family(family, run(_sweep, 2, family, timeout_s=300), DOC, PLANS, "REWRITE_FAMILY_TABLE")

@@ -10,10 +10,7 @@ bench.families --moe` writes docs/moe_families.md from it)."""
 from __future__ import annotations
 
 import copy
-import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ import torch
 import rewrite
 from rewrite.run.parity import reference_step
 from tests.asserts import assert_close
-from tests.families import TINY, moe_families, tiny_moe_model
+from tests.families import TINY, check_family, documented_works, moe_families, tiny_moe_model
 from tests.multiproc import run
 from tests.paths import ROOT
 from tests.reference import assert_grads_match, assert_replica_step
@@ -79,29 +76,14 @@ def _sweep(rank: int, world: int, family: str) -> dict:
     return out
 
 
-def documented_works() -> dict[str, set[str]]:
-    """Family -> the cases docs/moe_families.md says work: the floor a change may not lower."""
-    out = {}
-    for line in (ROOT / "docs" / "moe_families.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if len(cells) == len(PLANS) + 1 and cells[0].startswith("`"):
-            out[cells[0].strip("`")] = {case for case, cell in zip(PLANS, cells[1:]) if cell.startswith("works")}
-    return out
+DOC = ROOT / "docs" / "moe_families.md"
 
 
 def test_the_documented_floor_is_read():
-    floor = documented_works()
+    floor = documented_works(DOC, PLANS)
     assert len(floor) >= 50 and floor["qwen3_moe"] == set(PLANS), floor.get("qwen3_moe")
 
 
 @pytest.mark.parametrize("family", moe_families())
 def test_moe_family_trains_as_itself_or_is_refused(family):
-    results = run(_sweep, 2, family, timeout_s=300)
-    assert results[0] == results[1], results  # a refusal is the same on every rank
-    lost = {case: results[0][case] for case in documented_works().get(family, ()) if not results[0][case].startswith("works")}
-    assert not lost, f"{family}: docs/moe_families.md says these cases work, now: {lost}"
-    table = os.environ.get("REWRITE_MOE_TABLE")
-    if table:
-        path = Path(table)
-        done = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**done, family: results[0]}, indent=2, sort_keys=True))
+    check_family(family, run(_sweep, 2, family, timeout_s=300), DOC, PLANS, "REWRITE_MOE_TABLE")
