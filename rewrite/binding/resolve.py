@@ -235,7 +235,7 @@ def resolve(
                 f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses it rather than train a "
                 "different model, and no plan setting changes that"
             ])
-        n = len(model.get_submodule(bb.layers))
+        n = bb.num_layers
         costs = _memo(cache, _estimate, (rules, seq_len), model, bb, n, shards)
         layer_sets, cuts, stage_problems = _memo(cache, _stages, (rules, seq_len, shape), n, bb, costs)
         stage_problems = list(stage_problems)

@@ -16,6 +16,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from ..models.hf_llama import RECURRENT_KINDS
 from ..models.oracle import TOLERANCE, exception_line, packing_problem, tiny_clone_config
 from .attention import NAME, register, sequence_shard
 
@@ -32,6 +33,10 @@ def context_parallel_problem(model: nn.Module) -> str | None:
         tiny = tiny_clone_config(config)
     except Exception as exc:
         return f"cannot build a tiny {config.model_type} config to check context parallelism against ({exception_line(exc)})"
+    recurrent = sorted(set(getattr(config, "layer_types", None) or ()) & RECURRENT_KINDS)
+    if recurrent:  # refused by kind, even where its own forward keeps packed documents apart
+        return (f"{config.model_type}'s {', '.join(recurrent)} layers carry a state along the whole sequence, which "
+                "a rank holding part of the sequence cannot continue")
     mixing = packing_problem(model)  # anything but the masked attention carrying tokens into others
     if mixing is not None and "reach the next" in mixing:
         return (f"{config.model_type}'s layers mix tokens outside attention (a convolution or recurrent state, or "

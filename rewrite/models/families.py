@@ -34,24 +34,76 @@ class FamilyForward:
     embed_scale: Callable[[object], float] | None = None  # hidden = embed(ids) * embed_scale(config)
     norm_before_layers: bool = False  # the final norm also runs on the embeddings (NanoChat)
     logits: Callable[[object, torch.Tensor], torch.Tensor] | None = None  # on the head's output, elementwise
+    # config.layer_types entry -> the mask kind its attention takes (Inkling's "hybrid" layers: full attention)
+    mask_kinds: tuple[tuple[str, str], ...] = ()
+    # the layer types given the rotary tables; None: every layer (Lara's global layers use no position encoding)
+    rope_kinds: frozenset[str] | None = None
+    # the causal mask built as a tensor even where attention could skip it (Doge adds its dynamic mask onto it)
+    full_mask: bool = False
+    # `positions(module, config, hidden, position_ids) -> (index -> the layer's position keywords)`, for a family
+    # whose forward gives its layers more than one rotary table; `module` is the base model's child `rotary_name`
+    positions: Callable[..., Callable[[int], dict]] | None = None
+    rotary_name: str | None = None
+    # `stage_inputs() -> keywords` every layer of a stage is given, made anew at each stage's start (Gemma-4's
+    # store of keys and values a later layer may read: one stage's layers share it, stages do not)
+    stage_inputs: Callable[[], dict] | None = None
 
-    @property
-    def plain(self) -> bool:
-        return self.embed_scale is None and not self.norm_before_layers and self.logits is None
+    def mask_kind(self, layer_type: str) -> str:
+        return dict(self.mask_kinds).get(layer_type, layer_type)
 
 
 _PLAIN = FamilyForward()
+_COHERE = FamilyForward(logits=lambda c, x: x * c.logit_scale)
+_GRANITE = FamilyForward(embed_scale=lambda c: c.embedding_multiplier, logits=lambda c, x: x / c.logits_scaling)
 _FAMILIES: dict[str, FamilyForward] = {
-    "cohere": FamilyForward(logits=lambda c, x: x * c.logit_scale),
-    "cohere2": FamilyForward(logits=lambda c, x: x * c.logit_scale),
+    **dict.fromkeys(["cohere", "cohere2", "cohere2_moe", "cohere_compass"], _COHERE),
+    **dict.fromkeys(["granite", "granite_swa", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                     "granitemoe_swa"], _GRANITE),
     "gemma2": FamilyForward(logits=_softcap),
     "vaultgemma": FamilyForward(logits=_softcap),
     "nanochat": FamilyForward(norm_before_layers=True, logits=_softcap),
-    "granite": FamilyForward(embed_scale=lambda c: c.embedding_multiplier, logits=lambda c, x: x / c.logits_scaling),
     "falcon_h1": FamilyForward(
         embed_scale=lambda c: c.embedding_multiplier, logits=lambda c, x: x * c.lm_head_multiplier),
     "hyperclovax": FamilyForward(embed_scale=lambda c: c.embedding_multiplier, logits=lambda c, x: x * c.logits_scaling),
+    "inkling_text": FamilyForward(  # its head reads the hidden states / logits_mup_width_multiplier (a bias-free head)
+        logits=lambda c, x: x / c.logits_mup_width_multiplier,
+        mask_kinds=(("hybrid", "full_attention"), ("hybrid_sliding", "sliding_attention"))),
+    "lara_mini": FamilyForward(rope_kinds=frozenset({"sliding_attention"})),
+    "doge": FamilyForward(full_mask=True),
 }
+
+
+def _by_theta(rotary_embs: nn.ModuleList, config, hidden: torch.Tensor, position_ids: torch.Tensor):
+    # GraniteMoE-SWA: one table per base theta, each layer the one of its layer_rope_theta (0: no rotation)
+    tables = {r.config.rope_parameters["rope_theta"]: r(hidden, position_ids) for r in rotary_embs}
+    return lambda index: {"position_embeddings": tables[t] if (t := config.layer_rope_theta[index]) else None}
+
+
+def _nope_scaled(rotary_emb: nn.Module, config, hidden: torch.Tensor, position_ids: torch.Tensor):
+    # Beam: a layer type without rope parameters runs without rotation, its queries scaled by position instead
+    from transformers.models.beam.modeling_beam import compute_attention_scaling
+
+    def at(kind: str) -> dict:
+        if config.rope_parameters[kind] is None:
+            return {"position_embeddings": None, "attention_scaling": compute_attention_scaling(position_ids)}
+        return {"position_embeddings": rotary_emb(hidden, position_ids, kind), "attention_scaling": None}
+
+    tables = {kind: at(kind) for kind in dict.fromkeys(config.layer_types)}
+    return lambda index: tables[config.layer_types[index]]
+
+
+def _kv_store() -> dict:
+    from transformers.cache_utils import KVSharingDict
+
+    return {"shared_kv_states": KVSharingDict()}
+
+
+_FAMILIES.update({
+    "gemma4_text": FamilyForward(logits=_softcap, stage_inputs=_kv_store),
+    "granitemoe_swa": FamilyForward(embed_scale=_GRANITE.embed_scale, logits=_GRANITE.logits, positions=_by_theta,
+                                    rotary_name="rotary_embs"),
+    "beam": FamilyForward(logits=_softcap, positions=_nope_scaled, rotary_name="rotary_emb"),
+})
 
 
 def family_forward(config) -> FamilyForward:

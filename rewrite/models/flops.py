@@ -58,13 +58,22 @@ class Costs:
 
 def config_size(config, name: str, *, purpose: str = "the compute estimate") -> int:
     """`config.<name>`, which `purpose` needs as a positive integer (ValueError otherwise)."""
-    value = getattr(config, name, None)
+    value = _one_size(config, name)
     if not isinstance(value, int) or value < 1:
         raise ValueError(
             f"config.{name} is {value!r}; {purpose} needs a positive integer "
             f"({type(config).__name__} is not shaped like a LLaMA-family config)"
         )
     return value
+
+
+def _one_size(config, name: str):
+    """`config.<name>` (None when absent); ValueError when the config keeps it per layer (Gemma-4's head_dim)."""
+    try:
+        return getattr(config, name, None)
+    except Exception as exc:  # transformers' per-layer attribute read globally
+        raise ValueError(f"{type(config).__name__} keeps {name} per layer: the compute estimate counts layers of "
+                         "one size") from exc
 
 
 def layer_flop_parts(config, *, seq_len: int) -> dict[str, int]:
@@ -85,8 +94,8 @@ def layer_flop_parts(config, *, seq_len: int) -> dict[str, int]:
     h, a = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
     moe = moe_width(config)
     i = config_size(config, "intermediate_size") if moe is None else moe[0]
-    kv = getattr(config, "num_key_value_heads", None) or a
-    d = getattr(config, "head_dim", None) or h // a  # Mistral's config may hold head_dim=None
+    kv = _one_size(config, "num_key_value_heads") or a
+    d = _one_size(config, "head_dim") or h // a  # Mistral's config may hold head_dim=None
     s = seq_len
     router = 0 if moe is None else 2 * s * h * moe[1]
     return {

@@ -1,7 +1,8 @@
 """What the module walker knows of Hugging Face decoder-only models.
 
 The backbone is `embedding -> (dropout) -> layers[i] -> norm -> lm_head`, with the rotary
-embedding and the causal masks computed from the hidden states. That is enough to run any
+embedding (when the model has one: recurrent hybrids such as Jamba have none) and the causal
+masks computed from the hidden states. That is enough to run any
 contiguous slice of the layers on its own, so only hidden states cross a stage boundary.
 The parts' names are the model's own (`find_backbone`): LLaMA's `model.embed_tokens`,
 GPT-NeoX's `gpt_neox.embed_in`, GPT-J's `transformer.h`. What a family's forward does
@@ -20,7 +21,7 @@ from torch import nn
 
 from .families import family_forward
 
-__all__ = ["Backbone", "backbone_problem", "document_index", "find_backbone", "run_backbone"]
+__all__ = ["RECURRENT_KINDS", "Backbone", "backbone_problem", "document_index", "find_backbone", "run_backbone"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Backbone:
     embed: str  # the token embedding
     layers: str  # the ModuleList of decoder layers
     norm: str  # the final norm
-    rotary: str  # the rotary embedding, rebuilt on every stage
+    rotary: str | None  # the rotary embedding, rebuilt on every stage; None when the model has none
     head: str | None = None  # the LM head, None on a base model
     after_embed: tuple[str, ...] = ()  # run on the embeddings before the first layer (dropout)
     norm_first: bool = False  # the final norm also runs before the first layer (`families`: NanoChat)
@@ -55,7 +56,8 @@ class Backbone:
         modules = [self.embed, *self.after_embed] if first else []
         if first and self.norm_first and not last:
             modules.append(self.norm)
-        modules.append(self.rotary)
+        if self.rotary is not None:
+            modules.append(self.rotary)
         modules += [self.layer(i) for i in layer_indices]
         if last:
             modules += [self.norm] + ([self.head] if self.head else [])
@@ -72,22 +74,26 @@ def find_backbone(model: nn.Module) -> Backbone | None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
         return None
-    prefix = getattr(model, "base_model_prefix", "")
-    base, path = model, ""
-    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
-        base, path = getattr(model, prefix), prefix
-    parts = _declared_parts(base, getattr(type(config), "base_model_pp_plan", None)) or _parts_by_kind(base)
+    base, path = _base_of(model)
+    named = family_forward(config).rotary_name
+    rotary = named if named and isinstance(base._modules.get(named), nn.Module) else _rotary_name(base)
+    parts = _declared_parts(base, getattr(type(config), "base_model_pp_plan", None), rotary) or _parts_by_kind(
+        base, rotary)
     if parts is None:
         return None
     embed, after, layers, norm, rotary = parts
+    if not rotary and set(n for n, m in base._modules.items() if m is not None) - {embed, *after, layers, norm}:
+        return None  # no rotary embedding and a part of its own (Inkling-2's final_input): not this backbone
     head = "lm_head" if path and isinstance(model._modules.get("lm_head"), nn.Module) else None
 
     def full(name: str) -> str:
         return f"{path}.{name}" if path else name
 
     return Backbone(
-        base=path, num_layers=config.num_hidden_layers, embed=full(embed), layers=full(layers), norm=full(norm),
-        rotary=full(rotary), head=head, after_embed=tuple(full(a) for a in after),
+        # the layers the list holds: LongCat-Flash counts two sublayers each in num_hidden_layers
+        base=path, num_layers=min(len(base.get_submodule(layers)), config.num_hidden_layers), embed=full(embed),
+        layers=full(layers), norm=full(norm),
+        rotary=full(rotary) if rotary else None, head=head, after_embed=tuple(full(a) for a in after),
         norm_first=family_forward(config).norm_before_layers,
     )
 
@@ -98,25 +104,36 @@ def backbone_problem(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers") or find_backbone(model) is not None:
         return None
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    base = base if isinstance(base, nn.Module) else model
+    base, _ = _base_of(model)
     declared = list(getattr(type(config), "base_model_pp_plan", None) or {})
     had = ", ".join(base._modules) or "nothing"
-    wanted = (f"the parts its config's base_model_pp_plan declares ({', '.join(declared)}) and a rotary embedding"
-              if declared else "one embedding, one list of layers, one final norm and one rotary embedding")
+    wanted = (f"the parts its config's base_model_pp_plan declares ({', '.join(declared)}) and at most one rotary "
+              "embedding" if declared else
+              "one embedding, one list of layers, one final norm and at most one rotary embedding (without one, "
+              "nothing else)")
     return f"the module walker runs {wanted}; {type(base).__name__} holds {had}"
 
 
+def _base_of(model: nn.Module) -> tuple[nn.Module, str]:
+    """The base model and its attribute name: `base_model_prefix`'s, else `model` (Llama 4's causal LM names
+    its prefix `language_model` and holds `model`); the model itself and "" when it is the base."""
+    for name in (getattr(model, "base_model_prefix", ""), "model"):
+        if name and isinstance(model._modules.get(name), nn.Module):
+            return model._modules[name], name
+    return model, ""
+
+
 def _rotary_name(base: nn.Module) -> str | None:
-    names = [n for n in base._modules if "rotary" in n]
-    return names[0] if len(names) == 1 else None
+    """The rotary embedding's name (LFM2 calls it `pos_emb`), "" when the model has none, None when it has
+    several (one per layer kind or base: the walker does not know which layer takes which)."""
+    names = [n for n, m in base._modules.items() if m is not None and ("rotary" in n or "Rotary" in type(m).__name__)]
+    return (names[0] if names else "") if len(names) < 2 else None
 
 
-def _declared_parts(base: nn.Module, pp_plan) -> tuple | None:
+def _declared_parts(base: nn.Module, pp_plan, rotary: str | None) -> tuple | None:
     """(embed, after_embed, layers, norm, rotary) from a `base_model_pp_plan`, or None when it does not fit."""
     names = list(pp_plan or {})
-    children, rotary = base._modules, _rotary_name(base)
+    children = base._modules
     if rotary is None or not names or not all(isinstance(children.get(n), nn.Module) for n in names):
         return None
     lists = [i for i, n in enumerate(names) if isinstance(children[n], (nn.ModuleList, nn.ModuleDict))]
@@ -125,11 +142,11 @@ def _declared_parts(base: nn.Module, pp_plan) -> tuple | None:
     return names[0], tuple(names[1 : lists[0]]), names[lists[0]], names[-1], rotary
 
 
-def _parts_by_kind(base: nn.Module) -> tuple | None:
+def _parts_by_kind(base: nn.Module, rotary: str | None) -> tuple | None:
     """(embed, (), layers, norm, rotary) read off the kinds of the base model's children, or None."""
-    children, rotary = base._modules, _rotary_name(base)
+    children = base._modules
     embeds = [n for n, m in children.items() if isinstance(m, nn.Embedding)]
-    lists = [n for n, m in children.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    lists = [n for n, m in children.items() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and n != rotary]
     norms = [n for n in children if "norm" in n or n.startswith("ln_")]
     if rotary is None or len(embeds) != 1 or len(lists) != 1 or len(norms) != 1:
         return None
@@ -145,8 +162,10 @@ def _attention_kind(config, index: int) -> str:
 
 
 # Layer types whose layers read no causal mask: recurrent and convolutional layers are causal
-# by construction and take only a padding mask, and training batches carry no padding.
-_RECURRENT = frozenset({"conv", "linear_attention", "mamba", "recurrent"})
+# by construction and take only a padding mask, and training batches carry no padding; the
+# MLP-only blocks of Nemotron-H ("moe", "mlp") mix nothing across positions.
+RECURRENT_KINDS = frozenset({"conv", "linear_attention", "mamba", "recurrent"})
+_RECURRENT = RECURRENT_KINDS | {"moe", "mlp"}
 
 
 @cache
@@ -172,9 +191,10 @@ def document_index(position_ids: torch.Tensor) -> torch.Tensor:
     return (before != 1).cumsum(-1)
 
 
-def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Tensor | None):
+def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Tensor | None, full: bool = False):
     """The mask layers of `kind` take; `position_ids` `[b, s]` given: documents (positions restarting)
-    attend only within themselves, as the model's own forward masks them without a cache."""
+    attend only within themselves, as the model's own forward masks them without a cache. `full`: a mask
+    tensor even where attention could take its causal flag instead (`FamilyForward.full_mask`)."""
     builders = _mask_builders()
     if kind in _RECURRENT:
         return None
@@ -200,6 +220,8 @@ def _causal_mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Te
     for cache_name in ("cache", "past_key_values"):
         if cache_name in names:
             kwargs[cache_name] = None
+    if full:
+        kwargs["allow_is_causal_skip"] = False
     if "cache_position" in names:  # where each token sits in the row, whatever its document
         kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
     return fn(**kwargs)
@@ -245,20 +267,27 @@ def run_backbone(
     else:
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)  # (1, s)
     # Rebuilt on every stage from the hidden states: only they cross the boundary.
-    rotary = _rotary(part(backbone.rotary), config, hidden, position_ids, layer_indices)
+    if family.positions is not None:  # the family's own position inputs per layer
+        positions = family.positions(part(backbone.rotary), config, hidden, position_ids)
+    else:
+        rotary = _rotary(backbone.rotary and part(backbone.rotary), config, hidden, position_ids, layer_indices,
+                         family.rope_kinds)
+        positions = lambda index: {"position_embeddings": rotary(index)}  # noqa: E731
     # The masks read batch, length and dtype from it: the whole sequence's, even when a shard arrived.
     like = hidden if hidden.shape[1] == seq else hidden.new_empty((hidden.shape[0], seq, 0))
     masks: dict[str, torch.Tensor | None] = {}
     layers = part(backbone.layers)
+    shared = family.stage_inputs() if family.stage_inputs is not None else {}
     for index in layer_indices:
-        kind = _attention_kind(config, index)
+        kind = family.mask_kind(_attention_kind(config, index))
         if kind not in masks:
-            masks[kind] = _causal_mask(config, kind, like, position_ids if documents else None)
+            masks[kind] = _causal_mask(config, kind, like, position_ids if documents else None, family.full_mask)
         out = layers[str(index) if isinstance(layers, nn.ModuleDict) else index](
             hidden,
             attention_mask=masks[kind],
             position_ids=position_ids,
-            position_embeddings=rotary(index),
+            **positions(index),
+            **shared,
             **(layer_kwargs or {}),
         )
         hidden = out[0] if isinstance(out, tuple) else out  # (b, s, h)
@@ -276,14 +305,22 @@ def _takes_layer_type(rotary_class: type) -> bool:
     return "layer_type" in inspect.signature(rotary_class.forward).parameters
 
 
-def _rotary(rotary_emb: nn.Module, config, hidden: torch.Tensor, position_ids: torch.Tensor, layer_indices: list[int]):
+def _rotary(rotary_emb: nn.Module | None, config, hidden: torch.Tensor, position_ids: torch.Tensor,
+            layer_indices: list[int], kinds: frozenset[str] | None = None):
     """`index -> (cos, sin)` for the stage's layers: one table, or one per layer type (Gemma-3's
     `rotary_emb(x, position_ids, layer_type)`), each computed once; None for a layer type the
-    rotary module has no table for (LFM's convolution layers, listed in its `layer_types`)."""
+    rotary module has no table for (LFM's convolution layers, listed in its `layer_types`), for a
+    layer type outside `kinds` when given (`FamilyForward.rope_kinds`), and for every layer of a
+    model without one."""
+    if rotary_emb is None:
+        return lambda index: None
     if not _takes_layer_type(type(rotary_emb)):
         shared = rotary_emb(hidden, position_ids)
+        if kinds is not None:
+            return lambda index: shared if config.layer_types[index] in kinds else None
         return lambda index: shared
     types, rotated = config.layer_types, getattr(rotary_emb, "layer_types", None)
-    wanted = [t for t in dict.fromkeys(types[i] for i in layer_indices) if rotated is None or t in rotated]
+    wanted = [t for t in dict.fromkeys(types[i] for i in layer_indices)
+              if (rotated is None or t in rotated) and (kinds is None or t in kinds)]
     tables = {t: rotary_emb(hidden, position_ids, t) for t in wanted}
     return lambda index: tables.get(types[index])

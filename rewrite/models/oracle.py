@@ -141,20 +141,24 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
         bb = find_backbone(tiny)
         if bb is None or not bb.has_head:
             return None  # the walker does not run it (a base model has no logits to compare): nothing to prove
-        n = config.num_hidden_layers
+        n = bb.num_layers
         try:
             whole = run_backbone(tiny, bb, ids, list(range(n)), first=True, last=True)
             hidden = run_backbone(tiny, bb, ids, list(range(n // 2)), first=True, last=False)
             split = run_backbone(tiny, bb, hidden, list(range(n // 2, n)), first=False, last=True)
         except Exception as exc:
             return f"the module walker cannot run {family}'s layers ({exception_line(exc)})"
+    if any(got.shape != reference.shape for got in (whole, split)):
+        return (f"the module walker's stages do not give {family}'s own logits (shape {tuple(whole.shape)}, its own "
+                f"{tuple(reference.shape)}): {model_class.__name__}.forward changes the head's output")
     worst = max((got - reference).abs().max().item() for got in (whole, split))
     if worst <= TOLERANCE:
         return None
     return (
         f"the module walker's stages do not give {family}'s own logits (max |difference| {worst:.3g} on a tiny "
         f"{family} model with this config's flags, tolerance {TOLERANCE:g}): {model_class.__name__}.forward does more "
-        "than embeddings -> layers -> norm -> head (a scale, a soft cap, an extra norm)"
+        "than embeddings -> layers -> norm -> head (a scale, a soft cap, an extra norm, or inputs of its own to "
+        "the layers)"
     )
 
 

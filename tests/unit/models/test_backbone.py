@@ -11,11 +11,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import rewrite
+from rewrite.context_parallel.family import context_parallel_problem
 from rewrite.models.hf_llama import backbone_problem, find_backbone, run_backbone
 from rewrite.binding.tp_switches import sequence_blocks
 from rewrite.run.show.data import show_data
 from rewrite.run.show.report import render_text
-from tests.families import TINY, tiny_family_model
+from tests.families import TINY, tiny_family_model, tiny_moe_model
 
 # family -> (embed, after_embed, layers, norm): declared by base_model_pp_plan, or found by kind (lfm2, bamba).
 PARTS = {
@@ -44,6 +45,32 @@ def test_parts_are_found_and_run_as_the_model_does(family):
         logits = run_backbone(model, bb, hidden, [2, 3], first=False, last=True)
     assert (logits - reference).abs().max() < 1e-5
     assert backbone_problem(model) is None
+
+
+# family -> the rotary embedding the walker rebuilds on each stage: none (recurrent hybrids), one under
+# another name (LFM2's pos_emb), or the family's own per-layer tables (`families.py: rotary_name`).
+ROTARY = {"jamba": None, "nemotron_h": None, "lfm2_moe": "model.pos_emb", "granitemoe_swa": "model.rotary_embs"}
+
+
+@pytest.mark.parametrize("family", sorted(ROTARY))
+def test_hybrids_and_other_rotaries_run_as_the_model_does(family):
+    extra = {"layer_rope_theta": [10000.0, 0, 500000.0, 0]} if family == "granitemoe_swa" else {}
+    model = tiny_moe_model(family, **extra).eval()
+    bb = find_backbone(model)
+    assert bb.rotary == ROTARY[family] and bb.num_layers == 4
+    first = bb.stage_modules([0, 1], first=True, last=False)
+    assert first == [bb.embed, *([bb.rotary] if bb.rotary else []), f"{bb.layers}.0", f"{bb.layers}.1"]
+    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        hidden = run_backbone(model, bb, ids, [0, 1], first=True, last=False)
+        logits = run_backbone(model, bb, hidden, [2, 3], first=False, last=True)
+    assert (logits - reference).abs().max() < 1e-5
+    if family != "granitemoe_swa":  # recurrent or convolution layers: no rank can run part of the sequence
+        assert "layers carry a state along the whole sequence" in context_parallel_problem(model)
+    if family == "lfm2_moe":  # a second rotary embedding, no family entry naming the one each layer takes
+        model.model.rotary_extra = type(model.model.pos_emb)(model.config)
+        assert find_backbone(model) is None and "at most one rotary embedding" in backbone_problem(model)
 
 
 def test_the_base_model_alone_has_no_head():

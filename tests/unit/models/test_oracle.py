@@ -22,6 +22,14 @@ FAMILIES = {
     "hyperclovax": {"embedding_multiplier": 3.0, "logits_scaling": 0.5},
     "nanochat": {},  # the final norm before the first layer too
     "gemma3_text": {},  # rotary embeddings per layer type
+    "granitemoe": {"embedding_multiplier": 12.0, "logits_scaling": 8.0},
+    "cohere2_moe": {"logit_scale": 0.5},
+    "doge": {},  # a causal mask its layers add their dynamic mask onto, built even where SDPA could skip it
+    "lara_mini": {},  # its global layers use no rotary embedding
+    "inkling_text": {"logits_mup_width_multiplier": 4.0},  # 'hybrid' layer types; hidden / multiplier to the head
+    "beam": {"final_logit_softcapping": 30.0},  # no rotation and a scaled query on its full layers; a soft cap
+    "granitemoe_swa": {"layer_rope_theta": [10000.0, 0, 500000.0, 0]},  # a rotary base per layer, 0: none
+    "jamba": {},  # no rotary embedding at all
 }
 
 
