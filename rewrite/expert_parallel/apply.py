@@ -17,7 +17,8 @@ from torch import nn
 from ..binding.resolve import ResolvedPlan
 from ..mesh import Mesh
 from ..tensor_parallel.mixins import add_mixin
-from .dispatch import ExpertParallelMixin, ExpertShard
+from ..models.experts import every_token
+from .dispatch import EveryTokenMixin, ExpertParallelMixin, ExpertShard, ShardedExperts
 
 __all__ = ["apply_expert_parallel", "expert_parameters", "ExpertGradSync"]
 
@@ -35,13 +36,13 @@ def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) 
             else:
                 module.register_buffer(name, part)
         module.num_experts = spec.local  # the family's forward counts its experts with it
-        add_mixin(module, ExpertParallelMixin).expert_shard = ExpertShard(spec.num_experts, spec.split, mesh.ep_rank,
-                                                                          mesh.ep_group)
+        mixin = EveryTokenMixin if every_token(module) else ExpertParallelMixin
+        add_mixin(module, mixin).expert_shard = ExpertShard(spec.num_experts, spec.split, mesh.ep_rank, mesh.ep_group)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters of `module` that hold this rank's experts only (split over ep)."""
-    return [p for m in module.modules() if isinstance(m, ExpertParallelMixin) for p in m.parameters()]
+    return [p for m in module.modules() if isinstance(m, ShardedExperts) for p in m.parameters()]
 
 
 class ExpertGradSync:

@@ -16,6 +16,11 @@ Dropless: every row reaches its expert (no capacity). Rows and weights travel in
 in their common dtype (a weight wider than the hidden states keeps its bits; rows widened and
 narrowed back are exact), so a step makes one exchange each way per layer, always in the same
 order on every rank.
+
+Experts that take every token (`models.experts.EVERY_TOKEN_EXPERTS`, Llama 4) are called on
+`[E T, H]`, expert e's rows at `e T`, already weighted: a rank sends each rank the block of that
+rank's experts (`[n T, H]`), runs its own experts on the blocks of every rank of the group side
+by side, and sends each block back (`EveryTokenMixin`). The family's own forward does the math.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from torch.distributed import ProcessGroup
 from ..binding.shard_layout import TensorSplit
 from .collectives import exchange_counts, exchange_rows
 
-__all__ = ["ExpertShard", "ExpertParallelMixin"]
+__all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExperts"]
 
 
 @dataclass(frozen=True)
@@ -54,14 +59,37 @@ class ExpertShard:
         return self.split.ranges(self.total, self.ep_rank)[0][0]
 
 
-class ExpertParallelMixin:
-    """Put in front of a fused experts module's class: its forward sends rows to their experts' ranks."""
+class ShardedExperts:
+    """What every experts module split over ep has: its share, and its share of a whole tensor."""
 
     expert_shard: ExpertShard
 
     def shard_of(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's experts of the module's whole tensor `full` (named `leaf`)."""
         return self.expert_shard.split.take(full, self.expert_shard.ep_rank)
+
+
+class EveryTokenMixin(ShardedExperts):
+    """Put in front of an every-token experts module's class (Llama 4): blocks of rows to their experts' ranks."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        shard = self.expert_shard
+        hidden = hidden_states.shape[-1]
+        blocks = hidden_states.reshape(shard.total, -1, hidden)  # (E, T, H): expert e's rows
+        tokens = blocks.shape[1]
+        mine = exchange_counts(torch.full((shard.ep,), tokens, dtype=torch.int64), shard.ep, shard.group)
+        theirs = mine.reshape(-1).tolist()  # T of each rank of the group
+        send = [shard.local * tokens] * shard.ep
+        receive = [shard.local * t for t in theirs]
+        got = exchange_rows(blocks.reshape(-1, hidden), send, receive, shard.group)  # (sum n T_r, H), by source
+        side_by_side = torch.cat([b.view(shard.local, t, hidden) for b, t in zip(got.split(receive), theirs)], dim=1)
+        out = super().forward(side_by_side.reshape(-1, hidden), *args, **kwargs).view(shard.local, -1, hidden)
+        back = torch.cat([b.reshape(-1, hidden) for b in out.split(theirs, dim=1)])  # by destination
+        return exchange_rows(back, receive, send, shard.group).view(shard.ep * shard.local * tokens, hidden)
+
+
+class ExpertParallelMixin(ShardedExperts):
+    """Put in front of a fused experts module's class: its forward sends rows to their experts' ranks."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
         shard = self.expert_shard

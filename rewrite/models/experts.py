@@ -5,8 +5,12 @@ transformers' MoE families hold a layer's experts in one module (`gate_up_proj [
 `experts(hidden_states, top_k_index, top_k_weights)`: it runs each (token, choice) row through its
 expert and applies the routing weight itself, wherever the family applies it. Every parameter's
 first dimension is the expert, so a rank holding experts `[a, b)` holds the rows `[a, b)` of each,
-and the module's own forward on those rows is the family's math for them. Llama 4's experts
-(called on inputs already weighted, every token through every expert) are not of this kind.
+and the module's own forward on those rows is the family's math for them.
+
+Llama 4's experts are of another kind, declared here by class (`EVERY_TOKEN_EXPERTS`): called as
+`experts(hidden_states [E T, H])`, every token through every expert (one batched product), its
+routing weights applied to the inputs before (0 for an expert not chosen). Their parameters too
+have the experts first, so they split alike; only the exchange differs (`expert_parallel/dispatch`).
 """
 
 from __future__ import annotations
@@ -16,11 +20,21 @@ import sys
 
 from torch import nn
 
-__all__ = ["EXPERTS_CALL", "experts_problem", "num_experts", "router_loss_parts"]
+__all__ = ["EVERY_TOKEN_EXPERTS", "EXPERTS_CALL", "every_token", "experts_problem", "num_experts",
+           "router_loss_parts"]
 
 # The call every fused experts module answers: the token rows, their chosen experts and weights
 # (gpt-oss names the last two router_indices and routing_weights).
 EXPERTS_CALL = ("hidden_states", "top_k_index", "top_k_weights")
+
+# Experts modules that run every token through every expert, called as forward(hidden_states) on the rows
+# of all experts one after another ([E T, H]: expert e's are rows e T .. (e + 1) T), weights applied before.
+EVERY_TOKEN_EXPERTS = frozenset({"Llama4TextExperts"})
+
+
+def every_token(module: nn.Module) -> bool:
+    """Whether `module` is of a declared every-token kind (`EVERY_TOKEN_EXPERTS`)."""
+    return type(module).__name__ in EVERY_TOKEN_EXPERTS
 
 
 def num_experts(module: nn.Module) -> int | None:
@@ -43,7 +57,10 @@ def experts_problem(module: nn.Module) -> str | None:
         params = tuple(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         params = ()
-    if len(params) < 3 or params[0] != EXPERTS_CALL[0]:
+    if every_token(module):
+        if params[:1] != EXPERTS_CALL[:1]:
+            return f"a {name} called as forward({', '.join(params)}), not as forward(hidden_states)"
+    elif len(params) < 3 or params[0] != EXPERTS_CALL[0]:
         return (f"a {name} called as forward({', '.join(params)}), not as forward({', '.join(EXPERTS_CALL)}): its "
                 "experts do not take each token's chosen experts and weights, so they cannot be split by expert")
     tensors = [*module.named_parameters(), *module.named_buffers()]

@@ -8,7 +8,7 @@ import pytest
 
 import rewrite
 from rewrite.mesh import expert_groups
-from rewrite.models.experts import experts_problem
+from rewrite.models.experts import every_token, experts_problem
 from rewrite.estimate import rank_footprints
 from tests.families import tiny_family_model, tiny_moe_model
 
@@ -56,9 +56,12 @@ def test_what_can_be_split_by_expert():
                            ("deepseek_v3", "mlp"), ("gpt_oss", "mlp")]:
         model = tiny_moe_model(family)
         assert experts_problem(model.get_submodule(f"model.layers.0.{holder}.experts")) is None, family
-    llama4 = tiny_moe_model("llama4_text")
-    assert "called as forward(hidden_states), not as forward(hidden_states, top_k_index, top_k_weights)" in (
-        experts_problem(llama4.get_submodule("model.layers.0.feed_forward.experts")))
+    llama4 = tiny_moe_model("llama4_text")  # every token through every expert: declared by class, split alike
+    experts = llama4.get_submodule("model.layers.0.feed_forward.experts")
+    assert experts_problem(experts) is None and every_token(experts)
+    jetmoe = tiny_moe_model("jetmoe")  # its attention's experts take the layer input alone: not declared
+    assert "called as forward(layer_input), not as forward(hidden_states, top_k_index, top_k_weights)" in (
+        experts_problem(jetmoe.get_submodule("model.layers.0.self_attention.experts")))
     mlp = tiny_family_model("llama").get_submodule("model.layers.0.mlp")
     assert "no num_experts" in experts_problem(mlp)
 
