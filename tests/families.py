@@ -49,7 +49,7 @@ def tiny_family_model(family: str, *, seed: int = 0, **overrides):
         warnings.simplefilter("ignore")
         # Sizes per head (GPT-J's rotary_dim, latent attention's ranks) shrink with the heads, as the guard's clone.
         default = AutoConfig.for_model(family)
-        latent = {"num_key_value_heads": TINY["num_attention_heads"]} if hasattr(default, "kv_lora_rank") else {}
+        latent = {"num_key_value_heads": TINY["num_attention_heads"]} if "kv_lora_rank" in default.to_dict() else {}
         # (latent attention has a key and a value per query head)
         config = AutoConfig.for_model(family, **{**TINY, **per_head_sizes(default), **latent, **overrides})
         # A training configuration: no KV cache, and no dropout, so that one process and a plan draw
@@ -77,9 +77,25 @@ TINY_MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "mo
 MOE_EXTRA = {
     "dots1": {"n_shared_experts": 1},
     "zaya": {"num_experts_per_tok": 1},  # ZAYA routes each token to one expert
-    "gemma4_text": {"enable_moe_block": True, "top_k_experts": 2},
+    # (no per-layer inputs: the walker does not hand them to the layers, and refuses a Gemma-4 config with them;
+    # its full-attention heads as narrow as the others: a 512-wide head scaled by 1 on random tiny weights is too
+    # ill-conditioned for float32 to compare at 1e-5 once tp changes the order of a sum)
+    "gemma4_text": {"enable_moe_block": True, "top_k_experts": 2, "hidden_size_per_layer_input": 0,
+                    "global_head_dim": 16},
     "longcat_flash": {"moe_topk": 2, "zero_expert_num": 2, "expert_ffn_hidden_size": 32},
-    "lfm2_moe": {"num_dense_layers": 0},
+    "lfm2_moe": {"num_dense_layers": 0, "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "bailing_hybrid": {"num_expert_group": 1, "num_experts_per_token": 2, "mlp_layer_types": ["sparse"] * 4,
+                       "layer_types": ["linear_attention", "full_attention"] * 2},
+    "dots3_note_text": {"mlp_layer_types": ["sparse"] * 4,
+                        "layer_types": ["indexed_attention", "sliding_attention", "sliding_attention", "indexed_attention"]},
+    # Granite's scales set away from 1, so that a walker forgetting one is caught
+    **dict.fromkeys(["granitemoe", "granitemoeshared"], {"embedding_multiplier": 2.0, "logits_scaling": 4.0}),
+    # (Mamba's reference scan pads the sequence to a whole chunk: a chunk of 16, not 256, keeps it quick)
+    "granitemoehybrid": {"embedding_multiplier": 2.0, "logits_scaling": 4.0, "mamba_chunk_size": 16},
+    "nemotron_h": {"chunk_size": 16},
+    # and GraniteMoE-SWA's rotary bases per layer, two of them and no rotation (0)
+    "granitemoe_swa": {"embedding_multiplier": 2.0, "logits_scaling": 4.0,
+                       "layer_rope_theta": [10000.0, 0, 500000.0, 0]},
     "kimi_linear": {"num_experts_per_token": 2},
     "ernie4_5_moe": {"moe_k": 2, "moe_layer_start_index": 0, "moe_layer_end_index": 3},
 }
@@ -134,5 +150,5 @@ def tiny_moe_model(family: str, *, seed: int = 0, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         keys = AutoConfig.for_model(family).to_dict()
-    moe = {k: v for k, v in {**TINY_MOE, **MOE_EXTRA.get(family, {})}.items() if k in keys}
+    moe = {**{k: v for k, v in TINY_MOE.items() if k in keys}, **MOE_EXTRA.get(family, {})}  # the family's own: all
     return tiny_family_model(family, seed=seed, **{**moe, **overrides})
