@@ -63,6 +63,9 @@ REFUSED_TP = {
 }
 
 SHIPPED = sorted(p.stem for p in PLANS.glob("*.yaml"))
+MOE_PLANS = {p for p in SHIPPED if "-ep" in p}  # they split experts: a dense model has none
+MOE_PLAN = "qwen3-moe-dp2-ep2-tp2-pp2"
+QWEN3_30B_A3B = 30_532_122_624  # tests/configs/moe/qwen3-30b-a3b.json: 48 layers of 128 experts, untied head
 # Loose: resolving and formatting one plan takes well under 2 s on a meta model.
 SECONDS = 4.0
 
@@ -88,6 +91,10 @@ def test_the_meta_model_has_the_published_parameter_count(name):
 @pytest.mark.parametrize("plan", SHIPPED)
 def test_each_shipped_plan_binds_or_is_refused(name, plan):
     model = meta_model(name)
+    if plan in MOE_PLANS:
+        with pytest.raises(PlanError, match="has no fused experts module to split; use ep 1"):
+            resolve(PLANS / f"{plan}.yaml", model)
+        return
     if plan in REFUSED[name]:
         with pytest.raises(PlanError) as info:
             resolve(PLANS / f"{plan}.yaml", model)
@@ -107,7 +114,7 @@ def test_resolving_and_showing_is_quick(name):
     model = meta_model(name)
     timings = {}
     for plan in SHIPPED:
-        if plan in REFUSED[name]:
+        if plan in REFUSED[name] or plan in MOE_PLANS:
             continue
         start = time.perf_counter()
         resolved = resolve(PLANS / f"{plan}.yaml", model)
@@ -116,6 +123,30 @@ def test_resolving_and_showing_is_quick(name):
         assert text
     slow = {plan: round(s, 2) for plan, s in timings.items() if s >= SECONDS}
     assert not slow, f"{name}: resolve + format_plan took {slow} s (bound {SECONDS} s)"
+
+
+def test_the_moe_plan_on_qwen3_30b_a3b():
+    from rewrite.run.show.report import format_plan
+
+    model = build_model(load_config(CONFIGS / "moe" / "qwen3-30b-a3b.json"), device="meta")
+    assert sum(p.numel() for p in model.parameters()) == QWEN3_30B_A3B
+    start = time.perf_counter()
+    resolved = resolve(PLANS / f"{MOE_PLAN}.yaml", model)
+    assert "dp=2 (ep=2) x pp=2 x tp=2 = 8 ranks" in format_plan(resolved, model=model)
+    assert time.perf_counter() - start < SECONDS
+    assert (resolved.pp, resolved.tp, resolved.plan.mesh.ep, resolved.total_params) == (2, 2, 2, QWEN3_30B_A3B)
+    assert [s.fqn for s in resolved.experts] == [f"model.layers.{i}.mlp.experts" for i in range(48)]
+    assert [layer for stage in resolved.stages for layer in stage.layers] == [f"model.layers.{i}" for i in range(48)]
+    # A rank of stage 0 holds the embedding, half of each attention projection (tp 2), 64 of each layer's 128
+    # experts (ep 2) and the router and norms whole, before dp shards the dense part.
+    h, heads, kv, d, experts, width = 2048, 32, 4, 128, 128, 768
+    attention = (2 * h * heads * d + 2 * h * kv * d) // 2 + 2 * d
+    layer = attention + h * experts + experts // 2 * 3 * h * width + 2 * h
+    first = resolved.stages[0]
+    assert first.param_count == 151936 * h + len(first.layers) * layer
+    # The dense plans' MLP rules name modules a mixture of experts does not have.
+    with pytest.raises(PlanError, match=r"'model.layers.\*.mlp.gate_proj'\] matches no module"):
+        resolve(PLANS / "llama-tp2.yaml", model)
 
 
 @pytest.mark.parametrize("name", sorted(REPLICATED))

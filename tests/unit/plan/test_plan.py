@@ -132,6 +132,7 @@ def test_bad_files(tmp_path):
 SHIPPED_WORLD = {
     "llama-tp2": 2, "llama-tp2-sp": 2, "llama-tp4": 4, "llama-pp2": 2, "llama-tp2-pp2": 4, "llama-pp2-zbv": 2,
     "llama-fsdp4": 4, "llama-dp2-tp2": 4, "llama-dp2-tp2-pp2": 8, "llama-cp2-tp2": 4,
+    "qwen3-moe-dp2-ep2-tp2-pp2": 8,
 }
 
 
