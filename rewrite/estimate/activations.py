@@ -28,6 +28,19 @@ Bytes one decoder layer keeps for its backward:
                                            cp the gathered keys and values, c T tokens)
                     + T ((4 + B) (a + g r) d + 4 (a + g r)) / t'   with per-head q_norm / k_norm (Qwen3)
     MLP               R B h + 4 R B i / t'  its input; gate, SiLU(gate), up and their product
+    mixture of experts (k of E experts of width i_e a token, shared experts of width i_s, transformers'
+    grouped_mm experts; `models.flops.moe_shape`)
+                      R B h + R (k (n B i_e + 2 B h + 36) + 16) + 4 R B i_s / t'
+                                           its input; per (token, choice): the row sent to the expert,
+                                           its gate/up, activation and product (n = 4; gpt-oss's
+                                           clamped, sigmoid-gated ones 7: `models.flops.EXPERT_VALUES`),
+                                           the expert's output before the routing weight, an int64
+                                           index and float32 weights (36, and 16 a token: measured in
+                                           float32); routed experts are never split by tp. At
+                                           balanced routing a rank under ep runs as many rows as one
+                                           process would (ep's exchange buffers are not counted); a
+                                           gated shared expert (Qwen2-MoE) keeps B (h + 1) a token more
+                                           (not counted: ~8 % of its MLP at hidden 64)
 
 Residual adds keep nothing and LLaMA has no dropout. For LLaMA-7B shapes in bfloat16
 (B = 2, g = a, i ~ 2.7 h) that is about 48 s b h bytes per layer, no s^2 term, against
@@ -71,7 +84,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.flops import config_size
+from ..models.flops import EXPERT_VALUES, config_size, moe_shape
 from ..binding.resolve import ResolvedPlan
 from .plan_parts import LAYER_PARTS, activation_problem, block_splits, loss_sharded, recomputed_parts, shard_styles
 from ..schedules import peak_in_flight, plan_table
@@ -103,16 +116,22 @@ class Sizes:
     qk_norm: bool = False  # per-head q_norm / k_norm (Qwen3)
     kv_replicas: int = 1  # r: tp ranks holding each kv head when the attention is split
     cp: int = 1  # c: context-parallel ranks, each holding s / c tokens of every sequence
+    top_k: int = 0  # k: experts a token runs through (0: a dense MLP)
+    expert_width: int = 0  # i_e
+    shared_width: int = 0  # i_s: the shared experts together
+    expert_values: int = 4  # n: values an expert keeps per routed row and intermediate feature
 
     @classmethod
     def of(cls, config, *, seq_len: int, **run) -> Sizes:
         """From a transformers config; `run` sets the fields after seq_len (batch_size, tp, ...)."""
         h, a, i, v = (config_size(config, name, purpose="the activation estimate")
                       for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"))
+        k, width, shared, _ = moe_shape(config) or (0, 0, 0, 0)
         return cls(
             hidden=h, heads=a, kv_heads=getattr(config, "num_key_value_heads", None) or a,
             head_dim=getattr(config, "head_dim", None) or h // a,  # Mistral's config may hold None
-            intermediate=i, vocab=v, seq_len=seq_len, **run,
+            intermediate=i, vocab=v, seq_len=seq_len, top_k=k, expert_width=width, shared_width=shared,
+            expert_values=EXPERT_VALUES.get(getattr(config, "model_type", None), 4), **run,
         )
 
     @property
@@ -161,8 +180,15 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int
         "input_layernorm": _norm(z, z.chunk),
         "self_attn": attention,
         "post_attention_layernorm": _norm(z, z.chunk),
-        "mlp": R * B * h + 4 * R * B * z.intermediate // tm,
+        "mlp": R * B * h + (R * _routed(z) + 4 * R * B * z.shared_width // tm if z.top_k
+                            else 4 * R * B * z.intermediate // tm),
     }
+
+
+def _routed(z: Sizes) -> int:
+    """Bytes a token's k routed experts keep (the module docstring's mixture of experts)."""
+    B = z.dtype_bytes
+    return z.top_k * (z.expert_values * B * z.expert_width + 2 * B * z.hidden + 36) + 16
 
 
 def layer_bytes(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .hf_llama import Backbone
 
-__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops", "moe_width",
+__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops", "EXPERT_VALUES", "moe_shape", "moe_width",
            "TRAINING"]
 
 # The backward computes two products for each forward one (input and weight gradients).
@@ -108,11 +108,11 @@ def _first(config, *names: str) -> int | None:
     return next((v for n in names if isinstance(v := getattr(config, n, None), int) and v > 0), None)
 
 
-def moe_width(config) -> tuple[int, int] | None:
-    """(the MLP width a token runs through, the experts a router scores) of a mixture of experts' config;
-    None for a dense one. A token runs through its k chosen experts (`num_experts_per_tok`, ...) of width
-    `moe_intermediate_size` (else `intermediate_size`) and the shared experts, every layer taken as
-    sparse (a family's few dense layers are not counted apart)."""
+def moe_shape(config) -> tuple[int, int, int, int] | None:
+    """(k, an expert's width, the shared experts' width, the experts a router scores) of a mixture of
+    experts' config; None for a dense one. A token runs through its k chosen experts
+    (`num_experts_per_tok`, ...) of width `moe_intermediate_size` (else `intermediate_size`) and the
+    shared experts, every layer taken as sparse (a family's few dense layers are not counted apart)."""
     if getattr(config, "is_moe", True) is False:  # Doge's config counts experts it does not use
         return None
     experts = _first(config, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -124,7 +124,19 @@ def moe_width(config) -> tuple[int, int] | None:
         return None
     shared = _first(config, "shared_expert_intermediate_size") or width * (
         _first(config, "n_shared_experts", "num_shared_experts", "moe_num_shared_experts") or 0)
-    return top_k * width + shared, experts
+    return top_k, width, shared, experts
+
+
+# Values an expert keeps for its backward per routed row and intermediate feature: its gate/up output,
+# the activation and the product (4); gpt-oss clamps gate and up and gates with a scaled sigmoid (7).
+EXPERT_VALUES = {"gpt_oss": 7}
+
+
+def moe_width(config) -> tuple[int, int] | None:
+    """(the MLP width a token runs through: k experts and the shared ones, the experts a router scores) of a
+    mixture of experts' config (`moe_shape`); None for a dense one."""
+    shape = moe_shape(config)
+    return None if shape is None else (shape[0] * shape[1] + shape[2], shape[3])
 
 
 def layer_flops(config, *, seq_len: int) -> int:
