@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .plan.ranks import coordinates, cp_rank_of, global_rank, shape_text
+from .plan.ranks import coordinates, cp_rank_of, expert_groups, global_rank, shape_text
 from .values import is_count
 from .errors import InputError
 
@@ -174,27 +174,6 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1, cp: int =
         ep_group=ep_group,
         expert_replica_group=expert_replica_group,
     )
-
-
-def expert_groups(pp: int, tp: int, dp: int, cp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(expert-parallel groups, expert-replica groups) of a mesh, as lists of global ranks.
-
-    An expert-parallel group is `ep` neighbouring dp replicas at the same pp, cp and tp ranks
-    (dp ranks `[g * ep, (g + 1) * ep)`): together they hold every expert once, dp rank `d` the
-    experts of block `d % ep`. The replicas of a block (dp ranks `d` with the same `d % ep`, over
-    every cp rank) hold the same experts.
-
-        >>> expert_groups(1, 1, 4, 1, 2)
-        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
-    """
-    def at(d: int, p: int, c: int, t: int) -> int:
-        return global_rank(d, p, t, pp=pp, tp=tp, cp=cp, cp_rank=c)
-
-    places = [(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)]
-    groups = [[at(g * ep + e, p, c, t) for e in range(ep)] for g in range(dp // ep) for p, c, t in places]
-    replicas = [[at(g * ep + e, p, c, t) for g in range(dp // ep) for c in range(cp)]
-                for p in range(pp) for t in range(tp) for e in range(ep)]
-    return groups, replicas
 
 
 def _expert_groups(pp: int, tp: int, dp: int, cp: int, ep: int, at, here) -> tuple:

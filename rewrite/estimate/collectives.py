@@ -7,6 +7,7 @@ per step and the profile's collective efficiency e:
     all-gather       (n - 1) alpha + (n - 1) / n * S / (beta e)     S: the gathered whole
     reduce-scatter   as all-gather                                   S: the input whole
     point-to-point   alpha + S / (beta e)
+    all-to-all       (n - 1) alpha + (n - 1) / n * S / (beta e)     S: what one rank sends, in equal parts
 
 A group whose ranks all sit on one node uses the intra-node link, else the inter-node network
 (its slowest hop sets a ring's pace). Global ranks fill nodes in order: node = rank // G.
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 
 from .hardware import Hardware, Link
 
-__all__ = ["all_reduce_s", "all_gather_s", "reduce_scatter_s", "p2p_s", "group_link", "groups_link"]
+__all__ = ["all_reduce_s", "all_gather_s", "all_to_all_s", "reduce_scatter_s", "p2p_s", "group_link", "groups_link"]
 
 
 def all_reduce_s(nbytes: float, n: int, link: Link, efficiency: float) -> float:
@@ -41,6 +42,7 @@ def all_gather_s(nbytes: float, n: int, link: Link, efficiency: float) -> float:
 
 
 reduce_scatter_s = all_gather_s  # the same ring, run the other way: `nbytes` is the input whole
+all_to_all_s = all_gather_s  # n - 1 exchanges of 1 / n of what a rank sends: `nbytes` is that whole
 
 
 def p2p_s(nbytes: float, link: Link, efficiency: float) -> float:

@@ -4,16 +4,23 @@ the gradient reduction torch does not hide, then AdamW (see `step_time` for the 
 One `DpTime` per binding (mesh, stages, shards): the sharding, the schedule and the rank's last
 backward window vary per call. `step_time.predict_step` times a plan with it; the plan search
 bounds candidates by it before simulating their tables.
+
+Experts split over ep (`step_time.stage_parameters`' unit `EXPERTS`) are neither gathered nor
+reduce-scattered: after the dense reduction their gradients are all-reduced over the ranks holding
+the same experts ((dp / ep) x cp, `plan.ranks.expert_groups`), nothing beside it, and AdamW reads
+them whole.
 """
 
 from __future__ import annotations
 
-from ..plan.ranks import global_rank
+from ..plan.ranks import expert_groups, global_rank
 from ..binding.resolve import ResolvedPlan
 from .collectives import all_gather_s, all_reduce_s, groups_link, reduce_scatter_s
 from .hardware import Hardware
 
-__all__ = ["DpTime", "DDP_BUCKET", "ADAMW_TRAFFIC"]
+__all__ = ["DpTime", "DDP_BUCKET", "ADAMW_TRAFFIC", "EXPERTS"]
+
+EXPERTS = "experts"  # a stage's unit of the experts split over ep
 
 DDP_BUCKET = 25 * 1024**2  # DistributedDataParallel's default bucket_cap_mb
 ADAMW_TRAFFIC = 16  # float32 moments, each read and written, per element; plus 3x the dtype (w r/w, g r)
@@ -28,13 +35,19 @@ class DpTime:
         float32 weights in bfloat16); gradients reduce in the stored dtype. The group is every rank
         holding the same parameters: the dp replicas times the cp ranks (`dp` below counts them all)."""
         dp, pp, tp, cp = resolved.plan.mesh.dp, resolved.pp, resolved.tp, resolved.plan.mesh.cp
-        self.dp, self.units, self.hw, self.eff = dp * cp, units, hw, hw.efficiency.collective
+        self.dp, self.hw, self.eff = dp * cp, hw, hw.efficiency.collective
         self.gathered = gathered
         groups = [[global_rank(d, p, t, pp=pp, tp=tp, cp=cp, cp_rank=c) for d in range(dp) for c in range(cp)]
                   for p in range(pp) for t in range(tp)]
         self.link = groups_link(hw, groups, gpus_per_node)
-        self.gather = {s: [self._ag(b) for b in u.values()] for s, u in enumerate(units)}
-        self.layers_only = {s: [self._ag(b) for name, b in u.items() if name != "root"] for s, u in enumerate(units)}
+        replicas = expert_groups(pp, tp, dp, cp, resolved.plan.mesh.ep)[1]
+        self.expert_replicas = len(replicas[0]) if replicas else 1
+        self.expert_link = groups_link(hw, replicas, gpus_per_node)
+        self.units = [{k: b for k, b in u.items() if k != EXPERTS} for u in units]  # the dense ones, FSDP2's
+        self.experts = [u.get(EXPERTS, 0) for u in units]
+        self.gather = {s: [self._ag(b) for b in u.values()] for s, u in enumerate(self.units)}
+        self.layers_only = {s: [self._ag(b) for name, b in u.items() if name != "root"]
+                            for s, u in enumerate(self.units)}
 
     def _ag(self, nbytes: float) -> float:
         return all_gather_s(nbytes * self.gathered, self.dp, self.link, self.eff)
@@ -94,5 +107,7 @@ class DpTime:
         elif sharding is not None and not self.reduces_each(sharding, split, reduce):
             last_unit = min((b for s in stages for b in self.units[s].values()), default=0)
             exposed += max(reduce_scatter_s(held, dp, link, eff) - window, reduce_scatter_s(last_unit, dp, link, eff))
-        held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1)
+        experts = sum(self.experts[s] for s in stages)  # reduced after the dense gradients, nothing beside it
+        exposed += all_reduce_s(experts, self.expert_replicas, self.expert_link, eff)
+        held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1) + experts / dtype_bytes
         return exposed, held_elems * (3 * dtype_bytes + ADAMW_TRAFFIC) / self.hw.memory_bandwidth

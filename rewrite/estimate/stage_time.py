@@ -25,6 +25,10 @@ s x s, so a rank's (2 c + 1) L^2 pairs are charged (2 c + 1) / (2 c^2) of it (me
 4,096 tokens: the cp 2 step at 0.62x one process, this model 0.59x). Each
 layer all-gathers the keys and values of the whole sequence over the cp group in F, 2 b s g r d B / t'
 bytes, and reduce-scatters their gradients in I (again in a recomputed F).
+A layer whose experts are split over ep (e = mesh.ep) exchanges its routed rows in F (T k rows of
+h + 1 values out, their results back: 2 all-to-alls over the ep group, balanced routing), and their
+gradients again in I (again in a recomputed F): T k (2 h + 1) B bytes each way per pass, at the
+compute dtype (a family whose routing weights stay float32 under bfloat16 sends float32 rows).
 The first stage adds the embedding (a vocab-split one: an all-reduce of its output); the last
 the final norm, LM head and loss: a whole-vocabulary head gathered over tp ('column_gather')
 all-gathers T V B of logits, the vocabulary-parallel loss gathers 2 floats per token, and the
@@ -42,7 +46,8 @@ from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
 from ..binding.resolve import ResolvedPlan
 from .activations import F32, Sizes, compute_dtype, end_bytes, layer_bytes, plan_sizes
 from .plan_parts import block_splits, loss_sharded, recomputed_parts, shard_styles
-from .collectives import all_gather_s, all_reduce_s, groups_link
+from ..plan.ranks import expert_groups
+from .collectives import all_gather_s, all_reduce_s, all_to_all_s, groups_link
 from .hardware import Hardware
 
 __all__ = ["StageTimes", "stage_times", "tp_groups"]
@@ -58,6 +63,7 @@ class StageTimes:
     tp_comm: float  # of the three above, the tensor-parallel collectives
     flops: float  # training FLOPs the stage runs per microbatch, without recompute (for MFU)
     cp_comm: float = 0.0  # of the three above, the context-parallel K/V gathers and their reduce-scatters
+    ep_comm: float = 0.0  # of the three above, the expert-parallel exchanges of routed rows
 
     @property
     def backward(self) -> float:
@@ -80,10 +86,11 @@ def cp_groups(resolved: ResolvedPlan) -> list[list[int]]:
 class _Clock:
     """Seconds for FLOPs and bytes on the profile's device, and for the tp and cp groups' collectives."""
 
-    def __init__(self, hardware: Hardware, dtype: str, tp: int, link, cp: int = 1, cp_link=None) -> None:
+    def __init__(self, hardware: Hardware, dtype: str, tp: int, link, cp: int = 1, cp_link=None, ep: int = 1,
+                 ep_link=None) -> None:
         self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
         self.bandwidth, self.tp, self.link, self.eff = hardware.memory_bandwidth, tp, link, hardware.efficiency.collective
-        self.cp, self.cp_link = cp, cp_link
+        self.cp, self.cp_link, self.ep, self.ep_link = cp, cp_link, ep, ep_link
         self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
 
     def run(self, flops: float, nbytes: float) -> float:
@@ -98,9 +105,13 @@ class _Clock:
     def cp_gather(self, nbytes: float) -> float:  # the same over the cp group
         return all_gather_s(nbytes, self.cp, self.cp_link, self.eff) if self.cp > 1 else 0.0
 
+    def exchange(self, nbytes: float) -> float:  # an all-to-all of what one rank sends, over the ep group
+        return all_to_all_s(nbytes, self.ep, self.ep_link, self.eff) if self.ep > 1 else 0.0
 
-def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomputed: set[str], weights: int):
-    """(F, I, W, tp collectives, training FLOPs, cp collectives) of one decoder layer."""
+
+def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomputed: set[str], weights: int,
+           experts_split: bool = False):
+    """(F, I, W, tp collectives, training FLOPs, cp collectives, ep exchanges) of one decoder layer."""
     c = z.cp
     parts = {k: v * z.batch_size / (1 if k == "scores" else c)
              for k, v in layer_flop_parts(config, seq_len=z.seq_len).items()}
@@ -121,15 +132,19 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
         fwd_comm = bwd_comm = blocks * 2 * clock.gather(block)
     else:
         fwd_comm = bwd_comm = blocks * clock.all_reduce(block)
-    forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm + kv + clock.overhead
-    input_backward = clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm + kv + clock.overhead
+    # The routed rows to their experts' ranks and back (each way once in F, once more in I).
+    rows = z.tokens * z.top_k * z.dtype_bytes if experts_split else 0
+    ep = clock.exchange(rows * (z.hidden + 1)) + clock.exchange(rows * z.hidden)
+    forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm + kv + ep + clock.overhead
+    input_backward = (clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm + kv + ep
+                      + clock.overhead)
     weight_backward = clock.run(proj + mlp, 2 * weights) + clock.overhead
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
     share = 1.0 if "" in recomputed else len(recomputed & {"self_attn", "mlp"}) / 2
     input_backward += share * forward
     tp_comm = fwd_comm + bwd_comm + share * fwd_comm
     flops = (proj + scores + mlp + norms) + (proj + 2 * scores + mlp + 2 * norms) + (proj + mlp)
-    return forward, input_backward, weight_backward, tp_comm, flops, (2 + share) * kv
+    return forward, input_backward, weight_backward, tp_comm, flops, (2 + share) * kv, (2 + share) * ep
 
 
 def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool, weights: int, has_head: bool):
@@ -178,20 +193,24 @@ def stage_times(
     z = plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
     styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
     G = gpus_per_node or hardware.devices_per_node
-    link, cp = groups_link(hardware, tp_groups(resolved), G), resolved.plan.mesh.cp
+    link, cp, ep = groups_link(hardware, tp_groups(resolved), G), resolved.plan.mesh.cp, resolved.plan.mesh.ep
+    ep_groups = expert_groups(resolved.pp, resolved.tp, resolved.plan.mesh.dp, cp, ep)[0]
     clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, link,
-                   cp, groups_link(hardware, cp_groups(resolved), G))
+                   cp, groups_link(hardware, cp_groups(resolved), G), ep, groups_link(hardware, ep_groups, G))
+    split_experts = {spec.fqn for spec in resolved.experts} if ep > 1 else set()
     layer_weights = layer_weights or {}
     last, out, memo = resolved.num_stages - 1, [], {}
     for stage, layers in enumerate(resolved.layer_indices):
-        f = i = w = comm = flops = kv = 0.0
+        f = i = w = comm = flops = kv = ep_comm = 0.0
         for index in layers:
             splits, parts = block_splits(styles, bb.layer(index)), frozenset(recomputed.get(index, ()))
-            key = (tuple(splits.values()), index == 0, parts, layer_weights.get(index, 0))
+            routed = any(fqn.startswith(bb.layer(index) + ".") for fqn in split_experts)
+            key = (tuple(splits.values()), index == 0, parts, layer_weights.get(index, 0), routed)
             if key not in memo:  # decoder layers alike in shape: one computation each
-                memo[key] = _layer(z, config, clock, splits, first=index == 0, recomputed=parts, weights=key[3])
-            lf, li, lw, lc, lflops, lkv = memo[key]
-            f, i, w, comm, flops, kv = f + lf, i + li, w + lw, comm + lc, flops + lflops, kv + lkv
+                memo[key] = _layer(z, config, clock, splits, first=index == 0, recomputed=parts, weights=key[3],
+                                   experts_split=routed)
+            lf, li, lw, lc, lflops, lkv, lep = memo[key]
+            f, i, w, comm, flops, kv, ep_comm = f + lf, i + li, w + lw, comm + lc, flops + lflops, kv + lkv, ep_comm + lep
         if stage == 0:
             embed = z.tokens * z.dtype_bytes * z.hidden
             vocab_comm = clock.all_reduce(embed) if styles.get(bb.embed) == "vocab" else 0.0
@@ -203,5 +222,5 @@ def stage_times(
                                            sharded_loss=loss_sharded(resolved, styles), weights=root_weights[1],
                                            has_head=bb.has_head)
             f, i, w, comm, flops = f + hf, i + hi, w + hw, comm + hc, flops + hflops
-        out.append(StageTimes(f, i, w, comm, flops, kv))
+        out.append(StageTimes(f, i, w, comm, flops, kv, ep_comm))
     return out

@@ -31,7 +31,7 @@ from ..schedules import bubble, plan_table, simulate, splits_backward
 from .activations import activation_problem, compute_dtype, plan_sizes
 from .collectives import groups_link, p2p_s
 from .hardware import Hardware, load_hardware
-from .dp_time import DpTime
+from .dp_time import EXPERTS, DpTime
 from .memory import param_unit, with_run
 from .stage_time import StageTimes, stage_times
 
@@ -66,8 +66,9 @@ def model_flops(config, *, seq_len: int, num_layers: int, has_head: bool = True)
 def stage_parameters(resolved: ResolvedPlan, model: nn.Module) -> tuple[list[dict[str, int]], dict[int, int], tuple[int, int]]:
     """Per stage, FSDP2 unit -> bytes on a rank; per layer index its bytes; (embedding, head + norm) bytes.
 
-    What `predict_step` reads of the parameters; it depends on the stages and shards only, so a
-    search passes it once for plans that differ in schedule, microbatches or sharding.
+    The experts split over ep (which FSDP2 leaves whole) are the stage's unit `EXPERTS`, and count in
+    their layer's bytes. What `predict_step` reads of the parameters; it depends on the stages and
+    shards only, so a search passes it once for plans that differ in schedule, microbatches or sharding.
     """
     bb, stages, layer_bytes, root = resolved.backbone, [], {}, [0, 0]
     for spec in resolved.stages:
@@ -75,10 +76,12 @@ def stage_parameters(resolved: ResolvedPlan, model: nn.Module) -> tuple[list[dic
         layers = frozenset(spec.layers)
         for p in spec.held or held_parameters(model, spec.modules, resolved.shards):
             unit = param_unit(p.name, layers)
-            units[unit] = units.get(unit, 0) + p.nbytes
             if unit != "root":
-                layer_bytes[int(unit.rsplit(".", 1)[1])] = units[unit]
-            else:
+                index = int(unit.rsplit(".", 1)[1])
+                layer_bytes[index] = layer_bytes.get(index, 0) + p.nbytes
+            unit = EXPERTS if p.by_expert else unit
+            units[unit] = units.get(unit, 0) + p.nbytes
+            if unit == "root":
                 root[0 if p.name.startswith(bb.embed + ".") else 1] += p.nbytes
         stages.append(units)
     return stages, layer_bytes, (root[0], root[1])

@@ -9,7 +9,7 @@ it, `show` and checkpoints name ranks with it.
 
 from __future__ import annotations
 
-__all__ = ["global_rank", "coordinates", "cp_rank_of", "length_problem", "shape_text"]
+__all__ = ["global_rank", "coordinates", "cp_rank_of", "expert_groups", "length_problem", "shape_text"]
 
 
 def global_rank(dp_rank: int, pp_rank: int, tp_rank: int, *, pp: int, tp: int, cp: int = 1, cp_rank: int = 0) -> int:
@@ -59,3 +59,24 @@ def length_problem(seq: int, cp: int) -> str | None:
     near = f"{below} or {above}" if below else f"{above}"
     return (f"a sequence of {seq} tokens does not split into 2 x cp = {step} equal chunks (cp ranks hold two each, "
             f"balanced for the causal mask); use a length that {step} divides, e.g. {near}")
+
+
+def expert_groups(pp: int, tp: int, dp: int, cp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-replica groups) of a mesh, as lists of global ranks.
+
+    An expert-parallel group is `ep` neighbouring dp replicas at the same pp, cp and tp ranks
+    (dp ranks `[g * ep, (g + 1) * ep)`): together they hold every expert once, dp rank `d` the
+    experts of block `d % ep`. The replicas of a block (dp ranks `d` with the same `d % ep`, over
+    every cp rank) hold the same experts.
+
+        >>> expert_groups(1, 1, 4, 1, 2)
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    """
+    def at(d: int, p: int, c: int, t: int) -> int:
+        return global_rank(d, p, t, pp=pp, tp=tp, cp=cp, cp_rank=c)
+
+    places = [(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)]
+    groups = [[at(g * ep + e, p, c, t) for e in range(ep)] for g in range(dp // ep) for p, c, t in places]
+    replicas = [[at(g * ep + e, p, c, t) for g in range(dp // ep) for c in range(cp)]
+                for p in range(pp) for t in range(tp) for e in range(ep)]
+    return groups, replicas

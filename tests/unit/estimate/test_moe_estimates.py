@@ -1,0 +1,103 @@
+"""The estimates of a mixture of experts. Activations, against what autograd really keeps: the MLP of
+tiny Qwen3-MoE, Mixtral, DeepSeek-V3 (shared experts), OLMoE and gpt-oss (clamped, sigmoid-gated experts)
+in float32 and bfloat16, one process, transformers' default (grouped_mm) experts; a plan's estimate
+counts the experts a token runs through, not a dense MLP of intermediate_size. Step time, by hand: the
+exchanges of routed rows under ep, and the experts' gradients all-reduced over their replicas instead
+of gathered and reduced with the dense ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rewrite
+from rewrite.estimate.activations import Sizes, layer_bytes, rank_activations
+from rewrite.estimate.collectives import all_reduce_s, all_to_all_s
+from rewrite.estimate.dp_time import DDP_BUCKET, EXPERTS, DpTime
+from rewrite.estimate.hardware import Efficiency, Hardware, Link
+from rewrite.estimate.stage_time import stage_times
+from rewrite.estimate.step_time import stage_parameters
+from tests.families import tiny_moe_model
+
+TOKENS = 256
+RULE = {"model.layers.*.mlp.experts": "expert_parallel"}
+# A device whose memory traffic costs nothing: times are FLOPs / 1e9 and the collectives' formula.
+UNIT = Hardware(
+    name="unit", memory_gib=1, peak_flops={"float32": 1e9}, memory_bandwidth=1e30, devices_per_node=8,
+    intra_node=Link(bandwidth=1e9, latency=1e-3), inter_node=Link(bandwidth=1e8, latency=1e-2),
+    efficiency=Efficiency(matmul=1.0, collective=1.0),
+)
+
+
+def _saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the storages autograd saves in `module`'s forward on `x`, its parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() and storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("family, dtype", [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16),
+                                           ("mixtral", torch.float32), ("deepseek_v3", torch.float32),
+                                           ("olmoe", torch.bfloat16), ("gpt_oss", torch.float32)])
+def test_a_moe_layer_keeps_what_the_estimate_says(family, dtype):
+    model = tiny_moe_model(family).to(dtype)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, TOKENS // 2, model.config.hidden_size, dtype=dtype, requires_grad=True)
+    measured = _saved_bytes(mlp, x)
+    z = Sizes.of(model.config, seq_len=TOKENS // 2, batch_size=2, dtype_bytes=dtype.itemsize)
+    width = model.config.to_dict().get("moe_intermediate_size") or model.config.intermediate_size
+    assert z.top_k == 2 and z.expert_width == width
+    estimated = layer_bytes(z)[0] - layer_bytes(Sizes(**{**z.__dict__, "top_k": 0, "intermediate": 0}))[0]
+    estimated += TOKENS * dtype.itemsize * z.hidden  # the MLP's input, counted with it
+    assert abs(estimated / measured - 1) < 0.03, (family, dtype, estimated, measured)
+
+
+def test_a_plans_estimate_counts_the_experts_a_token_runs_through():
+    model = tiny_moe_model("qwen3_moe", moe_intermediate_size=64)
+    plan = {"mesh": {"dp": 2, "ep": 2}, "tensor_parallel": {"model.layers.*.mlp.experts": "expert_parallel"},
+            "pipeline": {"seq_len": 64}}
+    moe = rank_activations(rewrite.resolve(plan, model), model)[0].peak
+    z = Sizes.of(model.config, seq_len=64)
+    dense = Sizes(**{**z.__dict__, "top_k": 0})  # a dense MLP of intermediate_size (128) instead
+    per_layer = layer_bytes(z)[0] - layer_bytes(dense)[0]
+    assert per_layer == 64 * (2 * (4 * 4 * 64 + 2 * 4 * 64 + 36) + 16 - 4 * 4 * 128)
+    assert moe == rank_activations(rewrite.resolve({"pipeline": {"seq_len": 64}}, model), model)[0].peak
+
+
+def test_the_step_time_counts_the_exchanges_and_the_experts_own_reduce():
+    model = tiny_moe_model("qwen3_moe")  # h 64, 4 layers of 4 experts of width 32, k 2
+    base = {"pipeline": {"seq_len": 16, "microbatches": 1}, "data_parallel": {"sharding": "replicate"}}
+    split = rewrite.resolve({**base, "mesh": {"dp": 4, "ep": 2}, "tensor_parallel": RULE}, model)
+    whole = rewrite.resolve({**base, "mesh": {"dp": 4}}, model)
+    (ep,), (dense,) = stage_times(split, model, UNIT), stage_times(whole, model, UNIT)
+    rows = 16 * 2 * 4  # T k B: a layer's routed rows, float32
+    layer = all_to_all_s(rows * 65, 2, UNIT.intra_node, 1.0) + all_to_all_s(rows * 64, 2, UNIT.intra_node, 1.0)
+    assert ep.ep_comm == pytest.approx(4 * 2 * layer) and dense.ep_comm == 0
+    assert ep.forward == pytest.approx(dense.forward + 4 * layer)  # the same compute, and the exchanges
+    assert ep.input_backward == pytest.approx(dense.input_backward + 4 * layer)
+    assert ep.weight_backward == pytest.approx(dense.weight_backward)
+    # Across nodes (one device a node) the exchange takes the network.
+    (far,) = stage_times(split, model, UNIT, gpus_per_node=1)
+    assert far.ep_comm == pytest.approx(4 * 2 * (all_to_all_s(rows * 65, 2, UNIT.inter_node, 1.0)
+                                                 + all_to_all_s(rows * 64, 2, UNIT.inter_node, 1.0)))
+    # The experts (2 of 4 a rank) leave FSDP2's units; their gradients are all-reduced over the 2 replicas
+    # holding the same ones, after the dense reduce, and AdamW reads them whole.
+    units = stage_parameters(split, model)[0]
+    dpt = DpTime(split, units, UNIT, 8)
+    experts = 4 * 2 * 3 * 64 * 32 * 4
+    assert dpt.experts == [experts] and EXPERTS not in dpt.units[0] and dpt.expert_replicas == 2
+    dense_held = sum(dpt.units[0].values())
+    assert dense_held == sum(stage_parameters(whole, model)[0][0].values()) - 2 * experts
+    exposed, adamw = dpt.tail((0,), [ep], "replicate", False, float("inf"), 4)
+    assert exposed == pytest.approx(all_reduce_s(min(dense_held, DDP_BUCKET), 4, UNIT.intra_node, 1.0)
+                                    + all_reduce_s(experts, 2, UNIT.intra_node, 1.0))
+    assert adamw == pytest.approx((dense_held + experts) / 4 * (3 * 4 + 16) / 1e30)
