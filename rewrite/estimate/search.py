@@ -4,7 +4,8 @@ the ones whose busiest rank fits the device memory, ranked by predicted step tim
 For each mesh (tp within a node, cp where 2 cp chunks split the sequence, each layout `resolve`
 accepts) and each choice of
 vocab + loss parallelism and sequence parallelism the plan is bound once (`auto` cuts, per
-virtual-stage count); schedules, microbatch counts, data-parallel sharding and activation
+virtual-stage count; for a mixture of experts computed in its parameters' dtype, per ep dividing
+dp and the experts: the best of each mesh may split its experts); schedules, microbatch counts, data-parallel sharding and activation
 checkpointing (off, every other layer, every layer) vary on that binding. Each candidate's
 memory is `estimate.memory.rank_memory`'s, its time `estimate.step_time.predict_step`'s.
 Checkpointing only adds time, so a candidate takes the least of it that fits.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from dataclasses import dataclass
 
 from torch import nn
@@ -28,7 +30,8 @@ from .activations import activation_problem, compute_dtype
 from .hardware import Hardware, default_dtype, load_hardware
 from .memory import GIB, rank_memory
 from .search_space import (
-    CHECKPOINTING, SCHEDULES_BY_STAGES, Bound, bind, binds_sp, collector_paused, meshes, microbatch_counts, variant,
+    CHECKPOINTING, SCHEDULES_BY_STAGES, Bound, bind, binds_sp, collector_paused, divisors, expert_count, meshes,
+    microbatch_counts, variant,
 )
 from .step_time import predict_step
 
@@ -198,6 +201,10 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
     from ..models.hf_llama import find_backbone
 
     num_layers = find_backbone(model).num_layers
+    # A mixture of experts whose family's ep plan splits them: ep joins the search, when the run computes in
+    # its parameters' dtype (a narrower compute dtype with ep is not built: `apply_plan` refuses it).
+    mixed = dtype is not None and compute_dtype(model, dtype).itemsize < compute_dtype(model).itemsize
+    experts = None if mixed else expert_count(model)
     best: dict = {}
     sp_binds: dict = {}  # (tp, vocab_loss) -> whether sequence parallelism binds
     binds: dict = {}  # resolve's cache: the shards per (tp, switches), the parameters per stage set
@@ -205,24 +212,26 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
         if batch % dp:
             continue
         n = batch // dp
-        bounds = []  # every binding of this mesh: switches and virtual stages
-        for vocab_loss in ((True,) if frugal else (False, True)) if tp > 1 else (False,):
-            for k in (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,):
-                base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len,
-                            cache=binds, cp=cp)
-                if isinstance(base, str):
-                    continue
-                problem = activation_problem(base, model)
-                if problem:
-                    raise ValueError(f"the planner estimates LLaMA-shaped layers only: {problem}")
-                bases = [] if frugal and tp > 1 else [base]
-                if tp > 1 and (tp, vocab_loss) not in sp_binds:
-                    sp_binds[tp, vocab_loss] = binds_sp(model, base, binds)
-                if tp > 1 and sp_binds[tp, vocab_loss]:
-                    # Sequence parallelism changes no shard or stage: the same binding with the switch on.
-                    plan = base.plan.model_copy(update={"sequence_parallel": True})
-                    bases.append(dataclasses.replace(base, plan=plan))
-                bounds += [Bound(b, model, dtype) for b in bases]
+        bounds = []  # every binding of this mesh: switches, virtual stages and expert parallelism
+        eps = [e for e in divisors(dp) if experts % e == 0] if experts else [1]
+        switches = ((True,) if frugal else (False, True)) if tp > 1 else (False,)
+        stages = (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,)
+        for vocab_loss, k, ep in itertools.product(switches, stages, eps):
+            base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len,
+                        cache=binds, cp=cp, ep=ep)
+            if isinstance(base, str):
+                continue
+            problem = activation_problem(base, model)
+            if problem:
+                raise ValueError(f"the planner estimates LLaMA-shaped layers only: {problem}")
+            bases = [] if frugal and tp > 1 else [base]
+            if tp > 1 and (tp, vocab_loss) not in sp_binds:
+                sp_binds[tp, vocab_loss] = binds_sp(model, base, binds)
+            if tp > 1 and sp_binds[tp, vocab_loss]:
+                # Sequence parallelism changes no shard or stage: the same binding with the switch on.
+                plan = base.plan.model_copy(update={"sequence_parallel": True})
+                bases.append(dataclasses.replace(base, plan=plan))
+            bounds += [Bound(b, model, dtype) for b in bases]
         if not timed:
             found = next(filter(None, (_first_fit(b, G=G, limit=limit, n=n, frugal=frugal) for b in bounds)), None)
         else:

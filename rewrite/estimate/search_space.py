@@ -25,7 +25,7 @@ from .step_bound import step_lower_bound
 from .step_time import stage_parameters
 
 __all__ = ["CHECKPOINTING", "SCHEDULES_BY_STAGES", "Bound", "divisors", "microbatch_counts", "meshes", "bind", "binds_sp",
-           "variant", "checkpointed", "collector_paused"]
+           "variant", "checkpointed", "collector_paused", "expert_count"]
 
 CHECKPOINTING = ("off", "every other layer", "every layer")  # in the order tried: each adds recompute
 SCHEDULES_BY_STAGES = {1: ("1f1b", "afab", "zero-bubble"), 2: ("interleaved-1f1b", "zbv", "zero-bubble")}
@@ -67,13 +67,33 @@ def _rules(model: nn.Module, tp: int, vocab_loss: bool) -> dict:
     return rules
 
 
-def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, cache: dict | None = None, cp: int = 1) -> ResolvedPlan | str:
-    """The mesh and switches bound to the model (the reason it does not bind, as text); `cache`: `resolve`'s,
-    kept across the binds of one search."""
+def expert_count(model: nn.Module) -> int | None:
+    """The experts every splittable experts module of `model` holds, when its family's ep plan names them
+    (`plan_from_hf(model, ep=...)`); None for a dense model, or experts it cannot split alike."""
+    from ..models.experts import experts_problem, num_experts
+
+    counts = {num_experts(m) for m in model.modules() if num_experts(m) and experts_problem(m) is None}
+    if len(counts) != 1:
+        return None
     try:
+        rules = plan_from_hf(model, ep=2, dp=2).tensor_parallel
+    except (PlanError, ValueError):
+        return None
+    return counts.pop() if "expert_parallel" in rules.values() else None
+
+
+def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, cache: dict | None = None, cp: int = 1,
+         ep: int = 1) -> ResolvedPlan | str:
+    """The mesh and switches bound to the model (the reason it does not bind, as text); `cache`: `resolve`'s,
+    kept across the binds of one search. `ep` > 1: the experts split as the family's ep plan says."""
+    try:
+        rules = _rules(model, tp, vocab_loss)
+        if ep > 1:
+            rules.update({p: s for p, s in plan_from_hf(model, ep=ep, dp=dp).tensor_parallel.items()
+                          if s == "expert_parallel"})
         data = {
-            "mesh": {"dp": dp, "pp": pp, "cp": cp, "tp": tp},
-            "tensor_parallel": _rules(model, tp, vocab_loss),
+            "mesh": {"dp": dp, "pp": pp, "cp": cp, "tp": tp, **({"ep": ep} if ep > 1 else {})},
+            "tensor_parallel": rules,
             "pipeline": {"schedule": SCHEDULES_BY_STAGES[k][0], "virtual_stages": k, "seq_len": seq_len,
                          **({"cut_points": "auto"} if pp > 1 else {})},
             "loss_parallel": vocab_loss, "sequence_parallel": sp,
@@ -120,6 +140,7 @@ class Bound:
         self._feet: dict = {}
         self._acts: dict = {}
         self._params: dict = {}
+        self._experts: dict = {}  # placement -> each rank's experts' footprint
         self._stages: dict = {}  # (checkpointing, batch size) -> per stage activations
         self._times: dict = {}  # (checkpointing, batch size) -> `stage_times`
         self._dp: DpTime | None = None
@@ -180,10 +201,13 @@ class Bound:
             if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
                 self._params[variant.stage_rank] = [param_sums(rank_parameters(variant, self.model, r), dp)
                                                     for r in range(variant.pp)]
+                # experts split over ep: whole on each rank, never gathered (`memory.rank_footprints`)
+                self._experts[variant.stage_rank] = [footprint(rank_parameters(variant, self.model, r, by_expert=True))
+                                                     for r in range(variant.pp)]
             compute = self.compute.itemsize if self.mixed else None
-            self._feet[key] = [footprint(p, dp=dp, sharding=sharding, split=split, reduce=reduce,
-                                         compute_bytes=compute).peak
-                               for p in self._params[variant.stage_rank]]
+            self._feet[key] = [(footprint(p, dp=dp, sharding=sharding, split=split, reduce=reduce,
+                                          compute_bytes=compute) + experts).peak
+                               for p, experts in zip(self._params[variant.stage_rank], self._experts[variant.stage_rank])]
         return self._feet[key]
 
 
