@@ -29,6 +29,16 @@ PARTS = {
 PP2 = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
 
 
+def _two_stages_give_its_logits(model, bb) -> None:
+    """Layers 0-1 then 2-3 through the walker give the model's own logits."""
+    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        hidden = run_backbone(model, bb, ids, [0, 1], first=True, last=False)
+        logits = run_backbone(model, bb, hidden, [2, 3], first=False, last=True)
+    assert (logits - reference).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("family", sorted(PARTS))
 def test_parts_are_found_and_run_as_the_model_does(family):
     model = tiny_family_model(family).eval()
@@ -38,12 +48,7 @@ def test_parts_are_found_and_run_as_the_model_does(family):
     assert bb.stage_modules([0, 1], first=True, last=False) == [
         bb.embed, *bb.after_embed, bb.rotary, f"{bb.layers}.0", f"{bb.layers}.1"]
     assert bb.stage_modules([2, 3], first=False, last=True)[-2:] == [bb.norm, "lm_head"]
-    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = model(input_ids=ids).logits
-        hidden = run_backbone(model, bb, ids, [0, 1], first=True, last=False)
-        logits = run_backbone(model, bb, hidden, [2, 3], first=False, last=True)
-    assert (logits - reference).abs().max() < 1e-5
+    _two_stages_give_its_logits(model, bb)
     assert backbone_problem(model) is None
 
 
@@ -60,12 +65,7 @@ def test_hybrids_and_other_rotaries_run_as_the_model_does(family):
     assert bb.rotary == ROTARY[family] and bb.num_layers == 4
     first = bb.stage_modules([0, 1], first=True, last=False)
     assert first == [bb.embed, *([bb.rotary] if bb.rotary else []), f"{bb.layers}.0", f"{bb.layers}.1"]
-    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = model(input_ids=ids).logits
-        hidden = run_backbone(model, bb, ids, [0, 1], first=True, last=False)
-        logits = run_backbone(model, bb, hidden, [2, 3], first=False, last=True)
-    assert (logits - reference).abs().max() < 1e-5
+    _two_stages_give_its_logits(model, bb)
     if family != "granitemoe_swa":  # recurrent or convolution layers: no rank can run part of the sequence
         assert "layers carry a state along the whole sequence" in context_parallel_problem(model)
     if family == "lfm2_moe":  # a second rotary embedding, no family entry naming the one each layer takes
