@@ -6,6 +6,8 @@ document (tensor_parallel/layers.py, vocab.py), not with the library's own `shar
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,7 +29,7 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
     Column: the output rows, each of `parts` packed blocks cut into tp / replicas slices, a rank
     holding slice rank // replicas of every block, blocks in order. Row: the weight's input
     columns cut into tp slices (the bias whole). Vocab: the embedding rows cut into tp slices.
-    Fused experts split over ep: every tensor's experts (dim 0) cut into ep slices, the rank
+    Fused experts split over ep: every tensor's experts (dim 0; each block of them) cut into ep slices, the rank
     of the expert-parallel group holding its slice. Anything else is whole.
     """
     owner_name, _, leaf = name.rpartition(".")
@@ -42,9 +44,11 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
     if isinstance(owner, VocabParallelEmbedding):
         rank, size = _place(owner.group)
         return full.chunk(size)[rank]
-    if hasattr(owner, "expert_shard"):
+    if hasattr(owner, "expert_shard"):  # with identity experts: in blocks of gcd(routed, identity) experts
         rank, size = _place(owner.expert_shard.group)
-        return full.chunk(size)[rank]
+        spec = owner.expert_shard.spec
+        blocks = full.shape[0] // math.gcd(spec.num_experts, spec.identity)
+        return torch.cat([block.chunk(size)[rank] for block in full.chunk(blocks)])
     return full
 
 

@@ -2,17 +2,24 @@
 
 Pure; used by `resolve`. A rank of an expert-parallel group holds experts
 `[ep_rank * E / ep, (ep_rank + 1) * E / ep)` of each: the rows of every tensor of the module
-along its first dimension (`ExpertSpec.split`, read by the rewriter, checkpoints and norms).
+along its first dimension (`ExpertSpec.split_of`, read by the rewriter, checkpoints and norms).
+
+A module with Z identity experts after its E routed ones (LongCat-Flash: `models.experts.IDENTITY_EXPERTS`)
+has tensors of E + Z rows beside tensors of E. Each rank holds an equal share of both: the rows are
+read as blocks of `b = gcd(E, Z)` experts (`ExpertSpec.block`), and ep rank `r` holds slice `r` of
+every block (a `TensorSplit` of E / b or (E + Z) / b parts), so ep must divide b. Its routed experts
+are then not one contiguous range: `ExpertSpec.slots` says where each one lives.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 from torch import nn
 
-from ..models.experts import experts_problem, num_experts, router_loss_parts
+from ..models.experts import expert_block, experts_problem, identity_experts, num_experts, router_loss_parts
 from ..plan.patterns import match_pattern
 from ..plan.schema import ParallelPlan
 from .shard_layout import TensorSplit
@@ -24,22 +31,46 @@ EXPERT_STYLE = "expert_parallel"
 
 @dataclass(frozen=True)
 class ExpertSpec:
-    """One fused experts module split over ep: its path, the rule naming it, its experts."""
+    """One fused experts module split over ep: its path, the rule naming it, its experts (routed, and identity
+    ones after them; `widened`: its tensors holding rows for those too)."""
 
     fqn: str
     pattern: str
     num_experts: int
     ep: int
+    identity: int = 0
+    widened: frozenset[str] = frozenset()
 
     @property
     def local(self) -> int:
-        """Experts each rank holds: E / ep."""
+        """Routed experts each rank holds: E / ep."""
         return self.num_experts // self.ep
 
     @property
+    def block(self) -> int:
+        """Experts read as one block: gcd(E, Z), E without identity experts."""
+        return math.gcd(self.num_experts, self.identity)
+
+    def split_of(self, leaf: str) -> TensorSplit:
+        """How the module's tensor `leaf` is held: ep rank `r` holds slice `r` of each block of dim 0."""
+        rows = self.num_experts + (self.identity if leaf in self.widened else 0)
+        return TensorSplit(0, self.ep, rows // self.block, over="ep")
+
+    @property
     def split(self) -> TensorSplit:
-        """Every tensor of the module, by expert: ep rank `r` holds slice `r` of dim 0."""
-        return TensorSplit(0, self.ep, over="ep")
+        """How the tensors of the routed experts alone (E rows) are held."""
+        return self.split_of("")
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """For each routed expert, `r * E / ep + i`: it is row `i` of ep rank `r`'s experts."""
+        share = self.block // self.ep
+        out = []
+        for expert in range(self.num_experts):
+            part, within = divmod(expert, self.block)
+            rank, row = divmod(within, share)
+            out.append(rank * self.local + part * share + row)
+        return tuple(out)
 
 
 def _general(fqn: str) -> str:
@@ -60,14 +91,19 @@ def expert_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.
                 problems.append(f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, {problem}; leave it unsplit "
                                 "(it then runs whole on every rank)")
                 continue
-            count = num_experts(modules[fqn])
-            if count % ep:
-                fits = [e for e in range(1, plan.mesh.dp + 1) if plan.mesh.dp % e == 0 and count % e == 0]
+            module = modules[fqn]
+            count, identity, block = num_experts(module), identity_experts(module), expert_block(module)
+            if block % ep:
+                fits = [e for e in range(1, plan.mesh.dp + 1) if plan.mesh.dp % e == 0 and block % e == 0]
+                what = (f"the {count} experts" if not identity else
+                        f"both the {count} routed and the {identity} identity experts (each rank holds as many of each)")
                 problems.append(
-                    f"{ep_at}mesh.ep={ep} does not divide the {count} experts of {_general(fqn)}; use ep "
+                    f"{ep_at}mesh.ep={ep} does not divide {what} of {_general(fqn)}; use ep "
                     f"{', '.join(map(str, fits))} (dividing both the experts and mesh.dp={plan.mesh.dp})")
                 continue
-            specs.append(ExpertSpec(fqn, pattern, count, ep))
+            widened = frozenset(n for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+                                if identity and t.shape[0] == count + identity)
+            specs.append(ExpertSpec(fqn, pattern, count, ep, identity, widened))
     if ep > 1 and not specs and not problems:
         found = sorted({_general(f) for f, m in modules.items() if f and experts_problem(m) is None})
         problems.append(

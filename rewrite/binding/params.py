@@ -94,7 +94,7 @@ def held_by_stage(
         shard, spec = split.get(owner), by_expert.get(owner)
         shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
         if spec is not None:
-            shape = spec.split.local_shape(whole)
+            shape = spec.split_of(leaf).local_shape(whole)
         held = HeldParameter(name, tuple(shape or whole), element_size, ident, spec is not None)
         for i in sorted(found):
             if ident not in seen[i]:

@@ -99,7 +99,7 @@ def state_split(shards: Mapping[str, ShardSpec], experts: Mapping[str, ExpertSpe
     owner, _, leaf = name.rpartition(".")
     expert = experts.get(owner)
     if expert is not None and expert.ep > 1:
-        return expert.split
+        return expert.split_of(leaf)
     return tensor_split(shards.get(owner), leaf)
 
 

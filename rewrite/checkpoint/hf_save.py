@@ -275,21 +275,25 @@ def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | 
     lend(local, *(parts or []))
     if parts is None:
         return None
-    parts = parts[:: entry.replicas]  # tp ranks [j * r, (j + 1) * r) hold slice j
-    # Packed (gate_up_proj): each rank holds its slice of every part; the full tensor is part after part.
-    return torch.cat([chunk for p in range(entry.parts) for chunk in (t.chunk(entry.parts, entry.dim)[p] for t in parts)],
+    return _joined(parts[:: entry.replicas], entry)  # tp ranks [j * r, (j + 1) * r) hold slice j
+
+
+def _joined(slices: list[torch.Tensor], entry: Entry) -> torch.Tensor:
+    """The whole tensor from its slices in rank order. Packed (gate_up_proj, experts read in blocks): each
+    rank holds its slice of every part; the whole is part after part."""
+    return torch.cat([chunk for p in range(entry.parts) for chunk in (t.chunk(entry.parts, entry.dim)[p] for t in slices)],
                      dim=entry.dim)
 
 
 def _gather_experts(model: nn.Module, local: torch.Tensor, entry: Entry, dst: int) -> torch.Tensor | None:
     """The whole experts tensor on `dst` (the group's ep rank 0, in replica 0), None elsewhere: gathered
-    over the expert-parallel group, ep rank `r`'s experts at slice `r` of dim 0."""
+    over the expert-parallel group, ep rank `r`'s experts at slice `r` of dim 0 (of each block)."""
     group = model.get_submodule(entry.name.rpartition(".")[0]).expert_shard.group
     local = local.detach().contiguous()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
     dist.gather(local, parts, dst=dst, group=group)
     lend(local, *(parts or []))
-    return None if parts is None else torch.cat(parts, dim=entry.dim)
+    return None if parts is None else _joined(parts, entry)
 
 
 def _model_class(model: nn.Module) -> type:

@@ -4,6 +4,7 @@ share of that slice, and the buffers a checkpoint does not store.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, S
     dp rows; `Replicate`: all of it).
     """
     model = stage.model
-    unstored = unstored_modules(model)  # before to_empty gives their meta buffers storage (uninitialised)
+    unstored = unstored_modules(model, by_name)  # before to_empty gives their meta buffers storage (uninitialised)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     tied = [names[id(p)] for p in stage.tied]
     model.to_empty(device=device)
@@ -76,10 +77,12 @@ def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, S
     return problems + rebuild_unstored(stage, unstored, device)
 
 
-def unstored_modules(model: nn.Module) -> list[str]:
-    """Modules holding buffers on the meta device: the checkpoint does not store them (rotary `inv_freq`)."""
+def unstored_modules(model: nn.Module, stored: Container[str] = ()) -> list[str]:
+    """Modules holding buffers on the meta device that are not among the `stored` names: the checkpoint does
+    not store them (rotary `inv_freq`), unlike a router's correction bias."""
     return [name for name, module in model.named_modules()
-            if any(b is not None and b.is_meta for b in module._buffers.values())]
+            if any(b is not None and b.is_meta and (f"{name}.{k}" if name else k) not in stored
+                   for k, b in module._buffers.items())]
 
 
 def rebuild_unstored(stage: Stage, unstored: list[str], device) -> list[str]:

@@ -68,11 +68,12 @@ def _rules(model: nn.Module, tp: int, vocab_loss: bool) -> dict:
 
 
 def expert_count(model: nn.Module) -> int | None:
-    """The experts every splittable experts module of `model` holds, when its family's ep plan names them
-    (`plan_from_hf(model, ep=...)`); None for a dense model, or experts it cannot split alike."""
-    from ..models.experts import experts_problem, num_experts
+    """The count every ep must divide (`models.experts.expert_block`: the experts of each splittable experts
+    module of `model`, with identity experts the largest block of both), when its family's ep plan names
+    them (`plan_from_hf(model, ep=...)`); None for a dense model, or experts it cannot split alike."""
+    from ..models.experts import expert_block, experts_problem
 
-    counts = {num_experts(m) for m in model.modules() if num_experts(m) and experts_problem(m) is None}
+    counts = {expert_block(m) for m in model.modules() if expert_block(m) and experts_problem(m) is None}
     if len(counts) != 1:
         return None
     try:

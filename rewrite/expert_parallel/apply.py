@@ -1,7 +1,7 @@
 """Splitting a model's fused experts over mesh.ep, in place, and their gradients' reduction.
 
 Each experts module a plan names keeps its rank's experts (every tensor's rows along dim 0,
-`ExpertSpec.split`) and sends tokens to them (`dispatch`). Data parallelism leaves these
+`ExpertSpec.split_of`) and sends tokens to them (`dispatch`). Data parallelism leaves these
 parameters alone: they differ from rank to rank of an ep group. Their gradients already hold
 every token's contribution from the group's ranks (the exchange's backward brought them);
 `ExpertGradSync` sums them over the ranks holding the same experts ((dp / ep) x cp) and divides
@@ -17,7 +17,7 @@ from torch import nn
 from ..binding.resolve import ResolvedPlan
 from ..mesh import Mesh
 from ..tensor_parallel.mixins import add_mixin
-from ..models.experts import every_token
+from ..models.experts import every_token, set_expert_counts
 from .dispatch import EveryTokenMixin, ExpertParallelMixin, ExpertShard, ShardedExperts
 
 __all__ = ["apply_expert_parallel", "expert_parameters", "ExpertGradSync"]
@@ -30,14 +30,14 @@ def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) 
     for spec in resolved.experts:
         module = model.get_submodule(spec.fqn)
         for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            part = spec.split.take(tensor.detach(), mesh.ep_rank).clone()
+            part = spec.split_of(name).take(tensor.detach(), mesh.ep_rank).clone()
             if isinstance(tensor, nn.Parameter):
                 setattr(module, name, nn.Parameter(part, requires_grad=tensor.requires_grad))
             else:
                 module.register_buffer(name, part)
-        module.num_experts = spec.local  # the family's forward counts its experts with it
+        set_expert_counts(module, spec.local, spec.identity // spec.ep)  # the family's forward counts with them
         mixin = EveryTokenMixin if every_token(module) else ExpertParallelMixin
-        add_mixin(module, mixin).expert_shard = ExpertShard(spec.num_experts, spec.split, mesh.ep_rank, mesh.ep_group)
+        add_mixin(module, mixin).expert_shard = ExpertShard(spec, mesh.ep_rank, mesh.ep_group)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -12,6 +12,11 @@ each row through its expert and applies the weight where the family does. A laye
     back      = all-to-all(out), rows in the order they were sent    (T k, H)
     result    = back unsorted, summed over the k choices             (T, H)
 
+A module with identity experts (LongCat-Flash) keeps the rows routed to them: each comes back as
+itself times its weight, as the family's forward gives it, and only the routed rows travel. Its
+routed experts may lie on their ranks out of order (`ExpertSpec.slots`): rows are sorted by slot
+(rank, then row on it), not by expert id.
+
 Dropless: every row reaches its expert (no capacity). Rows and weights travel in one exchange,
 in their common dtype (a weight wider than the hidden states keeps its bits; rows widened and
 narrowed back are exact), so a step makes one exchange each way per layer, always in the same
@@ -30,7 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from ..binding.shard_layout import TensorSplit
+from ..binding.experts import ExpertSpec
+from ..models.experts import paired_choices
 from .collectives import exchange_counts, exchange_rows
 
 __all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExperts"]
@@ -38,25 +44,35 @@ __all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExpe
 
 @dataclass(frozen=True)
 class ExpertShard:
-    """A rank's share of one experts module: slice `ep_rank` of `split` (experts `[first, first + local)`
-    of `total`), and its expert-parallel group."""
+    """A rank's share of one experts module (`spec`: `local` of its `total` routed experts, slice `ep_rank`
+    of each tensor's blocks), and its expert-parallel group."""
 
-    total: int
-    split: TensorSplit  # `ExpertSpec.split`: dim 0 in ep slices
+    spec: ExpertSpec
     ep_rank: int
     group: ProcessGroup
 
     @property
+    def total(self) -> int:
+        return self.spec.num_experts
+
+    @property
     def ep(self) -> int:
-        return self.split.slices
+        return self.spec.ep
 
     @property
     def local(self) -> int:
-        return self.split.length(self.total)
+        return self.spec.local
 
     @property
     def first(self) -> int:
-        return self.split.ranges(self.total, self.ep_rank)[0][0]
+        """The first row this rank holds of each block."""
+        return self.spec.split.ranges(self.total, self.ep_rank)[0][0]
+
+    def slots(self, experts: torch.Tensor) -> torch.Tensor:
+        """Each routed expert id's slot (`ExpertSpec.slots`): itself unless the experts are read in blocks."""
+        if self.spec.block == self.total:
+            return experts
+        return torch.tensor(self.spec.slots, device=experts.device)[experts]
 
 
 class ShardedExperts:
@@ -66,7 +82,7 @@ class ShardedExperts:
 
     def shard_of(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's experts of the module's whole tensor `full` (named `leaf`)."""
-        return self.expert_shard.split.take(full, self.expert_shard.ep_rank)
+        return self.expert_shard.spec.split_of(leaf).take(full, self.expert_shard.ep_rank)
 
 
 class EveryTokenMixin(ShardedExperts):
@@ -96,21 +112,28 @@ class ExpertParallelMixin(ShardedExperts):
         tokens, k = top_k_index.shape
         hidden = hidden_states.shape[-1]
         hidden_states = hidden_states.reshape(tokens, hidden)
-        experts = top_k_index.reshape(-1)
-        order = torch.argsort(experts, stable=True)  # (T k,): rows grouped by expert, so by rank
-        per_expert = torch.bincount(experts, minlength=shard.total)
+        experts, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1, 1)
+        kept = (experts >= shard.total).nonzero().squeeze(1) if shard.spec.identity else None  # identity rows
+        routed = experts if kept is None else (experts < shard.total).nonzero().squeeze(1)
+        slots = shard.slots(experts if kept is None else experts[routed])
+        order = torch.argsort(slots, stable=True)  # rows grouped by slot, so by rank
+        per_expert = torch.bincount(slots, minlength=shard.total)
+        if kept is not None:
+            order = routed[order]  # of the (T k) rows
         received = exchange_counts(per_expert, shard.ep, shard.group)  # (ep, local)
         send = per_expert.view(shard.ep, -1).sum(1).tolist()
         receive = received.sum(1).tolist()
         dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-        rows = torch.cat([hidden_states[order // k].to(dtype), top_k_weights.reshape(-1, 1)[order].to(dtype)], dim=1)
+        rows = torch.cat([hidden_states[order // k].to(dtype), weights[order].to(dtype)], dim=1)
         got = exchange_rows(rows, send, receive, shard.group)  # (R, H + 1)
         local_ids = torch.repeat_interleave(
             torch.arange(shard.local, device=got.device).repeat(shard.ep), received.reshape(-1).to(got.device))
         out = self._own_experts(got[:, :hidden].to(hidden_states.dtype), local_ids.unsqueeze(1),
                                 got[:, hidden:].to(top_k_weights.dtype), *args, **kwargs)
-        back = exchange_rows(out, receive, send, shard.group)  # (T k, H), in `order`
-        unsorted = torch.empty_like(back).index_copy(0, order, back)
+        back = exchange_rows(out, receive, send, shard.group)  # (routed rows, H), in `order`
+        unsorted = back.new_empty(tokens * k, back.shape[-1]).index_copy(0, order, back)
+        if kept is not None:  # an identity expert's output: the row itself, weighted
+            unsorted = unsorted.index_copy(0, kept, (hidden_states[kept // k] * weights[kept]).to(back.dtype))
         return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _own_experts(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -118,6 +141,6 @@ class ExpertParallelMixin(ShardedExperts):
         parameter (their gradient is 0, as on one process, not missing) and the received (empty) rows,
         so that the backward runs the exchanges' backwards here as on the ranks that got rows."""
         if rows.shape[0]:
-            return super().forward(rows, ids, weights, *args, **kwargs)
+            return super().forward(rows, *paired_choices(self, ids, weights), *args, **kwargs)
         touch = (sum(p.sum() for p in self.parameters() if p.requires_grad) + rows.sum() + weights.sum()) * 0
         return rows.new_zeros(0, rows.shape[-1]) + touch

@@ -5,10 +5,11 @@ parameters and memory count E / ep experts held whole, and plan_from_hf reads a 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import rewrite
 from rewrite.mesh import expert_groups
-from rewrite.models.experts import every_token, experts_problem
+from rewrite.models.experts import every_token, expert_block, experts_problem
 from rewrite.estimate import rank_footprints
 from tests.families import tiny_family_model, tiny_moe_model
 
@@ -133,3 +134,23 @@ def test_the_compute_estimate_counts_the_experts_a_token_runs_through():
     assert moe_width(llama) is None
     assert layer_flop_parts(llama, seq_len=16)["mlp"] == 6 * 16 * 64 * 128
     assert layer_flop_parts(tiny_moe_model("qwen3_moe").config, seq_len=16)["mlp"] == 6 * 16 * 64 * 64 + 2 * 16 * 64 * 4
+
+
+def test_identity_experts_are_split_in_blocks():
+    # LongCat-Flash: 4 routed experts and 2 identity ones after them; gate_up_proj holds rows for all 6.
+    longcat = tiny_moe_model("longcat_flash")
+    experts = longcat.get_submodule("model.layers.0.mlp.experts")
+    assert experts_problem(experts) is None and expert_block(experts) == 2
+    rule = {"model.layers.*.mlp.experts": "expert_parallel"}
+    spec = rewrite.resolve({"mesh": {"dp": 2, "ep": 2}, "tensor_parallel": rule}, longcat).experts[0]
+    assert (spec.num_experts, spec.identity, spec.widened) == (4, 2, frozenset({"gate_up_proj"}))
+    rows = torch.arange(6)
+    assert [spec.split_of("gate_up_proj").take(rows, r).tolist() for r in (0, 1)] == [[0, 2, 4], [1, 3, 5]]
+    assert [spec.split_of("down_proj").take(rows[:4], r).tolist() for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert spec.slots == (0, 2, 1, 3)  # expert 1 is rank 1's first, expert 2 rank 0's second
+    text = _problems({"mesh": {"dp": 4, "ep": 4}, "tensor_parallel": rule}, longcat)
+    assert ("mesh.ep=4 does not divide both the 4 routed and the 2 identity experts (each rank holds as many of "
+            "each) of model.layers.*.mlp.experts; use ep 1, 2") in text
+    wide = rewrite.resolve({"mesh": {"dp": 2, "ep": 2}, "tensor_parallel": rule},
+                           tiny_moe_model("longcat_flash", zero_expert_num=4)).experts[0]
+    assert wide.block == 4 and wide.slots == (0, 1, 2, 3)  # as many of each: contiguous halves
