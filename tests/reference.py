@@ -88,3 +88,13 @@ def assert_replica_step(stage, model: nn.Module, reference: nn.Module, inputs: l
     assert_close(f"{tag} loss", loss, reference_step(reference, inputs, targets))
     assert_grads_match(model, reference, prefix=f"{tag} ")
     return loss
+
+
+def assert_shares_of(tag: str, model: nn.Module, reference: nn.Module) -> None:
+    """Every parameter and stored buffer of the rewritten `model` is exactly its share of `reference`'s
+    (a data-parallel DTensor gathered first: collective over its mesh, so every rank calls it)."""
+    want = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    stored = model.state_dict().keys()
+    for name, tensor in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in stored)]:
+        whole = tensor.data.full_tensor() if hasattr(tensor.data, "full_tensor") else tensor.data
+        assert torch.equal(whole, expected_shard(model, name, want[name])), f"{tag}: {name}"

@@ -27,7 +27,8 @@ from . import swap
 from .headers import load_dtype, model_dtype, model_keys, read_headers, save_id_problems, weight_map_of
 from ..plan.ranks import coordinates
 from .layout import INDEX, Entry, meta_model, stage_entries
-from .shards import Source, fill_dp_shards, read_slice, rebuild_unstored, unstored_modules
+from .disk_layout import Stacked, stored_keys, stored_names
+from .shards import Source, file_order, fill_dp_shards, reading, rebuild_unstored, unstored_modules
 from ..errors import CheckpointError
 
 __all__ = ["from_pretrained"]
@@ -50,7 +51,10 @@ def from_pretrained(
     units on the meta device: they are given storage on `device` (`to_empty`), and each
     rank copies into every parameter's local shard its dp rows of the slice it read
     (DTensor's own split, the one FSDP2 made). Rotary frequencies (not stored) are
-    recomputed from the config.
+    recomputed from the config. Tensors stored in transformers' on-disk layout (renamed,
+    or a mixture of experts' experts one tensor per expert, as hub checkpoints hold them)
+    are read through the family's conversion mapping, only this rank's experts
+    (`disk_layout`).
 
     Before reading, every rank reads every shard's header, so that all decide alike:
     shards whose save ids (written by `save_pretrained`; transformers writes none)
@@ -98,10 +102,12 @@ def from_pretrained(
         resolved = _resolve(plan, meta, directory, config)
         entries = stage_entries(meta, resolved, pp_rank, tp_rank, dp_rank % plan.mesh.ep)
         weight_map, index_id = weight_map_of(directory)
-        sources, problems = _check_sources(directory, weight_map, entries)
+        stored, problems = stored_names(meta, weight_map, directory)  # transformers' on-disk layout
+        sources, found = _check_sources(directory, weight_map, entries, stored)
+        problems += found
         headers = read_headers(directory, weight_map.values())  # every file: all ranks decide alike
         problems += save_id_problems(directory, headers, index_id)
-        keys = model_keys(meta, weight_map)
+        keys = {**model_keys(meta, weight_map), **{k: weight_map[k] for k in stored_keys(stored)}}
         dtype, note = load_dtype(headers, keys, config, dtype)
         floats = model_dtype(headers, keys, dtype)
     except ValueError as exc:
@@ -173,19 +179,30 @@ def _resolve(plan: ParallelPlan, meta: nn.Module, directory: Path, config) -> Re
 
 
 def _check_sources(
-    directory: Path, weight_map: dict[str, str], entries: list[Entry]
+    directory: Path, weight_map: dict[str, str], entries: list[Entry], stored: dict
 ) -> tuple[dict[str, Source], list[str]]:
-    """Where each entry is stored; problems for anything missing, unreadable or misshapen."""
-    problems, wanted = [], {}
+    """Where each entry is stored (`stored`: `disk_layout.stored_names`, for those stored under other names);
+    problems for anything missing, unreadable or misshapen."""
+    problems, wanted, sources = [], {}, {}
     for e in entries:
         key = e.canonical if e.canonical in weight_map else e.name
+        if key not in weight_map:
+            if e.name in stored and stored[e.name] is None:
+                continue  # stored in a layout not read: reported by stored_names
+            key = stored.get(e.name, stored.get(e.canonical))
+            if isinstance(key, Stacked):
+                found = key.problems(e.name, e.full_shape, e.dim)
+                problems += found
+                if not found:
+                    sources[e.name] = key
+                continue
         if key not in weight_map:
             problems.append(
                 f"{directory}: tensor {e.name!r} is not in the checkpoint; it does not hold this config's model"
             )
             continue
         wanted.setdefault(weight_map[key], []).append((e, key))
-    sources, shapes_off = {}, []
+    shapes_off = []
     for file, pairs in wanted.items():
         path = directory / file
         if not path.is_file():
@@ -246,14 +263,11 @@ def _materialise(
     if only_tied:
         slots = {k: v for k, v in slots.items() if len(v) > 1 and by_name[v[0][3]].dim is None}
     problems = []
-    for group in sorted(slots.values(), key=lambda g: sources[g[0][3]]):
+    for group in sorted(slots.values(), key=lambda g: file_order(sources[g[0][3]])):
         module, kind, leaf, name, old = group[0]
-        (path, key), entry = sources[name], by_name[name]
+        (path, key), entry = file_order(sources[name]), by_name[name]
         try:
-            # A handle per tensor: safetensors maps the file, and the pages a read touched
-            # stay resident until the mapping goes, so holding one open would keep them all.
-            with safe_open(str(path), framework="pt") as f:
-                data = read_slice(f, key, entry)
+            with reading(sources[name], entry) as data:
                 if tuple(data.shape) != tuple(old.shape):
                     problems.append(
                         f"{name}: read {list(data.shape)} from {path}, the rewritten model holds {list(old.shape)}"

@@ -34,6 +34,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from . import swap
 from ..plan.ranks import coordinates, cp_rank_of, global_rank, shape_text
+from .disk_layout import on_disk
 from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
 
 __all__ = ["save_pretrained"]
@@ -141,7 +142,10 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     so it is the same whatever dp and sharding. Each stage's tp_rank 0 gathers the
     stage's tp shards and writes `model-0000{s+1}-of-0000{pp}.safetensors`
     (`model.safetensors` when pp == 1); rank 0 writes `config.json` and the index.
-    Tied embeddings are written once, as `model.embed_tokens.weight`. Every shard's
+    Tied embeddings are written once, as `model.embed_tokens.weight`. Tensors are written
+    in the family's on-disk layout, as transformers' own save writes them (a mixture of
+    experts' experts one tensor per expert), whenever `from_pretrained` reads that layout
+    back (`disk_layout.on_disk`). Every shard's
     metadata and the index carry this save's id (`rewrite_save_id`), so that
     `from_pretrained` refuses shards of different saves.
     `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads the result.
@@ -219,6 +223,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
                 tensors[e.canonical] = _gather(model, whole, e, stage, global_rank(0, pp_rank, 0, pp=pp, tp=tp, cp=cp))
         if first and tp_rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
+            tensors = on_disk(model.config, tensors)  # the family's stored layout: experts one by one
             tensors = {k: _own_storage(t) for k, t in tensors.items()}
             save_file(tensors, str(tmp / shard_file(pp_rank, pp)), metadata={"format": "pt", SAVE_ID: save_id})
             sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}

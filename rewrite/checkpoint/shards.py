@@ -5,7 +5,9 @@ share of that slice, and the buffers a checkpoint does not store.
 from __future__ import annotations
 
 from collections.abc import Container
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Union
 
 import torch
 from safetensors import safe_open
@@ -13,11 +15,30 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..pipeline.stage import Stage
+from .disk_layout import Stacked
 from .layout import Entry
 
-__all__ = ["read_slice", "fill_dp_shards", "unstored_modules", "rebuild_unstored"]
+__all__ = ["Source", "read_slice", "reading", "file_order", "fill_dp_shards", "unstored_modules", "rebuild_unstored"]
 
-Source = tuple[Path, str]  # (safetensors file, tensor name in it)
+Source = Union[tuple[Path, str], Stacked]  # (safetensors file, tensor name in it), or pieces per expert
+
+
+def file_order(source: Source) -> tuple[Path, str]:
+    """Where `source` is read from first: reads sorted by it go through the files in order."""
+    return source.first if isinstance(source, Stacked) else source
+
+
+@contextmanager
+def reading(source: Source, entry: Entry):
+    """This rank's slice of the tensor `source` holds (a view of the file, valid inside the block)."""
+    if isinstance(source, Stacked):
+        yield source.read(entry)
+        return
+    path, key = source
+    # A handle per tensor: safetensors maps the file, and the pages a read touched stay
+    # resident until the mapping goes, so holding one open would keep them all.
+    with safe_open(str(path), framework="pt") as f:
+        yield read_slice(f, key, entry)
 
 
 def read_slice(f, key: str, entry: Entry) -> torch.Tensor:
@@ -56,10 +77,10 @@ def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, S
         elif not any(n.startswith(m + ".") for n, _ in group for m in unstored):
             left.append(group[0][0])
     problems = []
-    for (path, key), name, target in sorted(reads, key=lambda r: r[:2]):  # file order
+    for source, name, target in sorted(reads, key=lambda r: (file_order(r[0]), r[1])):  # file order
+        path, key = file_order(source)
         try:
-            with safe_open(str(path), framework="pt") as f:  # a handle per tensor: see `hf_load._materialise`
-                data = read_slice(f, key, by_name[name])  # this rank's tp slice
+            with reading(source, by_name[name]) as data:  # this rank's tp (or ep) slice
                 mine, local = data, target
                 if isinstance(target, DTensor):
                     mine = distribute_tensor(data, target.device_mesh, target.placements, src_data_rank=None)

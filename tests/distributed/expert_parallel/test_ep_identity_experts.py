@@ -19,7 +19,7 @@ from rewrite.checkpoint.training_state import load_training_state, save_training
 from tests.asserts import assert_close
 from tests.families import TINY, tiny_moe_model
 from tests.multiproc import run
-from tests.reference import assert_replica_step, expected_shard
+from tests.reference import assert_replica_step, assert_shares_of
 
 RULE = {"model.layers.*.mlp.experts": "expert_parallel"}
 PLANS = {
@@ -61,15 +61,6 @@ def _longcat(seed: int = 0):
     return model
 
 
-def _matches(tag: str, model, saved) -> None:
-    """Every parameter and stored buffer of `model` is this rank's share of `saved`'s."""
-    weights = {**dict(saved.named_parameters()), **dict(saved.named_buffers())}
-    stored = model.state_dict().keys()
-    for name, tensor in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in stored)]:
-        whole = tensor.data.full_tensor() if hasattr(tensor.data, "full_tensor") else tensor.data
-        assert torch.equal(whole, expected_shard(model, name, weights[name])), f"{tag}: {name}"
-
-
 def _mine(stage, inputs: list, targets: list) -> tuple[list, list]:
     per = len(inputs) // stage.dp
     return inputs[stage.dp_rank * per:(stage.dp_rank + 1) * per], targets[stage.dp_rank * per:(stage.dp_rank + 1) * per]
@@ -98,17 +89,17 @@ def _identity_experts(rank: int, world: int, root: str) -> list[str]:
         save_training_state(f"{root}/state", stage, optimizer, extra={"step": 1})
         rewrite.save_pretrained(stage, _plan(name), f"{root}/hf")
         saved = AutoModelForCausalLM.from_pretrained(f"{root}/hf", dtype=torch.float32)
-        _matches("the Hugging Face save", stage.model, saved)
+        assert_shares_of("the Hugging Face save", stage.model, saved)
     other = rewrite.apply_plan(_longcat(seed=5), _plan("dp4 ep1"))
     assert load_training_state(f"{root}/state", other, torch.optim.AdamW(other.parameters(), lr=1e-2)) == {"step": 1}
-    _matches("the training state under dp4 ep1", other.model, saved)
+    assert_shares_of("the training state under dp4 ep1", other.model, saved)
     inputs, targets = _batch(7)
     expected = sum(F.cross_entropy(saved(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
                    for x, y in zip(inputs, targets)) / len(inputs)
     resumed = rewrite.run_schedule(other, *_mine(other, inputs, targets))
     assert_close("dp4 ep1 loss on the loaded weights", resumed, expected.detach())
     loaded = rewrite.from_pretrained(f"{root}/hf", _plan("dp4 ep2 recompute"))  # each rank reads its rows only
-    _matches("from_pretrained under dp4 ep2", loaded.model, saved)
+    assert_shares_of("from_pretrained under dp4 ep2", loaded.model, saved)
     return out + [f"resumed: {float(resumed):.5f}"]
 
 
