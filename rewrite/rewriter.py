@@ -85,10 +85,6 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
                                           f"{problem}; use cp 1"])
         shards = plan.mesh.dp * plan.mesh.cp > 1 and plan.data_parallel.sharding != "replicate"
         precision = precision_for(compute_dtype, _floating_dtype(model), shards=shards)
-        if plan.mesh.ep > 1 and precision is not None:
-            raise PlanError(plan.source, [f"{plan.where('mesh', 'ep')}mesh.ep={plan.mesh.ep}: experts split over ep "
-                                          f"computing in {compute_dtype} over float32 master weights is not built yet; "
-                                          "train them in the parameters' dtype (no compute_dtype), or use ep 1"])
     except (ValueError, TypeError) as exc:
         if not (dist.is_available() and dist.is_initialized()):
             raise  # no group: no peer is waiting
@@ -101,7 +97,8 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
         model.set_attn_implementation(CONTEXT_PARALLEL)  # its layers call it; the stage passes each its shard
     if mesh.tp > 1:
         apply_tensor_parallel(model, resolved, mesh.tp_group, kv_group=mesh.kv_group)
-    apply_expert_parallel(model, resolved, mesh)
+    # FSDP2 casts the weights it gathers, not the experts it leaves alone: those cast themselves.
+    apply_expert_parallel(model, resolved, mesh, cast=precision.dtype if precision and precision.by == "fsdp" else None)
     parts = router_loss_parts(model)  # resolve refused what it cannot count: here a tuple or None
     router_loss = RouterLoss(model, parts) if parts is not None else None
     carved = carve_stage(model, resolved, mesh)

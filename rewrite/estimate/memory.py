@@ -226,9 +226,11 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
                            virtual_stages=pipe.virtual_stages, split=split)
     compute = None if dtype is None else compute_dtype(model, dtype).itemsize
     if model is not None:
-        # Experts split over ep are whole on each rank (weights, gradients and AdamW state), never gathered.
+        # Experts split over ep are whole on each rank (weights, gradients and AdamW state), never gathered;
+        # in mixed precision each computes in a cast copy of its weights, as autocast's.
         return [footprint(rank_parameters(resolved, model, r), dp=dp, sharding=sharding, split=split, reduce=reduce,
-                          compute_bytes=compute) + footprint(rank_parameters(resolved, model, r, by_expert=True))
+                          compute_bytes=compute)
+                + footprint(rank_parameters(resolved, model, r, by_expert=True), compute_bytes=compute)
                 for r in range(resolved.pp)]
     if dp > 1:
         raise ValueError(

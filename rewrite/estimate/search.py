@@ -201,10 +201,8 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
     from ..models.hf_llama import find_backbone
 
     num_layers = find_backbone(model).num_layers
-    # A mixture of experts whose family's ep plan splits them: ep joins the search, when the run computes in
-    # its parameters' dtype (a narrower compute dtype with ep is not built: `apply_plan` refuses it).
-    mixed = dtype is not None and compute_dtype(model, dtype).itemsize < compute_dtype(model).itemsize
-    experts = None if mixed else expert_count(model)
+    # A mixture of experts whose family's ep plan splits them: ep joins the search.
+    experts = expert_count(model)
     best: dict = {}
     sp_binds: dict = {}  # (tp, vocab_loss) -> whether sequence parallelism binds
     binds: dict = {}  # resolve's cache: the shards per (tp, switches), the parameters per stage set

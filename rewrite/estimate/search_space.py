@@ -202,9 +202,10 @@ class Bound:
             if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
                 self._params[variant.stage_rank] = [param_sums(rank_parameters(variant, self.model, r), dp)
                                                     for r in range(variant.pp)]
-                # experts split over ep: whole on each rank, never gathered (`memory.rank_footprints`)
-                self._experts[variant.stage_rank] = [footprint(rank_parameters(variant, self.model, r, by_expert=True))
-                                                     for r in range(variant.pp)]
+                # experts split over ep: whole on each rank, never gathered, cast (`memory.rank_footprints`)
+                compute = self.compute.itemsize if self.mixed else None
+                self._experts[variant.stage_rank] = [footprint(rank_parameters(variant, self.model, r, by_expert=True),
+                                                               compute_bytes=compute) for r in range(variant.pp)]
             compute = self.compute.itemsize if self.mixed else None
             self._feet[key] = [(footprint(p, dp=dp, sharding=sharding, split=split, reduce=reduce,
                                           compute_bytes=compute) + experts).peak

@@ -23,8 +23,10 @@ from .dispatch import EveryTokenMixin, ExpertParallelMixin, ExpertShard, Sharded
 __all__ = ["apply_expert_parallel", "expert_parameters", "ExpertGradSync"]
 
 
-def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> None:
-    """Keep this rank's experts of every module the plan splits over ep, in place (ep 1: nothing)."""
+def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh, *, cast: torch.dtype | None = None
+                          ) -> None:
+    """Keep this rank's experts of every module the plan splits over ep, in place (ep 1: nothing). `cast`: the
+    dtype they compute in, their parameters kept as they are (mixed precision where FSDP2 casts the rest)."""
     if mesh.ep == 1:
         return
     for spec in resolved.experts:
@@ -37,7 +39,7 @@ def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) 
                 module.register_buffer(name, part)
         set_expert_counts(module, spec.local, spec.identity // spec.ep)  # the family's forward counts with them
         mixin = EveryTokenMixin if every_token(module) else ExpertParallelMixin
-        add_mixin(module, mixin).expert_shard = ExpertShard(spec, mesh.ep_rank, mesh.ep_group)
+        add_mixin(module, mixin).expert_shard = ExpertShard(spec, mesh.ep_rank, mesh.ep_group, cast)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:

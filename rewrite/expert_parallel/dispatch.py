@@ -30,6 +30,7 @@ by side, and sends each block back (`EveryTokenMixin`). The family's own forward
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ class ExpertShard:
     spec: ExpertSpec
     ep_rank: int
     group: ProcessGroup
+    cast: torch.dtype | None = None  # the dtype the experts compute in, when not their parameters'
 
     @property
     def total(self) -> int:
@@ -84,6 +86,22 @@ class ShardedExperts:
         """This rank's experts of the module's whole tensor `full` (named `leaf`)."""
         return self.expert_shard.spec.split_of(leaf).take(full, self.expert_shard.ep_rank)
 
+    @contextmanager
+    def _computing(self):
+        """The family's forward runs inside: the parameters cast to `ExpertShard.cast` when it is set (an
+        autograd cast: gradients reach the parameters in their own dtype), as they are otherwise."""
+        dtype, saved = self.expert_shard.cast, dict(self._parameters)
+        if dtype is None:
+            yield
+            return
+        try:
+            for name, param in saved.items():
+                if param is not None and param.is_floating_point() and param.dtype != dtype:
+                    self._parameters[name] = param.to(dtype)
+            yield
+        finally:
+            self._parameters.update(saved)
+
 
 class EveryTokenMixin(ShardedExperts):
     """Put in front of an every-token experts module's class (Llama 4): blocks of rows to their experts' ranks."""
@@ -99,7 +117,8 @@ class EveryTokenMixin(ShardedExperts):
         receive = [shard.local * t for t in theirs]
         got = exchange_rows(blocks.reshape(-1, hidden), send, receive, shard.group)  # (sum n T_r, H), by source
         side_by_side = torch.cat([b.view(shard.local, t, hidden) for b, t in zip(got.split(receive), theirs)], dim=1)
-        out = super().forward(side_by_side.reshape(-1, hidden), *args, **kwargs).view(shard.local, -1, hidden)
+        with self._computing():
+            out = super().forward(side_by_side.reshape(-1, hidden), *args, **kwargs).view(shard.local, -1, hidden)
         back = torch.cat([b.reshape(-1, hidden) for b in out.split(theirs, dim=1)])  # by destination
         return exchange_rows(back, receive, send, shard.group).view(shard.ep * shard.local * tokens, hidden)
 
@@ -141,6 +160,7 @@ class ExpertParallelMixin(ShardedExperts):
         parameter (their gradient is 0, as on one process, not missing) and the received (empty) rows,
         so that the backward runs the exchanges' backwards here as on the ranks that got rows."""
         if rows.shape[0]:
-            return super().forward(rows, *paired_choices(self, ids, weights), *args, **kwargs)
+            with self._computing():
+                return super().forward(rows, *paired_choices(self, ids, weights), *args, **kwargs)
         touch = (sum(p.sum() for p in self.parameters() if p.requires_grad) + rows.sum() + weights.sum()) * 0
         return rows.new_zeros(0, rows.shape[-1]) + touch

@@ -1,68 +1,25 @@
-"""The bfloat16 recipe (`apply_plan(..., compute_dtype=torch.bfloat16)`) against one process computing in bfloat16.
-
-Where dp shards, FSDP2 casts (the one-process oracle: the model's own forward on a bfloat16 copy);
-elsewhere autocast does (the oracle: the float32 model's own forward under the same autocast).
-The weights, gradients and AdamW state stay float32 in both.
-"""
+"""The bfloat16 recipe (`apply_plan(..., compute_dtype=torch.bfloat16)`) against one process computing in
+bfloat16 (`tests/precision.py`: FSDP2 casts where dp shards, autocast elsewhere)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 
 import rewrite
-from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
 from tests.distributed.pipeline.test_pipeline import _batch
 from tests.multiproc import run
-from tests.reference import expected_shard
+from tests.precision import check_bf16_step
 
 TP_RULES = "plans/llama-tp2.yaml"
-BF16 = torch.bfloat16
-# bfloat16 keeps 8 bits of mantissa (relative spacing 2^-8 = 3.9e-3): a sum split over ranks rounds
-# differently from one process's, so gradients agree to about that, not to float32's 1e-5.
-GRAD_RTOL = 2e-2
-LOSS_RTOL = 5e-3
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
 
 
 def _step(rank: int, plan: dict, overrides: dict, cast_by: str) -> str:
     model = build_model(build_config("tiny-llama", **overrides), seed=3)
-    exact = copy.deepcopy(model)  # float32 throughout: the run must be measurably away from it
-    oracle = copy.deepcopy(model).to(BF16) if cast_by == "fsdp" else copy.deepcopy(model)
-    stage = rewrite.apply_plan(model, plan, compute_dtype=BF16)
     name = f"rank {rank} {plan['mesh']} {plan['data_parallel']} {plan['pipeline']['schedule']}"
-    assert stage.precision is not None and stage.precision.by == cast_by, f"{name}: {stage.precision}"
-    per = 2
-    ids, targets = _batch(build_config("tiny-llama", **overrides), per * stage.dp)
-    mine = slice(stage.dp_rank * per, (stage.dp_rank + 1) * per)
-    loss = rewrite.run_schedule(stage, ids[mine], targets[mine])
-    with torch.autocast("cpu", dtype=BF16, enabled=cast_by == "autocast"):
-        expected = reference_step(oracle, ids, targets)
-    reference_step(exact, ids, targets)  # its gradients, below
-    off = abs(float(loss) - float(expected)) / abs(float(expected))
-    assert off < LOSS_RTOL, f"{name}: loss {float(loss):.6f} vs one process in bfloat16 {float(expected):.6f}"
-    ref = dict(oracle.named_parameters(remove_duplicate=False))
-    ref32 = dict(exact.named_parameters(remove_duplicate=False))
-    worst, away = 0.0, 0.0
-    for pname, param in model.named_parameters():
-        assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, f"{name} {pname}: not float32 master"
-        grad = _whole(param.grad)
-        worst = max(worst, _relative(grad, expected_shard(model, pname, ref[pname].grad)))
-        away = max(away, _relative(grad, expected_shard(model, pname, ref32[pname].grad)))
-    assert worst < GRAD_RTOL, f"{name}: a gradient is {worst:.2e} (relative) from one process's in bfloat16"
-    # Computed in bfloat16 indeed: float32 would agree with its own to 1e-6.
-    assert away > 1e-3, f"{name}: {away:.2e} from float32, {worst:.2e} from bfloat16"
-    return f"{float(loss):.5f} bf16-off {worst:.1e} fp32-off {away:.1e}"
+    dp = plan["mesh"].get("dp", 1)
+    ids, targets = _batch(build_config("tiny-llama", **overrides), 2 * dp)
+    return check_bf16_step(model, plan, cast_by, ids, targets, name)
 
 
 def _cases(rank: int, ws: int, cases: list) -> list[str]:
