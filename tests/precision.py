@@ -1,9 +1,10 @@
 """The bfloat16 recipe's step against one process computing in bfloat16: the check both the dense and the
 expert-parallel mixed-precision tests make.
 
-Where dp shards, FSDP2 casts (the one-process oracle: the model's own forward on a bfloat16 copy);
-elsewhere autocast does (the oracle: the float32 model's own forward under the same autocast). The
-weights, gradients and AdamW state stay float32 in both.
+Where dp shards, FSDP2 casts (the one-process oracle: the model's own forward on a copy with bfloat16
+parameters and the float32 buffers FSDP2 leaves alone: rotary frequencies rounded to bfloat16 would move
+a mixture of experts' routing); elsewhere autocast does (the oracle: the float32 model's own forward under
+the same autocast). The weights, gradients and AdamW state stay float32 in both.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ def check_bf16_step(model, plan: dict, cast_by: str, ids: list, targets: list, n
     batch (`ids`, `targets`: every replica's microbatches, replica d's the d-th share) and check the loss and
     every gradient against one process running all of it in bfloat16, and away from float32. Collective."""
     exact = copy.deepcopy(model)  # float32 throughout: the run must be measurably away from it
-    oracle = copy.deepcopy(model).to(BF16) if cast_by == "fsdp" else copy.deepcopy(model)
+    oracle = copy.deepcopy(model)
+    if cast_by == "fsdp":  # FSDP2 casts the parameters it gathers, and leaves buffers (rotary frequencies) alone
+        kept = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+        oracle.to(BF16)
+        for name, buffer in oracle.named_buffers():
+            buffer.data = kept[name]
     stage = rewrite.apply_plan(model, plan, compute_dtype=BF16)
     assert stage.precision is not None and stage.precision.by == cast_by, f"{name}: {stage.precision}"
     per = len(ids) // stage.dp
