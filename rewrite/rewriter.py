@@ -21,7 +21,7 @@ from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as re
 from .context_parallel.family import context_parallel_problem
 from .data_parallel import apply_data_parallel
 from .expert_parallel import ExpertGradSync, RouterLoss, apply_expert_parallel, expert_parameters
-from .models.experts import router_loss_parts
+from .models.router_loss import router_loss_parts
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.precision import precision_for
@@ -100,7 +100,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     # FSDP2 casts the weights it gathers, not the experts it leaves alone: those cast themselves.
     apply_expert_parallel(model, resolved, mesh, cast=precision.dtype if precision and precision.by == "fsdp" else None)
     parts = router_loss_parts(model)  # resolve refused what it cannot count: here a tuple or None
-    router_loss = RouterLoss(model, parts) if parts is not None else None
+    router_loss = None if parts is None else RouterLoss(model, parts, cp_group=mesh.cp_group if mesh.cp > 1 else None)
     carved = carve_stage(model, resolved, mesh)
     recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..models.experts import expert_block, experts_problem, identity_experts, num_experts, router_loss_parts
+from ..models.experts import expert_block, experts_problem, identity_experts, num_experts
+from ..models.router_loss import router_loss_parts
 from ..plan.patterns import match_pattern
 from ..plan.schema import ParallelPlan
 from .shard_layout import TensorSplit
@@ -114,9 +115,4 @@ def expert_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.
     if isinstance(parts, str):
         problems.append(f"{name}: {parts}; set config.output_router_logits = False to train on the language-model "
                         "loss alone")
-    elif parts is not None and (plan.mesh.pp > 1 or plan.pipeline.virtual_stages > 1 or plan.mesh.cp > 1):
-        problems.append(
-            f"{name}: config.output_router_logits is True: the routers' auxiliary loss pools every layer's rows of a "
-            "microbatch, and counting it across pipeline stages or sequence shards is not built yet; use one stage "
-            "and cp 1, or set config.output_router_logits = False")
     return tuple(specs), list(dict.fromkeys(problems))

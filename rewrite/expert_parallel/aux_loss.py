@@ -1,46 +1,65 @@
-"""The router's auxiliary load-balancing loss, counted as the family's own forward counts it.
+"""The routers' auxiliary load-balancing loss, counted as the family's own forward counts it.
 
-With `config.output_router_logits`, a transformers MoE causal LM adds
-`router_aux_loss_coef x load_balancing_loss_func(router_logits of every layer, E, k)` to its loss:
-one Switch-style balance over every layer's rows of the forward's batch. The runner computes the
-loss itself, so `RouterLoss` records the routers' logits as the family declares them
-(`_can_record_outputs["router_logits"]`: the router class and which output) while a microbatch's
-forward runs, and hands them to the family's own `load_balancing_loss_func`: the scope is the
-microbatch, as one process running that microbatch counts it (each replica's, under dp and ep).
-Recomputation (activation checkpointing) runs the routers again in the backward, outside a
-forward: nothing is recorded then, so nothing counts twice.
+With `config.output_router_logits`, a transformers MoE causal LM adds its routers' balance over every
+layer's rows to its loss (`models.router_loss`). The runner computes the loss itself, so `RouterLoss`
+records the routers' logits as the family declares them (`_can_record_outputs["router_logits"]`: the
+router class and which output) while a stage runs one microbatch, and `finish` reduces them to the
+sums a stage hands on with its activations (`Pooled`). The scope is the microbatch, as one process
+running that microbatch counts it (each replica's, under dp and ep); under context parallelism a
+microbatch's rows are spread over the cp ranks, so their sums are added over the cp group.
+Recomputation (activation checkpointing) runs the routers again in the backward, outside a forward:
+nothing is recorded then, so nothing counts twice.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..models.router_loss import Pooled, RouterLossParts, balance, pooled
 
 __all__ = ["RouterLoss"]
 
 
 class RouterLoss:
-    """Records a model's router logits during a forward; `finish` gives `coef x` the family's loss on them."""
+    """Records a model's router logits during a stage's forward; `finish` gives their sums, `loss` the
+    family's loss (times its coefficient) of the sums pooled over every stage."""
 
-    def __init__(self, model: nn.Module, parts: tuple):
-        """`parts`: `models.experts.router_loss_parts(model)`."""
-        self.fn, router, self.index, self.coef, self.experts, self.top_k = parts
+    def __init__(self, model: nn.Module, parts: RouterLossParts, cp_group: ProcessGroup | None = None):
+        self.parts, self.cp_group = parts, cp_group
         self.logits: list[torch.Tensor] | None = None  # None: not inside a forward, record nothing
         for module in model.modules():
-            if isinstance(module, router):
+            if isinstance(module, parts.router):
                 module.register_forward_hook(self._record)
+
+    @property
+    def width(self) -> int:
+        """Numbers in the sums a stage hands on: `2 E + 1`."""
+        return 2 * self.parts.experts + 1
 
     def _record(self, module: nn.Module, args, output) -> None:
         if self.logits is not None:
-            self.logits.append(output[self.index] if isinstance(output, tuple) else output)
+            self.logits.append(output[self.parts.index] if isinstance(output, tuple) else output)
 
     def start(self) -> None:
-        """A microbatch's forward begins: record its routers from here."""
+        """A stage's forward on a microbatch begins: record its routers from here."""
         self.logits = []
 
-    def finish(self) -> torch.Tensor:
-        """The microbatch's auxiliary loss, weighted by the family's coefficient; recording stops."""
+    def finish(self, device: torch.device) -> Pooled:
+        """The sums of the routers that ran since `start` (every cp rank's rows; no router: zeros); recording
+        stops. Collective over the cp group under context parallelism."""
         logits, self.logits = self.logits, None
-        if not logits:
-            raise RuntimeError("the routers' auxiliary loss: no router ran in this forward")
-        return self.coef * self.fn(tuple(logits), self.experts, self.top_k, None)
+        if logits:
+            out = pooled(logits, self.parts.experts, self.parts.top_k)
+        else:  # a stage without MoE layers (a dense first layer) adds nothing
+            out = Pooled(torch.zeros(self.width, device=device))
+        if self.cp_group is not None:
+            dist.all_reduce(out.values, group=self.cp_group)
+        return out
+
+    def loss(self, total: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        """`coef x` the family's loss of the microbatch's sums `total`, differentiable through `probs`,
+        the part of them this stage (this cp rank) computed."""
+        return balance(total, probs, self.parts.coef, self.parts.experts)

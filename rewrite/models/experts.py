@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 
 import torch
 from torch import nn
 
 __all__ = ["EVERY_TOKEN_EXPERTS", "EXPERTS_CALL", "IDENTITY_EXPERTS", "every_token", "expert_block",
-           "experts_problem", "identity_experts", "num_experts", "paired_choices", "router_loss_parts",
-           "set_expert_counts"]
+           "experts_problem", "identity_experts", "num_experts", "paired_choices", "set_expert_counts"]
 
 # The call every fused experts module answers: the token rows, their chosen experts and weights
 # (gpt-oss names the last two router_indices and routing_weights).
@@ -125,22 +123,3 @@ def experts_problem(module: nn.Module) -> str | None:
         return (f"a {name} whose {', '.join(other[:3])} {'does' if len(other) == 1 else 'do'} not have its "
                 f"{count} experts as first dimension")
     return None
-
-
-def router_loss_parts(model: nn.Module) -> tuple | str | None:
-    """(loss function, router class, output index, coefficient, experts, top k) of a model that adds its
-    routers' loss; None when it adds none (`output_router_logits` off); why not, in words, when it would
-    add one this cannot count."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False):
-        return None
-    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    recorder = (getattr(type(base), "_can_record_outputs", None) or {}).get("router_logits")
-    router = getattr(recorder, "target_class", None)
-    experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
-    coef = getattr(model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
-    if fn is None or router is None or not isinstance(experts, int) or not isinstance(top_k, int) or coef is None:
-        return (f"{type(model).__name__} adds its routers' auxiliary loss (output_router_logits) in a way rewrite "
-                "does not read (no load_balancing_loss_func and router_logits recorder, experts and top k)")
-    return fn, router, getattr(recorder, "index", 0), float(coef), experts, top_k

@@ -27,21 +27,21 @@ class Deferred:
     """What W needs: the saved split of one microbatch's backward on one stage."""
 
     groups: list[dict[str, Any]] = field(default_factory=list)
-    whole: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (output, its gradient): W runs it all
+    whole: tuple[list, list | None] | None = None  # (outputs, their gradients): W runs it all
 
 
 def backward_input(
-    out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor, params: Sequence[nn.Parameter]
+    outs: list[torch.Tensor], grads: list[torch.Tensor] | None, x: torch.Tensor, params: Sequence[nn.Parameter]
 ) -> tuple[torch.Tensor | None, Deferred]:
-    """Gradient of `x` (None when `x` needs none) from `out` (a loss when `grad` is None).
+    """Gradient of `x` (None when `x` needs none) from the stage's outputs `outs` (losses when `grads` is
+    None; a middle stage's activation, and its routers' loss beside it under a mixture of experts).
 
     When `x` takes no gradient (token ids on the first stage) nothing runs now and W
     runs the whole backward.
     """
     if not (x.is_floating_point() and x.requires_grad):
-        return None, Deferred(whole=(out, grad))
-    grads = None if grad is None else [grad]
-    (dx,), groups = _input_half([out], grads, [x], iter(params))
+        return None, Deferred(whole=(outs, grads))
+    (dx,), groups = _input_half(list(outs), grads, [x], iter(params))
     return dx, Deferred(groups=groups)
 
 

@@ -5,7 +5,8 @@ posts its receives from a peer in the order the peer's row of the schedule sends
 them: every rank holds the whole table, so it knows that order. A rank may then
 consume them in its own order (a message it needs later is simply held). A
 message is a key `(kind, mb, stage)`: "F" the activation entering `stage`, "B" the
-gradient of `stage`'s output (sent by the next stage's B or I).
+gradient of `stage`'s output (sent by the next stage's B or I); with a mixture of experts'
+router loss, "f" and "b" right after each: the router sums beside them (`router_sums`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ __all__ = ["Inbox", "messages_between"]
 Key = tuple[str, int, int]
 
 
-def messages_between(row: Sequence[Action], stage_rank: Sequence[int], src: int, dst: int) -> list[Key]:
-    """What pp rank `src` sends pp rank `dst`, in the order its `row` sends it."""
+def messages_between(row: Sequence[Action], stage_rank: Sequence[int], src: int, dst: int,
+                     sums: bool = False) -> list[Key]:
+    """What pp rank `src` sends pp rank `dst`, in the order its `row` sends it (`sums`: router sums too)."""
     last, out = len(stage_rank) - 1, []
     for action in row:
         if action.kind == "F" and action.stage < last and stage_rank[action.stage + 1] == dst != src:
-            out.append(("F", action.mb, action.stage + 1))
+            out.extend((k, action.mb, action.stage + 1) for k in ("F", "f")[:1 + sums])
         elif action.kind in ("B", "I") and action.stage > 0 and stage_rank[action.stage - 1] == dst != src:
-            out.append(("B", action.mb, action.stage - 1))
+            out.extend((k, action.mb, action.stage - 1) for k in ("B", "b")[:1 + sums])
     return out
 
 

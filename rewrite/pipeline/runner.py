@@ -29,6 +29,7 @@ from .inputs import check_step_inputs
 from .positions import ids_of, positions_of
 from .loss import causal_lm_loss, loss_for
 from .clock import StepClock
+from .router_sums import RouterSums
 from .stage import Stage
 from .tied import stash_tied_grads, sum_tied_grads
 
@@ -190,9 +191,10 @@ class _Step:
         self.losses: dict[int, torch.Tensor] = {}
         self.sends: list[tuple[list, torch.Tensor]] = []  # in-flight works, with the tensor they read
         self.clock = stage.clock = StepClock(self.device)
+        self.routers = None if stage.router_loss is None else RouterSums(stage.router_loss, self.m, mesh.cp, self.device)
         self.inboxes = {}
         for peer in range(self.mesh.pp):
-            order = messages_between(table[peer], self.place, peer, me) if peer != me else []
+            order = messages_between(table[peer], self.place, peer, me, sums=self.routers is not None) if peer != me else []
             if order:
                 src = self.mesh.global_rank(peer)
                 self.inboxes[peer] = Inbox(src, order, self._shape_of, self.device)
@@ -207,6 +209,8 @@ class _Step:
 
     def _shape_of(self, key):
         kind, mb, s = key
+        if kind in ("f", "b"):
+            return self.routers.shape
         if kind == "F":
             shape = self._shapes(mb, s)["input"]
             return None if shape is None else (shape, self.dtype)
@@ -230,8 +234,9 @@ class _Step:
         self.clock.add(self.mesh.rank, s, mb, name, start, self.clock.mark())
 
     def _take(self, kind: str, mb: int, s: int) -> torch.Tensor:
-        """The activation entering stage `s` ("F") or the gradient of its output ("B")."""
-        peer = self.place[s - 1] if kind == "F" else self.place[s + 1]
+        """The activation entering stage `s` ("F") or the gradient of its output ("B"); "f", "b": the router
+        sums beside them."""
+        peer = self.place[s - 1] if kind in ("F", "f") else self.place[s + 1]
         if peer == self.stage.pp_rank:
             return self.local.pop((kind, mb, s))
         return self.inboxes[peer].take((kind, mb, s))
@@ -257,7 +262,7 @@ class _Step:
             x = self._take("F", mb, s)
             x.requires_grad_(x.is_floating_point())
         start = self.clock.mark()
-        routers = self.stage.router_loss  # one stage holding every layer: its routers' loss is the microbatch's
+        routers = self.routers
         if routers is not None:
             routers.start()
         with nullcontext() if self.precision is None else self.precision.forward_context(self.device):
@@ -268,38 +273,51 @@ class _Step:
                 y = self.stage.run(s, x, seq_len=ids_of(self.inputs[mb]).shape[-1], position_ids=self.positions[mb])
             else:
                 y = self.stage.run(s, x)
+            sums = None if routers is None else routers.forward(
+                mb, s, None if s == 0 else self._take("f", mb, s), last=s == self.last)
             if s == self.last and part is not None:
                 # This rank's tokens' share of the microbatch's mean; the dp x cp gradient average is
                 # undone for cp by scaling the backward, so the cp ranks' gradients add up.
                 share = self.loss_fn(y, part.targets) * part.share if part.counted else y.sum() * 0.0
+                if sums is not None:
+                    share = share + routers.last_share(sums.to(share.device))
                 self.losses[mb] = share / self.m
                 y = self.losses[mb] * self.mesh.cp
             elif s == self.last:
                 loss = self.loss_fn(y, self.targets[mb].to(y.device))
-                if routers is not None:
-                    loss = loss + routers.finish().to(loss.device)
+                if sums is not None:
+                    loss = loss + sums.to(loss.device)
                 y = self.losses[mb] = loss / self.m
         if s != self.last:
             if y.is_floating_point() and y.dtype != self.dtype:
                 y = y.to(self.dtype)  # under autocast: stages exchange what their peers' buffers hold
             self._hand_on("F", mb, s + 1, y.detach())
+            if sums is not None:
+                self._hand_on("f", mb, s + 1, sums)
         self.held[mb, s] = (x, y)
         return start
 
     def backward(self, mb: int, s: int):
         x, y = self.held[mb, s]
         grad = None if s == self.last else self._take("B", mb, s)
+        roots, grads, sums = [y], None if grad is None else [grad], None
+        if self.routers is not None:  # a middle stage's routers: the loss's gradient through them joins
+            sums, extra = self.routers.backward(mb, s, None if s == self.last else self._take("b", mb, s))
+            if extra is not None:
+                roots, grads = [y, extra], [grad, torch.ones_like(extra)]
         start = self.clock.mark()
         if (mb, s) in self.split:
-            dx, self.deferred[mb, s] = backward_input(y, grad, x, self._params())
+            dx, self.deferred[mb, s] = backward_input(roots, grads, x, self._params())
         else:
-            torch.autograd.backward(y, grad)
+            torch.autograd.backward(roots, grads)
             dx = x.grad if x.is_floating_point() else None
             del self.held[mb, s]  # free this microbatch's activations
         if s == self.last:
             self.losses[mb] = self.losses[mb].detach()  # its graph would keep the received input alive
         if s > 0:
             self._hand_on("B", mb, s - 1, dx if dx is not None else torch.zeros_like(x))
+            if sums is not None:
+                self._hand_on("b", mb, s - 1, sums)
         return start
 
     def _send(self, works: list, tensor: torch.Tensor) -> None:
