@@ -44,6 +44,14 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
     if isinstance(owner, VocabParallelEmbedding):
         rank, size = _place(owner.group)
         return full.chunk(size)[rank]
+    if hasattr(owner, "tp_group") and hasattr(owner, "num_experts"):  # each expert split over tp
+        rank, size = _place(owner.tp_group)
+        held = getattr(owner, leaf).shape
+        dims = [d for d in range(full.dim()) if held[d] != full.shape[d]]
+        if not dims:
+            return full
+        parts = 2 if "gate_up" in leaf else 1  # gate and up packed side by side
+        return torch.cat([b.chunk(size, dim=dims[0])[rank] for b in full.chunk(parts, dim=dims[0])], dim=dims[0])
     if hasattr(owner, "expert_shard"):  # with identity experts: in blocks of gcd(routed, identity) experts
         rank, size = _place(owner.expert_shard.group)
         spec = owner.expert_shard.spec

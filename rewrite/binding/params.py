@@ -69,7 +69,7 @@ def held_by_stage(
 ) -> list[list[HeldParameter]]:
     """`held_parameters` of each set of modules (a stage's), in one walk over the model's parameters
     (`walk`: `parameter_walk(model)`, when the caller keeps it). The parameters of `experts` split over
-    ep > 1 are held as a rank's E / ep experts (`ExpertSpec.split`).
+    ep > 1 are held as a rank's E / ep experts, those split over tp as its slices (`ExpertSpec.split_of`).
 
     A parameter shared by two sets (tied embeddings on the first and last stage) is in both;
     `HeldParameter.ident` tells a rank holding both stages that it is one.
@@ -77,7 +77,7 @@ def held_by_stage(
     sets = [set(m) for m in module_sets]
     specs = shards.values() if isinstance(shards, Mapping) else shards
     split = {s.fqn: s for s in specs if s.style != "grad_allreduce"}
-    by_expert = {s.fqn: s for s in experts if s.ep > 1}
+    by_expert = {s.fqn: s for s in experts if s.splits}
     # Which sets hold each module path: a parameter is looked up by its few prefixes, not tested against
     # every set (a 70B model over 32 stages: 700 parameters x 32 sets per walk otherwise).
     everything = {i for i, modules in enumerate(sets) if "" in modules}
@@ -95,7 +95,7 @@ def held_by_stage(
         shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
         if spec is not None:
             shape = spec.split_of(leaf).local_shape(whole)
-        held = HeldParameter(name, tuple(shape or whole), element_size, ident, spec is not None)
+        held = HeldParameter(name, tuple(shape or whole), element_size, ident, spec is not None and spec.ep > 1)
         for i in sorted(found):
             if ident not in seen[i]:
                 seen[i].add(ident)

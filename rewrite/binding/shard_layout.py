@@ -98,7 +98,7 @@ def state_split(shards: Mapping[str, ShardSpec], experts: Mapping[str, ExpertSpe
     """How a rank holds state-dict tensor `name`, given the plan's shards and experts split over ep, by module path."""
     owner, _, leaf = name.rpartition(".")
     expert = experts.get(owner)
-    if expert is not None and expert.ep > 1:
+    if expert is not None and expert.splits:
         return expert.split_of(leaf)
     return tensor_split(shards.get(owner), leaf)
 

@@ -99,8 +99,8 @@ def shard_problems(
             problems.append(unmatched_problem(at, pattern, names))
         for fqn in hits:
             module = modules[fqn]
-            if style == "expert_parallel":
-                continue  # split over mesh.ep, not tp: bound by `experts.expert_problems`
+            if STYLE_INFO[style].layer == "experts":
+                continue  # fused experts (by expert over ep, or each over tp): bound by `experts.expert_problems`
             if style == "grad_allreduce":
                 if not any(True for _ in module.parameters()):  # nothing to sum: harmless, but say so
                     if notes is not None:

@@ -51,12 +51,13 @@ class Stacked:
 
     def rows(self, entry) -> list[int]:
         """The experts (rows of dim 0) `entry` holds: all of them, or its slices' (`layout.Entry`)."""
-        if entry.dim is None:
+        if entry.dim != 0:
             return list(range(len(self.pieces)))
         return [row for s in entry.slices() for row in range(s.start, s.stop)]
 
     def read(self, entry) -> torch.Tensor:
-        """This rank's rows, each read from its own pieces only (each file opened once)."""
+        """This rank's rows, each read from its own pieces only (each file opened once); split along another
+        dim (each expert over tp), this rank's slices of each row."""
         rows = self.rows(entry)
         by_file: dict[Path, list[str]] = {}
         for row in rows:
@@ -66,12 +67,18 @@ class Stacked:
         for path, keys in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 read.update({(path, key): f.get_tensor(key) for key in keys})
-        return torch.stack([torch.cat([read[p] for p in self.pieces[row]]) for row in rows])
+        return torch.stack([self._slices(torch.cat([read[p] for p in self.pieces[row]]), entry) for row in rows])
+
+    @staticmethod
+    def _slices(row: torch.Tensor, entry) -> torch.Tensor:
+        """Of one expert's row (the model tensor's dims after the first), the entry's slices side by side."""
+        if entry.dim in (None, 0):
+            return row
+        dim = entry.dim - 1
+        return torch.cat([row.narrow(dim, s.start, s.stop - s.start) for s in entry.slices()], dim=dim)
 
     def problems(self, name: str, full_shape: tuple[int, ...], dim: int | None) -> list[str]:
         """What keeps this rank from reading model tensor `name` (`full_shape`, split along `dim`) from the pieces."""
-        if dim not in (None, 0):
-            return [f"{name}: stored one piece per expert, and the plan splits it along dim {dim}, which is not read"]
         if len(self.pieces) != full_shape[0]:
             return [f"{name}: the checkpoint stores {len(self.pieces)} experts, config.json implies {full_shape[0]}; "
                     "the config and the weights do not belong together"]

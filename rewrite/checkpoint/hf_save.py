@@ -32,6 +32,8 @@ from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan, PlanError
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
+from ..expert_parallel.tensor import ExpertTensorParallelMixin
+from ..models.experts import num_experts
 from . import swap
 from ..plan.ranks import coordinates, cp_rank_of, global_rank, shape_text
 from .disk_layout import on_disk
@@ -59,6 +61,10 @@ def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
         if shard.first != entry.start:
             return f"{entry.name}: the module holds experts from {shard.first}, the plan gives this rank {entry.start}"
         return None
+    if isinstance(owner, ExpertTensorParallelMixin):
+        return None  # each expert's slices: the module's tensors are this tp rank's (`split_experts_over_tp`)
+    if num_experts(owner) is not None:
+        return f"{entry.name}: the plan splits each expert over tp, the model holds a {type(owner).__name__} whole"
     classes = (ColumnParallelLinear, VocabParallelEmbedding) if entry.dim == 0 else (RowParallelLinear,)
     if not isinstance(owner, classes):
         wanted = " or ".join(c.__name__ for c in classes)
@@ -273,9 +279,9 @@ def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | 
     if entry.dim is None:
         return local
     owner = model.get_submodule(entry.name.rpartition(".")[0])
-    group = stage.mesh.tp_group if stage is not None else owner.group
+    group = stage.mesh.tp_group if stage is not None else getattr(owner, "group", None) or owner.tp_group
     local = local.contiguous()
-    parts = [torch.empty_like(local) for _ in range(owner.tp_size)] if dist.get_rank() == dst else None
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
     dist.gather(local, parts, dst=dst, group=group)
     lend(local, *(parts or []))
     if parts is None:

@@ -45,20 +45,22 @@ class Piece:
     """The box `tensor` of a whole tensor of size `size`, starting at `offsets`.
 
     A packed layer's rows (a fused gate_up_proj keeps its slice of each part) are several
-    boxes along dim 0: `rows` lists each one's (first local row, local rows, whole-tensor row).
+    boxes along `dim` (0; an experts tensor's features: 1 or 2): `rows` lists each one's (first
+    local index, length, whole-tensor index) along it.
     """
 
     tensor: torch.Tensor  # this rank's data (a view into the live tensor: loads write through it)
     size: torch.Size  # the whole tensor's
     offsets: torch.Size
     rows: tuple[tuple[int, int, int], ...] = ()  # several boxes: (local start, length, whole start) each
+    dim: int = 0  # the dim `rows` run along
 
     def boxes(self) -> list[tuple[torch.Tensor, torch.Size]]:
         """(data, offsets) of each box: views into `tensor`."""
         if not self.rows:
             return [(self.tensor, self.offsets)]
-        rest = tuple(self.offsets[1:])
-        return [(self.tensor[a : a + n], torch.Size((at, *rest))) for a, n, at in self.rows]
+        before, after = tuple(self.offsets[:self.dim]), tuple(self.offsets[self.dim + 1:])
+        return [(self.tensor.narrow(self.dim, a, n), torch.Size((*before, at, *after))) for a, n, at in self.rows]
 
     def box_at(self, offsets) -> torch.Tensor:
         """The data of the box that starts at `offsets`."""
@@ -75,7 +77,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def piece_like(value: torch.Tensor, box: Piece) -> Piece:
     """`value` (e.g. an optimizer moment of a parameter) in the same box as that parameter's."""
-    return Piece(_local(value).detach(), box.size, box.offsets, box.rows)
+    return Piece(_local(value).detach(), box.size, box.offsets, box.rows, box.dim)
 
 
 def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot: int, parts: int = 1) -> Piece:
@@ -83,7 +85,7 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot:
 
     `slices` is tp, or tp / replicas for a k/v projection past its kv heads (`slot` = tp_rank //
     replicas): the replicas then hold the same box, which DCP's deduplication writes once.
-    `parts` > 1 (along dim 0): the tp slice is that many slices, one of each equal part of the whole.
+    `parts` > 1 (along `tp_dim`): the tp slice is that many slices, one of each equal part of the whole.
     """
     shape = list(tensor.shape)  # a DTensor's shape: its whole tp slice
     size, start, extent = list(shape), [0] * len(shape), list(shape)
@@ -108,16 +110,17 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot:
     if parts == 1:
         return Piece(local, torch.Size(size), torch.Size(start))
     # Rows [lo, hi) of this rank's tp slice are held here; the slice's p-th length rows are part p's.
-    length, whole = shape[0] // parts, size[0] // parts
-    lo = start[0] - slot * shape[0]
-    hi = lo + extent[0]
+    d = tp_dim
+    length, whole = shape[d] // parts, size[d] // parts
+    lo = start[d] - slot * shape[d]
+    hi = lo + extent[d]
     rows = tuple(
         (a - lo, b - a, p * whole + slot * length + a - p * length)
         for p in range(parts)
         for a, b in [(max(lo, p * length), min(hi, (p + 1) * length))]
         if b > a
     )
-    return Piece(local, torch.Size(size), torch.Size(start), rows or ((0, 0, start[0]),))
+    return Piece(local, torch.Size(size), torch.Size(start), rows or ((0, 0, start[d]),), d)
 
 
 def model_pieces(stage: Stage) -> dict[str, Piece]:

@@ -46,7 +46,7 @@ def read_slice(f, key: str, entry: Entry) -> torch.Tensor:
     if entry.dim is None:
         return f.get_tensor(key)
     part = f.get_slice(key)
-    pieces = [part[s] if entry.dim == 0 else part[:, s] for s in entry.slices()]
+    pieces = [part[(slice(None),) * entry.dim + (s,)] for s in entry.slices()]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=entry.dim)
 
 

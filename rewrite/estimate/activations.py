@@ -180,15 +180,16 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int
         "input_layernorm": _norm(z, z.chunk),
         "self_attn": attention,
         "post_attention_layernorm": _norm(z, z.chunk),
-        "mlp": R * B * h + (R * _routed(z) + 4 * R * B * z.shared_width // tm if z.top_k
+        "mlp": R * B * h + (R * _routed(z, tm) + 4 * R * B * z.shared_width // tm if z.top_k
                             else 4 * R * B * z.intermediate // tm),
     }
 
 
-def _routed(z: Sizes) -> int:
-    """Bytes a token's k routed experts keep (the module docstring's mixture of experts)."""
+def _routed(z: Sizes, tm: int = 1) -> int:
+    """Bytes a token's k routed experts keep (the module docstring's mixture of experts); each expert split
+    over `tm` ranks (`expert_tensor_parallel`) keeps 1/tm of its features, its rows whole."""
     B = z.dtype_bytes
-    return z.top_k * (z.expert_values * B * z.expert_width + 2 * B * z.hidden + 36) + 16
+    return z.top_k * (z.expert_values * B * z.expert_width // tm + 2 * B * z.hidden + 36) + 16
 
 
 def layer_bytes(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..binding.experts import TP_STYLE
 from ..binding.resolve import ResolvedPlan
 
 __all__ = ["LAYER_PARTS", "activation_problem", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
@@ -17,16 +18,21 @@ LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"
 
 
 def shard_styles(resolved: ResolvedPlan) -> dict[str, str]:
-    """fqn -> style of every module the plan splits (empty at tp 1: nothing is split)."""
-    return {s.fqn: s.style for s in resolved.shards} if resolved.tp > 1 else {}
+    """fqn -> style of every module the plan splits over tp (empty at tp 1: nothing is split): the
+    linears, and the fused experts modules each expert of which it splits (`expert_tensor_parallel`)."""
+    if resolved.tp == 1:
+        return {}
+    return {**{s.fqn: s.style for s in resolved.shards}, **{e.fqn: TP_STYLE for e in resolved.experts if e.tp > 1}}
 
 
 def block_splits(styles: dict[str, str], layer: str) -> dict[str, bool]:
-    """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their first linear is a column."""
+    """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their first linear is a column
+    (a mixture of experts' MLP: its experts split over tp)."""
     return {
         "attention_split": styles.get(f"{layer}.self_attn.q_proj") == "column",
         "mlp_split": styles.get(f"{layer}.mlp.gate_proj") == "column"
-        or styles.get(f"{layer}.mlp.gate_up_proj") == "packed_column",
+        or styles.get(f"{layer}.mlp.gate_up_proj") == "packed_column"
+        or any(s == TP_STYLE and f.startswith(f"{layer}.") for f, s in styles.items()),
     }
 
 

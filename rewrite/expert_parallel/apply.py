@@ -19,14 +19,19 @@ from ..mesh import Mesh
 from ..tensor_parallel.mixins import add_mixin
 from ..models.experts import every_token, set_expert_counts
 from .dispatch import EveryTokenMixin, ExpertParallelMixin, ExpertShard, ShardedExperts
+from .tensor import split_experts_over_tp
 
 __all__ = ["apply_expert_parallel", "expert_parameters", "ExpertGradSync"]
 
 
 def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh, *, cast: torch.dtype | None = None
                           ) -> None:
-    """Keep this rank's experts of every module the plan splits over ep, in place (ep 1: nothing). `cast`: the
-    dtype they compute in, their parameters kept as they are (mixed precision where FSDP2 casts the rest)."""
+    """Keep this rank's experts of every module the plan splits over ep, in place (ep 1: nothing), and
+    this tp rank's slices of every expert of each it splits over tp. `cast`: the dtype experts split over ep
+    compute in, their parameters kept as they are (mixed precision where FSDP2 casts the rest)."""
+    for spec in resolved.experts:
+        if spec.tp > 1:
+            split_experts_over_tp(model.get_submodule(spec.fqn), spec, mesh.tp_rank, mesh.tp_group)
     if mesh.ep == 1:
         return
     for spec in resolved.experts:

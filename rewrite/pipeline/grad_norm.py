@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..expert_parallel import expert_parameters
+from ..expert_parallel.tensor import ExpertTensorParallelMixin
 from ..lent import lend
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
@@ -40,6 +41,7 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
       one replicated over dp (`sharding: replicate`, already averaged: a DTensor, or a
       plain tensor under DDP) only once, on dp_rank 0. The cp ranks of a stage hold the same
       parameters as replicas do (FSDP2 shards them over dp x cp): counted alike.
+    - experts split over tp (`expert_tensor_parallel`): every tensor a slice on each tp rank.
     - expert parallel: experts split over ep are whole on each rank of their group, one
       block each; a block's replicas (dp ranks `d` with the same `d % ep`) count it once,
       on the first (dp_rank < ep).
@@ -143,6 +145,8 @@ def _tp_split_ids(module: nn.Module, tp_rank: int) -> set[int]:
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             # A row layer's bias is whole on every rank; a replica's slice counts on the first of its holders.
             out |= {id(p) for name, p in m.named_parameters(recurse=False) if m.split(name).counts_on(tp_rank)}
+        elif isinstance(m, ExpertTensorParallelMixin):  # every tensor of it split over tp: a slice on each rank
+            out |= {id(p) for p in m.parameters(recurse=False)}
     return out
 
 

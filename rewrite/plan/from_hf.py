@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..models.expert_split import split_problem, tp_layout
 from .loading import load_plan
 from .patterns import match_pattern
 from .schema import ParallelPlan
@@ -55,9 +56,10 @@ def plan_from_hf(
     with it both are split along the vocabulary alike.
 
     A mixture of experts's fused experts modules get the ep plan's rule (`ep_dispatch_experts` ->
-    `expert_parallel`, checked at ep 1 too) in place of the tp plan's rules inside them (each expert
-    split over tp is not built); given a model, tp rules matching none of its modules (a dense MLP's,
-    where every layer is sparse) are left out.
+    `expert_parallel`, checked at ep 1 too) in place of the tp plan's rules inside them; at tp > 1 and
+    ep 1, where the tp plan splits each expert (`moe_tp_experts`) and its experts add up so split
+    (`models.expert_split`), `expert_tensor_parallel` instead. Tp rules matching none of the model's
+    modules (a dense MLP's, where every layer is sparse) are left out.
 
     Args:
         model_or_config: a transformers model (a causal LM or its base model) or config.
@@ -101,7 +103,7 @@ def plan_from_hf(
     if not base_rules:
         raise ValueError(f"{type(config).__name__} has no base_model_tp_plan to build a plan from")
     rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_rules.items()}
-    rules = _with_experts(rules, config, prefix, model_or_config)
+    rules = _with_experts(rules, config, prefix, model_or_config, split_over_tp=tp > 1 and ep == 1)
     tied = getattr(config, "tie_word_embeddings", False)
     if loss_parallel:
         if not prefix:
@@ -144,8 +146,9 @@ def _is_vocab(style: str) -> bool:
     return style == "vocab" or STYLE_ALIASES.get(style) == "vocab"
 
 
-def _with_experts(rules: dict[str, str], config, prefix: str, model_or_config) -> dict[str, str]:
-    """The tp rules with the ep plan's experts rules in place of those inside the experts modules."""
+def _with_experts(rules: dict[str, str], config, prefix: str, model_or_config, *, split_over_tp: bool) -> dict[str, str]:
+    """The tp rules with the ep plan's experts rules in place of those inside the experts modules (each
+    expert split over tp where `split_over_tp` and the tp plan and the experts allow it)."""
     ep_rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items()}
     experts = [k for k, v in ep_rules.items() if STYLE_ALIASES.get(v) == "expert_parallel"]
     if not experts:
@@ -155,4 +158,27 @@ def _with_experts(rules: dict[str, str], config, prefix: str, model_or_config) -
     if isinstance(model_or_config, nn.Module):
         names = [n for n, _ in model_or_config.named_modules() if n]
         kept = {k: v for k, v in kept.items() if any(match_pattern(k, n) for n in names)}
-    return {**kept, **{e: "expert_parallel" for e in experts}}
+    split = [e for e in experts if split_over_tp and STYLE_ALIASES.get(rules.get(e, "")) == "expert_tensor_parallel"]
+    if split:  # where the experts add up so split: read on the model (a config's: on its meta model)
+        model = model_or_config if isinstance(model_or_config, nn.Module) else _meta_model(config)
+        split = [e for e in split if _splits_over_tp(model, e)]
+    return {**kept, **{e: "expert_tensor_parallel" if e in split else "expert_parallel" for e in experts}}
+
+
+def _splits_over_tp(model: nn.Module, pattern: str) -> bool:
+    """Whether every experts module `pattern` names splits each expert over tp as the family's tp plan says."""
+    found = [(n, m) for n, m in model.named_modules() if n and match_pattern(pattern, n)]
+    for fqn, module in found:
+        layout = tp_layout(model, fqn, module)
+        if isinstance(layout, str) or split_problem(model, fqn, layout):
+            return False
+    return bool(found)
+
+
+def _meta_model(config) -> nn.Module:
+    """The causal LM of `config`, without storage: its module paths and shapes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)

@@ -48,6 +48,11 @@ STYLE_INFO: dict[str, StyleInfo] = {
                                 "its parameter gradients are summed over the tensor-parallel group", "whole"),
     "expert_parallel": StyleInfo("a fused experts module (a mixture of experts) split by expert over mesh.ep, not tp: "
                                  "each rank holds E / ep experts and tokens reach them by all-to-all", "experts"),
+    "expert_tensor_parallel": StyleInfo(
+        "a fused experts module (a mixture of experts) with each expert split over tp as a dense MLP is: every rank "
+        "holds every expert's slice of the intermediate features (gate_up_proj packed column, down_proj row, along "
+        "the dims the family's own tp plan names), runs the tokens through it, and the partial outputs are summed",
+        "experts"),
 }
 STYLES: dict[str, str] = {name: info.what for name, info in STYLE_INFO.items()}
 
@@ -65,6 +70,7 @@ STYLE_ALIASES: dict[str, str] = {
     "embedding_rowwise": "vocab",
     "packed_colwise": "packed_column",
     "ep_dispatch_experts": "expert_parallel",
+    "moe_tp_experts": "expert_tensor_parallel",
 }
 
 # The styles that split output features (ColumnParallelLinear).

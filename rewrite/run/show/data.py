@@ -174,10 +174,11 @@ def show_data(
             default the parameters'.
 
     Returns:
-        {"plan", "description", "model", "mesh", "experts", "pipeline", "data_parallel", "tensor_parallel",
-        "kv_replicas", "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory",
+        {"plan", "description", "model", "mesh", "experts", "experts_over_tp", "pipeline", "data_parallel",
+        "tensor_parallel", "kv_replicas", "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory",
         "whole_model", "warnings"}; `experts`: the modules split over mesh.ep > 1, each {"module",
-        "experts", "per_rank"}; memory sizes are bytes, replica 0's ranks (the other replicas hold
+        "experts", "per_rank"}; `experts_over_tp`: those with each expert split over tp, each {"module",
+        "experts", "features": {tensor: {"dim", "parts"}}}; memory sizes are bytes, replica 0's ranks (the other replicas hold
         the same); with `hardware` also "predicted": {"hardware", "step_s", "tokens_per_s" (per
         device), "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s"}, or {"hardware", "problem"}
         where the step is not timed. `kv_replicas`: tp ranks holding each kv head (tp / kv past the kv heads, else 1).
@@ -208,6 +209,9 @@ def show_data(
                  "world_size": resolved.world_size},
         "experts": [{"module": e.fqn, "experts": e.num_experts, "per_rank": e.local} for e in resolved.experts
                     if e.ep > 1],
+        "experts_over_tp": [{"module": e.fqn, "experts": e.num_experts,
+                             "features": {leaf: {"dim": dim, "parts": parts} for leaf, dim, parts in e.features}}
+                            for e in resolved.experts if e.tp > 1],
         "pipeline": {
             "schedule": pipe.schedule, "microbatches": microbatches or pipe.microbatches,
             "virtual_stages": pipe.virtual_stages, "seq_len": seq_len or pipe.seq_len, "batch_size": batch_size,

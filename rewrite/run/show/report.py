@@ -104,8 +104,14 @@ def _layout_lines(data: dict) -> list[str]:
 
 
 def _expert_lines(data: dict) -> list[str]:
-    """Under ep: which replicas split the experts, and how many each rank holds."""
-    ep, experts = data["mesh"].get("ep", 1), data.get("experts") or []
+    """Under ep: which replicas split the experts, and how many each rank holds; experts split over tp: how."""
+    ep, experts, over_tp = data["mesh"].get("ep", 1), data.get("experts") or [], data.get("experts_over_tp") or []
+    if over_tp:
+        cut = "; ".join(f"{leaf} along dim {f['dim']}" + (f" ({f['parts']} packed parts)" if f["parts"] > 1 else "")
+                        for leaf, f in over_tp[0]["features"].items())
+        return [f"experts split over tp: every tp rank holds 1/{data['mesh']['tp']} of each of the "
+                f"{over_tp[0]['experts']} experts of {', '.join(collapse_names([e['module'] for e in over_tp]))} "
+                f"({cut}); partial outputs summed over tp"]
     if ep == 1 or not experts:
         return []
     groups = data["mesh"]["dp"] // ep

@@ -8,14 +8,12 @@ only its experts)."""
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 import rewrite
-from rewrite.checkpoint.training_state import load_training_state, save_training_state
-from tests.asserts import assert_close
-from tests.families import TINY, tiny_moe_model
+from rewrite.checkpoint.training_state import load_training_state
+from tests.families import tiny_moe_model
 from tests.multiproc import run
-from tests.reference import expected_shard
+from tests.distributed.expert_parallel.resume import batch, matches, resumes, saved_weights, train_and_save
 
 RULE = {"model.layers.*.mlp.experts": "expert_parallel"}
 PLANS = {
@@ -32,72 +30,23 @@ def _plan(name: str) -> dict:
     return {**PLANS[name], "tensor_parallel": RULE, "pipeline": {"microbatches": 2, **PLANS[name].get("pipeline", {})}}
 
 
-def _batch(seed: int, rows: int = 8):
-    ids = torch.randint(0, TINY["vocab_size"], (rows, 16), generator=torch.Generator().manual_seed(seed))
-    return rewrite.microbatches(ids, 4)
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _matches(tag: str, model, weights: dict) -> None:
-    for name, param in model.named_parameters():
-        assert torch.equal(_whole(param.data), expected_shard(model, name, weights[name])), f"{tag}: {name}"
-
-
-def _mine(stage, inputs: list, targets: list) -> tuple[list, list]:
-    per = len(inputs) // stage.dp
-    return inputs[stage.dp_rank * per:(stage.dp_rank + 1) * per], targets[stage.dp_rank * per:(stage.dp_rank + 1) * per]
-
-
 def _checkpoints(rank: int, world: int, root: str) -> list[str]:
-    from transformers import AutoModelForCausalLM
-
-    stage = rewrite.apply_plan(tiny_moe_model("qwen3_moe"), _plan("dp4 ep2"))
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
-    for step in range(2):
-        rewrite.run_schedule(stage, *_mine(stage, *_batch(step)))
-        optimizer.step()
-        optimizer.zero_grad()
-    save_training_state(f"{root}/state", stage, optimizer, extra={"step": 2})
-    rewrite.save_pretrained(stage, _plan("dp4 ep2"), f"{root}/hf")
-    saved = AutoModelForCausalLM.from_pretrained(f"{root}/hf", dtype=torch.float32)
-    weights = dict(saved.named_parameters())
-    _matches("the Hugging Face save", stage.model, weights)
-    inputs, targets = _batch(7)
-    expected = sum(F.cross_entropy(saved(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
-                   for x, y in zip(inputs, targets)) / len(inputs)
-    out = []
-    for name in ("dp4 ep4", "dp4 ep1", "pp2 x dp2 ep2"):
-        other = rewrite.apply_plan(tiny_moe_model("qwen3_moe", seed=5), _plan(name))
-        fresh = torch.optim.AdamW(other.parameters(), lr=1e-2)
-        assert load_training_state(f"{root}/state", other, fresh) == {"step": 2}
-        _matches(f"the training state under {name}", other.model, weights)
-        loss = rewrite.run_schedule(other, *_mine(other, inputs, targets))
-        assert_close(f"{name} loss on the loaded weights", loss, expected.detach())
-        out.append(f"{name}: {float(loss):.5f}")
-    return out
+    train_and_save(root, _plan("dp4 ep2"))
+    return resumes(root, ("dp4 ep4", "dp4 ep1", "pp2 x dp2 ep2"), lambda name, model: _plan(name), batch(7))
 
 
 def _loads(rank: int, world: int, root: str) -> str:
     loaded = rewrite.from_pretrained(f"{root}/hf", _plan("dp2 ep2 replicate"))
-    from transformers import AutoModelForCausalLM
-
-    weights = dict(AutoModelForCausalLM.from_pretrained(f"{root}/hf", dtype=torch.float32).named_parameters())
-    _matches("from_pretrained under dp2 ep2", loaded.model, weights)
+    matches("from_pretrained under dp2 ep2", loaded.model, saved_weights(root))
     return f"rank {rank}: experts {loaded.model.model.layers[0].mlp.experts.gate_up_proj.shape[0]} of 4"
 
 
 def _one_process(rank: int, world: int, root: str) -> float:
-    from transformers import AutoModelForCausalLM
-
     stage = rewrite.apply_plan(tiny_moe_model("qwen3_moe", seed=5), _plan("one process"))
     fresh = torch.optim.AdamW(stage.parameters(), lr=1e-2)
     assert load_training_state(f"{root}/state", stage, fresh) == {"step": 2}
-    _matches("the training state on one process", stage.model,
-             dict(AutoModelForCausalLM.from_pretrained(f"{root}/hf", dtype=torch.float32).named_parameters()))
-    return float(rewrite.run_schedule(stage, *_batch(7)))
+    matches("the training state on one process", stage.model, saved_weights(root))
+    return float(rewrite.run_schedule(stage, *batch(7)))
 
 
 def test_expert_parallel_checkpoints_save_and_load_under_other_plans(tmp_path):

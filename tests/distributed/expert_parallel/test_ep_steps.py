@@ -43,7 +43,8 @@ def _plan(name: str, model=None) -> dict:
     layout["pipeline"] = {"microbatches": 2, **layout.get("pipeline", {})}
     rules = RULE
     if layout["mesh"].get("tp", 1) > 1:
-        rules = rewrite.plan_from_hf(model, tp=layout["mesh"]["tp"]).tensor_parallel
+        rules = rewrite.plan_from_hf(model, tp=layout["mesh"]["tp"], ep=layout["mesh"]["ep"], dp=layout["mesh"]["dp"]
+                                     ).tensor_parallel
         assert rules["model.layers.*.mlp.experts"] == "expert_parallel"
     return {**layout, "tensor_parallel": rules}
 

@@ -1,6 +1,7 @@
 """Every mixture-of-experts family of the installed transformers (`tests/families.py: moe_families`),
 tiny (4 experts, 2 chosen), at ep 2 (dp 2, its experts modules split by expert), at pp 2 (1f1b) and at
-tp 2 (its own tp plan through plan_from_hf, experts whole): the step loss and every gradient equal one
+tp 2 (its own tp plan through plan_from_hf: each expert split over tp where the family's plan splits it
+and its experts add up so split, else whole): the step loss and every gradient equal one
 process, or the plan is refused on every rank before anything runs. Never a crash mid-step, never
 silently wrong.
 
@@ -61,7 +62,10 @@ def _sweep(rank: int, world: int, family: str) -> dict:
         reference = copy.deepcopy(model)
         tag = f"{family} {name} rank {rank}"
         try:
-            stage = rewrite.apply_plan(model, plan_of(model))
+            plan = plan_of(model)
+            rules = plan.get("tensor_parallel", {}) if isinstance(plan, dict) else plan.tensor_parallel
+            split = "expert_tensor_parallel" in rules.values()
+            stage = rewrite.apply_plan(model, plan)
         except ValueError as exc:  # refused before any collective but the agreement: every rank alike
             problems = getattr(exc, "problems", None)
             out[name] = "refused: " + (problems[0] if problems else str(exc).splitlines()[0])
@@ -72,7 +76,9 @@ def _sweep(rank: int, world: int, family: str) -> dict:
             loss = rewrite.run_schedule(stage, ids, targets)
             assert_close(f"{tag} step loss", loss, reference_step(reference, ids, targets))
             assert assert_grads_match(model, reference, prefix=f"{tag} ") > 0
-        out[name] = f"works (in eval mode: {RANDOM_ROUTING[family]})" if family in RANDOM_ROUTING else "works"
+        notes = ([f"in eval mode: {RANDOM_ROUTING[family]}"] if family in RANDOM_ROUTING else []) + (
+            ["each expert split over tp" if split else "experts whole"] if name == "tp2" else [])
+        out[name] = f"works ({'; '.join(notes)})" if notes else "works"
     return out
 
 

@@ -1,9 +1,10 @@
 """The estimates of a mixture of experts. Activations, against what autograd really keeps: the MLP of
 tiny Qwen3-MoE, Mixtral, DeepSeek-V3 (shared experts), OLMoE and gpt-oss (clamped, sigmoid-gated experts)
 in float32 and bfloat16, one process, transformers' default (grouped_mm) experts; a plan's estimate
-counts the experts a token runs through, not a dense MLP of intermediate_size. Step time, by hand: the
-exchanges of routed rows under ep, and the experts' gradients all-reduced over their replicas instead
-of gathered and reduced with the dense ones."""
+counts the experts a token runs through, not a dense MLP of intermediate_size; one tp rank of experts split
+over tp keeps its slices' share. Step time, by hand: the exchanges of routed rows under ep, and the experts'
+gradients all-reduced over their replicas instead of gathered and reduced with the dense ones; experts split
+over tp halve the MLP's compute and add an all-reduce a layer."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.families import tiny_moe_model
 
 TOKENS = 256
 RULE = {"model.layers.*.mlp.experts": "expert_parallel"}
+TP_RULE = {"model.layers.*.mlp.experts": "expert_tensor_parallel"}
 # A device whose memory traffic costs nothing: times are FLOPs / 1e9 and the collectives' formula.
 UNIT = Hardware(
     name="unit", memory_gib=1, peak_flops={"float32": 1e9}, memory_bandwidth=1e30, devices_per_node=8,
@@ -101,3 +103,36 @@ def test_the_step_time_counts_the_exchanges_and_the_experts_own_reduce():
     assert exposed == pytest.approx(all_reduce_s(min(dense_held, DDP_BUCKET), 4, UNIT.intra_node, 1.0)
                                     + all_reduce_s(experts, 2, UNIT.intra_node, 1.0))
     assert adamw == pytest.approx((dense_held + experts) / 4 * (3 * 4 + 16) / 1e30)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_rank_of_experts_split_over_tp_keeps_what_the_estimate_says(family):
+    # One tp rank's MoE block of tp 2: every expert's slice of the features (as `expert_tensor_parallel` cuts
+    # them), its forward the partial output (the all-reduce keeps nothing).
+    model = tiny_moe_model(family)
+    resolved = rewrite.resolve({"mesh": {"tp": 2}, "tensor_parallel": TP_RULE}, model)
+    mlp = model.model.layers[0].mlp
+    for leaf, tensor in list(mlp.experts.named_parameters()):
+        split = resolved.split_of(f"model.layers.0.mlp.experts.{leaf}")
+        setattr(mlp.experts, leaf, torch.nn.Parameter(split.take(tensor.detach(), 0).clone()))
+    x = torch.randn(2, TOKENS // 2, model.config.hidden_size, requires_grad=True)
+    measured = _saved_bytes(mlp, x)
+    z = Sizes.of(model.config, seq_len=TOKENS // 2, batch_size=2, tp=2)
+    estimated = layer_bytes(z)[0] - layer_bytes(Sizes(**{**z.__dict__, "top_k": 0, "intermediate": 0}))[0]
+    estimated += TOKENS * 4 * z.hidden
+    assert abs(estimated / measured - 1) < 0.03, (family, estimated, measured)
+    # A plan's estimate: the MoE layers' experts split (with the attention), less than with the experts whole.
+    split = rank_activations(resolved, model)[0].peak
+    whole = rank_activations(rewrite.resolve({"mesh": {"tp": 2}, "tensor_parallel": RULE}, model), model)[0].peak
+    assert split < whole
+
+
+def test_the_step_time_splits_the_experts_compute_over_tp():
+    model = tiny_moe_model("qwen3_moe")
+    base = {"pipeline": {"seq_len": 16, "microbatches": 1}, "mesh": {"tp": 2}}
+    (split,) = stage_times(rewrite.resolve({**base, "tensor_parallel": TP_RULE}, model), model, UNIT)
+    (whole,) = stage_times(rewrite.resolve({**base, "tensor_parallel": RULE}, model), model, UNIT)
+    # The MLP's FLOPs halve, and each layer adds one all-reduce of its output each way.
+    assert split.flops < whole.flops and split.tp_comm > whole.tp_comm
+    block = 16 * 4 * 64  # T B h
+    assert split.tp_comm - whole.tp_comm == pytest.approx(4 * 2 * all_reduce_s(block, 2, UNIT.intra_node, 1.0))
