@@ -36,9 +36,11 @@ def _decoder_configs():
 
 
 def causal_lm_families() -> list[str]:
-    """Decoder model types (`_decoder_configs`) with a tp plan of mapped styles only."""
+    """Decoder model types (`_decoder_configs`) with a tp plan of mapped styles only, none of them splitting
+    experts (`moe_tp_experts`: those mixtures of experts are swept by `moe_families`' sweep, tiny experts)."""
     return [model_type for model_type, config_class in _decoder_configs()
-            if (plan := getattr(config_class, "base_model_tp_plan", None)) and set(plan.values()) <= MAPPED]
+            if (plan := getattr(config_class, "base_model_tp_plan", None)) and set(plan.values()) <= MAPPED
+            and "moe_tp_experts" not in plan.values()]
 
 
 def tiny_family_model(family: str, *, seed: int = 0, **overrides):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .experts import every_token, identity_experts, num_experts
-from .oracle import _tiny_run, exception_line, tiny_clone_config
+from .oracle import tiny_run, exception_line, tiny_clone_config
 
 __all__ = ["tp_layout", "split_problem", "take_features"]
 
@@ -89,7 +89,7 @@ def split_problem(model: nn.Module, fqn: str, layout: dict[str, tuple[int, int]]
 @lru_cache(maxsize=64)
 def _check(model_class: type, config_class: type, key: str, template: str, layout: tuple) -> str | None:
     config = config_class.from_dict(json.loads(key))
-    with _tiny_run():
+    with tiny_run():
         try:
             tiny = model_class(config).float()
         except Exception as exc:  # noqa: BLE001

@@ -25,7 +25,7 @@ from .families import set_local_kv_groups
 from .hf_llama import find_backbone, run_backbone
 
 __all__ = ["config_value", "exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "packing_problem",
-           "tiny_clone_config", "TOLERANCE"]
+           "tiny_clone_config", "tiny_run", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
 _LAYERS = 4  # the clone's layers: enough for each attention type and a two-stage split
@@ -34,7 +34,7 @@ _SIZES = {"hidden_size": 64, "intermediate_size": 128, "vocab_size": 128, "head_
 
 
 @contextmanager
-def _tiny_run() -> Iterator[None]:
+def tiny_run() -> Iterator[None]:
     """The global RNG left as it was, no autograd, one intra-op thread: a tiny clone's matmuls gain nothing
     from a thread pool, and on a busy machine each hand-off to it costs ~10 ms (a whole check 1-2 s)."""
     threads = torch.get_num_threads()
@@ -129,7 +129,7 @@ def walker_problem(model: nn.Module) -> str | None:
 def _check(model_class: type, config_class: type, key: str) -> str | None:
     config = config_class.from_dict(json.loads(key))
     family = config.model_type
-    with _tiny_run():
+    with tiny_run():
         try:
             tiny = model_class(config).float().eval()
             for param in tiny.parameters():  # off their constant initial values (ones, zeros), so each counts
@@ -182,7 +182,7 @@ def packing_problem(model: nn.Module) -> str | None:
 def _packing(model_class: type, config_class: type, key: str) -> str | None:
     config = config_class.from_dict(json.loads(key))
     family = config.model_type
-    with _tiny_run():
+    with tiny_run():
         tiny = model_class(config).float().eval()
         for param in tiny.parameters():
             param.add_(torch.randn_like(param) * 0.1)
@@ -247,7 +247,7 @@ def _template(fqn: str) -> str:
 def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozenset) -> str | None:
     config = config_class.from_dict(json.loads(key))
     styles = dict(narrowed)
-    with _tiny_run():
+    with tiny_run():
         try:
             tiny = model_class(config).float().eval()
         except Exception as exc:

@@ -91,19 +91,23 @@ def plan_from_hf(
     """
     if isinstance(model_or_config, nn.Module):
         model, config = model_or_config, model_or_config.config
-        prefix = getattr(model, "base_model_prefix", "")
-        if not (prefix and isinstance(getattr(model, prefix, None), nn.Module)):
-            prefix = ""  # a bare base model: its paths have no prefix
+        prefix = _base_attribute(model)
         head_rules = dict(getattr(type(model), "_tp_plan", None) or {}) if prefix else {}
     else:
-        config = model_or_config
+        config, model = model_or_config, None
         cls = _model_class(config)
         prefix, head_rules = cls.base_model_prefix, dict(getattr(cls, "_tp_plan", None) or {})
+        try:  # where its base model really sits (Llama 4's is not where its prefix says)
+            model = _meta_model(config)
+            prefix = _base_attribute(model) or prefix
+        except Exception:  # noqa: BLE001 - a config its class cannot build: its prefix as declared
+            model = None
     base_rules = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base_rules:
         raise ValueError(f"{type(config).__name__} has no base_model_tp_plan to build a plan from")
     rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_rules.items()}
-    rules = _with_experts(rules, config, prefix, model_or_config, split_over_tp=tp > 1 and ep == 1)
+    rules = _with_experts(rules, config, prefix, model, given=isinstance(model_or_config, nn.Module),
+                          split_over_tp=tp > 1 and ep == 1)
     tied = getattr(config, "tie_word_embeddings", False)
     if loss_parallel:
         if not prefix:
@@ -142,26 +146,41 @@ def plan_from_hf(
     })
 
 
+def _base_attribute(model: nn.Module) -> str:
+    """The attribute of a causal LM holding its base model: its `base_model_prefix` (Llama 4 names one it does
+    not use: then its one transformers-model child), or "" for a bare base model."""
+    from transformers import PreTrainedModel
+
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    bases = [name for name, child in model.named_children() if isinstance(child, PreTrainedModel)]
+    return bases[0] if len(bases) == 1 else ""
+
+
 def _is_vocab(style: str) -> bool:
     return style == "vocab" or STYLE_ALIASES.get(style) == "vocab"
 
 
-def _with_experts(rules: dict[str, str], config, prefix: str, model_or_config, *, split_over_tp: bool) -> dict[str, str]:
-    """The tp rules with the ep plan's experts rules in place of those inside the experts modules (each
-    expert split over tp where `split_over_tp` and the tp plan and the experts allow it)."""
+def _with_experts(rules: dict[str, str], config, prefix: str, model: nn.Module | None, *, given: bool,
+                  split_over_tp: bool) -> dict[str, str]:
+    """The tp rules with the experts modules' rules in place of those inside them: the ep plan's
+    (`ep_dispatch_experts`; a family without one: those its tp plan names `moe_tp_experts`), each expert
+    split over tp where `split_over_tp` and the tp plan and the experts allow it. `model`: the model (`given`)
+    or the config's meta model (None where it cannot be built); rules matching none of a given model's
+    modules are left out."""
     ep_rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items()}
     experts = [k for k, v in ep_rules.items() if STYLE_ALIASES.get(v) == "expert_parallel"]
+    experts = experts or [k for k, v in rules.items() if STYLE_ALIASES.get(v) == "expert_tensor_parallel"]
     if not experts:
         return rules
     inside = [k for k in rules if any(k == e or k.startswith(e + ".") for e in experts)]
     kept = {k: v for k, v in rules.items() if k not in inside}
-    if isinstance(model_or_config, nn.Module):
-        names = [n for n, _ in model_or_config.named_modules() if n]
+    if given:
+        names = [n for n, _ in model.named_modules() if n]
         kept = {k: v for k, v in kept.items() if any(match_pattern(k, n) for n in names)}
     split = [e for e in experts if split_over_tp and STYLE_ALIASES.get(rules.get(e, "")) == "expert_tensor_parallel"]
-    if split:  # where the experts add up so split: read on the model (a config's: on its meta model)
-        model = model_or_config if isinstance(model_or_config, nn.Module) else _meta_model(config)
-        split = [e for e in split if _splits_over_tp(model, e)]
+    split = [e for e in split if model is not None and _splits_over_tp(model, e)]  # where they add up so split
     return {**kept, **{e: "expert_tensor_parallel" if e in split else "expert_parallel" for e in experts}}
 
 

@@ -27,21 +27,12 @@ LAYOUTS = {
 }
 
 
-# Llama 4's config declares no ep plan, and plan_from_hf does not read its tp plan (its paths lack the causal
-# LM's `model.`): its experts named here, the attention whole.
-OWN_RULES = {"llama4_text": {"model.layers.*.feed_forward.experts": "expert_tensor_parallel"}}
-
-
 def _steps(rank: int, world: int, family: str, overrides: dict, names: list[str]) -> list[str]:
     out = []
     for name in names:
         model = tiny_moe_model(family, **overrides)
         mesh, extra = LAYOUTS[name]
-        if family in OWN_RULES:  # the experts alone, by their path
-            plan = {"mesh": {"tp": mesh["tp"], "dp": mesh.get("dp", 1)}, "pipeline": {"microbatches": 2},
-                    "tensor_parallel": OWN_RULES[family]}
-        else:
-            plan = rewrite.plan_from_hf(model, microbatches=2, **mesh).model_dump()
+        plan = rewrite.plan_from_hf(model, microbatches=2, **mesh).model_dump()
         experts = {k: v for k, v in plan["tensor_parallel"].items() if k.endswith(".experts")}
         assert experts and set(experts.values()) == {"expert_tensor_parallel"}, experts
         plan.update(extra)

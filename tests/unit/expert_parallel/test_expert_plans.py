@@ -98,7 +98,7 @@ def test_plan_from_hf_reads_the_ep_plan(qwen3_moe):
     plan = rewrite.plan_from_hf(qwen3_moe.config, ep=2)
     assert plan.mesh.ep == 2 and plan.mesh.dp == 2
     assert plan.tensor_parallel["model.layers.*.mlp.experts"] == "expert_parallel"
-    assert not [k for k in plan.tensor_parallel if ".experts." in k]  # each expert split over tp is not built
+    assert not [k for k in plan.tensor_parallel if ".experts." in k]  # the experts module's rule, none inside
     assert "model.layers.*.mlp.gate_proj" in plan.tensor_parallel  # a config may have dense layers
     fitted = rewrite.plan_from_hf(qwen3_moe, ep=2, dp=4)
     assert fitted.mesh.dp == 4 and "model.layers.*.mlp.gate_proj" not in fitted.tensor_parallel  # none here
