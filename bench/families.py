@@ -75,7 +75,8 @@ def _table(lines: list[str], results: dict[str, dict[str, str]], columns: dict[s
     return "\n".join(lines) + "\n"
 
 
-MOE_COLUMNS = {"ep2": "ep 2 (dp 2)", "pp2": "pp 2 (1f1b)", "tp2": "tp 2 (plan_from_hf)"}
+MOE_COLUMNS = {"ep2": "ep 2 (dp 2)", "pp2": "pp 2 (1f1b)", "tp2": "tp 2 (plan_from_hf)",
+               "ep2 x tp2": "ep 2 x tp 2 (plan_from_hf)"}
 
 
 def render_moe(results: dict[str, dict[str, str]], transformers_version: str) -> str:
@@ -85,13 +86,13 @@ def render_moe(results: dict[str, dict[str, str]], transformers_version: str) ->
         f"Every mixture-of-experts causal LM of transformers {transformers_version} (an ep plan, or a count of "
         "experts in its config; no sub-models), built tiny from its own config (hidden 64, 4 layers, 4 experts "
         "of width 32, 2 chosen per token, random weights), one training step at ep 2 (dp 2, its experts "
-        "modules split by expert: docs/expert_parallel.md), at pp 2 (1f1b) and at tp 2 (its own tp plan through "
+        "modules split by expert: docs/expert_parallel.md), at pp 2 (1f1b), at tp 2 (its own tp plan through "
         "`plan_from_hf`: the attention split, and each expert split over tp where the family's tp plan splits it "
-        "and its experts add up so split, else the experts whole; the cell says which), the loss and every "
-        "gradient compared with "
+        "and its experts add up so split, else the experts whole; the cell says which) and at ep 2 x tp 2 "
+        "(`plan_from_hf(model, tp=2, ep=2)` on 2 ranks: the attention split by tp, the experts by ep over the "
+        "same two ranks, each sending its half of the tokens), the loss and every gradient compared with "
         "one process running the model's own forward. A case either works or is refused on every rank before "
-        "anything runs, with the reason below; none trains silently wrong. ep 2 x tp 2 (the attention split by tp, the "
-        "experts by ep) is checked on Qwen3-MoE and DeepSeek-V3 by tests/distributed/expert_parallel/test_ep_steps.py.",
+        "anything runs, with the reason below; none trains silently wrong.",
     ]
     return _table(lines, results, MOE_COLUMNS, ("ep2", "pp2"), " --moe", MOE_SWEEP)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .plan.ranks import coordinates, cp_rank_of, expert_groups, global_rank, shape_text
+from .plan.ranks import coordinates, cp_rank_of, expert_groups, expert_place, global_rank, shape_text
 from .values import is_count
 from .errors import InputError
 
@@ -47,20 +47,26 @@ class Mesh:
     # DeviceMesh that FSDP2 / replicate / DDP reduce gradients over; None when there is one.
     replica_mesh: DeviceMesh | None = None
     ep: int = 1
-    ep_group: ProcessGroup | None = None  # the ep neighbouring dp replicas splitting the experts (ep > 1)
+    ep_group: ProcessGroup | None = None  # the ep neighbouring ranks of dp x tp splitting the experts (ep > 1)
     # The ranks holding this rank's experts: same ep_rank in every ep group of the stage, times the cp
-    # ranks ((dp / ep) x cp); None when ep = 1 or there is one.
+    # ranks ((dp x tp / ep) x cp); None when ep = 1 or there is one.
     expert_replica_group: ProcessGroup | None = None
 
     @property
     def ep_rank(self) -> int:
-        """This rank's place in its expert-parallel group: dp_rank % ep."""
-        return self.dp_rank % self.ep
+        """This rank's place in its expert-parallel group: (dp_rank x tp + tp_rank) % ep (`expert_place`)."""
+        return expert_place(self.dp_rank, self.tp_rank, tp=self.tp, ep=self.ep)[0]
+
+    @property
+    def expert_copy(self) -> int:
+        """Which of the stage's expert-parallel groups (at this cp rank) this rank belongs to; 0 holds the
+        experts' copy that counts once (gradient norm, HF save)."""
+        return expert_place(self.dp_rank, self.tp_rank, tp=self.tp, ep=self.ep)[1]
 
     @property
     def expert_replicas(self) -> int:
-        """Ranks holding the same experts, whose expert gradients are summed together: (dp / ep) x cp."""
-        return self.dp // self.ep * self.cp
+        """Ranks holding the same experts, whose expert gradients are summed together: (dp x tp / ep) x cp."""
+        return self.dp * self.tp // self.ep * self.cp
 
     @property
     def tp_rank(self) -> int:
@@ -117,14 +123,14 @@ def build_mesh(pp: int, tp: int, dp: int = 1, *, kv_replicas: int = 1, cp: int =
     `kv_replicas` > 1 (dividing tp) adds the groups of `kv_replicas` neighbouring tp ranks that
     hold the same key/value head: tp ranks `[j * r, (j + 1) * r)` of each tp group. `cp` > 1 adds
     the cp dimension and, for the gradients, the groups of dp x cp ranks holding the same parameters.
-    `ep` > 1 (dividing dp) adds the expert-parallel groups: dp ranks `[g * ep, (g + 1) * ep)` at the
-    same pp, cp and tp ranks split the experts (`expert_groups`).
+    `ep` > 1 (dividing dp x tp) adds the expert-parallel groups: `ep` consecutive ranks of a stage's
+    dp x tp ranks, tp fastest, at one cp rank split the experts (`expert_groups`).
     """
     check_world(pp, tp, dp, cp)
     if not is_count(kv_replicas) or tp % kv_replicas:
         raise InputError(f"build_mesh: kv_replicas must be an int >= 1 dividing tp={tp}, got {kv_replicas!r}")
-    if not is_count(ep) or dp % ep:
-        raise InputError(f"build_mesh: ep must be an int >= 1 dividing dp={dp}, got {ep!r}")
+    if not is_count(ep) or dp * tp % ep:
+        raise InputError(f"build_mesh: ep must be an int >= 1 dividing dp x tp = {dp * tp}, got {ep!r}")
     rank = dist.get_rank()
     sizes, names = ((dp, pp, cp, tp), ("dp", "pp", "cp", "tp")) if cp > 1 else ((dp, pp, tp), ("dp", "pp", "tp"))
     device_mesh = init_device_mesh(_device_type(), sizes, mesh_dim_names=names)

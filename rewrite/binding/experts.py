@@ -112,12 +112,13 @@ def expert_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.
                 continue
             count, identity, block = num_experts(module), identity_experts(module), expert_block(module)
             if block % ep:
-                fits = [e for e in range(1, plan.mesh.dp + 1) if plan.mesh.dp % e == 0 and block % e == 0]
+                stage = plan.mesh.dp * plan.mesh.tp
+                fits = [e for e in range(1, stage + 1) if stage % e == 0 and block % e == 0]
                 what = (f"the {count} experts" if not identity else
                         f"both the {count} routed and the {identity} identity experts (each rank holds as many of each)")
                 problems.append(
                     f"{ep_at}mesh.ep={ep} does not divide {what} of {_general(fqn)}; use ep "
-                    f"{', '.join(map(str, fits))} (dividing both the experts and mesh.dp={plan.mesh.dp})")
+                    f"{', '.join(map(str, fits))} (dividing both the experts and mesh.dp x mesh.tp = {stage})")
                 continue
             widened = frozenset(n for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
                                 if identity and t.shape[0] == count + identity)

@@ -35,7 +35,7 @@ from ..tensor_parallel.vocab import VocabParallelEmbedding
 from ..expert_parallel.tensor import ExpertTensorParallelMixin
 from ..models.experts import num_experts
 from . import swap
-from ..plan.ranks import coordinates, cp_rank_of, global_rank, shape_text
+from ..plan.ranks import coordinates, cp_rank_of, expert_place, global_rank, shape_text
 from .disk_layout import on_disk
 from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
 
@@ -96,7 +96,7 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stag
             return [f"the model's config does not fit the plan: {exc}"], []
     dp, tp, pp, cp = plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.mesh.cp
     dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp, cp=cp)
-    mine = stage_entries(meta, resolved, pp_rank, tp_rank, dp_rank % plan.mesh.ep)
+    mine = stage_entries(meta, resolved, pp_rank, tp_rank, expert_place(dp_rank, tp_rank, tp=tp, ep=plan.mesh.ep)[0])
     by_expert = {e.name for e in mine if e.over == "ep"}  # whole on each rank of their group: never dp-sharded
     have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
     want = {e.name: e.local_shape for e in mine}
@@ -218,12 +218,13 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     error, sizes = None, {}
     try:
         tensors = {}
-        experts_group = dp_rank < plan.mesh.ep and cp_rank_of(rank, tp=tp, cp=cp) == 0  # replica 0's experts' ranks
+        ep_copy = expert_place(dp_rank, tp_rank, tp=tp, ep=plan.mesh.ep)[1]
+        experts_group = ep_copy == 0 and cp_rank_of(rank, tp=tp, cp=cp) == 0  # the stage's first ep group
         for e in entries:  # the same entries, in the same order, on every rank of a dp group
             whole = _gather_dp(local[e.name])
-            if e.over == "ep" and experts_group:  # the first ep group's experts, gathered to replica 0
-                gathered = _gather_experts(model, whole, e, global_rank(0, pp_rank, tp_rank, pp=pp, tp=tp, cp=cp))
-                if first:
+            if e.over == "ep" and experts_group:  # the first ep group's experts, gathered to its first rank
+                gathered = _gather_experts(model, whole, e, global_rank(0, pp_rank, 0, pp=pp, tp=tp, cp=cp))
+                if gathered is not None:
                     tensors[e.canonical] = gathered
             elif first and e.over != "ep":  # one replica (and cp rank) writes; the others took part in the gathers
                 tensors[e.canonical] = _gather(model, whole, e, stage, global_rank(0, pp_rank, 0, pp=pp, tp=tp, cp=cp))
@@ -297,7 +298,7 @@ def _joined(slices: list[torch.Tensor], entry: Entry) -> torch.Tensor:
 
 
 def _gather_experts(model: nn.Module, local: torch.Tensor, entry: Entry, dst: int) -> torch.Tensor | None:
-    """The whole experts tensor on `dst` (the group's ep rank 0, in replica 0), None elsewhere: gathered
+    """The whole experts tensor on `dst` (the first ep group's ep rank 0: dp 0, tp 0), None elsewhere: gathered
     over the expert-parallel group, ep rank `r`'s experts at slice `r` of dim 0 (of each block)."""
     group = model.get_submodule(entry.name.rpartition(".")[0]).expert_shard.group
     local = local.detach().contiguous()

@@ -30,15 +30,17 @@ Bytes one decoder layer keeps for its backward:
     MLP               R B h + 4 R B i / t'  its input; gate, SiLU(gate), up and their product
     mixture of experts (k of E experts of width i_e a token, shared experts of width i_s, transformers'
     grouped_mm experts; `models.flops.moe_shape`)
-                      R B h + R (k (n B i_e + 2 B h + 36) + 16) + 4 R B i_s / t'
+                      R B h + R (k (n B i_e / t_e + 2 B h + 36) + 16) / u + 4 R B i_s / t'
                                            its input; per (token, choice): the row sent to the expert,
                                            its gate/up, activation and product (n = 4; gpt-oss's
                                            clamped, sigmoid-gated ones 7: `models.flops.EXPERT_VALUES`),
                                            the expert's output before the routing weight, an int64
                                            index and float32 weights (36, and 16 a token: measured in
-                                           float32); routed experts are never split by tp. At
-                                           balanced routing a rank under ep runs as many rows as one
-                                           process would (ep's exchange buffers are not counted); a
+                                           float32); t_e: tp when each expert is split over tp
+                                           (`expert_tensor_parallel`), else 1. At balanced routing a
+                                           rank under ep runs as many rows as it sends: u = 1, or
+                                           t when ep borrows tp ranks, each taking 1/t of the
+                                           tokens (ep's exchange buffers are not counted); a
                                            gated shared expert (Qwen2-MoE) keeps B (h + 1) a token more
                                            (not counted: ~8 % of its MLP at hidden 64)
 
@@ -120,6 +122,7 @@ class Sizes:
     expert_width: int = 0  # i_e
     shared_width: int = 0  # i_s: the shared experts together
     expert_values: int = 4  # n: values an expert keeps per routed row and intermediate feature
+    routed_split: int = 1  # u: ranks sharing out a replica's tokens before their experts (ep borrowing tp: t)
 
     @classmethod
     def of(cls, config, *, seq_len: int, **run) -> Sizes:
@@ -180,7 +183,7 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int
         "input_layernorm": _norm(z, z.chunk),
         "self_attn": attention,
         "post_attention_layernorm": _norm(z, z.chunk),
-        "mlp": R * B * h + (R * _routed(z, tm) + 4 * R * B * z.shared_width // tm if z.top_k
+        "mlp": R * B * h + (R * _routed(z, tm) // z.routed_split + 4 * R * B * z.shared_width // tm if z.top_k
                             else 4 * R * B * z.intermediate // tm),
     }
 
@@ -277,6 +280,7 @@ def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
         qk_norm=hasattr(attention, "q_norm"),
         kv_replicas=resolved.kv_replicas,
         cp=plan.mesh.cp,
+        routed_split=resolved.tp if plan.mesh.ep > 1 and resolved.experts else 1,
     )
 
 

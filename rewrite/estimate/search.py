@@ -5,7 +5,7 @@ For each mesh (tp within a node, cp where 2 cp chunks split the sequence, each l
 accepts) and each choice of
 vocab + loss parallelism and sequence parallelism the plan is bound once (`auto` cuts, per
 virtual-stage count; for a mixture of experts computed in its parameters' dtype, per ep dividing
-dp and the experts: the best of each mesh may split its experts); schedules, microbatch counts, data-parallel sharding and activation
+dp x tp and the experts: the best of each mesh may split its experts); schedules, microbatch counts, data-parallel sharding and activation
 checkpointing (off, every other layer, every layer) vary on that binding. Each candidate's
 memory is `estimate.memory.rank_memory`'s, its time `estimate.step_time.predict_step`'s.
 Checkpointing only adds time, so a candidate takes the least of it that fits.
@@ -211,7 +211,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
             continue
         n = batch // dp
         bounds = []  # every binding of this mesh: switches, virtual stages and expert parallelism
-        eps = [e for e in divisors(dp) if experts % e == 0] if experts else [1]
+        eps = [e for e in divisors(dp * tp) if experts % e == 0] if experts else [1]
         switches = ((True,) if frugal else (False, True)) if tp > 1 else (False,)
         stages = (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,)
         for vocab_loss, k, ep in itertools.product(switches, stages, eps):

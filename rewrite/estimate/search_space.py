@@ -90,7 +90,7 @@ def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, cache: dict | None = 
     try:
         rules = _rules(model, tp, vocab_loss)
         if ep > 1:
-            rules.update({p: s for p, s in plan_from_hf(model, ep=ep, dp=dp).tensor_parallel.items()
+            rules.update({p: s for p, s in plan_from_hf(model, ep=ep, dp=dp, tp=tp).tensor_parallel.items()
                           if s == "expert_parallel"})
         data = {
             "mesh": {"dp": dp, "pp": pp, "cp": cp, "tp": tp, **({"ep": ep} if ep > 1 else {})},

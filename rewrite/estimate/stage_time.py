@@ -29,6 +29,9 @@ A layer whose experts are split over ep (e = mesh.ep) exchanges its routed rows 
 h + 1 values out, their results back: 2 all-to-alls over the ep group, balanced routing), and their
 gradients again in I (again in a recomputed F): T k (2 h + 1) B bytes each way per pass, at the
 compute dtype (a family whose routing weights stay float32 under bfloat16 sends float32 rows).
+When ep borrows tp ranks each tp rank takes 1/t of the tokens: its routed experts' FLOPs (6 T h k i_e)
+and rows divide by t, and the layer all-gathers the chunks' outputs over tp in F (T h B) and their
+tokens' and routing weights' gradients in I (T (h + k) B).
 The first stage adds the embedding (a vocab-split one: an all-reduce of its output); the last
 the final norm, LM head and loss: a whole-vocabulary head gathered over tp ('column_gather')
 all-gathers T V B of logits, the vocabulary-parallel loss gathers 2 floats per token, and the
@@ -121,7 +124,10 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
     tm = z.tp if splits["mlp_split"] else 1
     kv_share = z.kv_replicas if splits["attention_split"] else 1
     proj = (parts["q_o"] + parts["k_v"] * kv_share) / ta
-    scores, mlp = parts["scores"] / ta, parts["mlp"] / tm
+    # ep borrowing tp ranks (u = t): each tp rank runs 1/u of the tokens through their k routed experts.
+    u = z.routed_split if experts_split else 1
+    routed = 6 * z.tokens * z.hidden * z.top_k * z.expert_width
+    scores, mlp = parts["scores"] / ta, (parts["mlp"] - routed * (1 - 1 / u)) / tm
     norms = parts["norms"] / (z.tp if z.split_sequence else 1)
     # The whole sequence's keys and values, gathered in F and their gradients reduce-scattered in I.
     kv = clock.cp_gather(2 * z.batch_size * z.seq_len * z.kv_heads * kv_share * z.head_dim * z.dtype_bytes / ta)
@@ -132,8 +138,11 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
         fwd_comm = bwd_comm = blocks * 2 * clock.gather(block)
     else:
         fwd_comm = bwd_comm = blocks * clock.all_reduce(block)
+    if u > 1:  # the chunks' outputs all-gathered over tp in F, their tokens' and weights' gradients in I
+        fwd_comm += clock.gather(block)
+        bwd_comm += clock.gather(z.tokens * z.dtype_bytes * (z.hidden + z.top_k))
     # The routed rows to their experts' ranks and back (each way once in F, once more in I).
-    rows = z.tokens * z.top_k * z.dtype_bytes if experts_split else 0
+    rows = z.tokens * z.top_k * z.dtype_bytes // u if experts_split else 0
     ep = clock.exchange(rows * (z.hidden + 1)) + clock.exchange(rows * z.hidden)
     forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm + kv + ep + clock.overhead
     input_backward = (clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm + kv + ep

@@ -1,11 +1,12 @@
 """Splitting a model's fused experts over mesh.ep, in place, and their gradients' reduction.
 
 Each experts module a plan names keeps its rank's experts (every tensor's rows along dim 0,
-`ExpertSpec.split_of`) and sends tokens to them (`dispatch`). Data parallelism leaves these
-parameters alone: they differ from rank to rank of an ep group. Their gradients already hold
-every token's contribution from the group's ranks (the exchange's backward brought them);
-`ExpertGradSync` sums them over the ranks holding the same experts ((dp / ep) x cp) and divides
-by dp x cp, as the dense gradients are averaged over the replicas, once per step.
+`ExpertSpec.split_of`) and sends tokens to them (`dispatch`; under tp each tp rank its chunk of the
+tokens). Data parallelism leaves these parameters alone: they differ from rank to rank of an ep
+group. Their gradients already hold every token's contribution from the group's ranks (the
+exchange's backward brought them); `ExpertGradSync` sums them over the ranks holding the same
+experts ((dp x tp / ep) x cp: between them they saw every replica's tokens once) and divides by
+dp x cp, as the dense gradients are averaged over the replicas, once per step.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh, 
                 module.register_buffer(name, part)
         set_expert_counts(module, spec.local, spec.identity // spec.ep)  # the family's forward counts with them
         mixin = EveryTokenMixin if every_token(module) else ExpertParallelMixin
-        add_mixin(module, mixin).expert_shard = ExpertShard(spec, mesh.ep_rank, mesh.ep_group, cast)
+        tokens_over = mesh.tp_group if mesh.tp > 1 else None  # tp ranks hold the same tokens: each sends its chunk
+        add_mixin(module, mixin).expert_shard = ExpertShard(spec, mesh.ep_rank, mesh.ep_group, cast, tokens_over)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -53,20 +55,24 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 class ExpertGradSync:
-    """The step's gradient sync with the experts' own reduction after the dense one (`GradientSync`)."""
+    """The step's gradient sync with the experts' own reduction after the dense one (`GradientSync`; None
+    where there are no replicas, ep borrowing only tp ranks)."""
 
     def __init__(self, dense, params: list[nn.Parameter], mesh: Mesh):
         self.dense, self.params, self.mesh = dense, params, mesh
 
     def begin(self) -> None:
-        self.dense.begin()
+        if self.dense is not None:
+            self.dense.begin()
 
     def sync_next_backward(self) -> None:
-        self.dense.sync_next_backward()
+        if self.dense is not None:
+            self.dense.sync_next_backward()
 
     def finish(self) -> None:
         """Reduce the dense gradients, then sum the experts' over their replicas and divide by dp x cp."""
-        self.dense.finish()
+        if self.dense is not None:
+            self.dense.finish()
         for param in self.params:  # a rank whose experts saw no row all step still adds its zeros
             if param.requires_grad and param.grad is None:
                 param.grad = torch.zeros_like(param)

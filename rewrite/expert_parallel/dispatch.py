@@ -22,6 +22,9 @@ in their common dtype (a weight wider than the hidden states keeps its bits; row
 narrowed back are exact), so a step makes one exchange each way per layer, always in the same
 order on every rank.
 
+When ep borrows tp ranks, each tp rank sends only its chunk of the tokens and the outputs are
+all-gathered over tp (`token_split`).
+
 Experts that take every token (`models.experts.EVERY_TOKEN_EXPERTS`, Llama 4) are called on
 `[E T, H]`, expert e's rows at `e T`, already weighted: a rank sends each rank the block of that
 rank's experts (`[n T, H]`), runs its own experts on the blocks of every rank of the group side
@@ -39,6 +42,7 @@ from torch.distributed import ProcessGroup
 from ..binding.experts import ExpertSpec
 from ..models.experts import paired_choices
 from .collectives import exchange_counts, exchange_rows
+from .token_split import TokenSplit
 
 __all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExperts"]
 
@@ -46,12 +50,14 @@ __all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExpe
 @dataclass(frozen=True)
 class ExpertShard:
     """A rank's share of one experts module (`spec`: `local` of its `total` routed experts, slice `ep_rank`
-    of each tensor's blocks), and its expert-parallel group."""
+    of each tensor's blocks), its expert-parallel group, and its tp group (tp > 1: the tokens are shared
+    out over it, `TokenSplit`)."""
 
     spec: ExpertSpec
     ep_rank: int
     group: ProcessGroup
     cast: torch.dtype | None = None  # the dtype the experts compute in, when not their parameters'
+    tp_group: ProcessGroup | None = None
 
     @property
     def total(self) -> int:
@@ -110,7 +116,16 @@ class EveryTokenMixin(ShardedExperts):
         shard = self.expert_shard
         hidden = hidden_states.shape[-1]
         blocks = hidden_states.reshape(shard.total, -1, hidden)  # (E, T, H): expert e's rows
-        tokens = blocks.shape[1]
+        split = TokenSplit.over(shard.tp_group, blocks.shape[1])
+        if split is None:
+            return self._dispatched(blocks, *args, **kwargs)
+        out = self._dispatched(split.take(blocks), *args, **kwargs).view(shard.total, split.count, hidden)
+        return split.join(out).view(-1, hidden)
+
+    def _dispatched(self, blocks: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Blocks (E, T, H) to their experts' ranks and back: (E T, H)."""
+        shard = self.expert_shard
+        hidden, tokens = blocks.shape[-1], blocks.shape[1]
         mine = exchange_counts(torch.full((shard.ep,), tokens, dtype=torch.int64), shard.ep, shard.group)
         theirs = mine.reshape(-1).tolist()  # T of each rank of the group
         send = [shard.local * tokens] * shard.ep
@@ -127,10 +142,20 @@ class ExpertParallelMixin(ShardedExperts):
     """Put in front of a fused experts module's class: its forward sends rows to their experts' ranks."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
+        tokens = top_k_index.shape[0]
+        hidden_states = hidden_states.reshape(tokens, hidden_states.shape[-1])
+        split = TokenSplit.over(self.expert_shard.tp_group, tokens)
+        if split is None:
+            return self._dispatched(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        mine = [split.take(t) for t in (hidden_states, top_k_index, top_k_weights)]
+        return split.join(self._dispatched(*mine, *args, **kwargs))
+
+    def _dispatched(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    *args, **kwargs) -> torch.Tensor:
+        """Each (token, choice) row to its expert's rank and back, summed over the choices: (T, H)."""
         shard = self.expert_shard
         tokens, k = top_k_index.shape
         hidden = hidden_states.shape[-1]
-        hidden_states = hidden_states.reshape(tokens, hidden)
         experts, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1, 1)
         kept = (experts >= shard.total).nonzero().squeeze(1) if shard.spec.identity else None  # identity rows
         routed = experts if kept is None else (experts < shard.total).nonzero().squeeze(1)
@@ -153,7 +178,7 @@ class ExpertParallelMixin(ShardedExperts):
         unsorted = back.new_empty(tokens * k, back.shape[-1]).index_copy(0, order, back)
         if kept is not None:  # an identity expert's output: the row itself, weighted
             unsorted = unsorted.index_copy(0, kept, (hidden_states[kept // k] * weights[kept]).to(back.dtype))
-        return unsorted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return unsorted.view(tokens, k, back.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
     def _own_experts(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """The family's forward over this rank's experts; with no row, zeros that still reach every

@@ -84,14 +84,15 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
     for name, param in stage.module.named_parameters():  # a tied object once
         if param.grad is None:
             continue
-        replica = mesh.dp_rank // mesh.ep if id(param) in experts else mesh.dp_rank
+        expert = id(param) in experts  # its copies: the stage's ep groups (over dp x tp) times cp
+        replica = mesh.expert_copy if expert else mesh.dp_rank
         grad, once = _local_grad(param, replica + mesh.cp_rank)  # 0 on the first of the dp x cp copies
         if once is None:
             partial.append(name)
             continue
         grads.append(grad)
         # A copy held elsewhere too counts on exactly one rank.
-        if once and (id(param) in split or mesh.tp_rank == 0) and id(param) not in not_mine:
+        if once and (expert or id(param) in split or mesh.tp_rank == 0) and id(param) not in not_mine:
             counted.append(grad)
     device = grads[0].device if grads else stage.device
     # Packed: [this rank's sum of squares (or max), its count of unreduced gradients].

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from ..models.expert_split import split_problem, tp_layout
@@ -64,7 +66,8 @@ def plan_from_hf(
     Args:
         model_or_config: a transformers model (a causal LM or its base model) or config.
         tp, pp: the mesh.
-        ep, dp: experts split over ep ranks borrowed from the dp replicas (dp defaults to ep).
+        ep, dp: experts split over ep ranks borrowed from a stage's dp x tp ranks (dp defaults to the fewest
+            replicas that make room for ep: ep / gcd(ep, tp)).
         microbatches, cut_points, schedule, virtual_stages: the pipeline
             (cut_points None: balanced; "auto": by estimated compute).
         loss_parallel: the LM head becomes 'column' (vocabulary shards of the logits) and
@@ -138,7 +141,7 @@ def plan_from_hf(
         pipeline["cut_points"] = cut_points
     # Through load_plan, so a bad argument reads like a bad plan file: each problem with its fix.
     return load_plan({
-        "mesh": {"pp": pp, "tp": tp, "ep": ep, "dp": ep if dp is None else dp},
+        "mesh": {"pp": pp, "tp": tp, "ep": ep, "dp": _replicas(ep, tp) if dp is None else dp},
         "tensor_parallel": rules,
         "pipeline": pipeline,
         "loss_parallel": loss_parallel,
@@ -201,3 +204,8 @@ def _meta_model(config) -> nn.Module:
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+def _replicas(ep: int, tp: int) -> int:
+    """The fewest dp replicas whose dp x tp ranks an ep group fits in: ep / gcd(ep, tp) (ep 4 at tp 2: 2)."""
+    return ep // math.gcd(ep, tp) if isinstance(ep, int) and isinstance(tp, int) and ep > 0 and tp > 0 else ep

@@ -44,10 +44,11 @@ def cp_rank_of(rank: int, *, tp: int, cp: int) -> int:
 
 
 def shape_text(dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1) -> str:
-    """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas (`dp=4 (ep=2) x ` when ep of them
-    split the experts) and `cp=2 x ` before tp when cp > 1."""
-    replicas = f"dp={dp}" + (f" (ep={ep})" if ep > 1 else "") + " x " if dp > 1 else ""
-    return replicas + f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}"
+    """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas, `cp=2 x ` before tp when cp > 1,
+    and ` (ep=4)` after it when ep of a stage's dp x tp ranks split the experts."""
+    replicas = f"dp={dp} x " if dp > 1 else ""
+    experts = f" (ep={ep})" if ep > 1 else ""
+    return replicas + f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}" + experts
 
 
 def length_problem(seq: int, cp: int) -> str | None:
@@ -61,22 +62,37 @@ def length_problem(seq: int, cp: int) -> str | None:
             f"balanced for the causal mask); use a length that {step} divides, e.g. {near}")
 
 
+def expert_place(dp_rank: int, tp_rank: int, *, tp: int, ep: int) -> tuple[int, int]:
+    """(ep_rank, copy) of the rank at `dp_rank`, `tp_rank` of a stage: ep borrows the stage's dp x tp ranks,
+    tp fastest (`expert_groups`); `copy` counts the expert-parallel groups of the stage (at one cp rank).
+
+        >>> expert_place(1, 0, tp=2, ep=4), expert_place(1, 1, tp=2, ep=2)
+        ((2, 0), (1, 1))
+    """
+    return (dp_rank * tp + tp_rank) % ep, (dp_rank * tp + tp_rank) // ep
+
+
 def expert_groups(pp: int, tp: int, dp: int, cp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     """(expert-parallel groups, expert-replica groups) of a mesh, as lists of global ranks.
 
-    An expert-parallel group is `ep` neighbouring dp replicas at the same pp, cp and tp ranks
-    (dp ranks `[g * ep, (g + 1) * ep)`): together they hold every expert once, dp rank `d` the
-    experts of block `d % ep`. The replicas of a block (dp ranks `d` with the same `d % ep`, over
-    every cp rank) hold the same experts.
+    ep borrows a stage's dp x tp ranks (at one cp rank), numbered `dp_rank * tp + tp_rank` (tp
+    fastest): an expert-parallel group is `ep` consecutive ones, so its tp ranks first (ep <= tp: part
+    of one replica's tp group; ep > tp: whole tp groups of ep / tp neighbouring replicas). Together they
+    hold every expert once, the group's `e`-th rank the experts of block `e`. The ranks at the same
+    place of every group of the stage, over every cp rank, hold the same experts.
 
         >>> expert_groups(1, 1, 4, 1, 2)
         ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+        >>> expert_groups(1, 2, 2, 1, 2)
+        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+        >>> expert_groups(1, 2, 2, 1, 4)
+        ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
     """
-    def at(d: int, p: int, c: int, t: int) -> int:
-        return global_rank(d, p, t, pp=pp, tp=tp, cp=cp, cp_rank=c)
+    def at(i: int, p: int, c: int) -> int:  # the stage's i-th rank of dp x tp
+        return global_rank(i // tp, p, i % tp, pp=pp, tp=tp, cp=cp, cp_rank=c)
 
-    places = [(p, c, t) for p in range(pp) for c in range(cp) for t in range(tp)]
-    groups = [[at(g * ep + e, p, c, t) for e in range(ep)] for g in range(dp // ep) for p, c, t in places]
-    replicas = [[at(g * ep + e, p, c, t) for g in range(dp // ep) for c in range(cp)]
-                for p in range(pp) for t in range(tp) for e in range(ep)]
+    copies = dp * tp // ep
+    places = [(p, c) for p in range(pp) for c in range(cp)]
+    groups = [[at(g * ep + e, p, c) for e in range(ep)] for g in range(copies) for p, c in places]
+    replicas = [[at(g * ep + e, p, c) for g in range(copies) for c in range(cp)] for p in range(pp) for e in range(ep)]
     return groups, replicas

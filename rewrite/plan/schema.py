@@ -67,9 +67,10 @@ class MeshSpec(StrictModel):
             ge=1,
             strict=True,
             description=(
-                "Expert-parallel ranks (>= 1, dividing dp): adds no ranks. Each group of ep neighbouring dp replicas "
-                "splits the experts of every mixture-of-experts layer (the modules a tensor_parallel rule names "
-                "'expert_parallel'), E / ep per rank; tokens reach their experts' ranks and come back by all-to-all."
+                "Expert-parallel ranks (>= 1, dividing dp x tp): adds no ranks. Each group of ep consecutive ranks "
+                "of a stage's dp x tp (tp fastest) splits the experts of every mixture-of-experts layer (the "
+                "modules a tensor_parallel rule names 'expert_parallel'), E / ep per rank; each tp rank sends its "
+                "share of the tokens to their experts' ranks and back by all-to-all."
             ),
         ),
     ] = 1
@@ -84,13 +85,15 @@ class MeshSpec(StrictModel):
         return data
 
     @model_validator(mode="after")
-    def _ep_divides_dp(self) -> MeshSpec:
-        if self.ep > 1 and self.dp % self.ep:
-            fits = [e for e in range(2, self.dp + 1) if self.dp % e == 0]
-            use = f"use ep {', '.join(map(str, fits))} or 1" if fits else "use ep 1, or dp a multiple of ep"
+    def _ep_divides_dp_tp(self) -> MeshSpec:
+        stage = self.dp * self.tp
+        if self.ep > 1 and stage % self.ep:
+            fits = [e for e in range(2, stage + 1) if stage % e == 0]
+            use = f"use ep {', '.join(map(str, fits))} or 1" if fits else "use ep 1, or dp x tp a multiple of ep"
             raise ValueError(
-                f"mesh.ep={self.ep} does not divide mesh.dp={self.dp}: expert parallelism borrows its ranks from the "
-                f"data-parallel replicas (each group of ep of them splits the experts); {use}"
+                f"mesh.ep={self.ep} does not divide mesh.dp x mesh.tp = {self.dp} x {self.tp} = {stage}: expert "
+                f"parallelism borrows its ranks from a stage's data-parallel replicas and tensor-parallel ranks "
+                f"(each group of ep of them splits the experts); {use}"
             )
         return self
 
@@ -99,8 +102,8 @@ class MeshSpec(StrictModel):
         return self.dp * self.pp * self.cp * self.tp
 
     def shape_text(self) -> str:
-        """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas (`dp=4 (ep=2) x ` with ep) and
-        `cp=2 x ` before tp."""
+        """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas, `cp=2 x ` before tp and
+        ` (ep=2)` after it with ep (`ranks.shape_text`)."""
         return shape_text(self.dp, self.pp, self.tp, self.cp, self.ep)
 
     def global_rank(self, pp_rank: int, tp_rank: int, dp_rank: int = 0, cp_rank: int = 0) -> int:

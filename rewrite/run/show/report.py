@@ -114,12 +114,18 @@ def _expert_lines(data: dict) -> list[str]:
                 f"({cut}); partial outputs summed over tp"]
     if ep == 1 or not experts:
         return []
-    groups = data["mesh"]["dp"] // ep
+    tp = data["mesh"]["tp"]
+    groups = data["mesh"]["dp"] * tp // ep
     counts = sorted({(e["experts"], e["per_rank"]) for e in experts})
     held = "; ".join(f"{total} experts, {each} per rank" for total, each in counts)
-    return [f"expert parallel: ep={ep}: replicas [g * {ep}, (g + 1) * {ep}) split the experts of "
-            f"{', '.join(collapse_names([e['module'] for e in experts]))} ({held}), {plural(groups, 'group')}; replica d holds "
-            f"block d % {ep}, whole (not sharded over dp); tokens reach their experts by all-to-all"]
+    if tp == 1:
+        who, block = f"replicas [g * {ep}, (g + 1) * {ep})", f"replica d holds block d % {ep}"
+    else:
+        who = f"ranks [g * {ep}, (g + 1) * {ep}) of a stage's dp x tp, numbered dp_rank * {tp} + tp_rank,"
+        block = f"rank i holds block i % {ep}; each tp rank sends its 1/{tp} of the tokens, outputs all-gathered over tp"
+    return [f"expert parallel: ep={ep}: {who} split the experts of "
+            f"{', '.join(collapse_names([e['module'] for e in experts]))} ({held}), {plural(groups, 'group')}; {block}, "
+            f"whole (not sharded over dp); tokens reach their experts by all-to-all"]
 
 
 def _tensor_parallel_lines(data: dict) -> list[str]:

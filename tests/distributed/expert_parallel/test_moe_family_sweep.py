@@ -1,7 +1,8 @@
 """Every mixture-of-experts family of the installed transformers (`tests/families.py: moe_families`),
-tiny (4 experts, 2 chosen), at ep 2 (dp 2, its experts modules split by expert), at pp 2 (1f1b) and at
+tiny (4 experts, 2 chosen), at ep 2 (dp 2, its experts modules split by expert), at pp 2 (1f1b), at
 tp 2 (its own tp plan through plan_from_hf: each expert split over tp where the family's plan splits it
-and its experts add up so split, else whole): the step loss and every gradient equal one
+and its experts add up so split, else whole) and at ep 2 x tp 2 (plan_from_hf on 2 ranks: the experts
+split by expert over the tp pair): the step loss and every gradient equal one
 process, or the plan is refused on every rank before anything runs. Never a crash mid-step, never
 silently wrong.
 
@@ -43,6 +44,9 @@ PLANS = {
                           "pipeline": {"microbatches": 2}},
     "pp2": lambda model: {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
     "tp2": lambda model: rewrite.plan_from_hf(model, tp=2),
+    # ep 2 over the tp pair: the family's tp plan for the rest, its experts split by expert, each tp rank's half
+    # of the tokens to them.
+    "ep2 x tp2": lambda model: rewrite.plan_from_hf(model, tp=2, ep=2),
 }
 
 

@@ -132,7 +132,7 @@ def test_the_moe_plan_on_qwen3_30b_a3b():
     assert sum(p.numel() for p in model.parameters()) == QWEN3_30B_A3B
     start = time.perf_counter()
     resolved = resolve(PLANS / f"{MOE_PLAN}.yaml", model)
-    assert "dp=2 (ep=2) x pp=2 x tp=2 = 8 ranks" in format_plan(resolved, model=model)
+    assert "dp=2 x pp=2 x tp=2 (ep=2) = 8 ranks" in format_plan(resolved, model=model)
     assert time.perf_counter() - start < SECONDS
     assert (resolved.pp, resolved.tp, resolved.plan.mesh.ep, resolved.total_params) == (2, 2, 2, QWEN3_30B_A3B)
     assert [s.fqn for s in resolved.experts] == [f"model.layers.{i}.mlp.experts" for i in range(48)]

@@ -13,7 +13,7 @@ import torch
 
 import rewrite
 from rewrite.estimate.activations import Sizes, layer_bytes, rank_activations
-from rewrite.estimate.collectives import all_reduce_s, all_to_all_s
+from rewrite.estimate.collectives import all_gather_s, all_reduce_s, all_to_all_s
 from rewrite.estimate.dp_time import DDP_BUCKET, EXPERTS, DpTime
 from rewrite.estimate.hardware import Efficiency, Hardware, Link
 from rewrite.estimate.stage_time import stage_times
@@ -136,3 +136,50 @@ def test_the_step_time_splits_the_experts_compute_over_tp():
     assert split.flops < whole.flops and split.tp_comm > whole.tp_comm
     block = 16 * 4 * 64  # T B h
     assert split.tp_comm - whole.tp_comm == pytest.approx(4 * 2 * all_reduce_s(block, 2, UNIT.intra_node, 1.0))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_rank_of_ep_borrowing_tp_keeps_its_chunks_routed_rows(family):
+    # ep 2 over a tp pair: each tp rank sends half the tokens to their experts, and (balanced) its experts run
+    # as many rows: what the experts keep halves; the split and gather keep nothing.
+    model = tiny_moe_model(family)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(TOKENS, model.config.hidden_size)
+    weights, index = torch.topk(torch.softmax(torch.randn(TOKENS, 4), dim=-1), 2, dim=-1)  # balanced, on average
+    rows = x.clone().requires_grad_(True)
+    experts = mlp.experts
+    kept = {n: _saved_bytes(_Experts(experts, index[:n], weights[:n]), rows[:n]) for n in (TOKENS, TOKENS // 2)}
+    z = Sizes.of(model.config, seq_len=TOKENS, tp=2)
+    estimated = layer_bytes(z, mlp_split=False)[0] - layer_bytes(Sizes(**{**z.__dict__, "routed_split": 2}),
+                                                                 mlp_split=False)[0]
+    assert abs(estimated / (kept[TOKENS] - kept[TOKENS // 2]) - 1) < 0.03, (family, estimated, kept)
+    resolved = rewrite.resolve({"mesh": {"tp": 2, "ep": 2}, "tensor_parallel": RULE}, model)
+    assert rank_activations(resolved, model)[0].peak < rank_activations(
+        rewrite.resolve({"mesh": {"tp": 2}, "tensor_parallel": {}}, model), model)[0].peak
+
+
+class _Experts(torch.nn.Module):
+    """An experts module called on fixed routing: what it keeps for its backward, alone."""
+
+    def __init__(self, experts, index, weights):
+        super().__init__()
+        self.experts, self.index, self.weights = experts, index, weights.requires_grad_(True)
+
+    def forward(self, x):
+        return self.experts(x, self.index, self.weights)
+
+
+def test_the_step_time_shares_the_tokens_out_when_ep_borrows_tp():
+    model = tiny_moe_model("qwen3_moe")
+    base = {"pipeline": {"seq_len": 16, "microbatches": 1}, "tensor_parallel": RULE}
+    (over_tp,) = stage_times(rewrite.resolve({**base, "mesh": {"tp": 2, "ep": 2}}, model), model, UNIT)
+    (over_dp,) = stage_times(rewrite.resolve({**base, "mesh": {"dp": 2, "ep": 2}}, model), model, UNIT)
+    # The routed experts' FLOPs (6 T h k i_e a layer, 3 passes' worth: F, I and W) and rows halve ...
+    routed = 6 * 16 * 64 * 2 * 32 * 4
+    assert over_dp.flops - over_tp.flops == pytest.approx(3 * routed / 2)
+    rows = 16 * 2 * 4 // 2  # T k B / t bytes, each row of h + 1 values out and h back, in F and in I
+    exchanges = 4 * 2 * sum(all_to_all_s(rows * n, 2, UNIT.intra_node, 1.0) for n in (65, 64))
+    assert over_tp.ep_comm == pytest.approx(exchanges) and over_tp.ep_comm < over_dp.ep_comm
+    # ... and each layer all-gathers its output (T h B) in F and its inputs' gradients (T (h + k) B) in I.
+    gathers = 4 * (all_gather_s(16 * 4 * 64, 2, UNIT.intra_node, 1.0) + all_gather_s(16 * 4 * 66, 2, UNIT.intra_node, 1.0))
+    assert over_tp.tp_comm == pytest.approx(gathers)

@@ -162,12 +162,13 @@ def test_the_planner_splits_a_mixture_of_experts_by_expert_where_that_is_fastest
     config = load_config(CONFIGS / "moe" / "qwen3-30b-a3b.json")
     found = rewrite.suggest_plans(config, world=8, device_memory=96, seq_len=2048, dtype="float32")
     # Qwen3-30B-A3B in float32 on 8 x 96 GiB: each rank holding 16 of a layer's 128 experts whole beats
-    # gathering every layer's experts over dp (the exchanges of routed rows counted in its step); each
-    # expert split over tp 2 (its compute halved, one all-reduce a layer) beats both.
+    # gathering every layer's experts over dp (the exchanges of routed rows counted in its step); at tp 2
+    # with ep 8 borrowing the tp ranks (each tp rank's half of the tokens to their experts: the MLP's compute
+    # halved, one all-gather a layer each way) beats both.
     first = found[0].plan
-    assert (first.mesh.tp, first.mesh.ep) == (2, 1)
-    assert first.tensor_parallel["model.layers.*.mlp.experts"] == "expert_tensor_parallel"
-    best = next(c for c in found if c.plan.mesh.ep > 1)
+    assert (first.mesh.dp, first.mesh.tp, first.mesh.ep) == (4, 2, 8)
+    assert first.tensor_parallel["model.layers.*.mlp.experts"] == "expert_parallel"
+    best = next(c for c in found if c.plan.mesh.ep > 1 and c.plan.mesh.tp == 1)
     assert (best.plan.mesh.dp, best.plan.mesh.ep) == (8, 8) and best.step_s > found[0].step_s
     assert best.plan.tensor_parallel == {"model.layers.*.mlp.experts": "expert_parallel"}
     assert not any(c.plan.mesh.ep == 1 and c.plan.mesh.tp == 1 and c.step_s < best.step_s for c in found)

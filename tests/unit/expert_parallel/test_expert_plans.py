@@ -32,24 +32,33 @@ def test_ep_in_the_mesh():
     assert plan.mesh.ep == 2 and plan.mesh.world_size == 4  # ep adds no ranks
     assert "ep: 2" in plan.to_yaml()
     assert "ep:" not in rewrite.load_plan({"mesh": {"dp": 2}}).to_yaml()  # plans without ep read as before
-    with pytest.raises(ValueError, match=r"mesh.ep=3 does not divide mesh.dp=4: .* use ep 2, 4 or 1"):
+    with pytest.raises(ValueError, match=r"mesh.ep=3 does not divide mesh.dp x mesh.tp = 4 x 1 = 4: .* use ep 2, 4 or 1"):
         rewrite.load_plan({"mesh": {"dp": 4, "ep": 3}})
-    with pytest.raises(ValueError, match=r"mesh.ep=2 does not divide mesh.dp=1: .* use ep 1"):
+    with pytest.raises(ValueError, match=r"mesh.ep=2 does not divide mesh.dp x mesh.tp = 1 x 1 = 1: .* use ep 1"):
         rewrite.load_plan({"mesh": {"ep": 2}})
+    with pytest.raises(ValueError, match=r"mesh.ep=4 does not divide mesh.dp x mesh.tp = 1 x 2 = 2: .* use ep 2 or 1"):
+        rewrite.load_plan({"mesh": {"tp": 2, "ep": 4}})
+    assert rewrite.load_plan({"mesh": {"tp": 2, "ep": 2}}).mesh.world_size == 2  # ep borrows tp ranks
+    assert rewrite.load_plan({"mesh": {"tp": 2, "dp": 3, "ep": 6}}).mesh.world_size == 6
     for bad in (0, "2", 1.5):
         with pytest.raises(ValueError, match="ep"):
             rewrite.load_plan({"mesh": {"dp": 2, "ep": bad}})
 
 
-def test_expert_groups_are_neighbouring_replicas():
+def test_expert_groups_are_neighbouring_ranks_of_a_stage_tp_first():
     # dp 4 x pp 2 x tp 1, ep 2: global rank = dp_rank * 2 + pp_rank.
     groups, replicas = expert_groups(2, 1, 4, 1, 2)
     assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]  # dp ranks (0, 1) and (2, 3) at each pp rank
     assert replicas == [[0, 4], [2, 6], [1, 5], [3, 7]]  # the same experts: dp ranks 0 and 2, 1 and 3
-    groups, replicas = expert_groups(1, 2, 2, 2, 2)  # cp 2 x tp 2: each (cp, tp) place has its group
-    assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]] and replicas == [[0, 2], [4, 6], [1, 3], [5, 7]]
-    covered = sorted(r for g in groups for r in g)
-    assert covered == list(range(8))
+    groups, replicas = expert_groups(1, 2, 2, 2, 2)  # dp 2 x cp 2 x tp 2: a replica's tp pair at each cp rank
+    assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]] and replicas == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert sorted(r for g in groups for r in g) == list(range(8))
+    groups, replicas = expert_groups(2, 2, 2, 1, 4)  # dp 2 x pp 2 x tp 2, ep 4: both replicas' tp pairs a stage
+    assert groups == [[0, 1, 4, 5], [2, 3, 6, 7]] and replicas == [[0], [1], [4], [5], [2], [3], [6], [7]]
+    groups, replicas = expert_groups(1, 4, 1, 1, 2)  # tp 4, ep 2: halves of the tp group, each a copy
+    assert groups == [[0, 1], [2, 3]] and replicas == [[0, 2], [1, 3]]
+    groups, _ = expert_groups(1, 2, 3, 1, 3)  # tp 2 x dp 3, ep 3: a group may take part of a replica's tp ranks
+    assert groups == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_what_can_be_split_by_expert():
@@ -110,7 +119,7 @@ def test_show_says_who_holds_the_experts(qwen3_moe):
 
     resolved = rewrite.resolve({"mesh": {"dp": 4, "ep": 2}, "tensor_parallel": RULE}, qwen3_moe)
     text = " ".join(format_plan(resolved, model=qwen3_moe).split())
-    assert "mesh: dp=4 (ep=2) x pp=1 x tp=1 = 4 ranks" in text
+    assert "mesh: dp=4 x pp=1 x tp=1 (ep=2) = 4 ranks" in text
     assert ("expert parallel: ep=2: replicas [g * 2, (g + 1) * 2) split the experts of model.layers.0-3.mlp.experts "
             "(4 experts, 2 per rank), 2 groups") in text
     plain = " ".join(format_plan(rewrite.resolve({"mesh": {"dp": 4}, "tensor_parallel": RULE}, qwen3_moe),
