@@ -15,6 +15,13 @@ transformers' runs `model(input_ids, labels)` and its backward on the same rows.
 the elements each rank sends per layer in the row exchanges, against the formula: `tokens x top_k x
 hidden` each way (the dispatch also carries each row's routing weight: `+ tokens x top_k`).
 Target: rewrite's ep 2 step <= 1.0x transformers' own.
+
+    .venv/bin/python -m bench.expert_parallel --over-tp      # at tp 2: the experts whole, split over tp, ep 2
+
+`--over-tp`: one replica's rows on 2 ranks at tp 2 (the family's tp plan for the attention), three ways
+to hold the experts, side by side: whole on both ranks (each runs every token through them), each
+expert split over tp (`expert_tensor_parallel`), and ep 2 over the tp pair (each rank half the experts
+and half the tokens); against one process on the same rows.
 """
 
 from __future__ import annotations
@@ -95,6 +102,43 @@ def transformers_step(rank: int, world: int, directory: str, seq: int, rows: int
     return {"seconds": min(common.timed(step, warmup=0, steps=steps))}
 
 
+OVER_TP = {"tp 2, experts whole": {"tp": 2}, "tp 2, experts over tp": {"tp": 2}, "tp 2, ep 2 over tp": {"tp": 2, "ep": 2}}
+
+
+def tp_step(rank: int, world: int, layout: str, seq: int, rows: int, steps: int) -> dict:
+    model = common.build_model(MODEL)
+    ids = _rows(seq, rows, 1)[0]
+    plan = {"pipeline": {"microbatches": 1, "seq_len": seq}}
+    if layout in OVER_TP:
+        plan = {**rewrite.plan_from_hf(model, **OVER_TP[layout]).model_dump(), **plan}
+        if layout.endswith("experts whole"):
+            plan["tensor_parallel"]["model.layers.*.mlp.experts"] = "expert_parallel"
+    stage = rewrite.apply_plan(model, plan)
+    inputs, targets = [ids[:, :-1].contiguous()], [ids[:, 1:].contiguous()]
+
+    def step():
+        rewrite.run_schedule(stage, inputs, targets)
+        stage.model.zero_grad(set_to_none=True)
+
+    step()
+    return {"seconds": min(common.timed(step, warmup=0, steps=steps))}
+
+
+def over_tp(args) -> None:
+    rounds = []
+    for r in range(args.rounds):
+        got = {"one process": max(x["seconds"] for x in common.launch(tp_step, 1, "one process", args.seq,
+                                                                       args.rows, args.steps))}
+        for layout in OVER_TP:
+            got[layout] = max(x["seconds"] for x in common.launch(tp_step, 2, layout, args.seq, args.rows, args.steps))
+        rounds.append(got)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f} s" for k, v in got.items()), flush=True)
+    whole = common.median([rd["tp 2, experts whole"] for rd in rounds])
+    print(f"median over {args.rounds} rounds, {args.rows} rows of {args.seq} tokens: " + ", ".join(
+        f"{k} {common.median([rd[k] for rd in rounds]) / whole:.2f}x" for k in rounds[0]) + " the experts whole")
+    common.save_result(args.out, "expert parallel over tp", {"seq": args.seq, "rows": args.rows, "rounds": rounds})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=256)
@@ -102,7 +146,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default="bench/results.json", help="results file (default %(default)s)")
+    parser.add_argument("--over-tp", action="store_true", help="at tp 2: the experts whole, split over tp, ep 2")
     args = parser.parse_args()
+    if args.over_tp:
+        over_tp(args)
+        return
     config = common.build_config(MODEL)
     with tempfile.TemporaryDirectory(prefix="rewrite-bench-moe-") as tmp:
         common.build_model(MODEL).save_pretrained(tmp)

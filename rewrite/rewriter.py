@@ -33,6 +33,7 @@ from .recompute import apply_activation_checkpointing
 from .tensor_parallel.replicated import StepSums
 from .schedules import splits_backward
 from .tensor_parallel.apply import apply_tensor_parallel
+from .tensor_parallel.sequence_model import sequence_state
 from .errors import InputError
 
 __all__ = ["apply_plan"]
@@ -100,7 +101,8 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     # FSDP2 casts the weights it gathers, not the experts it leaves alone: those cast themselves.
     apply_expert_parallel(model, resolved, mesh, cast=precision.dtype if precision and precision.by == "fsdp" else None)
     parts = router_loss_parts(model)  # resolve refused what it cannot count: here a tuple or None
-    router_loss = None if parts is None else RouterLoss(model, parts, cp_group=mesh.cp_group if mesh.cp > 1 else None)
+    router_loss = None if parts is None else RouterLoss(model, parts, cp_group=mesh.cp_group if mesh.cp > 1 else None,
+                                                        sequence=sequence_state(model) if mesh.tp > 1 else None)
     carved = carve_stage(model, resolved, mesh)
     recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)

@@ -106,3 +106,22 @@ def assert_shares_of(tag: str, model: nn.Module, reference: nn.Module) -> None:
     for name, tensor in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in stored)]:
         whole = tensor.data.full_tensor() if hasattr(tensor.data, "full_tensor") else tensor.data
         assert torch.equal(whole, expected_shard(model, name, want[name])), f"{tag}: {name}"
+
+
+def assert_step_and_norm(model: nn.Module, plan, seq_len: int, tag: str):
+    """Apply `plan` to `model` and check one step of 2 one-row microbatches per replica of `seq_len` random
+    tokens (seed 5) against a copy of `model` in one process: the loss, every gradient and the gradient
+    norm (`clip_grad_norm_`). Returns (the stage, the reference, the loss). Collective: every rank calls it."""
+    import copy
+
+    import rewrite
+
+    reference = copy.deepcopy(model)
+    stage = rewrite.apply_plan(model, plan)
+    ids = torch.randint(0, model.config.vocab_size, (2 * stage.dp, seq_len), generator=torch.Generator().manual_seed(5))
+    inputs, targets = rewrite.microbatches(ids, 2 * stage.dp)
+    loss = assert_replica_step(stage, model, reference, inputs, targets, tag)
+    total = rewrite.clip_grad_norm_(stage, None)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters() if p.grad is not None]))
+    assert_close(f"{tag} gradient norm", total, norm)
+    return stage, reference, loss

@@ -129,13 +129,6 @@ def expert_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.
             f"{ep_at}mesh.ep={ep} splits the experts of the modules tensor_parallel names '{EXPERT_STYLE}', and no rule "
             + (f"does; add {found[0]!r}: {EXPERT_STYLE}" if found else
                f"does: {name} has no fused experts module to split; use ep 1"))
-    if plan.sequence_parallel and plan.mesh.tp > 1:
-        found = sorted({_general(f) for f, m in modules.items() if f and experts_problem(m) is None})
-        if found:
-            problems.append(
-                f"{plan.where('sequence_parallel')}sequence_parallel: true with a mixture of experts ({found[0]}) is not "
-                "built yet: its routers and experts would see a part of the sequence (or the whole, beside shared "
-                "experts that see a part); remove sequence_parallel")
     parts = router_loss_parts(model)
     if isinstance(parts, str):
         problems.append(f"{name}: {parts}; set config.output_router_logits = False to train on the language-model "

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from ..models.experts import experts_problem
 from ..models.hf_llama import Backbone
 from ..plan.schema import ParallelPlan
 from ..plan.patterns import match_pattern
@@ -17,29 +18,42 @@ from ..plan.wording import collapse_repeats
 __all__ = ["option_problems", "sequence_blocks"]
 
 
+def _split_kinds(module: nn.Module, at: str, styles: Mapping[str, str]) -> set[str]:
+    found = (styles.get(f"{at}.{sub}") for sub, _ in module.named_modules() if sub)
+    return {"column" if style == "packed_column" else style for style in found if style in ("column", "packed_column", "row")}
+
+
 def sequence_blocks(
     layer: nn.Module, path: str, styles: Mapping[str, str]
-) -> tuple[dict[str, set[str]], dict[str, str]]:
+) -> tuple[dict[str, set[str]], dict[str, str], dict[str, str]]:
     """A decoder layer's children as sequence parallelism sees them, by their paths.
 
     Blocks: children holding linears the plan splits, with the styles found in them ('column',
     'row'); their input is gathered to the whole sequence, their row layers scatter it again.
-    Others (path -> what it is): parameters that would see only a part of the sequence
-    outside any block: children with weights that are not norms (a convolution over the
-    sequence, an unsplit MLP) and the layer's own parameters. Norms, dropouts and
-    parameterless children run on the rank's part as they are.
+    Mixtures of experts (path -> its fused experts module's path): a child holding one runs on the
+    rank's part of the sequence, token by token (router, experts, gates); the children inside it
+    holding split linears (shared experts) are blocks. Others (path -> what it is): parameters that
+    would see only a part of the sequence outside any block: children with weights that are not
+    norms (a convolution over the sequence, an unsplit MLP) and the layer's own parameters. Norms,
+    dropouts and parameterless children run on the rank's part as they are.
     """
     blocks: dict[str, set[str]] = {}
+    moe: dict[str, str] = {}
     others = {f"{path}.{n}": "a parameter of the layer itself" for n, _ in layer.named_parameters(recurse=False)}
     for name, child in layer.named_children():
         at = f"{path}.{name}"
-        found = (styles.get(f"{at}.{sub}") for sub, _ in child.named_modules())
-        kinds = {"column" if style == "packed_column" else style for style in found if style in ("column", "packed_column", "row")}
-        if kinds:
+        experts = next((f"{at}.{sub}" for sub, m in child.named_modules() if sub and experts_problem(m) is None), None)
+        kinds = _split_kinds(child, at, styles)
+        if experts is not None:
+            moe[at] = experts
+            for sub, inner in child.named_children():
+                if f"{at}.{sub}" != experts and (found := _split_kinds(inner, f"{at}.{sub}", styles)):
+                    blocks[f"{at}.{sub}"] = found
+        elif kinds:
             blocks[at] = kinds
         elif any(True for _ in child.parameters()) and "norm" not in type(child).__name__.lower():
             others[at] = type(child).__name__
-    return blocks, others
+    return blocks, others, moe
 
 
 def option_problems(plan: ParallelPlan, model: nn.Module, bb: Backbone | None, shards: list[ShardSpec]) -> list[str]:
@@ -86,8 +100,8 @@ def _sequence_problems(plan: ParallelPlan, model: nn.Module, bb: Backbone | None
         )
     for i in range(bb.num_layers):
         layer = bb.layer(i)
-        blocks, others = sequence_blocks(model.get_submodule(layer), layer, styles)
-        if not blocks:
+        blocks, others, moe = sequence_blocks(model.get_submodule(layer), layer, styles)
+        if not blocks and not moe:
             problems.append(
                 f"{at}sequence_parallel: true needs the blocks of {layer} sharded (column in, row out): between "
                 "its blocks a rank holds only its part of the sequence"

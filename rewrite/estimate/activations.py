@@ -40,7 +40,9 @@ Bytes one decoder layer keeps for its backward:
                                            (`expert_tensor_parallel`), else 1. At balanced routing a
                                            rank under ep runs as many rows as it sends: u = 1, or
                                            t when ep borrows tp ranks, each taking 1/t of the
-                                           tokens (ep's exchange buffers are not counted); a
+                                           tokens (ep's exchange buffers are not counted). Under
+                                           sequence parallelism, experts not split over tp: R = C,
+                                           the block running on the rank's part; a
                                            gated shared expert (Qwen2-MoE) keeps B (h + 1) a token more
                                            (not counted: ~8 % of its MLP at hidden 64)
 
@@ -183,9 +185,15 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int
         "input_layernorm": _norm(z, z.chunk),
         "self_attn": attention,
         "post_attention_layernorm": _norm(z, z.chunk),
-        "mlp": R * B * h + (R * _routed(z, tm) // z.routed_split + 4 * R * B * z.shared_width // tm if z.top_k
-                            else 4 * R * B * z.intermediate // tm),
+        "mlp": _moe(z, tm) if z.top_k else R * B * h + 4 * R * B * z.intermediate // tm,
     }
+
+
+def _moe(z: Sizes, tm: int) -> int:
+    """Bytes a mixture of experts' block keeps (the module docstring's); under sequence parallelism, with
+    its experts not split over tp (tm = 1), it runs on the rank's part of the sequence (C rows)."""
+    B, R = z.dtype_bytes, (z.chunk if z.split_sequence and tm == 1 else z.mlp_rows)
+    return R * B * z.hidden + R * _routed(z, tm) // z.routed_split + 4 * R * B * z.shared_width // tm
 
 
 def _routed(z: Sizes, tm: int = 1) -> int:
@@ -280,7 +288,8 @@ def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
         qk_norm=hasattr(attention, "q_norm"),
         kv_replicas=resolved.kv_replicas,
         cp=plan.mesh.cp,
-        routed_split=resolved.tp if plan.mesh.ep > 1 and resolved.experts else 1,
+        # ep over tp ranks holding the same tokens; under sequence parallelism each holds its part already
+        routed_split=resolved.tp if plan.mesh.ep > 1 and resolved.experts and not plan.sequence_parallel else 1,
     )
 
 

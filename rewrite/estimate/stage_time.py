@@ -31,7 +31,9 @@ gradients again in I (again in a recomputed F): T k (2 h + 1) B bytes each way p
 compute dtype (a family whose routing weights stay float32 under bfloat16 sends float32 rows).
 When ep borrows tp ranks each tp rank takes 1/t of the tokens: its routed experts' FLOPs (6 T h k i_e)
 and rows divide by t, and the layer all-gathers the chunks' outputs over tp in F (T h B) and their
-tokens' and routing weights' gradients in I (T (h + k) B).
+tokens' and routing weights' gradients in I (T (h + k) B). Under sequence parallelism a MoE block whose
+experts are not split over tp runs on the rank's part of the sequence: all its FLOPs and rows divide by
+t, with no collective of its own (shared experts split over tp are counted whole here).
 The first stage adds the embedding (a vocab-split one: an all-reduce of its output); the last
 the final norm, LM head and loss: a whole-vocabulary head gathered over tp ('column_gather')
 all-gathers T V B of logits, the vocabulary-parallel loss gathers 2 floats per token, and the
@@ -128,6 +130,9 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
     u = z.routed_split if experts_split else 1
     routed = 6 * z.tokens * z.hidden * z.top_k * z.expert_width
     scores, mlp = parts["scores"] / ta, (parts["mlp"] - routed * (1 - 1 / u)) / tm
+    on_parts = z.split_sequence and z.top_k and tm == 1  # a MoE block on the rank's part: all of it per token
+    if on_parts:
+        mlp, u = parts["mlp"] / z.tp, (z.tp if experts_split else 1)
     norms = parts["norms"] / (z.tp if z.split_sequence else 1)
     # The whole sequence's keys and values, gathered in F and their gradients reduce-scattered in I.
     kv = clock.cp_gather(2 * z.batch_size * z.seq_len * z.kv_heads * kv_share * z.head_dim * z.dtype_bytes / ta)
@@ -138,7 +143,7 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
         fwd_comm = bwd_comm = blocks * 2 * clock.gather(block)
     else:
         fwd_comm = bwd_comm = blocks * clock.all_reduce(block)
-    if u > 1:  # the chunks' outputs all-gathered over tp in F, their tokens' and weights' gradients in I
+    if u > 1 and not on_parts:  # the chunks' outputs all-gathered over tp in F, their tokens' and weights' gradients in I
         fwd_comm += clock.gather(block)
         bwd_comm += clock.gather(z.tokens * z.dtype_bytes * (z.hidden + z.top_k))
     # The routed rows to their experts' ranks and back (each way once in F, once more in I).

@@ -6,7 +6,9 @@ records the routers' logits as the family declares them (`_can_record_outputs["r
 router class and which output) while a stage runs one microbatch, and `finish` reduces them to the
 sums a stage hands on with its activations (`Pooled`). The scope is the microbatch, as one process
 running that microbatch counts it (each replica's, under dp and ep); under context parallelism a
-microbatch's rows are spread over the cp ranks, so their sums are added over the cp group.
+microbatch's rows are spread over the cp ranks, so their sums are added over the cp group; under
+sequence parallelism over the tp ranks, each router running on its rank's part of the sequence (the
+padding rows the last parts carry left out).
 Recomputation (activation checkpointing) runs the routers again in the backward, outside a forward:
 nothing is recorded then, so nothing counts twice.
 """
@@ -19,6 +21,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..models.router_loss import Pooled, RouterLossParts, balance, pooled
+from ..tensor_parallel.comm import group_rank, group_size
+from ..tensor_parallel.sequence import sequence_chunk
 
 __all__ = ["RouterLoss"]
 
@@ -27,8 +31,10 @@ class RouterLoss:
     """Records a model's router logits during a stage's forward; `finish` gives their sums, `loss` the
     family's loss (times its coefficient) of the sums pooled over every stage."""
 
-    def __init__(self, model: nn.Module, parts: RouterLossParts, cp_group: ProcessGroup | None = None):
-        self.parts, self.cp_group = parts, cp_group
+    def __init__(self, model: nn.Module, parts: RouterLossParts, cp_group: ProcessGroup | None = None,
+                 sequence=None):
+        # `sequence`: sequence parallelism's `SequenceState` (its tp group, the length of the forward in flight)
+        self.parts, self.cp_group, self.sequence = parts, cp_group, sequence
         self.logits: list[torch.Tensor] | None = None  # None: not inside a forward, record nothing
         for module in model.modules():
             if isinstance(module, parts.router):
@@ -43,6 +49,13 @@ class RouterLoss:
         if self.logits is not None:
             self.logits.append(output[self.parts.index] if isinstance(output, tuple) else output)
 
+    def _real_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Under sequence parallelism, the rows of this rank's part `[b c, E]` that hold tokens (not padding)."""
+        group, length = self.sequence.group, self.sequence.length
+        chunk = sequence_chunk(length, group_size(group))
+        place = group_rank(group) * chunk + torch.arange(logits.shape[0], device=logits.device) % chunk
+        return logits[place < length]
+
     def start(self) -> None:
         """A stage's forward on a microbatch begins: record its routers from here."""
         self.logits = []
@@ -51,12 +64,16 @@ class RouterLoss:
         """The sums of the routers that ran since `start` (every cp rank's rows; no router: zeros); recording
         stops. Collective over the cp group under context parallelism."""
         logits, self.logits = self.logits, None
+        if logits and self.sequence is not None:  # outside any checkpointed layer: recomputation saves the same
+            logits = [self._real_rows(layer) for layer in logits]
         if logits:
             out = pooled(logits, self.parts.experts, self.parts.top_k)
         else:  # a stage without MoE layers (a dense first layer) adds nothing
             out = Pooled(torch.zeros(self.width, device=device))
         if self.cp_group is not None:
             dist.all_reduce(out.values, group=self.cp_group)
+        if self.sequence is not None:
+            dist.all_reduce(out.values, group=self.sequence.group)
         return out
 
     def loss(self, total: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:

@@ -6,6 +6,11 @@ MLP split column then row: its own forward gives a partial output, and the parti
 over tp (Megatron's g). The tokens and their routing weights are the same on every tp rank; their
 gradients are partial sums there, so they are summed over tp in the backward (Megatron's f). The
 experts' parameters are a tp-split tensor like any other: data parallelism shards and reduces them.
+
+Under sequence parallelism each tp rank holds its part of the tokens: they are all-gathered over tp first
+(their gradients reduce-scattered) and the partial outputs reduce-scattered, each rank keeping its part's
+(Megatron's sequence-parallel MLP). Experts taking every token (Llama 4: `[E T, H]`, expert e's rows at
+`e T`) gather each expert's rows side by side.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..models.experts import every_token
+from ..models.experts import every_token, num_experts
 from ..tensor_parallel.comm import copy_to_parallel, reduce_from_parallel
 from ..tensor_parallel.mixins import add_mixin
+from ..tensor_parallel.sequence import gather_from_sequence, reduce_scatter_to_sequence
 
 __all__ = ["ExpertTensorParallelMixin", "split_experts_over_tp"]
 
@@ -25,20 +31,38 @@ class ExpertTensorParallelMixin:
     """Put in front of a fused experts module's class: its forward on this rank's slices, summed over tp."""
 
     tp_group: ProcessGroup
+    sequence = False  # under sequence parallelism: the rank's part of the tokens, gathered and scattered again
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if self.sequence:
+            return self._on_parts(hidden_states, *args, **kwargs)
         hidden_states = copy_to_parallel(hidden_states, self.tp_group)
         if len(args) >= 2 and not every_token(self):  # (top_k_index, top_k_weights, ...): the weights' gradient too
             args = (args[0], copy_to_parallel(args[1], self.tp_group), *args[2:])
         return reduce_from_parallel(super().forward(hidden_states, *args, **kwargs), self.tp_group)
 
+    def _on_parts(self, hidden_states: torch.Tensor, *args, **kwargs):
+        group, hidden = self.tp_group, hidden_states.shape[-1]
+        if every_token(self):  # (E T, H): each expert's rows gathered along T
+            experts = num_experts(self)
+            rows = gather_from_sequence(hidden_states.reshape(experts, -1, hidden), group)
+            out = super().forward(rows.reshape(-1, hidden), *args, **kwargs)
+            return reduce_scatter_to_sequence(out.reshape(experts, -1, hidden), group).reshape(-1, hidden)
+        index, weights, *rest = args
+        rows = gather_from_sequence(hidden_states.reshape(-1, hidden), group)  # (tp T, H): every part, rank order
+        out = super().forward(rows, gather_from_sequence(index, group), gather_from_sequence(weights, group),
+                              *rest, **kwargs)
+        return reduce_scatter_to_sequence(out, group)
 
-def split_experts_over_tp(module: nn.Module, spec, tp_rank: int, group: ProcessGroup) -> None:
-    """Keep this tp rank's slices of every expert of `module` (an `ExpertSpec` with tp > 1), in place."""
+
+def split_experts_over_tp(module: nn.Module, spec, tp_rank: int, group: ProcessGroup, *, sequence: bool = False) -> None:
+    """Keep this tp rank's slices of every expert of `module` (an `ExpertSpec` with tp > 1), in place;
+    `sequence`: each tp rank holds its part of the tokens (sequence parallelism)."""
     for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
         part = spec.split_of(name).take(tensor.detach(), tp_rank).clone()
         if isinstance(tensor, nn.Parameter):
             setattr(module, name, nn.Parameter(part, requires_grad=tensor.requires_grad))
         else:
             module.register_buffer(name, part)
-    add_mixin(module, ExpertTensorParallelMixin).tp_group = group
+    mixin = add_mixin(module, ExpertTensorParallelMixin)
+    mixin.tp_group, mixin.sequence = group, sequence

@@ -44,8 +44,8 @@ IDENTITY_EXPERTS = {"LongcatFlashExperts": ("num_routed_experts", "zero_expert_n
 
 
 def every_token(module: nn.Module) -> bool:
-    """Whether `module` is of a declared every-token kind (`EVERY_TOKEN_EXPERTS`)."""
-    return type(module).__name__ in EVERY_TOKEN_EXPERTS
+    """Whether `module` is of a declared every-token kind (`EVERY_TOKEN_EXPERTS`), or made from one."""
+    return any(c.__name__ in EVERY_TOKEN_EXPERTS for c in type(module).__mro__)
 
 
 def _identity_names(module: nn.Module) -> tuple[str, str, str] | None:

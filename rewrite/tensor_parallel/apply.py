@@ -67,7 +67,8 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
     for parent_name, shared in copies.items():
         add_mixin(model.get_submodule(parent_name), _ForgetsInputCopy).input_copy_cache = shared
     if resolved.plan.sequence_parallel:
-        apply_sequence_parallel(model, resolved.backbone, group, {s.fqn: s.style for s in resolved.shards})
+        split = {e.fqn for e in resolved.experts if e.ep > 1 or e.tp > 1}  # left to expert_parallel
+        apply_sequence_parallel(model, resolved.backbone, group, {s.fqn: s.style for s in resolved.shards}, split)
 
 
 class _ForgetsInputCopy:

@@ -16,7 +16,7 @@ their gradients summed over tp.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -117,15 +117,39 @@ def _input_is_reduced(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _gathered(block: nn.Module, state: SequenceState) -> None:
+    """A block of split linears: its input gathered to the whole sequence, its row layers scattering it again."""
+    add_mixin(block, _GatherInput).sequence = state
+    for sub in block.modules():
+        if isinstance(sub, ColumnParallelLinear):
+            sub.input_copy = _input_is_reduced
+        elif isinstance(sub, RowParallelLinear):
+            sub.sequence_parallel = True
+
+
+def _mixture(block: nn.Module, at: str, blocks, experts: str, split: Collection[str], state: SequenceState) -> None:
+    """A mixture of experts' block on the rank's part: its split children gathered, its experts split over ep
+    or tp (`split`) left alone, every other module's own parameters summing their gradients over tp."""
+    inside = [f"{b}." for b in blocks if b.startswith(f"{at}.")] + ([f"{experts}."] if experts in split else [])
+    for name, module in block.named_modules():
+        path = f"{at}.{name}" if name else at
+        if path in blocks:
+            _gathered(module, state)
+        elif not any(f"{path}.".startswith(p) for p in inside) and any(True for _ in module.parameters(recurse=False)):
+            make_grad_allreduce(module, state.group)  # a router, a gate, experts whole: this rank's tokens only
+
+
 def apply_sequence_parallel(
-    model: nn.Module, bb: Backbone, group: ProcessGroup, styles: Mapping[str, str]
+    model: nn.Module, bb: Backbone, group: ProcessGroup, styles: Mapping[str, str], split_experts: Collection[str] = ()
 ) -> SequenceState:
     """Wire sequence parallelism into a model whose blocks are already tensor-parallel, in place.
 
     `styles` maps module paths to the plan's styles. Each decoder layer's blocks
     (`tp_switches.sequence_blocks`: the children holding split linears, column in and row
     out, checked when the plan was bound) gather the sequence first; its norms run on the
-    rank's part and sum their gradients over tp. Returns the shared `SequenceState`.
+    rank's part and sum their gradients over tp, as do a mixture of experts' router and
+    experts kept whole (`split_experts`: the experts modules split over ep or tp, left
+    alone). Returns the shared `SequenceState`.
     """
     base = model.get_submodule(bb.base) if bb.base else model
     state = SequenceState(group)
@@ -136,15 +160,13 @@ def apply_sequence_parallel(
         layer = layers[i]
         if i == 0:
             add_mixin(layer, _ScatterInput).sequence = state
-        blocks, _ = sequence_blocks(layer, bb.layer(i), styles)
+        blocks, _, moe = sequence_blocks(layer, bb.layer(i), styles)
         for name, child in layer.named_children():
-            if f"{bb.layer(i)}.{name}" in blocks:
-                add_mixin(child, _GatherInput).sequence = state
-                for sub in child.modules():
-                    if isinstance(sub, ColumnParallelLinear):
-                        sub.input_copy = _input_is_reduced
-                    elif isinstance(sub, RowParallelLinear):
-                        sub.sequence_parallel = True
+            at = f"{bb.layer(i)}.{name}"
+            if at in blocks:
+                _gathered(child, state)
+            elif at in moe:
+                _mixture(child, at, blocks, moe[at], split_experts, state)
             elif any(True for _ in child.parameters()):
                 make_grad_allreduce(child, group)  # the layer norms: each rank sees its tokens only
     make_grad_allreduce(model.get_submodule(bb.norm), group)

@@ -183,3 +183,15 @@ def test_the_step_time_shares_the_tokens_out_when_ep_borrows_tp():
     # ... and each layer all-gathers its output (T h B) in F and its inputs' gradients (T (h + k) B) in I.
     gathers = 4 * (all_gather_s(16 * 4 * 64, 2, UNIT.intra_node, 1.0) + all_gather_s(16 * 4 * 66, 2, UNIT.intra_node, 1.0))
     assert over_tp.tp_comm == pytest.approx(gathers)
+
+
+def test_under_sequence_parallelism_a_moe_block_runs_on_the_ranks_part():
+    model = tiny_moe_model("qwen3_moe")
+    plan = rewrite.plan_from_hf(model, tp=2, ep=2).model_dump()
+    plan["pipeline"].update(seq_len=16, microbatches=1)
+    plain, parts = (rewrite.resolve({**plan, "sequence_parallel": sp}, model) for sp in (False, True))
+    (whole,), (split,) = stage_times(plain, model, UNIT), stage_times(parts, model, UNIT)
+    # The same rows exchanged (each tp rank's half of the tokens), the router's FLOPs halved too, and the
+    # block's input, router and experts kept for the rank's part only.
+    assert split.ep_comm == pytest.approx(whole.ep_comm) and split.flops < whole.flops
+    assert rank_activations(parts, model)[0].peak < rank_activations(plain, model)[0].peak

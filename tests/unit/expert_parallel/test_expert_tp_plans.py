@@ -88,8 +88,27 @@ def test_refusals_name_the_fix():
     assert "a LongcatFlashExperts with identity experts, whose rows every rank would add again" in text
     text = _problems({"mesh": {"tp": 2}, "tensor_parallel": TP_RULE}, tiny_moe_model("inkling_text"))
     assert "InklingExperts.forward on two ranks' slices of each expert does not add up" in text
-    # Sequence parallelism: refused with experts, whole or split, also where shared experts shard the block.
-    for model in (qwen3, tiny_family_model("ernie4_5_moe")):
-        text = _problems(rewrite.plan_from_hf(model, tp=2, sequence_parallel=True).model_dump(), model)
-        assert ("sequence_parallel: true with a mixture of experts (model.layers.*.mlp.experts) is not built yet"
-                in text)
+
+
+def test_sequence_parallelism_runs_a_moe_block_on_the_ranks_part():
+    from rewrite.binding.tp_switches import sequence_blocks
+
+    # The MoE block is no block: it runs token by token on the rank's part; its split shared experts are one.
+    ernie = tiny_family_model("ernie4_5_moe")
+    for tp, ep in [(2, 1), (2, 2), (4, 4)]:
+        resolved = rewrite.resolve(rewrite.plan_from_hf(ernie, tp=tp, ep=ep, sequence_parallel=True), ernie)
+        styles = {s.fqn: s.style for s in resolved.shards}
+        blocks, others, moe = sequence_blocks(ernie.model.layers[1], "model.layers.1", styles)
+        assert moe == {"model.layers.1.mlp": "model.layers.1.mlp.experts"} and others == {}, (moe, others)
+        assert blocks == {"model.layers.1.self_attn": {"column", "row"},
+                          "model.layers.1.mlp.shared_experts": {"column", "row"}}, blocks
+    qwen3 = tiny_moe_model("qwen3_moe")
+    whole = {"mesh": {"tp": 2}, "sequence_parallel": True, "tensor_parallel": {
+        **{k: v for k, v in rewrite.plan_from_hf(qwen3, tp=2).tensor_parallel.items() if "experts" not in k},
+        "model.layers.*.mlp.experts": "expert_parallel"}}
+    assert rewrite.resolve(whole, qwen3).plan.sequence_parallel
+    # A family whose attention sequence parallelism cannot gather is still refused, by its attention.
+    deepseek = tiny_moe_model("deepseek_v3")
+    text = _problems(rewrite.plan_from_hf(deepseek, tp=2, ep=2, sequence_parallel=True).model_dump(), deepseek)
+    assert "runs model.layers.*.self_attn (DeepseekV3Attention) on this rank's part of the sequence" in text
+    assert "mlp" not in text

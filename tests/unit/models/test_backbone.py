@@ -118,9 +118,10 @@ def test_sequence_blocks_are_the_children_holding_split_linears():
     model = tiny_family_model("gptj")  # one norm feeding attention and MLP side by side
     layer = model.transformer.h[0]
     styles = {s.fqn: s.style for s in rewrite.resolve(rewrite.plan_from_hf(model, tp=2), model).shards}
-    blocks, others = sequence_blocks(layer, "transformer.h.0", styles)
+    blocks, others, moe = sequence_blocks(layer, "transformer.h.0", styles)
     assert blocks == {"transformer.h.0.attn": {"column", "row"}, "transformer.h.0.mlp": {"column", "row"}}
     assert others == {}  # ln_1 is a norm: it runs on the rank's tokens and sums its gradient over tp
+    assert moe == {}
     llama = tiny_family_model("llama")
     only_column = {"model.layers.*.self_attn.q_proj": "column", "model.layers.*.self_attn.k_proj": "column",
                    "model.layers.*.self_attn.v_proj": "column", "model.layers.*.self_attn.o_proj": "row",
