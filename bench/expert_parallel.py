@@ -46,6 +46,20 @@ def _rows(seq: int, rows: int, world: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (rows, seq + 1), generator=gen) for _ in range(world)]
 
 
+def _stepper(model, plan: dict, ids: torch.Tensor):
+    """(a training step of `plan` applied to `model` on rows `ids` (inputs and shifted targets), run once
+    as a warm-up; the step's inputs)."""
+    stage = rewrite.apply_plan(model, plan)
+    inputs, targets = [ids[:, :-1].contiguous()], [ids[:, 1:].contiguous()]
+
+    def step():
+        rewrite.run_schedule(stage, inputs, targets)
+        stage.model.zero_grad(set_to_none=True)
+
+    step()
+    return step, inputs
+
+
 def rewrite_step(rank: int, world: int, layout: str, seq: int, rows: int, steps: int) -> dict:
     from rewrite.expert_parallel import collectives
 
@@ -66,14 +80,7 @@ def rewrite_step(rank: int, world: int, layout: str, seq: int, rows: int, steps:
     plan = {"pipeline": {"microbatches": 1, "seq_len": seq}}
     if layout == "rewrite ep 2":
         plan = {**plan, "mesh": {"dp": 2, "ep": 2}, "tensor_parallel": RULE}
-    stage = rewrite.apply_plan(model, plan)
-    inputs, targets = [ids[:, :-1].contiguous()], [ids[:, 1:].contiguous()]
-
-    def step():
-        rewrite.run_schedule(stage, inputs, targets)
-        stage.model.zero_grad(set_to_none=True)
-
-    step()
+    step, inputs = _stepper(model, plan, ids)
     layers = model.config.num_hidden_layers
     per_layer = [sum(sent[i::2 * layers]) for i in range(2)] if sent else [0, 0]  # dispatch, combine: layer 0
     times = common.timed(step, warmup=0, steps=steps)
@@ -113,14 +120,7 @@ def tp_step(rank: int, world: int, layout: str, seq: int, rows: int, steps: int)
         plan = {**rewrite.plan_from_hf(model, **OVER_TP[layout]).model_dump(), **plan}
         if layout.endswith("experts whole"):
             plan["tensor_parallel"]["model.layers.*.mlp.experts"] = "expert_parallel"
-    stage = rewrite.apply_plan(model, plan)
-    inputs, targets = [ids[:, :-1].contiguous()], [ids[:, 1:].contiguous()]
-
-    def step():
-        rewrite.run_schedule(stage, inputs, targets)
-        stage.model.zero_grad(set_to_none=True)
-
-    step()
+    step, _ = _stepper(model, plan, ids)
     return {"seconds": min(common.timed(step, warmup=0, steps=steps))}
 
 
