@@ -14,7 +14,6 @@ are then not one contiguous range: `ExpertSpec.slots` says where each one lives.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -22,7 +21,7 @@ from torch import nn
 from ..models.expert_split import split_problem, tp_layout
 from ..models.experts import expert_block, experts_problem, identity_experts, num_experts
 from ..models.router_loss import router_loss_parts
-from ..plan.patterns import match_pattern
+from ..plan.patterns import general_path, match_pattern
 from ..plan.schema import ParallelPlan
 from .shard_layout import TensorSplit
 
@@ -87,10 +86,6 @@ class ExpertSpec:
         return tuple(out)
 
 
-def _general(fqn: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
-
-
 def expert_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[tuple, list[str]]:
     """(the `ExpertSpec`s of the plan's `expert_parallel` rules, every problem with them and mesh.ep)."""
     ep, specs, problems = plan.mesh.ep, [], []
@@ -117,14 +112,14 @@ def expert_problems(plan: ParallelPlan, model: nn.Module, modules: dict[str, nn.
                 what = (f"the {count} experts" if not identity else
                         f"both the {count} routed and the {identity} identity experts (each rank holds as many of each)")
                 problems.append(
-                    f"{ep_at}mesh.ep={ep} does not divide {what} of {_general(fqn)}; use ep "
+                    f"{ep_at}mesh.ep={ep} does not divide {what} of {general_path(fqn)}; use ep "
                     f"{', '.join(map(str, fits))} (dividing both the experts and mesh.dp x mesh.tp = {stage})")
                 continue
             widened = frozenset(n for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
                                 if identity and t.shape[0] == count + identity)
             specs.append(ExpertSpec(fqn, pattern, count, ep, identity, widened))
     if ep > 1 and not specs and not problems:
-        found = sorted({_general(f) for f, m in modules.items() if f and experts_problem(m) is None})
+        found = sorted({general_path(f) for f, m in modules.items() if f and experts_problem(m) is None})
         problems.append(
             f"{ep_at}mesh.ep={ep} splits the experts of the modules tensor_parallel names '{EXPERT_STYLE}', and no rule "
             + (f"does; add {found[0]!r}: {EXPERT_STYLE}" if found else
@@ -162,7 +157,7 @@ def _tp_spec(plan: ParallelPlan, model: nn.Module, fqn: str, pattern: str, modul
         widths = [size // parts for _, size, parts in uneven]
         fits = [t for t in range(1, max(widths) + 1) if all(w % t == 0 for w in widths) and t <= 8]
         problems.append(
-            f"{plan.where('mesh', 'tp')}mesh.tp={tp} does not split the experts' features of {_general(fqn)} evenly ("
+            f"{plan.where('mesh', 'tp')}mesh.tp={tp} does not split the experts' features of {general_path(fqn)} evenly ("
             + ", ".join(f"{leaf}: {parts} x {size // parts}" for leaf, size, parts in uneven)
             + f"); use tp {', '.join(map(str, fits))}, or split the experts by expert ('{EXPERT_STYLE}')")
         return None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..plan.styles import WHOLE_STYLES
 from .experts import ExpertSpec
 from .tp_rules import ShardSpec
 
@@ -76,7 +77,7 @@ def held_by_stage(
     """
     sets = [set(m) for m in module_sets]
     specs = shards.values() if isinstance(shards, Mapping) else shards
-    split = {s.fqn: s for s in specs if s.style != "grad_allreduce"}
+    split = {s.fqn: s for s in specs if s.style not in WHOLE_STYLES}
     by_expert = {s.fqn: s for s in experts if s.splits}
     # Which sets hold each module path: a parameter is looked up by its few prefixes, not tested against
     # every set (a 70B model over 32 stages: 700 parameters x 32 sets per walk otherwise).

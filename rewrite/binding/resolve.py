@@ -22,6 +22,7 @@ from ..plan.schema import ParallelPlan, PlanError
 from ..plan.size_checks import PipelineShape, by_line, stage_count, world_problem
 from .stage_split import fx_stages, hf_stages
 from ..plan.patterns import closest, match_pattern
+from ..plan.styles import WHOLE_STYLES
 from .experts import ExpertSpec, expert_problems
 from .shard_layout import TensorSplit, state_split
 from .tp_rules import ShardSpec, TpRules, shard_problems
@@ -125,7 +126,7 @@ def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list
 
 def _estimate(rules: TpRules, seq_len: int, model: nn.Module, bb: Backbone, n: int, shards: tuple) -> Costs | str:
     """Estimated compute per part on one rank of its stage, or why there is none (`shards`: `rules` bound)."""
-    sharded = [s.fqn for s in shards if s.style != "grad_allreduce"] if rules.tp > 1 else []
+    sharded = [s.fqn for s in shards if s.style not in WHOLE_STYLES] if rules.tp > 1 else []
     try:
         return estimate_costs(model.config, bb, num_layers=n, seq_len=seq_len, tp=rules.tp, sharded=sharded)
     except ValueError as exc:

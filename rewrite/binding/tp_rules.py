@@ -13,8 +13,9 @@ from ..models.families import embedding_scale
 from ..models.names import tied_modules
 from ..plan.schema import ParallelPlan
 from .shard_layout import WHOLE, TensorSplit
-from ..plan.styles import COLUMN_STYLES, STYLE_INFO, packed_parts
+from ..plan.styles import COLUMN_STYLES, STYLE_INFO, WHOLE_STYLES, packed_parts
 from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
+from .latent_attention import latent_problems
 from .tp_fits import fitting_tps
 from .tp_whole import kept_whole
 from ..plan.wording import either
@@ -140,7 +141,7 @@ def shard_problems(
                 chosen.setdefault(fqn, (pattern, style))
     if tp > 1:
         implied, whole_problems = kept_whole(modules, {f: s for f, (_, s) in chosen.items()})
-        problems += whole_problems
+        problems += whole_problems + latent_problems(model, modules, chosen, tp, rules.at)
         for fqn in implied:
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
     shards, order = [], {name: i for i, name in enumerate(names)}
@@ -153,7 +154,7 @@ def shard_problems(
 
     for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
         lin = modules[fqn]
-        if style == "grad_allreduce":
+        if style in WHOLE_STYLES:
             weight = getattr(lin, "weight", None)
             shape = tuple(weight.shape) if isinstance(weight, nn.Parameter) else None
             shards.append(ShardSpec(fqn, style, pattern, None, None, False, shape, None))

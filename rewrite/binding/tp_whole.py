@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .latent_attention import LATENT, is_latent_attention
+
 __all__ = ["kept_whole"]
 
 # The linears whose output features split a block over tp (column), and the block's own linears.
@@ -21,7 +23,9 @@ def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[l
     whole on its own heads or intermediate features, so their gradients are partial sums:
     they get grad_allreduce. A parameter with a dimension as wide as the split features
     would see 1/tp of them (a norm over the intermediate features), and one held by the
-    block itself cannot be routed alone: both are refused, naming the parameter.
+    block itself cannot be routed alone: both are refused, naming the parameter. Multi-head latent
+    attention's latent projections and norms are not per-head: they run before the split and are left alone
+    (`latent_attention`).
     """
     found, problems = [], []
     for fqn, style in styles.items():
@@ -29,6 +33,8 @@ def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[l
         if leaf not in _SPLITTERS or style not in ("column", "packed_column"):
             continue
         own, width = _SPLITTERS[leaf], modules[fqn].out_features
+        if is_latent_attention(modules[parent]):
+            own = (*own, *LATENT)
         for name, param in modules[parent].named_parameters(recurse=False):
             problems.append(
                 f"{parent}.{name} is a parameter of {parent} itself, kept whole while its {width} features are "

@@ -27,9 +27,9 @@ def shard_styles(resolved: ResolvedPlan) -> dict[str, str]:
 
 def block_splits(styles: dict[str, str], layer: str) -> dict[str, bool]:
     """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their first linear is a column
-    (a mixture of experts' MLP: its experts split over tp)."""
+    (multi-head latent attention's: q_b_proj; a mixture of experts' MLP: its experts split over tp)."""
     return {
-        "attention_split": styles.get(f"{layer}.self_attn.q_proj") == "column",
+        "attention_split": "column" in (styles.get(f"{layer}.self_attn.q_proj"), styles.get(f"{layer}.self_attn.q_b_proj")),
         "mlp_split": styles.get(f"{layer}.mlp.gate_proj") == "column"
         or styles.get(f"{layer}.mlp.gate_up_proj") == "packed_column"
         or any(s == TP_STYLE and f.startswith(f"{layer}.") for f, s in styles.items()),

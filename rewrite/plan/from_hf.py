@@ -109,7 +109,7 @@ def plan_from_hf(
     if not base_rules:
         raise ValueError(f"{type(config).__name__} has no base_model_tp_plan to build a plan from")
     rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_rules.items()}
-    rules = _with_experts(rules, config, prefix, model, given=isinstance(model_or_config, nn.Module),
+    rules = _with_experts(rules, config, prefix, model,
                           split_over_tp=tp > 1 and ep == 1)
     tied = getattr(config, "tie_word_embeddings", False)
     if loss_parallel:
@@ -165,13 +165,13 @@ def _is_vocab(style: str) -> bool:
     return style == "vocab" or STYLE_ALIASES.get(style) == "vocab"
 
 
-def _with_experts(rules: dict[str, str], config, prefix: str, model: nn.Module | None, *, given: bool,
+def _with_experts(rules: dict[str, str], config, prefix: str, model: nn.Module | None, *,
                   split_over_tp: bool) -> dict[str, str]:
     """The tp rules with the experts modules' rules in place of those inside them: the ep plan's
     (`ep_dispatch_experts`; a family without one: those its tp plan names `moe_tp_experts`), each expert
-    split over tp where `split_over_tp` and the tp plan and the experts allow it. `model`: the model (`given`)
-    or the config's meta model (None where it cannot be built); rules matching none of a given model's
-    modules are left out."""
+    split over tp where `split_over_tp` and the tp plan and the experts allow it. `model`: the model given,
+    or the config's meta model (None where it cannot be built); rules matching none of the model's
+    modules are left out (DeepSeek-V2-Lite's q_b_proj, where the queries have no latent)."""
     ep_rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items()}
     experts = [k for k, v in ep_rules.items() if STYLE_ALIASES.get(v) == "expert_parallel"]
     experts = experts or [k for k, v in rules.items() if STYLE_ALIASES.get(v) == "expert_tensor_parallel"]
@@ -179,7 +179,7 @@ def _with_experts(rules: dict[str, str], config, prefix: str, model: nn.Module |
         return rules
     inside = [k for k in rules if any(k == e or k.startswith(e + ".") for e in experts)]
     kept = {k: v for k, v in rules.items() if k not in inside}
-    if given:
+    if model is not None:
         names = [n for n, _ in model.named_modules() if n]
         kept = {k: v for k, v in kept.items() if any(match_pattern(k, n) for n in names)}
     split = [e for e in experts if split_over_tp and STYLE_ALIASES.get(rules.get(e, "")) == "expert_tensor_parallel"]

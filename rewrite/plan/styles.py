@@ -10,7 +10,7 @@ from pydantic import BeforeValidator
 
 from .files import short
 
-__all__ = ["STYLES", "STYLE_ALIASES", "COLUMN_STYLES", "Style", "StyleInfo", "STYLE_INFO", "packed_parts"]
+__all__ = ["STYLES", "STYLE_ALIASES", "COLUMN_STYLES", "WHOLE_STYLES", "Style", "StyleInfo", "STYLE_INFO", "packed_parts"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,10 @@ STYLE_INFO: dict[str, StyleInfo] = {
                        "zeros elsewhere, and one all-reduce sums the result", "vocab"),
     "grad_allreduce": StyleInfo("any module kept whole whose input is sharded (e.g. per-head q/k norms): "
                                 "its parameter gradients are summed over the tensor-parallel group", "whole"),
+    "mla_kv_a": StyleInfo(
+        "multi-head latent attention's kv_a_proj_with_mqa (DeepSeek), kept whole: the last qk_rope_head_dim "
+        "features of its output (the rotary key every head shares) reach the heads split over tp directly, so "
+        "their gradient is summed over the group; the latent part's comes whole through kv_b_proj", "whole"),
     "expert_parallel": StyleInfo("a fused experts module (a mixture of experts) split by expert over mesh.ep, not tp: "
                                  "each rank holds E / ep experts and tokens reach them by all-to-all", "experts"),
     "expert_tensor_parallel": StyleInfo(
@@ -67,6 +71,7 @@ STYLE_ALIASES: dict[str, str] = {
     "colwise_rep": "column_gather",
     "rowwise_split_input": "row_split",
     "replicated_with_grad_allreduce": "grad_allreduce",
+    "mla_kv_a_proj": "mla_kv_a",
     "embedding_rowwise": "vocab",
     "packed_colwise": "packed_column",
     "ep_dispatch_experts": "expert_parallel",
@@ -75,6 +80,8 @@ STYLE_ALIASES: dict[str, str] = {
 
 # The styles that split output features (ColumnParallelLinear).
 COLUMN_STYLES = tuple(name for name, info in STYLE_INFO.items() if info.layer == "column")
+# The styles that keep their module whole on every tp rank.
+WHOLE_STYLES = tuple(name for name, info in STYLE_INFO.items() if info.layer == "whole")
 
 
 def packed_parts(style: str | None) -> int:

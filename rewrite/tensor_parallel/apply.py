@@ -12,9 +12,11 @@ from torch import nn
 
 from ..models.families import set_local_kv_groups
 from ..binding.heads import head_counts
+from ..binding.latent_attention import STYLE as LATENT_STYLE, rope_width
 from ..binding.resolve import ResolvedPlan
 from ..plan.styles import COLUMN_STYLES, STYLE_INFO, packed_parts
 from .comm import SharedInputCopy
+from .latent import make_rotary_key_copy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
 from .replicated import make_grad_allreduce
@@ -43,6 +45,9 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
         module = getattr(parent, name)
         if spec.style == "grad_allreduce":
             make_grad_allreduce(module, group)
+            continue
+        if spec.style == LATENT_STYLE:  # multi-head latent attention: the rotary key's gradient summed
+            make_rotary_key_copy(module, group, rope_width(model, parent))
             continue
         if spec.style == "vocab":
             new = VocabParallelEmbedding.from_embedding(module, group=group)

@@ -25,6 +25,8 @@ from torch.distributed import ProcessGroup
 
 from ..models.hf_llama import Backbone
 from ..binding.tp_switches import sequence_blocks
+from ..binding.latent_attention import LATENT, is_latent_attention
+from .latent import RotaryKeyCopy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
 from .replicated import make_grad_allreduce
@@ -118,13 +120,24 @@ def _input_is_reduced(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gathered(block: nn.Module, state: SequenceState) -> None:
-    """A block of split linears: its input gathered to the whole sequence, its row layers scattering it again."""
+    """A block of split linears: its input gathered to the whole sequence, its row layers scattering it again.
+
+    Multi-head latent attention's latent projections and norms run whole before its column layers: with the
+    columns' f off, their gradients are this rank's heads' share, summed over tp as a norm's are (and the
+    rotary key's gradient is left partial too: the gather's reduce-scatter sums what reaches the input)."""
     add_mixin(block, _GatherInput).sequence = state
     for sub in block.modules():
         if isinstance(sub, ColumnParallelLinear):
             sub.input_copy = _input_is_reduced
         elif isinstance(sub, RowParallelLinear):
             sub.sequence_parallel = True
+        elif isinstance(sub, RotaryKeyCopy):
+            sub.sequence = True
+        if is_latent_attention(sub):
+            for name in LATENT:
+                latent = getattr(sub, name, None)
+                if latent is not None and any(True for _ in latent.parameters(recurse=False)):
+                    make_grad_allreduce(latent, state.group)
 
 
 def _mixture(block: nn.Module, at: str, blocks, experts: str, split: Collection[str], state: SequenceState) -> None:
@@ -137,6 +150,13 @@ def _mixture(block: nn.Module, at: str, blocks, experts: str, split: Collection[
             _gathered(module, state)
         elif not any(f"{path}.".startswith(p) for p in inside) and any(True for _ in module.parameters(recurse=False)):
             make_grad_allreduce(module, state.group)  # a router, a gate, experts whole: this rank's tokens only
+
+
+def _sum_gradients(module: nn.Module, group: ProcessGroup) -> None:
+    """Every parameter of `module` (a norm, or a wrapper holding one) sums its gradient over `group`."""
+    for sub in module.modules():
+        if any(True for _ in sub.parameters(recurse=False)):
+            make_grad_allreduce(sub, group)
 
 
 def apply_sequence_parallel(
@@ -167,9 +187,9 @@ def apply_sequence_parallel(
                 _gathered(child, state)
             elif at in moe:
                 _mixture(child, at, blocks, moe[at], split_experts, state)
-            elif any(True for _ in child.parameters()):
-                make_grad_allreduce(child, group)  # the layer norms: each rank sees its tokens only
-    make_grad_allreduce(model.get_submodule(bb.norm), group)
+            else:
+                _sum_gradients(child, group)  # the layer norms: each rank sees its tokens only
+    _sum_gradients(model.get_submodule(bb.norm), group)
     norm = add_mixin(model.get_submodule(bb.norm), _GatherOutput)
     norm.sequence = state
     head = getattr(model, "lm_head", None) if bb.head else None

@@ -108,7 +108,9 @@ def test_plan_from_hf_reads_the_ep_plan(qwen3_moe):
     assert plan.mesh.ep == 2 and plan.mesh.dp == 2
     assert plan.tensor_parallel["model.layers.*.mlp.experts"] == "expert_parallel"
     assert not [k for k in plan.tensor_parallel if ".experts." in k]  # the experts module's rule, none inside
-    assert "model.layers.*.mlp.gate_proj" in plan.tensor_parallel  # a config may have dense layers
+    assert "model.layers.*.mlp.gate_proj" not in plan.tensor_parallel  # every layer sparse: its meta model says
+    dense = rewrite.plan_from_hf(type(qwen3_moe.config)(**{**qwen3_moe.config.to_dict(), "mlp_only_layers": [0]}), ep=2)
+    assert dense.tensor_parallel["model.layers.*.mlp.gate_proj"] == "column"  # a config with a dense layer keeps it
     fitted = rewrite.plan_from_hf(qwen3_moe, ep=2, dp=4)
     assert fitted.mesh.dp == 4 and "model.layers.*.mlp.gate_proj" not in fitted.tensor_parallel  # none here
     assert rewrite.resolve(fitted, qwen3_moe).experts[0].ep == 2

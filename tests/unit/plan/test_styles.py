@@ -10,7 +10,7 @@ from rewrite.plan.styles import COLUMN_STYLES, STYLE_ALIASES, STYLE_INFO, STYLES
 
 # The documented layout (docs/layers.md), written out: (weight dim, bias dim) split per style.
 SPLITS = {"column": (0, 0), "column_gather": (0, 0), "packed_column": (0, 0), "row": (1, None),
-          "row_split": (1, None), "vocab": (0, None), "grad_allreduce": (None, None),
+          "row_split": (1, None), "vocab": (0, None), "grad_allreduce": (None, None), "mla_kv_a": (None, None),
           # fused experts: split by expert over ep, or each expert's features over tp, as ExpertSpec.split_of says
           "expert_parallel": (None, None), "expert_tensor_parallel": (None, None)}
 
