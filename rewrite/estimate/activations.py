@@ -30,7 +30,7 @@ Bytes one decoder layer keeps for its backward:
     MLP               R B h + 4 R B i / t'  its input; gate, SiLU(gate), up and their product
     mixture of experts (k of E experts of width i_e a token, shared experts of width i_s, transformers'
     grouped_mm experts; `models.flops.moe_shape`)
-                      R B h + R (k (n B i_e / t_e + 2 B h + 36) + 16) / u + 4 R B i_s / t'
+                      R B h + R (k (n B i_e / t_e + 2 B h + 36) + 16) / u + 4 R_s B i_s / t_s
                                            its input; per (token, choice): the row sent to the expert,
                                            its gate/up, activation and product (n = 4; gpt-oss's
                                            clamped, sigmoid-gated ones 7: `models.flops.EXPERT_VALUES`),
@@ -42,7 +42,10 @@ Bytes one decoder layer keeps for its backward:
                                            t when ep borrows tp ranks, each taking 1/t of the
                                            tokens (ep's exchange buffers are not counted). Under
                                            sequence parallelism, experts not split over tp: R = C,
-                                           the block running on the rank's part; a
+                                           the block running on the rank's part. t_s: tp when the
+                                           shared experts are split over tp, else 1; R_s = R, or
+                                           under sequence parallelism with t_s = t the gathered
+                                           rows t C, whose input (t C B h) they keep besides; a
                                            gated shared expert (Qwen2-MoE) keeps B (h + 1) a token more
                                            (not counted: ~8 % of its MLP at hidden 64)
 
@@ -172,7 +175,7 @@ def _norm(z: Sizes, tokens: int) -> int:
     return tokens * (F32 * z.hidden + z.dtype_bytes * z.hidden + F32)
 
 
-def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int]:
+def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool, shared_split: bool = False) -> dict[str, int]:
     """Bytes each part of one decoder layer keeps, not checkpointed."""
     B, h, d, a = z.dtype_bytes, z.hidden, z.head_dim, z.heads
     ta, tm, T, R = (z.tp if attention_split else 1), (z.tp if mlp_split else 1), z.tokens, z.mlp_rows
@@ -185,15 +188,18 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool) -> dict[str, int
         "input_layernorm": _norm(z, z.chunk),
         "self_attn": attention,
         "post_attention_layernorm": _norm(z, z.chunk),
-        "mlp": _moe(z, tm) if z.top_k else R * B * h + 4 * R * B * z.intermediate // tm,
+        "mlp": _moe(z, tm, z.tp if shared_split else 1) if z.top_k else R * B * h + 4 * R * B * z.intermediate // tm,
     }
 
 
-def _moe(z: Sizes, tm: int) -> int:
+def _moe(z: Sizes, tm: int, ts: int) -> int:
     """Bytes a mixture of experts' block keeps (the module docstring's); under sequence parallelism, with
-    its experts not split over tp (tm = 1), it runs on the rank's part of the sequence (C rows)."""
+    its experts not split over tp (tm = 1), it runs on the rank's part of the sequence (C rows), and shared
+    experts split over tp (ts = t) gather every part's rows, which they keep besides."""
     B, R = z.dtype_bytes, (z.chunk if z.split_sequence and tm == 1 else z.mlp_rows)
-    return R * B * z.hidden + R * _routed(z, tm) // z.routed_split + 4 * R * B * z.shared_width // tm
+    rows = z.mlp_rows if z.split_sequence and ts > 1 else R
+    gathered = rows * B * z.hidden if rows != R else 0
+    return R * B * z.hidden + R * _routed(z, tm) // z.routed_split + 4 * rows * B * z.shared_width // ts + gathered
 
 
 def _routed(z: Sizes, tm: int = 1) -> int:
@@ -204,8 +210,8 @@ def _routed(z: Sizes, tm: int = 1) -> int:
 
 
 def layer_bytes(
-    z: Sizes, *, attention_split: bool = True, mlp_split: bool = True, first: bool = False,
-    recomputed: Collection[str] = (),
+    z: Sizes, *, attention_split: bool = True, mlp_split: bool = True, shared_split: bool | None = None,
+    first: bool = False, recomputed: Collection[str] = (),
 ) -> tuple[int, int]:
     """One decoder layer's activations for one microbatch: (bytes kept until its backward,
     bytes its recomputed forward holds again during the backward).
@@ -213,6 +219,7 @@ def layer_bytes(
     Args:
         z: the sizes.
         attention_split, mlp_split: the block's linears are split over tp (t' = t).
+        shared_split: a mixture of experts' shared experts are split over tp (t_s = t); None: as the MLP.
         first: the model's first layer (under sequence parallelism its input is whole).
         recomputed: "" for the whole layer, or names in `LAYER_PARTS`, checkpointed.
 
@@ -221,7 +228,8 @@ def layer_bytes(
         >>> layer_bytes(z), layer_bytes(z, recomputed=[""])
         ((74368, 0), (4096, 74368))
     """
-    parts = _parts(z, attention_split=attention_split, mlp_split=mlp_split)
+    shared = mlp_split if shared_split is None else shared_split
+    parts = _parts(z, attention_split=attention_split, mlp_split=mlp_split, shared_split=shared)
     # A checkpointed module keeps its input: the layer's (whole for the first under sequence
     # parallelism), or a part's, which under sequence parallelism is a rank's chunk.
     layer_input = (z.tokens if first else z.chunk) * z.dtype_bytes * z.hidden

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..binding.experts import TP_STYLE
+from ..plan.styles import COLUMN_STYLES
 from ..binding.resolve import ResolvedPlan
 
 __all__ = ["LAYER_PARTS", "activation_problem", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
@@ -27,12 +28,16 @@ def shard_styles(resolved: ResolvedPlan) -> dict[str, str]:
 
 def block_splits(styles: dict[str, str], layer: str) -> dict[str, bool]:
     """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their first linear is a column
-    (multi-head latent attention's: q_b_proj; a mixture of experts' MLP: its experts split over tp)."""
+    (multi-head latent attention's: q_b_proj; a mixture of experts' MLP: its experts split over tp), and
+    whether a mixture of experts' shared experts are (a column inside a child of its MLP)."""
+    inner = f"{layer}.mlp."
     return {
         "attention_split": "column" in (styles.get(f"{layer}.self_attn.q_proj"), styles.get(f"{layer}.self_attn.q_b_proj")),
         "mlp_split": styles.get(f"{layer}.mlp.gate_proj") == "column"
         or styles.get(f"{layer}.mlp.gate_up_proj") == "packed_column"
         or any(s == TP_STYLE and f.startswith(f"{layer}.") for f, s in styles.items()),
+        "shared_split": any(s in COLUMN_STYLES and f.startswith(inner) and "." in f[len(inner):]
+                            for f, s in styles.items()),
     }
 
 

@@ -31,9 +31,11 @@ gradients again in I (again in a recomputed F): T k (2 h + 1) B bytes each way p
 compute dtype (a family whose routing weights stay float32 under bfloat16 sends float32 rows).
 When ep borrows tp ranks each tp rank takes 1/t of the tokens: its routed experts' FLOPs (6 T h k i_e)
 and rows divide by t, and the layer all-gathers the chunks' outputs over tp in F (T h B) and their
-tokens' and routing weights' gradients in I (T (h + k) B). Under sequence parallelism a MoE block whose
-experts are not split over tp runs on the rank's part of the sequence: all its FLOPs and rows divide by
-t, with no collective of its own (shared experts split over tp are counted whole here).
+tokens' and routing weights' gradients in I (T (h + k) B). Shared experts split over tp (a column inside
+the MLP's children) divide their FLOPs (6 T h i_s) by t and add a collective of their own, as a split
+block does. Under sequence parallelism a MoE block whose experts are not split over tp runs on the rank's
+part of the sequence: all its FLOPs and rows divide by t, with no collective of its own but its split
+shared experts' gather and scatter.
 The first stage adds the embedding (a vocab-split one: an all-reduce of its output); the last
 the final norm, LM head and loss: a whole-vocabulary head gathered over tp ('column_gather')
 all-gathers T V B of logits, the vocabulary-parallel loss gathers 2 floats per token, and the
@@ -124,12 +126,14 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
         parts["scores"] *= (2 * c + 1) / (2 * c * c)
     ta = z.tp if splits["attention_split"] else 1
     tm = z.tp if splits["mlp_split"] else 1
+    ts = z.tp if splits.get("shared_split") and z.top_k and z.shared_width else 1  # shared experts over tp
     kv_share = z.kv_replicas if splits["attention_split"] else 1
     proj = (parts["q_o"] + parts["k_v"] * kv_share) / ta
     # ep borrowing tp ranks (u = t): each tp rank runs 1/u of the tokens through their k routed experts.
     u = z.routed_split if experts_split else 1
     routed = 6 * z.tokens * z.hidden * z.top_k * z.expert_width
-    scores, mlp = parts["scores"] / ta, (parts["mlp"] - routed * (1 - 1 / u)) / tm
+    shared = 6 * z.tokens * z.hidden * z.shared_width if z.top_k else 0
+    scores, mlp = parts["scores"] / ta, (parts["mlp"] - routed * (1 - 1 / u) - shared) / tm + shared / ts
     on_parts = z.split_sequence and z.top_k and tm == 1  # a MoE block on the rank's part: all of it per token
     if on_parts:
         mlp, u = parts["mlp"] / z.tp, (z.tp if experts_split else 1)
@@ -138,7 +142,7 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
     kv = clock.cp_gather(2 * z.batch_size * z.seq_len * z.kv_heads * kv_share * z.head_dim * z.dtype_bytes / ta)
     kept, _ = layer_bytes(z, **splits, first=first)
     block = z.tokens * z.dtype_bytes * z.hidden  # T h B: what a block's collective moves
-    blocks = int(ta > 1) + int(tm > 1)
+    blocks = int(ta > 1) + int(tm > 1) + int(ts > 1)  # split shared experts: a collective of their own
     if z.split_sequence:
         fwd_comm = bwd_comm = blocks * 2 * clock.gather(block)
     else:

@@ -195,3 +195,33 @@ def test_under_sequence_parallelism_a_moe_block_runs_on_the_ranks_part():
     # block's input, router and experts kept for the rank's part only.
     assert split.ep_comm == pytest.approx(whole.ep_comm) and split.flops < whole.flops
     assert rank_activations(parts, model)[0].peak < rank_activations(plain, model)[0].peak
+
+
+def test_shared_experts_split_over_tp_keep_and_compute_their_share():
+    # One tp rank's slices of DeepSeek-V3's shared experts (gate and up rows, down columns): what they keep
+    # drops by what the estimate says (their input, kept either way, cancels).
+    model = tiny_moe_model("deepseek_v3")
+    shared = model.model.layers[0].mlp.shared_experts
+    x = torch.randn(2, TOKENS // 2, model.config.hidden_size, requires_grad=True)
+    whole = _saved_bytes(shared, x)
+    width = shared.gate_proj.out_features
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj"):
+            getattr(shared, name).weight = torch.nn.Parameter(getattr(shared, name).weight[: width // 2].clone())
+        shared.down_proj.weight = torch.nn.Parameter(shared.down_proj.weight[:, : width // 2].clone())
+    measured = whole - _saved_bytes(shared, x)
+    z = Sizes.of(model.config, seq_len=TOKENS // 2, batch_size=2, tp=2)
+    assert z.shared_width == width
+    estimated = (layer_bytes(z, mlp_split=False, shared_split=False)[0]
+                 - layer_bytes(z, mlp_split=False, shared_split=True)[0])
+    assert abs(estimated / measured - 1) < 0.03, (estimated, measured)
+    # A plan's: plan_from_hf(tp=2, ep=2) splits them (experts by ep over the pair); without their rules whole.
+    plan = rewrite.plan_from_hf(tiny_moe_model("deepseek_v3"), tp=2, ep=2).model_dump()
+    plan["pipeline"].update(seq_len=16, microbatches=1)
+    whole_plan = {**plan, "tensor_parallel": {k: v for k, v in plan["tensor_parallel"].items() if "shared" not in k}}
+    split, kept = (rewrite.resolve(p, model) for p in (plan, whole_plan))
+    assert rank_activations(split, model)[0].peak < rank_activations(kept, model)[0].peak
+    (a,), (b,) = stage_times(split, model, UNIT), stage_times(kept, model, UNIT)
+    # Their FLOPs (6 T h i_s a layer, in F, I and W) halve; each layer adds an all-reduce each way.
+    assert b.flops - a.flops == pytest.approx(4 * 3 * 6 * 16 * 64 * width / 2)
+    assert a.tp_comm - b.tp_comm == pytest.approx(4 * 2 * all_reduce_s(16 * 4 * 64, 2, UNIT.intra_node, 1.0))
