@@ -30,10 +30,15 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
     holding slice rank // replicas of every block, blocks in order. Row: the weight's input
     columns cut into tp slices (the bias whole). Vocab: the embedding rows cut into tp slices.
     Fused experts split over ep: every tensor's experts (dim 0; each block of them) cut into ep slices, the rank
-    of the expert-parallel group holding its slice. Anything else is whole.
+    of the expert-parallel group holding its slice. A bare per-head parameter split with its module's heads
+    (attention sinks): its rows cut into tp slices, as the module's column layers' group. Anything else is whole.
     """
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
+    if leaf in getattr(owner, "_rewrite_split_parameters", ()):
+        column = next(m for m in owner.children() if isinstance(m, ColumnParallelLinear))
+        rank, size = _place(column.group)
+        return full.chunk(size)[rank]
     if isinstance(owner, ColumnParallelLinear):
         rank, size = _place(owner.group)
         slices = size // owner.replicas

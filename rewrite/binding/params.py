@@ -92,8 +92,10 @@ def held_by_stage(
         found = everything.union(*(holders.get(prefix, ()) for prefix in prefixes))
         if not found:
             continue
-        shard, spec = split.get(owner), by_expert.get(owner)
+        shard, spec, own = split.get(owner), by_expert.get(owner), split.get(name)
         shape = {"weight": shard.weight_shape, "bias": shard.bias_shape}.get(leaf) if shard else None
+        if own is not None and own.parameter:  # a bare parameter split with the heads
+            shape = own.weight_shape
         if spec is not None:
             shape = spec.split_of(leaf).local_shape(whole)
         held = HeldParameter(name, tuple(shape or whole), element_size, ident, spec is not None and spec.ep > 1)

@@ -96,6 +96,9 @@ def split_dim(style: str, leaf: str) -> int | None:
 
 def state_split(shards: Mapping[str, ShardSpec], experts: Mapping[str, ExpertSpec], name: str) -> TensorSplit:
     """How a rank holds state-dict tensor `name`, given the plan's shards and experts split over ep, by module path."""
+    own = shards.get(name)
+    if own is not None and own.parameter:  # a bare parameter split with the heads: rows, in tp slices
+        return TensorSplit(0, own.tp) if own.tp > 1 else WHOLE
     owner, _, leaf = name.rpartition(".")
     expert = experts.get(owner)
     if expert is not None and expert.splits:

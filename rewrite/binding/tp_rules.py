@@ -17,6 +17,7 @@ from ..plan.styles import COLUMN_STYLES, STYLE_INFO, WHOLE_STYLES, packed_parts
 from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
 from .latent_attention import latent_problems
 from .tp_fits import fitting_tps
+from .tp_params import parameter_problem
 from .tp_whole import kept_whole
 from ..plan.wording import either
 from ..plan.patterns import match_pattern, unmatched_problem
@@ -40,6 +41,7 @@ class ShardSpec:
     bias_shape: tuple[int, ...] | None  # on each rank
     replicas: int = 1  # tp ranks holding each slice: a k/v projection past its kv heads, tp / kv
     tp: int = 1  # the plan's mesh.tp
+    parameter: bool = False  # `fqn` names a bare parameter (attention sinks), split along dim 0 (`tp_params`)
 
     @property
     def slices(self) -> int:
@@ -90,14 +92,16 @@ def shard_problems(
     A problem about one rule starts with that rule's line when the plan came from a file.
     """
 
-    tp, problems, chosen = rules.tp, [], {}
+    tp, problems, chosen, params = rules.tp, [], {}, {}
     names = list(modules)
     tied = tied_modules(model)
     for pattern, style in rules.rules:
         at = rules.at(pattern)
         hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
         if not hits:
-            problems.append(unmatched_problem(at, pattern, names))
+            found = [n for n, _ in model.named_parameters() if match_pattern(pattern, n)]
+            params.update((n, (pattern, style)) for n in found)  # bare parameters (attention sinks)
+            problems += [] if found else [unmatched_problem(at, pattern, names)]
         for fqn in hits:
             module = modules[fqn]
             if STYLE_INFO[style].layer == "experts":
@@ -140,7 +144,7 @@ def shard_problems(
             else:
                 chosen.setdefault(fqn, (pattern, style))
     if tp > 1:
-        implied, whole_problems = kept_whole(modules, {f: s for f, (_, s) in chosen.items()})
+        implied, whole_problems = kept_whole(modules, {f: s for f, (_, s) in [*chosen.items(), *params.items()]})
         problems += whole_problems + latent_problems(model, modules, chosen, tp, rules.at)
         for fqn in implied:
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
@@ -189,11 +193,27 @@ def shard_problems(
         bias = None if lin.bias is None else (split if split_out else WHOLE).local_shape((lin.out_features,))
         shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias,
                                 replicas, tp))
+    shards += _parameter_shards(model, params, {f: s for f, (_, s) in chosen.items()}, tp, rules, problems)
     if tp > 1:
         rule_at = {s.fqn: rules.at(s.pattern) for s in shards if s.pattern != "(implied)"}
         problems += _tied_problems(tied, {s.fqn: s.style for s in shards}, rule_at)
         problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp, rule_at, rules.tp_line)
     return shards, problems
+
+
+def _parameter_shards(model: nn.Module, params: dict[str, tuple[str, str]], styles: dict[str, str], tp: int,
+                      rules: TpRules, problems: list[str]) -> list[ShardSpec]:
+    """The bare parameters the rules split (`tp_params`), their problems added to `problems`."""
+    found, shards = dict(model.named_parameters()), []
+    for name, (pattern, style) in params.items():
+        param = found[name]
+        problem = parameter_problem(name, param, style, tp, f"{rules.at(pattern)}tensor_parallel[{pattern!r}]", styles)
+        if problem:
+            problems.append(problem)
+            continue
+        local = TensorSplit(0, tp).local_shape(tuple(param.shape))
+        shards.append(ShardSpec(name, style, pattern, None, param.shape[0], False, local, None, 1, tp, parameter=True))
+    return shards
 
 
 def _dim_meaning(model: nn.Module, size: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..plan.patterns import general_path
 from .latent_attention import LATENT, is_latent_attention
 
 __all__ = ["kept_whole"]
@@ -36,9 +37,13 @@ def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[l
         if is_latent_attention(modules[parent]):
             own = (*own, *LATENT)
         for name, param in modules[parent].named_parameters(recurse=False):
+            if f"{parent}.{name}" in styles:  # split with the heads by its own rule (`tp_params`)
+                continue
             problems.append(
                 f"{parent}.{name} is a parameter of {parent} itself, kept whole while its {width} features are "
                 f"split over tp: its gradient would be partial; leave {parent} unsharded"
+                + (f", or, if it holds one value per head (attention sinks), split it with them: "
+                   f"tensor_parallel['{general_path(parent)}.{name}']: column" if leaf == "q_proj" else "")
             )
         for name, child in modules[parent].named_modules():
             path = f"{parent}.{name}"

@@ -30,6 +30,7 @@ from ..pipeline.stage import Stage
 from ..binding.resolve import resolve
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan, PlanError
+from ..tensor_parallel.head_params import split_parameters
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from ..expert_parallel.tensor import ExpertTensorParallelMixin
@@ -63,6 +64,8 @@ def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
         return None
     if isinstance(owner, ExpertTensorParallelMixin):
         return None  # each expert's slices: the module's tensors are this tp rank's (`split_experts_over_tp`)
+    if entry.name.rpartition(".")[2] in split_parameters(owner):
+        return None  # a bare per-head parameter, this tp rank's heads' values (`split_head_parameter`)
     if num_experts(owner) is not None:
         return f"{entry.name}: the plan splits each expert over tp, the model holds a {type(owner).__name__} whole"
     classes = (ColumnParallelLinear, VocabParallelEmbedding) if entry.dim == 0 else (RowParallelLinear,)

@@ -265,6 +265,10 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
             }[style]
             parent, _, leaf = fqn.rpartition(".")
             setattr(tiny.get_submodule(parent) if parent else tiny, leaf, nn.Linear(inputs, outputs, bias=module.bias is not None))
+        for fqn, param in list(tiny.named_parameters()):  # bare per-head parameters split with the heads (sinks)
+            if styles.get(_template(fqn)) == "column":
+                parent, _, leaf = fqn.rpartition(".")
+                setattr(tiny.get_submodule(parent), leaf, nn.Parameter(param.detach()[: param.shape[0] // tp].clone()))
         for fqn, module in tiny.named_modules():
             if styles.get(_template(f"{fqn}.k_proj")) == "kv":
                 set_local_kv_groups(module, config.num_attention_heads // tp, 1)

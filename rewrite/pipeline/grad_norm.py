@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..expert_parallel import expert_parameters
 from ..expert_parallel.tensor import ExpertTensorParallelMixin
 from ..lent import lend
+from ..tensor_parallel.head_params import split_parameter_ids
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 from .stage import Stage
@@ -141,7 +142,7 @@ def _check(stage: Stage, max_norm, norm_type) -> float:
 def _tp_split_ids(module: nn.Module, tp_rank: int) -> set[int]:
     """Ids of the parameters split over tp that count on tp rank `tp_rank`: column weight and
     bias, row weight, vocabulary rows; a slice held by `replicas` ranks only on the first of them."""
-    out = set()
+    out = split_parameter_ids(module)  # bare per-head parameters (attention sinks): a slice on each rank
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             # A row layer's bias is whole on every rank; a replica's slice counts on the first of its holders.

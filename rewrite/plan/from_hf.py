@@ -10,7 +10,7 @@ from ..models.expert_split import split_problem, tp_layout
 from .loading import load_plan
 from .patterns import match_pattern
 from .schema import ParallelPlan
-from .styles import STYLE_ALIASES, STYLES
+from .styles import NEEDS_NO_RULE, STYLE_ALIASES, STYLES
 
 __all__ = ["plan_from_hf"]
 
@@ -128,6 +128,7 @@ def plan_from_hf(
         rules = {k: v for k, v in rules.items() if not _is_vocab(v)}
     else:
         rules.update(head_rules)
+    rules = {k: v for k, v in rules.items() if v not in NEEDS_NO_RULE}  # local_params: how HF's DTensors run
     known = {*STYLES, *STYLE_ALIASES}
     unsupported = {k: v for k, v in rules.items() if v not in known}
     if unsupported:
@@ -179,8 +180,8 @@ def _with_experts(rules: dict[str, str], config, prefix: str, model: nn.Module |
         return rules
     inside = [k for k in rules if any(k == e or k.startswith(e + ".") for e in experts)]
     kept = {k: v for k, v in rules.items() if k not in inside}
-    if model is not None:
-        names = [n for n, _ in model.named_modules() if n]
+    if model is not None:  # a rule may name a module, or a bare parameter (attention sinks)
+        names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
         kept = {k: v for k, v in kept.items() if any(match_pattern(k, n) for n in names)}
     split = [e for e in experts if split_over_tp and STYLE_ALIASES.get(rules.get(e, "")) == "expert_tensor_parallel"]
     split = [e for e in split if model is not None and _splits_over_tp(model, e)]  # where they add up so split

@@ -10,7 +10,7 @@ from pydantic import BeforeValidator
 
 from .files import short
 
-__all__ = ["STYLES", "STYLE_ALIASES", "COLUMN_STYLES", "WHOLE_STYLES", "Style", "StyleInfo", "STYLE_INFO", "packed_parts"]
+__all__ = ["STYLES", "STYLE_ALIASES", "NEEDS_NO_RULE", "COLUMN_STYLES", "WHOLE_STYLES", "Style", "StyleInfo", "STYLE_INFO", "packed_parts"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,12 @@ STYLE_ALIASES: dict[str, str] = {
     "moe_tp_experts": "expert_tensor_parallel",
 }
 
+# Hugging Face styles that say how its DTensor layers run, and why a plan here needs no rule for them.
+NEEDS_NO_RULE: dict[str, str] = {
+    "local_params": "every module here already runs on its rank's own tensors: remove the rule (a rule "
+                    "splitting the module's parameters with its heads, such as 'self_attn.sinks': column, stays)",
+}
+
 # The styles that split output features (ColumnParallelLinear).
 COLUMN_STYLES = tuple(name for name, info in STYLE_INFO.items() if info.layer == "column")
 # The styles that keep their module whole on every tp rank.
@@ -97,6 +103,8 @@ def _style(value: Any) -> Any:
         return value
     if value in STYLE_ALIASES:
         return STYLE_ALIASES[value]
+    if value in NEEDS_NO_RULE:
+        raise ValueError(f"style {short(value)} is not needed: {NEEDS_NO_RULE[value]}")
     known = [*STYLES, *STYLE_ALIASES]
     close = difflib.get_close_matches(value, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -15,7 +15,8 @@ from ..binding.heads import head_counts
 from ..binding.latent_attention import STYLE as LATENT_STYLE, rope_width
 from ..binding.resolve import ResolvedPlan
 from ..plan.styles import COLUMN_STYLES, STYLE_INFO, packed_parts
-from .comm import SharedInputCopy
+from .comm import SharedInputCopy, group_rank
+from .head_params import split_head_parameter
 from .latent import make_rotary_key_copy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
@@ -35,11 +36,14 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
     their gradients summed over `kv_group` (`Mesh.kv_group`), and their attention is told
     its rank's query heads per kv head.
     """
-    columns = Counter(s.fqn.rpartition(".")[0] for s in resolved.shards if s.style in COLUMN_STYLES)
+    columns = Counter(s.fqn.rpartition(".")[0] for s in resolved.shards if s.style in COLUMN_STYLES and not s.parameter)
     # Siblings reading one activation (q/k/v; gate/up) share one backward all-reduce.
     copies = {p: SharedInputCopy(group) for p, n in columns.items() if n > 1 and p}
     sharded: dict[int, nn.Parameter] = {}  # id of a replaced weight -> the shard that replaced it
     for spec in resolved.shards:
+        if spec.parameter:  # attention sinks: this rank's heads' values
+            split_head_parameter(model, spec.fqn, group_rank(group), spec.tp)
+            continue
         parent_name, _, name = spec.fqn.rpartition(".")
         parent = model.get_submodule(parent_name)
         module = getattr(parent, name)

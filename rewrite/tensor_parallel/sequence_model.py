@@ -89,7 +89,8 @@ class _GatherInput:
     """An attention or MLP block: all-gather the sequence chunks before the column layers.
 
     Attention drops the padding rows (its rotary embeddings and mask are for s tokens,
-    read from `position_embeddings`); the MLP works row by row, padding included.
+    read from `position_embeddings`, else from the forward in flight); the MLP works row by row,
+    padding included.
     """
 
     sequence: SequenceState
@@ -97,7 +98,9 @@ class _GatherInput:
     def forward(self, *args, **kwargs):
         hidden, args, kwargs = _hidden_arg(args, kwargs)
         rotary = kwargs.get("position_embeddings")
-        length = rotary[0].shape[-2] if rotary is not None else None
+        # s: the rotary embeddings' length; an attention without them (called with its mask, positions, ...):
+        # that of the forward in flight; an MLP (the hidden states alone): None, padding kept
+        length = rotary[0].shape[-2] if isinstance(rotary, tuple) else self.sequence.length if args or kwargs else None
         full = gather_from_sequence(hidden, self.sequence.group, length=length)  # (b, s or tp*c, h)
         return super().forward(full, *args, **kwargs)
 

@@ -63,8 +63,8 @@ def _whole_shape(model: nn.Module | None, fqn: str, leaf: str) -> list[int] | No
         return None
     try:
         param = getattr(model.get_submodule(fqn), leaf, None)
-    except AttributeError:
-        return None
+    except AttributeError:  # a bare parameter a rule splits (attention sinks): its shape as the 'weight'
+        param = dict(model.named_parameters()).get(fqn) if leaf == "weight" else None
     return list(param.shape) if param is not None else None
 
 
