@@ -27,6 +27,9 @@ Bytes one decoder layer keeps for its backward:
                                            whole sequence's (GQA keeps g r / t' heads a rank; under
                                            cp the gathered keys and values, c T tokens)
                     + T ((4 + B) (a + g r) d + 4 (a + g r)) / t'   with per-head q_norm / k_norm (Qwen3)
+    latent attention  T B h + sum over the latents r_q, r_kv of T (4 r + 2 B r + 4)   (DeepSeek's MLA:
+                    + (T (B a d_qk + 2 B a d_v + 4 a) + b s B a (d_qk + d_nope + d_v)) / t'
+                                           `models.latent_shape.latent_attention_bytes`)
     MLP               R B h + 4 R B i / t'  its input; gate, SiLU(gate), up and their product
     mixture of experts (k of E experts of width i_e a token, shared experts of width i_s, transformers'
     grouped_mm experts; `models.flops.moe_shape`)
@@ -92,6 +95,7 @@ import torch
 from torch import nn
 
 from ..models.flops import EXPERT_VALUES, config_size, moe_shape
+from ..models.latent_shape import LatentShape, latent_attention_bytes, latent_shape
 from ..binding.resolve import ResolvedPlan
 from .plan_parts import LAYER_PARTS, activation_problem, block_splits, loss_sharded, recomputed_parts, shard_styles
 from ..schedules import peak_in_flight, plan_table
@@ -128,6 +132,7 @@ class Sizes:
     shared_width: int = 0  # i_s: the shared experts together
     expert_values: int = 4  # n: values an expert keeps per routed row and intermediate feature
     routed_split: int = 1  # u: ranks sharing out a replica's tokens before their experts (ep borrowing tp: t)
+    latent: LatentShape | None = None  # multi-head latent attention's shape (DeepSeek's MLA), else None
 
     @classmethod
     def of(cls, config, *, seq_len: int, **run) -> Sizes:
@@ -139,7 +144,8 @@ class Sizes:
             hidden=h, heads=a, kv_heads=getattr(config, "num_key_value_heads", None) or a,
             head_dim=getattr(config, "head_dim", None) or h // a,  # Mistral's config may hold None
             intermediate=i, vocab=v, seq_len=seq_len, top_k=k, expert_width=width, shared_width=shared,
-            expert_values=EXPERT_VALUES.get(getattr(config, "model_type", None), 4), **run,
+            expert_values=EXPERT_VALUES.get(getattr(config, "model_type", None), 4),
+            latent=latent_shape(config), **run,
         )
 
     @property
@@ -182,6 +188,9 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool, shared_split: bo
     g = z.kv_heads * (z.kv_replicas if attention_split else 1)  # g r: a rank holds g r / t' kv heads
     kv_tokens = z.batch_size * z.seq_len  # SDPA keeps the whole sequence's keys and values (gathered under cp)
     attention = T * B * h + (T * (B * a * d + 2 * B * a * d + F32 * a) + kv_tokens * B * 2 * g * d) // ta
+    if z.latent is not None:
+        attention = T * B * h + latent_attention_bytes(z.latent, tokens=T, kv_tokens=kv_tokens, heads=a,
+                                                       dtype_bytes=B, tp=ta)
     if z.qk_norm:
         attention += T * ((F32 + B) * (a + g) * d + F32 * (a + g)) // ta
     return {

@@ -9,6 +9,7 @@ each under kv replication divide by t / r):
     F   q_o + k_v + scores + mlp + norms            matmul FLOPs / (peak x matmul efficiency)
     I   q_o + k_v + 2 scores + mlp + 2 norms        the input gradients (attention's are twice its forward)
     W   q_o + k_v + mlp                             the weight gradients
+(multi-head latent attention adds its down-projections to q_o + k_v, whole under tp).
 Memory traffic, at the bandwidth: F writes and reads back what the layer keeps for its backward
 (`activations.layer_bytes`) and reads the weights; I reads it and writes as much again; W reads
 and accumulates the gradients (2x the weights). A checkpointed layer adds its forward to its I.
@@ -128,7 +129,7 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
     tm = z.tp if splits["mlp_split"] else 1
     ts = z.tp if splits.get("shared_split") and z.top_k and z.shared_width else 1  # shared experts over tp
     kv_share = z.kv_replicas if splits["attention_split"] else 1
-    proj = (parts["q_o"] + parts["k_v"] * kv_share) / ta
+    proj = (parts["q_o"] + parts["k_v"] * kv_share) / ta + parts.get("latent", 0)  # latent attention's, whole
     # ep borrowing tp ranks (u = t): each tp rank runs 1/u of the tokens through their k routed experts.
     u = z.routed_split if experts_split else 1
     routed = 6 * z.tokens * z.hidden * z.top_k * z.expert_width

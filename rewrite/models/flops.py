@@ -10,6 +10,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .hf_llama import Backbone
+from .latent_shape import latent_flop_parts, latent_shape
 
 __all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops", "EXPERT_VALUES", "moe_shape", "moe_width",
            "TRAINING"]
@@ -88,8 +89,10 @@ def layer_flop_parts(config, *, seq_len: int) -> dict[str, int]:
         mlp     MLP gate, up, down         6 s h i
         norms   two RMSNorms               2 * NORM_FLOPS s h
     A mixture of experts (`moe_width`): i is the width a token runs through, k experts of width
-    i_e plus the shared ones, and the router adds 2 s h E. Elementwise work (RoPE, SiLU,
-    residuals, the score softmax) is left out: ~1% here.
+    i_e plus the shared ones, and the router adds 2 s h E. Multi-head latent attention
+    (`latent_shape`) has its own q_o, k_v and scores and a `latent` part (the down-projections,
+    whole under tp): `latent_flop_parts`. Elementwise work (RoPE, SiLU, residuals, the score
+    softmax) is left out: ~1% here.
     """
     h, a = config_size(config, "hidden_size"), config_size(config, "num_attention_heads")
     moe = moe_width(config)
@@ -98,10 +101,10 @@ def layer_flop_parts(config, *, seq_len: int) -> dict[str, int]:
     d = _one_size(config, "head_dim") or h // a  # Mistral's config may hold head_dim=None
     s = seq_len
     router = 0 if moe is None else 2 * s * h * moe[1]
-    return {
-        "q_o": 2 * s * h * d * 2 * a, "k_v": 2 * s * h * d * 2 * kv, "scores": 4 * s * s * a * d,
-        "mlp": 6 * s * h * i + router, "norms": 2 * NORM_FLOPS * s * h,
-    }
+    latent = latent_shape(config)
+    attention = ({"q_o": 2 * s * h * d * 2 * a, "k_v": 2 * s * h * d * 2 * kv, "scores": 4 * s * s * a * d}
+                 if latent is None else latent_flop_parts(latent, hidden=h, heads=a, seq_len=s))
+    return {**attention, "mlp": 6 * s * h * i + router, "norms": 2 * NORM_FLOPS * s * h}
 
 
 def _first(config, *names: str) -> int | None:
