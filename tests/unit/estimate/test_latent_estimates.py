@@ -11,6 +11,7 @@ from rewrite.estimate.activations import Sizes, layer_bytes
 from rewrite.models.flops import layer_flop_parts
 from rewrite.models.latent_shape import LatentShape, latent_shape
 from tests.families import tiny_moe_model
+from tests.saved_bytes import saved_bytes
 
 B, S = 2, 64
 
@@ -20,18 +21,8 @@ def _attention_bytes(model) -> int:
     attention = model.model.layers[0].self_attn
     x = torch.randn(B, S, model.config.hidden_size, requires_grad=True)
     rotary = model.model.rotary_emb(x, torch.arange(S)[None].expand(B, -1))
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *rotary]}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        attention(x, position_embeddings=rotary, attention_mask=None)
-    return sum(saved.values())
+    return saved_bytes(lambda: attention(x, position_embeddings=rotary, attention_mask=None),
+                       [*model.parameters(), *rotary])
 
 
 def _estimated(config, tp: int) -> int:

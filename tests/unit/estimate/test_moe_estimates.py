@@ -19,6 +19,7 @@ from rewrite.estimate.hardware import Efficiency, Hardware, Link
 from rewrite.estimate.stage_time import stage_times
 from rewrite.estimate.step_time import stage_parameters
 from tests.families import tiny_moe_model
+from tests.saved_bytes import saved_bytes
 
 TOKENS = 256
 RULE = {"model.layers.*.mlp.experts": "expert_parallel"}
@@ -33,18 +34,7 @@ UNIT = Hardware(
 
 def _saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
     """Bytes of the storages autograd saves in `module`'s forward on `x`, its parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module(x)
-    return sum(saved.values())
+    return saved_bytes(lambda: module(x), module.parameters())
 
 
 @pytest.mark.parametrize("family, dtype", [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16),
