@@ -20,7 +20,7 @@ from .estimate.memory import RankMemory, rank_memory
 from .estimate.step_time import StepPrediction, predict_step
 from .pipeline.batches import microbatches
 from .pipeline.grad_norm import clip_grad_norm_
-from .pipeline.loss import LogitShard, takes_logit_shards
+from .pipeline.loss import LogitShard, returns_token_sums, takes_logit_shards
 from .pipeline.runner import causal_lm_loss, run_schedule
 from .pipeline.stage import Stage, TimelineEvent
 from .pipeline.timeline import gather_timeline, plot_timeline
@@ -52,6 +52,7 @@ __all__ = [
     "microbatches",
     "run_schedule",
     "causal_lm_loss",
+    "returns_token_sums",
     "takes_logit_shards",
     "LogitShard",
     "clip_grad_norm_",

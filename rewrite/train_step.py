@@ -38,7 +38,8 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> torch.Ten
         dtype: the stage's parameter dtype and the dtype of hidden states and gradients.
 
     Returns:
-        The step loss: mean cross-entropy over microbatches, the same on every rank.
+        The step loss: the cross-entropy's mean over every trained token of the batch (targets
+        other than -100), the same on every rank.
 
     Example:
         >>> loss = train_step_pipeline_afab(model, ids_chunks, target_chunks, "cpu", torch.float32)

@@ -2,9 +2,8 @@
 
 Every rank holds the whole microbatch; each keeps its two chunks (`shard.py`). Positions are
 the tokens' own (0 .. seq - 1, or a packed row's restarting ones), so rotary embeddings see
-where each token is; the attention's `SequenceShard` keeps the whole row's documents. The loss of
-a microbatch is its token mean over the whole sequence: each rank's share is the sum over its
-counted tokens divided by the whole microbatch's count, so the shares add up to it.
+where each token is; the attention's `SequenceShard` keeps the whole row's documents. Each rank's loss is the sum over its own counted
+tokens; the runner divides it by the global batch's count, so the cp ranks' losses add up.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from ..tensor_parallel.loss import IGNORE_INDEX
 from .attention import SequenceShard, sequence_shard
 from .shard import held, shard_sequence
 
@@ -29,13 +27,6 @@ class SequencePart:
     positions: torch.Tensor  # [mb, seq / cp]
     shard: SequenceShard
     targets: torch.Tensor | None  # [mb, seq / cp] (None where the stage computes no loss)
-    counted: int  # targets this rank's loss counts
-    whole: int  # targets the whole microbatch counts
-
-    @property
-    def share(self) -> float:
-        """This rank's tokens' share of the microbatch's mean: counted / whole (0 when nothing counts)."""
-        return self.counted / self.whole if self.whole else 0.0
 
 
 def sequence_part(ids: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor | None, *,
@@ -44,16 +35,10 @@ def sequence_part(ids: torch.Tensor, positions: torch.Tensor | None, targets: to
     seq = ids.shape[-1]
     mine = held(seq, cp, rank)
     local_positions = mine.expand(ids.shape[0], -1) if positions is None else shard_sequence(positions, cp, rank)
-    local_targets, counted, whole = None, 0, 0
-    if targets is not None:
-        local_targets = shard_sequence(targets, cp, rank)
-        counted, whole = int((local_targets != IGNORE_INDEX).sum()), int((targets != IGNORE_INDEX).sum())
-        local_targets = local_targets.to(device)
+    local_targets = None if targets is None else shard_sequence(targets, cp, rank).to(device)
     return SequencePart(
         ids=shard_sequence(ids, cp, rank).to(device),
         positions=local_positions.to(device),
         shard=sequence_shard(group, cp, rank, seq, device=device, position_ids=positions),
         targets=local_targets,
-        counted=counted,
-        whole=whole,
     )

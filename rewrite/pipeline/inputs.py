@@ -3,8 +3,9 @@
 Each rank checks what it can see: the structure of its arguments (a list of tensors, their
 shapes and dtypes; worked out once per structure) and their values (token ids inside the
 vocabulary, targets a cross-entropy accepts; every step, in one read of a few integers for
-all microbatches). Then one all-reduce of three integers on the mesh's host group carries a
-fingerprint of every rank's view (count, shapes, dtypes) and whether it found a problem: a
+all microbatches). Then one all-reduce of a few integers on the mesh's host group carries a
+fingerprint of every rank's view (count, shapes, dtypes), whether it found a problem, and each
+replica's trained tokens (targets other than -100), which a token-weighted loss divides by: a
 steady step makes no other collective here, and no device read when its microbatches are
 on the host. Only when some rank found a problem, or views differ, do the ranks share their
 findings (`agree`) and raise the same InputError on every rank, naming the rank and the
@@ -31,7 +32,8 @@ from ..errors import InputError
 __all__ = ["check_step_inputs"]
 
 
-def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what: str = "run_schedule") -> None:
+def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, count_tokens: bool = False,
+                      what: str = "run_schedule") -> int | None:
     """Raise the same ValueError on every rank if any rank's microbatches are bad or ranks' differ.
 
     Collective: every rank calls it before its step's first transfer.
@@ -42,20 +44,30 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what
         targets: this rank's targets (read on the last stage).
         default_loss: targets go to the default cross-entropy, so they must be class
             ids in `[0, classes)` or -100.
+        count_tokens: count the targets other than -100 of the global batch (every replica's
+            last stage's), for a loss normalised by them.
         what: the caller's name, for the message.
+
+    Returns:
+        The global batch's trained tokens when `count_tokens`, else None; the same on every rank.
     """
-    view, found = _describe(inputs), True
+    view, found, counted = _describe(inputs), True, None
     replica, replicas = (stage.mesh.dp_rank, stage.mesh.dp) if isinstance(stage, Stage) else (0, 1)
     positions = positions_mark(inputs)
     if isinstance(stage, Stage):
-        found = _structure_fails(_facts(stage, _packed(inputs)), _layout(inputs), _layout(targets), default_loss)
-        found = found or not _values_fit(stage, inputs, targets, default_loss)
+        found = _structure_fails(_facts(stage, _packed(inputs)), _layout(inputs), _layout(targets), default_loss,
+                                 count_tokens)
+        if not found:
+            fits, counted = _values_fit(stage, inputs, targets, default_loss, count_tokens)
+            found = not fits
     group = stage.mesh.host_group if isinstance(stage, Stage) else None
-    if not _verdict(group, view, found, positions, replica, replicas):
-        return
+    flagged, total = _verdict(group, view, found, positions, counted, replica, replicas)
+    if not flagged:
+        return total if count_tokens else None
     # Some rank found a problem or saw other microbatches: every rank is here; say what each found.
-    views = agree(_local_problems(stage, inputs, targets, default_loss), what, view=(view, replica, positions))
-    groups = ranks_by_value([v for v, _, _ in views])
+    views = agree(_local_problems(stage, inputs, targets, default_loss, count_tokens), what,
+                  view=(view, replica, positions, counted))
+    groups = ranks_by_value([v for v, _, _, _ in views])
     if len(groups) > 1:
         seen = "; ".join(f"{describe_ranks(r)}: {v}" for v, r in groups.items())
         raise InputError(
@@ -65,30 +77,46 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, what
                if stage.mesh.dp > 1 else "")
         )
     for d in range(replicas):
-        marks = ranks_by_value([p for v, r, p in views if r == d])
+        of_replica = " (replica {d})".format(d=d) if replicas > 1 else ""
+        marks = ranks_by_value([p for v, r, p, _ in views if r == d])
         if len(marks) > 1:
-            ranks = [i for i, (_, r, _) in enumerate(views) if r == d]
+            ranks = [i for i, (_, r, _, _) in enumerate(views) if r == d]
             raise InputError(
-                f"{what}: {describe_ranks(ranks)}" + (f" (replica {d})" if replicas > 1 else "")
-                + " were given different position_ids; every stage reads them from its own microbatches, "
+                f"{what}: {describe_ranks(ranks)}{of_replica}"
+                " were given different position_ids; every stage reads them from its own microbatches, "
                 "so pass the same microbatches on every rank" + (" of a replica" if replicas > 1 else "")
+            )
+        counts = ranks_by_value([c for _, r, _, c in views if r == d and c is not None])
+        if len(counts) > 1:
+            ranks = [i for i, (_, r, _, c) in enumerate(views) if r == d and c is not None]
+            seen = "; ".join(f"{describe_ranks([ranks[i] for i in r])}: {c}" for c, r in counts.items())
+            raise InputError(
+                f"{what}: the last stage's {describe_ranks(ranks)}{of_replica} were given targets with different "
+                f"numbers of trained tokens (other than {IGNORE_INDEX}: {seen}); each of them computes the loss "
+                "of the same rows, so pass the same targets on every rank" + (" of a replica" if replicas > 1 else "")
             )
 
 
-def _verdict(group, view: str, found: bool, positions: int, replica: int, replicas: int) -> bool:
+def _verdict(group, view: str, found: bool, positions: int, counted: int | None, replica: int,
+             replicas: int) -> tuple[bool, int]:
     """On every rank alike: whether any rank found a problem, ranks' views differ, or the ranks of a
-    replica hold different positions (one all-reduce of 3 + 2 x dp int64)."""
+    replica hold different positions or trained-token counts; and the trained tokens of every replica
+    added up (one all-reduce of 3 + 4 x dp int64)."""
     if dist.get_world_size() == 1:
-        return found
+        return found, counted or 0
     mark = _fingerprint(view)
-    verdict = torch.full((3 + 2 * replicas,), _LOWEST, dtype=torch.int64)
+    verdict = torch.full((3 + 4 * replicas,), _LOWEST, dtype=torch.int64)
     verdict[:3] = torch.tensor([mark, -mark, int(found)])
     verdict[3 + 2 * replica : 5 + 2 * replica] = torch.tensor([positions, -positions])  # the other replicas' stay lowest
+    if counted is not None:  # the last stage's ranks: their replica's count
+        at = 3 + 2 * replicas + 2 * replica
+        verdict[at : at + 2] = torch.tensor([counted, -counted])
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
     lend(verdict)
     highest, negated_lowest, flagged, *marks = verdict.tolist()
     spread = any(top != -low for top, low in zip(marks[::2], marks[1::2]) if top != _LOWEST)
-    return bool(flagged) or highest != -negated_lowest or spread
+    total = sum(top for top in marks[2 * replicas :: 2] if top != _LOWEST)
+    return bool(flagged) or highest != -negated_lowest or spread, total
 
 
 _LOWEST = torch.iinfo(torch.int64).min
@@ -128,7 +156,8 @@ def _entry(x) -> tuple | str:
 
 
 @lru_cache(maxsize=256)
-def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, default_loss: bool) -> bool:
+def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, default_loss: bool,
+                     count_tokens: bool) -> bool:
     """Whether a structure (from `_layout`) breaks a rule that shapes and dtypes alone decide (`_local_problems`')."""
     takes_ids, last, classes, unpackable, cp = facts
     if isinstance(inputs, str) or not inputs or any(isinstance(x, str) for x in inputs):
@@ -145,6 +174,8 @@ def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, de
         return False
     if isinstance(targets, str) or len(targets) != len(inputs):
         return True
+    if count_tokens and any(isinstance(t, str) for t in targets):
+        return True  # counting trained tokens needs tensors
     return default_loss and any(
         isinstance(t, str) or not _integer_dtype(t[1]) or (takes_ids and t[0] != inputs[i][0])
         for i, t in enumerate(targets)
@@ -155,8 +186,9 @@ def _integer_dtype(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def _values_fit(stage: Stage, inputs, targets, default_loss: bool) -> bool:
-    """Token ids inside the vocabulary, targets in [0, classes) or -100, read in one go for every microbatch.
+def _values_fit(stage: Stage, inputs, targets, default_loss: bool, count_tokens: bool) -> tuple[bool, int | None]:
+    """Token ids inside the vocabulary, targets in [0, classes) or -100, read in one go for every microbatch,
+    with the last stage's count of targets other than -100 (None elsewhere, or when not `count_tokens`).
 
     Called once the structure is known good. Tensors on the host cost no device read; tensors
     already on a device cost one read of a few integers per step.
@@ -170,11 +202,18 @@ def _values_fit(stage: Stage, inputs, targets, default_loss: bool) -> bool:
         # -100 (ignored) is allowed: read as 0 here, so only other negatives fall below 0.
         spans += [(t.masked_fill(t == IGNORE_INDEX, 0), top) for t in targets]
     spans = [(x, top) for x, top in spans if x.numel()]
-    if not spans:
-        return True
-    home = spans[0][0].device
-    extremes = torch.stack([torch.stack(torch.aminmax(x)).to(home, torch.int64) for x, _ in spans]).tolist()
-    return all(low >= 0 and (top is None or high <= top) for (low, high), (_, top) in zip(extremes, spans))
+    counting = count_tokens and stage.is_last
+    if not spans and not counting:
+        return True, None
+    home = (spans[0][0] if spans else targets[0]).device
+    read = [torch.stack(torch.aminmax(x)).to(home, torch.int64) for x, _ in spans]
+    if counting:  # one number for every microbatch, read with the rest
+        read.append(sum((t != IGNORE_INDEX).sum().to(home, torch.int64) for t in targets).reshape(1))
+    extremes = torch.cat(read).tolist()
+    counted = extremes.pop() if counting else None
+    fits = all(low >= 0 and (top is None or high <= top)
+               for low, high, (_, top) in zip(extremes[::2], extremes[1::2], spans))
+    return fits, counted
 
 
 def _is_tensor_list(values) -> bool:
@@ -220,7 +259,7 @@ def _first_outside(x: torch.Tensor, low: int, high: int | None, *, allow: int | 
     return f"{int(x[where])} at {where}"
 
 
-def _local_problems(stage: Stage, inputs, targets, default_loss: bool) -> list[str]:
+def _local_problems(stage: Stage, inputs, targets, default_loss: bool, count_tokens: bool) -> list[str]:
     if not isinstance(stage, Stage):
         return [f"needs the Stage returned by apply_plan, got {type(stage).__name__}"]
     if not _is_tensor_list(inputs):
@@ -252,6 +291,10 @@ def _local_problems(stage: Stage, inputs, targets, default_loss: bool) -> list[s
             problems.append(f"targets must be a list with one tensor per microbatch ({len(inputs)}), got {got}")
         elif default_loss:
             problems += _target_problems(stage, inputs, targets)
+        elif count_tokens and (odd := [i for i, t in enumerate(targets) if not isinstance(t, torch.Tensor)]):
+            problems.append(f"{_names('targets', odd)} must be tensors: a loss declared with returns_token_sums "
+                            f"is divided by the global batch's targets other than {IGNORE_INDEX}, got "
+                            f"{type(targets[odd[0]]).__name__}")
     return problems
 
 

@@ -1,5 +1,10 @@
 """The loss the runner computes on the last stage, with or without vocabulary shards.
 
+The default loss is token-weighted: each microbatch's summed cross-entropy over the number of
+trained tokens (targets other than -100) in the whole global batch, so the split of that batch
+into microbatches, replicas and cp shards never changes what is trained. A user loss keeps the
+mean of its per-microbatch values unless declared with `returns_token_sums`.
+
 With `loss_parallel`, the last stage ends with this rank's `[..., vocab / tp]` slice of
 the logits. The default loss is then the vocabulary-parallel cross-entropy; a user
 loss declared with `takes_logit_shards` receives the slice and a `LogitShard`; any
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.distributed import ProcessGroup
@@ -18,7 +24,7 @@ from torch.nn import functional as F
 from ..tensor_parallel.comm import gather_from_parallel
 from ..tensor_parallel.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 
-__all__ = ["LogitShard", "causal_lm_loss", "takes_logit_shards", "loss_for"]
+__all__ = ["LogitShard", "causal_lm_loss", "takes_logit_shards", "returns_token_sums", "sums_tokens", "loss_for"]
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -33,12 +39,14 @@ class LogitShard:
     group: ProcessGroup
 
 
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the vocabulary, targets already aligned, -100 ignored.
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy over the vocabulary, targets already aligned, -100 ignored: the "mean" over the
+    counted tokens, or their "sum".
 
     Computed in float32 whatever the logits' dtype.
     """
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
 
 
 def takes_logit_shards(loss_fn: LossFn) -> LossFn:
@@ -58,13 +66,38 @@ def takes_logit_shards(loss_fn: LossFn) -> LossFn:
     return loss_fn
 
 
+def returns_token_sums(loss_fn: LossFn) -> LossFn:
+    """Declare that `loss_fn(output, targets)` returns the sum of its tokens' losses, not their mean.
+
+    The runner then divides each microbatch's sum by the number of targets other than -100
+    in the whole global batch (every microbatch, replica and cp shard), as it does for the
+    default cross-entropy: the step's loss and gradients are the same under every plan.
+    Such a loss also runs under context parallelism, on each rank's part of the sequence.
+    An undeclared loss keeps its meaning: each microbatch's value over the number of
+    microbatches, averaged over the replicas.
+
+    Example:
+        >>> @rewrite.returns_token_sums
+        ... def loss(logits, targets):
+        ...     return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
+    """
+    loss_fn.returns_token_sums = True
+    return loss_fn
+
+
+def sums_tokens(loss_fn: LossFn | None) -> bool:
+    """Whether the step divides `loss_fn`'s values by the global batch's trained tokens (the default loss does)."""
+    return loss_fn is None or bool(getattr(loss_fn, "returns_token_sums", False))
+
+
 def loss_for(shard: LogitShard | None, loss_fn: LossFn | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The `(output, targets) -> loss` the last stage runs, given its logit shard (or None)."""
+    """The `(output, targets) -> loss` the last stage runs, given its logit shard (or None): the default
+    returns the sum over the counted tokens."""
     if shard is None:
-        return loss_fn or causal_lm_loss
+        return loss_fn or partial(causal_lm_loss, reduction="sum")
     if loss_fn is None:
         return lambda logits, targets: vocab_parallel_cross_entropy(
-            logits, targets, shard.group, vocab_start=shard.start
+            logits, targets, shard.group, vocab_start=shard.start, reduction="sum"
         )
     if getattr(loss_fn, "takes_logit_shards", False):
         return lambda logits, targets: loss_fn(logits, targets, shard)

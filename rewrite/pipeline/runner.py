@@ -27,7 +27,8 @@ from .backward import Deferred, backward_input, backward_weight
 from .inbox import Inbox, messages_between
 from .inputs import check_step_inputs
 from .positions import ids_of, positions_of
-from .loss import causal_lm_loss, loss_for
+from .loss import causal_lm_loss, loss_for, sums_tokens
+from ..tensor_parallel.loss import IGNORE_INDEX
 from .clock import StepClock
 from .router_sums import RouterSums
 from .stage import Stage
@@ -59,10 +60,14 @@ def run_schedule(
         targets: one tensor per microbatch, aligned with the model output; needed on
             the last stage (may be None elsewhere).
         loss_fn: `loss_fn(output, target)`; default: cross-entropy over the last
-            dimension with ignore_index=-100. Each microbatch's loss is divided by
-            the number of microbatches, so the gradients are those of the batch mean.
-            Under `loss_parallel` the default works on vocabulary shards; a loss_fn
-            gets full logits unless declared with `rewrite.takes_logit_shards`.
+            dimension with ignore_index=-100, token-weighted: the sum over every
+            microbatch's trained tokens (targets other than -100) over their number in
+            the whole global batch (every microbatch, replica and cp shard), so the step's
+            loss and gradients are the same under every plan. A loss_fn declared with
+            `rewrite.returns_token_sums` is divided alike; any other keeps its meaning:
+            each microbatch's value over the number of microbatches, averaged over the
+            replicas. Under `loss_parallel` the default works on vocabulary shards; a
+            loss_fn gets full logits unless declared with `rewrite.takes_logit_shards`.
 
     Returns:
         The step loss (float32 scalar), the same on every rank.
@@ -70,21 +75,22 @@ def run_schedule(
     Raises:
         InputError (a ValueError): the same on every rank, before any transfer, if any rank's
             arguments are bad (token ids outside the vocabulary, targets the default loss
-            cannot take, a microbatch count the schedule cannot run, ...) or ranks were
-            given different microbatches (count, shapes, dtypes).
+            cannot take, a microbatch count the schedule cannot run, a global batch with no
+            trained token for a token-weighted loss, ...) or ranks were given different
+            microbatches (count, shapes, dtypes).
 
     Example:
         >>> stage = apply_plan(model, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})
         >>> loss = run_schedule(stage, input_chunks, target_chunks)
         >>> optimizer.step(); optimizer.zero_grad()
     """
-    if loss_fn is not None and stage.mesh.cp > 1:  # the same on every rank: refused before any collective
+    if not sums_tokens(loss_fn) and stage.mesh.cp > 1:  # the same on every rank: refused before any collective
         raise InputError(
-            f"run_schedule: a loss_fn under mesh.cp={stage.mesh.cp}: each rank holds part of every sequence, and only "
-            "the default cross-entropy (a token mean, split as sums over each rank's tokens) is split that way; "
-            "pass loss_fn=None"
+            f"run_schedule: a loss_fn under mesh.cp={stage.mesh.cp}: each rank holds part of every sequence, so "
+            "the loss must add up over the ranks' tokens: declare a loss that returns the sum over its tokens "
+            "with @rewrite.returns_token_sums, or pass loss_fn=None (the default cross-entropy)"
         )
-    check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None)
+    tokens = _trained_tokens(stage, inputs, targets, loss_fn, "run_schedule")
     pipeline, pp, m = stage.resolved.plan.pipeline, stage.mesh.pp, len(inputs)
     k = pipeline.virtual_stages
     # The same on every rank: the microbatch count was agreed on above.
@@ -96,7 +102,20 @@ def run_schedule(
     if pipeline.schedule != "custom" and (problems := schedule_rules(pipeline.schedule, pp, k, m)):
         raise InputError(f"run_schedule: {m} microbatches: " + "; ".join(problems))
     rows = None if pipeline.table is None else tuple(pipeline.table)
-    return _run(stage, _table(pipeline.schedule, rows, pp, k, m), inputs, targets, loss_fn)
+    return _run(stage, _table(pipeline.schedule, rows, pp, k, m), inputs, targets, loss_fn, tokens)
+
+
+def _trained_tokens(stage: Stage, inputs, targets, loss_fn: LossFn | None, what: str) -> int | None:
+    """Check the step's arguments on every rank (raising alike) and return the global batch's trained
+    tokens, which a token-weighted loss divides by (None for a loss averaged per microbatch)."""
+    counting = sums_tokens(loss_fn)
+    tokens = check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None, count_tokens=counting, what=what)
+    if counting and tokens == 0:  # every rank holds the same count: refused alike
+        raise InputError(
+            f"{what}: the global batch trains no token (every target is {IGNORE_INDEX} on every replica), so a "
+            "token-weighted loss has nothing to divide by; leave such a batch out, or check how its labels are masked"
+        )
+    return tokens
 
 
 def run_afab(stage: Stage, inputs, targets, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -110,13 +129,16 @@ def run_afab(stage: Stage, inputs, targets, loss_fn: LossFn | None = None) -> to
         DeprecationWarning,
         stacklevel=2,
     )
-    check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None, what="run_afab")
     if stage.num_stages != stage.mesh.pp:
         raise InputError(
             f"run_afab runs one stage per rank, but this plan gives each rank {stage.num_stages // stage.mesh.pp} "
             "(pipeline.virtual_stages); use rewrite.run_schedule"
         )
-    return _run(stage, _table("afab", None, stage.mesh.pp, 1, len(inputs)), inputs, targets, loss_fn)
+    if not sums_tokens(loss_fn) and stage.mesh.cp > 1:
+        raise InputError("run_afab: a loss_fn under context parallelism must be declared with "
+                         "@rewrite.returns_token_sums; use rewrite.run_schedule")
+    tokens = _trained_tokens(stage, inputs, targets, loss_fn, "run_afab")
+    return _run(stage, _table("afab", None, stage.mesh.pp, 1, len(inputs)), inputs, targets, loss_fn, tokens)
 
 
 @lru_cache(maxsize=64)
@@ -129,8 +151,8 @@ def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int)
     return table
 
 
-def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None) -> torch.Tensor:
-    step = _Step(stage, table, inputs, targets, loss_for(stage.logit_shard, loss_fn))
+def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None, tokens: int | None) -> torch.Tensor:
+    step = _Step(stage, table, inputs, targets, loss_for(stage.logit_shard, loss_fn), tokens)
     stash = stash_tied_grads(stage)
     row = table[stage.pp_rank]
     reducing = set()  # the backwards that reduce as they go: the row's last (no W after it), or every one
@@ -166,9 +188,15 @@ _EVENT = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward
 class _Step:
     """One step's state on this rank: stage inputs and outputs held between F and B (or I and W), losses, sends."""
 
-    def __init__(self, stage: Stage, table, inputs, targets, loss_fn: LossFn):
+    def __init__(self, stage: Stage, table, inputs, targets, loss_fn: LossFn, tokens: int | None):
         self.m, self.mesh, self.device, self.dtype = len(inputs), stage.mesh, stage.device, stage.dtype
         self.stage, self.loss_fn = stage, loss_fn
+        # What a microbatch's loss is divided by for its share of the step's: the global batch's trained
+        # tokens (token-weighted), or the microbatches of every replica (a user loss's per-microbatch mean).
+        self.divisor = tokens if tokens is not None else self.m * self.mesh.dp
+        # The replicas' gradients are averaged over dp x cp (FSDP2, DDP): each backward is scaled by
+        # that count, so the averaged gradients are those of the step's loss.
+        self.replicas = self.mesh.dp * self.mesh.cp
         self.precision = stage.precision
         self.inputs = _on_device(inputs, self.device) if stage.is_first else inputs
         # Every stage of a packed microbatch needs its positions: read from this rank's copy.
@@ -275,19 +303,14 @@ class _Step:
                 y = self.stage.run(s, x)
             sums = None if routers is None else routers.forward(
                 mb, s, None if s == 0 else self._take("f", mb, s), last=s == self.last)
-            if s == self.last and part is not None:
-                # This rank's tokens' share of the microbatch's mean; the dp x cp gradient average is
-                # undone for cp by scaling the backward, so the cp ranks' gradients add up.
-                share = self.loss_fn(y, part.targets) * part.share if part.counted else y.sum() * 0.0
+            if s == self.last:
+                # This rank's share of the step's loss: its tokens' (its part of the sequence, under cp)
+                # over the divisor, plus its share of the routers' loss (a mean over every replica's microbatches).
+                share = self.loss_fn(y, (self.targets[mb] if part is None else part.targets).to(y.device)) / self.divisor
                 if sums is not None:
-                    share = share + routers.last_share(sums.to(share.device))
-                self.losses[mb] = share / self.m
-                y = self.losses[mb] * self.mesh.cp
-            elif s == self.last:
-                loss = self.loss_fn(y, self.targets[mb].to(y.device))
-                if sums is not None:
-                    loss = loss + sums.to(loss.device)
-                y = self.losses[mb] = loss / self.m
+                    share = share + routers.last_share(sums.to(share.device)) / (self.m * self.mesh.dp)
+                self.losses[mb] = share
+                y = share * self.replicas if self.replicas > 1 else share
         if s != self.last:
             if y.is_floating_point() and y.dtype != self.dtype:
                 y = y.to(self.dtype)  # under autocast: stages exchange what their peers' buffers hold
@@ -353,11 +376,12 @@ def _on_device(values, device: torch.device):
 
 
 def _step_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The step's loss on every rank: from the last stage of its replica, averaged over the replicas."""
+    """The step's loss on every rank: the shares of the last stage's first tp rank of every replica and
+    cp rank, added up."""
     mesh = stage.mesh
     total = torch.zeros((), device=device, dtype=torch.float32)
-    if mesh.rank == mesh.global_rank(stage.stage_rank[-1], 0) and losses:  # one contribution per replica
+    if mesh.rank == mesh.global_rank(stage.stage_rank[-1], 0) and losses:  # one contribution per replica, cp rank
         total += torch.stack([l.detach() for l in losses]).sum().to(device=device, dtype=torch.float32)
     dist.all_reduce(total)  # one collective on the whole world, every replica at once
     lend(total)  # callers keep the loss: hand them a copy
-    return total / mesh.dp if mesh.dp > 1 else total.clone()
+    return total.clone()

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..tensor_parallel.layers import local_shard
 from ..pipeline.runner import causal_lm_loss
+from ..tensor_parallel.loss import IGNORE_INDEX
 from ..agreement import share
 from ..lent import lend
 
@@ -35,18 +36,19 @@ class Parity:
 
 
 def reference_step(reference: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-    """The same step single-process: each microbatch's loss / m, gradients accumulated. A microbatch
+    """The same step single-process: each microbatch's summed cross-entropy over the trained tokens
+    (targets other than -100) of all of them, gradients accumulated. A microbatch
     with positions (a dict of input_ids and position_ids) runs the model's own forward with them and
     no cache: it masks packed documents off each other itself. A mixture of experts that reports its
     routers' auxiliary loss (`aux_loss`, under `output_router_logits`) adds it with its own coefficient,
-    as its forward does with labels."""
+    as its forward does with labels, over the number of microbatches."""
     total = torch.zeros(())
+    tokens = sum(int((y != IGNORE_INDEX).sum()) for y in targets)
     for x, y in zip(inputs, targets):
         out = reference(**x, use_cache=False) if isinstance(x, dict) else reference(input_ids=x)
-        loss = causal_lm_loss(out.logits, y)
+        loss = causal_lm_loss(out.logits, y, reduction="sum") / tokens
         if getattr(out, "aux_loss", None) is not None:
-            loss = loss + reference.router_aux_loss_coef * out.aux_loss
-        loss = loss / len(inputs)
+            loss = loss + reference.router_aux_loss_coef * out.aux_loss / len(inputs)
         loss.backward()
         total += loss.detach()
     return total

@@ -17,7 +17,7 @@ IGNORE_INDEX = -100  # the target cross-entropy skips (torch's default)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean over non-ignored tokens `t` of `lse_t - z[t, y_t]`, with `lse_t = log sum_j exp z[t, j]`.
+    """Mean (or sum) over non-ignored tokens `t` of `lse_t - z[t, y_t]`, with `lse_t = log sum_j exp z[t, j]`.
 
     Rank `i` holds columns `[s_i, s_i + n)`. Forward: each rank's own `lse_i,t` over its
     columns and `z[t, y_t]` where it owns `y_t` (0 elsewhere), both gathered in one
@@ -25,11 +25,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     values in the same order, `lse_t = logsumexp_i lse_i,t` and the target logit as their sum
     (one rank's is nonzero). Backward needs no communication: `dL/dz[t, j] = (softmax(z_t)_j
     - 1[j = y_t]) * grad / count` for the local columns `j`, recomputed from the saved
-    logits and `lse_t` (no float32 softmax is kept between forward and backward).
+    logits and `lse_t` (no float32 softmax is kept between forward and backward); a sum divides by 1.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start, ignore_index):
+    def forward(ctx, logits, targets, group, vocab_start, ignore_index, summed):
         n = logits.shape[-1]
         z = logits.reshape(-1, n)  # (tokens, V / tp), logits' dtype
         y = targets.reshape(-1)  # (tokens,)
@@ -49,9 +49,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             lse, target = mine.unbind(0)
         per_token = (lse - target).masked_fill_(~kept, 0.0)
-        count = kept.sum()
+        count = torch.ones((), dtype=torch.int64, device=kept.device) if summed else kept.sum()
         ctx.save_for_backward(logits, lse, local, owned, kept, count)
-        # 0 / 0 = nan when every token is ignored, as F.cross_entropy gives.
+        # 0 / 0 = nan when every token is ignored, as F.cross_entropy gives (a sum is 0 then).
         return per_token.sum() / count
 
     @staticmethod
@@ -62,7 +62,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         p.scatter_add_(1, local.unsqueeze(-1), -owned.to(p.dtype).unsqueeze(-1))  # - one-hot
         # Ignored rows get 0, also when all are (count = 0): F.cross_entropy's gradient then.
         p.mul_(grad.float() / count).masked_fill_(~kept.unsqueeze(-1), 0.0)
-        return p.to(logits.dtype).reshape(logits.shape), None, None, None, None
+        return p.to(logits.dtype).reshape(logits.shape), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -72,13 +72,15 @@ def vocab_parallel_cross_entropy(
     *,
     vocab_start: int,
     ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy when each rank of `group` holds a slice of the vocabulary.
+    """Mean (or summed) cross-entropy when each rank of `group` holds a slice of the vocabulary.
 
     Equal to `F.cross_entropy(full.flatten(0, -2).float(), targets.flatten(),
-    ignore_index=ignore_index)` where `full` concatenates every rank's slice along the
-    last dimension: computed in float32, averaged over the non-ignored tokens (nan when
-    all are ignored), the same value on every rank. Collective: every rank calls it.
+    ignore_index=ignore_index, reduction=reduction)` where `full` concatenates every rank's
+    slice along the last dimension: computed in float32, averaged over the non-ignored tokens
+    (nan when all are ignored) or summed over them, the same value on every rank.
+    Collective: every rank calls it.
 
     Args:
         logits: `[..., V/tp]`, this rank's columns `[vocab_start, vocab_start + V/tp)`
@@ -90,13 +92,16 @@ def vocab_parallel_cross_entropy(
             without an initialised process group, where this is F.cross_entropy).
         vocab_start: the first vocabulary id of this rank's slice.
         ignore_index: targets with this value add nothing to the loss or gradients.
+        reduction: "mean" over the non-ignored tokens, or their "sum" (to divide by a count
+            of your own, e.g. a whole batch's trained tokens).
 
     Returns:
         A float32 scalar; its gradient reaches `logits` in their dtype.
 
     Raises:
         TypeError: non-floating logits, non-integer targets, or a non-int vocab_start.
-        ValueError: targets whose shape is not `logits.shape[:-1]`, or a negative vocab_start.
+        ValueError: targets whose shape is not `logits.shape[:-1]`, a negative vocab_start, or a
+            reduction other than "mean" and "sum".
 
     Example:
         >>> full, y = torch.randn(4, 10), torch.tensor([1, 9, -100, 3])
@@ -118,4 +123,6 @@ def vocab_parallel_cross_entropy(
             raise TypeError(f"vocab_parallel_cross_entropy: {name} must be an int, got {type(value).__name__}")
     if vocab_start < 0:
         raise ValueError(f"vocab_parallel_cross_entropy: vocab_start must be >= 0, got {vocab_start}")
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, ignore_index)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, vocab_start, ignore_index, reduction == "sum")

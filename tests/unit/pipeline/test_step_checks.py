@@ -36,14 +36,26 @@ def _cases():
 
 def test_fast_checks_refuse_exactly_what_the_full_checks_name():
     inputs, targets = _cases()
-    for (first, last), default_loss in itertools.product(((True, False), (False, True), (True, True)), (True, False)):
+    losses = ((True, True), (False, True), (False, False))  # (default loss, counts tokens): the default, declared, other
+    for (first, last), (default_loss, counting) in itertools.product(((True, False), (False, True), (True, True)), losses):
         stage = _stage(first, last)
         assert (stage.is_first, stage.is_last, stage.takes_token_ids, stage.vocab_size) == (first, last, True, 256)
         for (i_name, x), (t_name, t) in itertools.product(inputs.items(), targets.items()):
-            full = checks._local_problems(stage, x, t, default_loss)
-            fast = checks._structure_fails(checks._facts(stage, checks._packed(x)), checks._layout(x), checks._layout(t), default_loss)
-            fast = fast or not checks._values_fit(stage, x, t, default_loss)
-            assert fast == bool(full), (first, last, default_loss, i_name, t_name, full)
+            full = checks._local_problems(stage, x, t, default_loss, counting)
+            facts = checks._facts(stage, checks._packed(x))
+            fast = checks._structure_fails(facts, checks._layout(x), checks._layout(t), default_loss, counting)
+            fast = fast or not checks._values_fit(stage, x, t, default_loss, counting)[0]
+            assert fast == bool(full), (first, last, default_loss, counting, i_name, t_name, full)
+
+
+def test_the_last_stage_counts_the_trained_tokens_in_the_same_read():
+    inputs, targets = _cases()
+    ignored = targets["ignored"]
+    want = sum(int((t != -100).sum()) for t in ignored)
+    assert 0 < want < sum(t.numel() for t in ignored)
+    assert checks._values_fit(_stage(True, True), inputs["ids"], ignored, True, True) == (True, want)
+    assert checks._values_fit(_stage(True, False), inputs["ids"], None, True, True) == (True, None)  # no targets read
+    assert checks._values_fit(_stage(False, True), inputs["ids"], ignored, True, False) == (True, None)
 
 
 def test_fingerprints_are_stable_and_tell_views_apart():
