@@ -66,8 +66,10 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
 
 
 def assert_grads_match(model: nn.Module, reference: nn.Module, *, atol: float = 1e-5, prefix: str = "") -> int:
-    """Every parameter's gradient equals the reference's (its slice, when sharded). A data-parallel
-    DTensor gradient is gathered first: collective over its mesh, so every rank calls it."""
+    """Every parameter's gradient equals the reference's (its slice, when sharded), within `atol` times
+    the larger of 1 and the reference gradient's largest element: float32 reduction-order noise grows
+    with a tensor's scale (a gated delta rule's conv1d gradients reach 9, and differ by 2e-5 under tp).
+    A data-parallel DTensor gradient is gathered first: collective over its mesh, so every rank calls it."""
     ref = dict(reference.named_parameters(remove_duplicate=False))
     checked = 0
     for name, param in model.named_parameters():
@@ -77,7 +79,8 @@ def assert_grads_match(model: nn.Module, reference: nn.Module, *, atol: float = 
         if param.grad is None and ref[name].grad is None:
             continue  # a parameter the forward does not use (a family's unused branch): untouched on both
         grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-        assert_close(f"{prefix}{name}.grad", grad, expected_shard(model, name, ref[name].grad), atol=atol)
+        scale = max(1.0, float(ref[name].grad.abs().max())) if ref[name].grad is not None else 1.0
+        assert_close(f"{prefix}{name}.grad", grad, expected_shard(model, name, ref[name].grad), atol=atol * scale)
         checked += 1
     return checked
 

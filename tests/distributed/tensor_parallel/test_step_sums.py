@@ -54,9 +54,11 @@ def _case(rank: int, world: int, plan: dict, **overrides) -> dict:
     # model(...) with its own backward: each use sums (f), no step is there to do it.
     model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
 
+    tokens = sum(int((y != -100).sum()) for y in targets)  # the step's loss is their token mean
+
     def loop():
         for x, y in zip(ids, targets):
-            (rewrite.causal_lm_loss(model(input_ids=x).logits, y) / M).backward()
+            (rewrite.causal_lm_loss(model(input_ids=x).logits, y, reduction="sum") / tokens).backward()
 
     use_sums = _counting_sums(loop)
     reference_step(reference, ids, targets)

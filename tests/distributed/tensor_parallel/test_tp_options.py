@@ -101,14 +101,16 @@ def _user_losses(rank: int, ws: int) -> dict:
     ids, targets = _batch(config.vocab_size, 2)
     seen = {}
 
+    @rewrite.returns_token_sums  # divided by the global batch's trained tokens, as the default loss
     def full_logits(logits, t):
         seen["full"] = logits.shape[-1]
-        return rewrite.causal_lm_loss(logits, t)
+        return rewrite.causal_lm_loss(logits, t, reduction="sum")
 
     @rewrite.takes_logit_shards
+    @rewrite.returns_token_sums
     def on_shards(logits, t, shard):
         seen["shard"] = (logits.shape[-1], shard.start, shard.stop, shard.vocab_size)
-        return rewrite.vocab_parallel_cross_entropy(logits, t, shard.group, vocab_start=shard.start)
+        return rewrite.vocab_parallel_cross_entropy(logits, t, shard.group, vocab_start=shard.start, reduction="sum")
 
     expected = reference_step(reference, ids, targets)
     for fn in (full_logits, on_shards):

@@ -120,6 +120,16 @@ def _check_loss(rank: int, ws: int, prefix: tuple[int, ...], dtype: torch.dtype)
         if targets.view(-1)[i] == -100:
             assert torch.count_nonzero(local.grad.reshape(-1, V // ws)[i]) == 0, f"{tag}: ignored token {i} has a grad"
 
+    # reduction="sum": torch's sum over the counted tokens, its gradient undivided.
+    summed_ref = full.clone().requires_grad_()
+    want = F.cross_entropy(summed_ref.flatten(0, -2).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+    want.backward()
+    summed = full[..., cols].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(summed, targets, vocab_start=cols.start, reduction="sum")
+    assert_close(f"{tag} summed value", got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    got.backward()
+    assert_close(f"{tag} summed logits grad", summed.grad, summed_ref.grad[..., cols], atol=tol, rtol=tol)
+
     forward = lambda: vocab_parallel_cross_entropy(local, targets, vocab_start=cols.start)  # noqa: E731
     n_fwd = _count_calls(loss_module, "all_gather_into", forward)
     assert n_fwd == (1 if ws > 1 else 0), f"{tag}: forward gathered {n_fwd} times (each rank's lse and target logit, once)"
@@ -133,6 +143,8 @@ def _check_all_ignored(rank: int, ws: int) -> None:
     _same_on_every_rank("all-ignored loss", loss.detach())
     loss.backward()
     assert torch.count_nonzero(local.grad) == 0, "all-ignored batch: the gradient must be zero (as in torch)"
+    summed = vocab_parallel_cross_entropy(local, torch.full((3,), -100), vocab_start=rank * V // ws, reduction="sum")
+    assert summed.item() == 0.0, f"all-ignored sum on rank {rank} is {summed.item()}, expected 0 (torch's)"
 
 
 def _check_errors(rank: int, ws: int) -> None:
@@ -165,6 +177,8 @@ def _check_errors(rank: int, ws: int) -> None:
         vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long), vocab_start=0)
     with pytest.raises(TypeError, match="targets must be int32/int64"):
         vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2), vocab_start=0)
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), vocab_start=0, reduction="none")
     with pytest.raises(TypeError, match="vocab_start must be an int"):
         vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), vocab_start=0.0)
 
