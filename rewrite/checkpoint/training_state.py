@@ -3,7 +3,8 @@
     ckpt/
       latest              names the newest complete checkpoint; written last, atomically
       step-00000040/      torch.distributed.checkpoint files (each rank wrote its own boxes)
-      step-00000050/      config.json (+ tokenizer) so that `export` needs nothing else
+      step-00000050/      config.json (+ tokenizer) so that `export` needs nothing else, and
+                          model.json: the model the state was written for (`model_mark`)
 
 Tensors are stored as whole (unsharded) tensors cut into the boxes each rank held (see
 `pieces`), so a checkpoint written under one plan loads under any other plan of the same
@@ -27,6 +28,7 @@ from ..agreement import agree, raise_problems, share
 from ..pipeline.stage import Stage
 from .optimizer_state import fit_problems, fresh_optimizer_pieces, optimizer_pieces
 from .finite import NonFiniteState, nonfinite_problems
+from .model_mark import model_change, write_mark
 from .pieces import PieceSavePlanner, model_pieces, plain_data_problems
 from .safe_reader import load_pieces, read_metadata
 from .state_dirs import LATEST, latest_checkpoint, point_latest, prune, saved_steps, step_dir
@@ -186,6 +188,7 @@ def _after_failure(directory: Path, path: Path) -> str:
 
 
 def _write_files(stage: Stage, path: Path, tokenizer: Any) -> None:
+    write_mark(path, stage.model)
     config = getattr(stage.model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(path)
@@ -200,6 +203,7 @@ def load_training_state(
     scheduler: Any = None,
     *,
     step: int | None = None,
+    allow_other_model: bool = False,
 ) -> Any:
     """Restore a checkpoint of `save_training_state` into this rank's stage and optimizer; returns `extra`.
 
@@ -213,12 +217,15 @@ def load_training_state(
         directory: the run's checkpoint directory.
         stage, optimizer, scheduler: as given to `save_training_state`.
         step: load `step-N` instead of the latest.
+        allow_other_model: load a state written for another model class or configuration of the
+            same shapes on purpose (a transplant); by default that is refused.
 
     Raises:
         CheckpointError (a ValueError): on every rank, and nothing of the checkpoint is run: a
             `.metadata` or an object in it that would run code (altered, or not written by
             rewrite). On every rank, before any tensor is read: no checkpoint, or one that
-            does not fit this model (missing tensors, other whole shapes: another model).
+            does not fit this model (missing tensors, other whole shapes: another model), or
+            one written for another model class or configuration (`allow_other_model`).
 
     Example:
         >>> extra = rewrite.load_training_state("ckpt", stage, optimizer, scheduler)
@@ -235,6 +242,9 @@ def load_training_state(
         else:
             path = step_dir(directory, step)
         stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
+        if not allow_other_model and (changed := model_change(path, stage.model)):
+            problems.append(f"{path} was written for another model: {changed}; load it into the model it was "
+                            "written for, or pass allow_other_model=True to load it into this one on purpose")
         state = {f"model/{name}": box for name, box in model_pieces(stage).items()}
         moments, fresh = fresh_optimizer_pieces(stage, optimizer, state, stored)
         state.update(moments)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .stage import Stage, TimelineEvent
 from ..agreement import share
+from ..plan.ranks import cp_rank_of
 from ..plan.wording import noun_for
 
 __all__ = ["gather_timeline", "plot_timeline", "events_to_dicts"]
@@ -56,6 +57,7 @@ def plot_timeline(
     events: Sequence[TimelineEvent],
     *,
     tp: int | None = None,
+    cp: int | None = None,
     title: str | None = None,
     ax=None,
     path: str | Path | None = None,
@@ -65,6 +67,7 @@ def plot_timeline(
     Args:
         events: from `gather_timeline` (or any ranks' `stage.timeline`, concatenated).
         tp: tensor-parallel size, to label rows with their tp rank (rank % tp).
+        cp: context-parallel size, to label rows with their cp rank as well.
         title: the chart title; default names the microbatch count.
         ax: a matplotlib Axes to draw on; default: a new figure sized to the ranks.
         path: when given, the figure is saved there as PNG.
@@ -99,8 +102,12 @@ def plot_timeline(
     labels = []
     for rank in ranks:
         held = sorted({e.stage_idx for e in events if e.rank == rank})
-        where = f"{noun_for(len(held), 'stage')} {','.join(map(str, held))}" + (f", tp {rank % tp}" if tp else "")
-        labels.append(f"rank {rank}\n{where}")
+        where = [f"{noun_for(len(held), 'stage')} {','.join(map(str, held))}"]
+        if cp and cp > 1:
+            where.append(f"cp {cp_rank_of(rank, tp=tp or 1, cp=cp)}")
+        if tp:
+            where.append(f"tp {rank % tp}")
+        labels.append(f"rank {rank}\n{', '.join(where)}")
     ax.set_yticks(range(len(ranks)), labels)
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, span * 1.01)

@@ -154,10 +154,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from ..checkpoint.export import export_checkpoint
+    from ..checkpoint.export import checkpoint_path, export_checkpoint
+    from ..checkpoint.state_dirs import STEP_DIR
 
-    out = export_checkpoint(args.checkpoint, args.out, step=args.step)
-    print(f"wrote {out}: loads with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    source = checkpoint_path(args.checkpoint, args.step)
+    out = export_checkpoint(source, args.out)
+    step = STEP_DIR.match(source.name)
+    which = f"step {int(step[1])} ({source})" if step else str(source)
+    print(f"wrote {out} from {which}: loads with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 
@@ -177,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="rewrite",
-        description="Declarative tensor- and pipeline-parallel plans for Hugging Face LLaMA-family models.",
+        description="Parallel plans as data for Hugging Face decoder models (dense and mixtures of experts) and "
+                    "torch.fx-traceable modules: tensor, sequence, vocabulary, context, expert, pipeline and data "
+                    "parallelism. Write or generate a plan (plan), check it (validate, show), train under it (train), "
+                    "export a Hugging Face checkpoint (export).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

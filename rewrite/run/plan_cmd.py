@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -43,7 +45,9 @@ def add_plan_parser(sub) -> None:
                       "runs it (default: bfloat16 on a profile whose bfloat16 peak passes its float32 one, a GPU's; "
                       "else float32)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table printed (default %(default)s)")
-    plan.add_argument("--out", default=None, metavar="FILE", help="write the best plan here (default: print it)")
+    plan.add_argument("--out", default=None, metavar="FILE",
+                      help="write the best plan here (default: ./plan.yaml, or the next free plan-N.yaml; when stdout "
+                      "is not a terminal, the plan alone is printed there and the table goes to stderr)")
     plan.add_argument("--json", action="store_true", help='print {"candidates": [...]} ranked by step_s instead of tables')
     plan.set_defaults(func=_cmd_plan)
 
@@ -82,16 +86,41 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except NoPlanFits as exc:
         return _fail(str(exc), 1)
     best = found[0]
-    text = plan_file_text(best, args, hardware.name)
-    if args.out:
-        Path(args.out).write_text(text)
     if args.json:
+        if args.out:
+            Path(args.out).write_text(plan_file_text(best, args, hardware.name, name=args.out))
         sys.stdout.write(json.dumps({"candidates": [c.as_dict() for c in found]}, indent=2) + "\n")
         return 0
-    print(format_candidates(found[: args.top], hardware=hardware.name, total=len(found), args=args))
+    table = format_candidates(found[: args.top], hardware=hardware.name, total=len(found), args=args)
+    if not args.out and not sys.stdout.isatty():  # `rewrite plan ... > mine.yaml`: the plan alone on stdout
+        print(table, file=sys.stderr)
+        sys.stdout.write(plan_file_text(best, args, hardware.name, name=_stdout_file() or "PLAN.yaml"))
+        return 0
+    out = args.out or _free_name()
+    Path(out).write_text(plan_file_text(best, args, hardware.name, name=out))
+    print(table)
     print()
-    print(f"wrote {args.out}" if args.out else text.rstrip())
+    print(f"wrote {out}" if args.out else f"wrote {out} (--out FILE names another)")
     return 0
+
+
+def _free_name() -> str:
+    """plan.yaml, or plan-2.yaml, plan-3.yaml, ... where it exists: never over a file already there."""
+    n = 1
+    while Path(name := "plan.yaml" if n == 1 else f"plan-{n}.yaml").exists():
+        n += 1
+    return name
+
+
+def _stdout_file() -> str | None:
+    """The file stdout is redirected into (relative to here when below it), None for a pipe or elsewhere."""
+    try:
+        if not stat.S_ISREG(os.fstat(sys.stdout.fileno()).st_mode):
+            return None
+        target = Path(os.readlink("/proc/self/fd/1"))  # Linux; elsewhere the name stays a placeholder
+    except (OSError, ValueError, AttributeError):
+        return None
+    return os.path.relpath(target) if target.is_relative_to(Path.cwd()) else str(target)
 
 
 def format_candidates(found, *, hardware: str, total: int, args: argparse.Namespace) -> str:
@@ -138,13 +167,12 @@ def _dp_text(plan) -> str:
     return f"{dpp.sharding}, per {dpp.reduce}" if plan.mesh.dp * plan.mesh.cp > 1 else "-"
 
 
-def plan_file_text(best, args: argparse.Namespace, hardware: str) -> str:
-    """The best candidate as a commented plan file: what it predicts and the commands that run and show it,
-    both with the compute dtype the search counted (`best.dtype`), so that they run and print what was planned."""
+def plan_file_text(best, args: argparse.Namespace, hardware: str, *, name: str) -> str:
+    """The best candidate as a commented plan file `name`: what it predicts and the commands that run and show
+    it, both with the compute dtype the search counted (`best.dtype`), so that they run and print what was planned."""
     plan, pipe = best.plan, best.plan.pipeline
     world = plan.mesh.world_size
     dtype = f" --dtype {best.dtype}"
-    name = args.out or "plan.yaml"
     described = plan.model_copy(update={"description": f"planned by rewrite plan for {args.model} on {world} x {hardware}"})
     return "\n".join([
         f"# Planned by `rewrite plan --model {args.model} --world {world} --seq-len {pipe.seq_len}"

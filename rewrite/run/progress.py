@@ -76,7 +76,7 @@ def write_outputs(config, metrics: dict, events, plan) -> None:
         f"{plan.pipeline.schedule} timeline of step {metrics['first_step'] + len(losses) - 1}: {plan.mesh.shape_text()}, "
         f"{plan.pipeline.microbatches} microbatches"
     )
-    plot_timeline(events, tp=plan.mesh.tp, title=title, path=out / "timeline.png")
+    plot_timeline(events, tp=plan.mesh.tp, cp=plan.mesh.cp, title=title, path=out / "timeline.png")
     steps, every = _logged_losses(out / "metrics.jsonl", metrics["first_step"], losses)  # a resumed run: all its steps
     plot_loss(every, steps=steps, title=f"{config.model} under {Path(plan.source).name}: loss per step",
               path=out / "loss.png")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .byte_data import default_data_path
+from .init_mark import write_init_mark
 from .presets import PRESETS, build_config, build_model
 from .text_data import read_documents
 
@@ -83,6 +84,7 @@ def make_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))
     model.save_pretrained(str(out))  # safetensors
+    write_init_mark(out, preset=preset, seed=seed)  # `train` then starts it at the from-scratch learning rate
     _check_reloads(out, config)
     return out
 

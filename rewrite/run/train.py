@@ -24,6 +24,7 @@ from .progress import Progress, plot_loss, write_outputs
 from .show.columns import format_bytes
 from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, model_source, pick_device,
                           setting_problems, train_plan)
+from ..checkpoint.model_mark import model_change
 from ..checkpoint.training_state import latest_checkpoint, load_training_state
 from ..pipeline.grad_norm import clip_grad_norm_
 from .presets import load_config
@@ -76,6 +77,7 @@ class TrainConfig:
     save_every: int = 0  # save the training state every this many steps (and after the last); 0: only after the last
     keep: int | None = None  # keep this many newest checkpoints; None: all
     resume: bool = False  # continue from the latest complete checkpoint in ckpt, if there is one
+    allow_other_model: bool = False  # resume a state written for another model class or config of the same shapes
     export: str | None = None  # write a plain Hugging Face checkpoint (and tokenizer) here at the end
     device: str = "auto"  # auto (CUDA + NCCL when there is a GPU, else CPU + gloo), cpu or cuda
     dtype: str | None = None  # compute dtype over float32 weights, gradients and AdamW state: float32 or bfloat16
@@ -137,13 +139,18 @@ def train(config: TrainConfig) -> dict:
     built = build_stage(source, plan, device=device, seed=config.seed, parity=parity, dtype=dtype)
     stage, reference = built.stage, built.reference
     m, dp, data_parallel = plan.pipeline.microbatches, plan.mesh.dp, plan.data_parallel.sharding
-    lr = config.lr if config.lr is not None else LOADED_LR if source.kind == "checkpoint" else RANDOM_LR
+    lr = config.lr if config.lr is not None else LOADED_LR if source.trained else RANDOM_LR
     optimizer = torch.optim.AdamW(stage.parameters(), lr=lr, weight_decay=config.weight_decay)
     warmup = max(1, config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     first, cursor = 1, 0
+    transplant = None if resume is None else model_change(resume[1], stage.model)
+    if transplant and not config.allow_other_model:  # the same files on every rank: every rank refuses alike
+        raise TrainConfigError(f"rewrite train: cannot resume: {resume[1]} was written for another model: {transplant}; "
+                               "pass the --model it was written for, or --allow-other-model to load it into this one "
+                               "on purpose")
     if resume is not None:
-        extra = load_training_state(config.ckpt, stage, optimizer, schedule)
+        extra = load_training_state(config.ckpt, stage, optimizer, schedule, allow_other_model=True)
         first, cursor = extra["step"] + 1, extra["cursor"]
         changed = [f"{k} {extra['data'][k]!r} -> {v!r}" for k, v in _data_key(config).items()
                    if k in extra.get("data", {}) and extra["data"][k] != v]
@@ -153,7 +160,7 @@ def train(config: TrainConfig) -> dict:
     weights = f"the weights of {resume[1]}" if resume is not None else source.describe()
     lr = schedule.base_lrs[0]  # a resumed run goes on at its saved learning rate
     lr_why = ("--lr" if config.lr is not None and resume is None else "the saved run's" if resume is not None
-              else f"the default for {'loaded' if source.kind == 'checkpoint' else 'random'} weights; --lr sets it")
+              else f"the default for {'loaded' if source.trained else 'random'} weights; --lr sets it")
     log.write(
         f"training {config.model} ({built.model_class}, {built.total_params:,} parameters) with {weights} "
         f"under {plan.source}, AdamW lr {lr:g} ({lr_why}): "
@@ -173,6 +180,9 @@ def train(config: TrainConfig) -> dict:
     if resume is not None:
         log.write(f"resumed from {resume[1]}: step {first} of {config.steps}" if first <= config.steps else
                   f"{resume[1]} is already at step {first - 1}, past --steps {config.steps}: nothing to train")
+        if transplant:
+            log.write(f"warning: --allow-other-model: {resume[1]} was written for another model ({transplant}); "
+                      "its weights and optimizer state are loaded into this one")
         if changed:
             log.write(f"warning: the data differ from the run that saved ({'; '.join(changed)}): the steps "
                       "from here on do not see the windows an uninterrupted run would")

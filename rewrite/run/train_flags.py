@@ -64,6 +64,8 @@ FLAGS = [
     Flag("keep", "--keep", "keep only the K newest checkpoints", {"type": int, "metavar": "K"}),
     Flag("resume", "--resume", "continue from the latest complete checkpoint in --ckpt (any plan's); start fresh "
          "when there is none, so one command serves every restart", {"action": "store_true"}),
+    Flag("allow_other_model", "--allow-other-model", "with --resume: load a training state written for another "
+         "model class or configuration of the same shapes (refused by default, naming both)", {"action": "store_true"}),
     Flag("export", "--export", "at the end, write a plain Hugging Face checkpoint (with the tokenizer) to DIR",
          {"metavar": "DIR"}),
     Flag("device", "--device", "auto: CUDA with NCCL when there is a GPU (one per rank), else CPU with gloo",

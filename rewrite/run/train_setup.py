@@ -19,6 +19,7 @@ from ..plan.wording import either
 from ..values import is_count
 from ..plan.ranks import length_problem
 from .guard import ON_NONFINITE, ON_SAVE_ERROR
+from .init_mark import random_init
 from .presets import PRESETS, build_model, load_config
 
 __all__ = ["DEVICES", "DTYPES", "pick_device", "train_plan", "setting_problems", "ModelSource", "model_source", "build_stage",
@@ -58,8 +59,16 @@ class ModelSource:
     kind: str  # "preset", "config" or "checkpoint"
     directory: Path | None  # the model directory, when it is one
     tokenizer: bool  # the directory holds a tokenizer: train on its tokens, not bytes
+    drawn: bool = False  # a checkpoint of random weights, as `rewrite init-model` drew them (`init_mark`)
+
+    @property
+    def trained(self) -> bool:
+        """Its weights were trained: fine-tune them (a gentle learning rate), rather than train from scratch."""
+        return self.kind == "checkpoint" and not self.drawn
 
     def describe(self) -> str:
+        if self.drawn:
+            return "its saved random weights (rewrite init-model: trained from scratch)"
         return "its saved weights" if self.kind == "checkpoint" else "random weights"
 
 
@@ -76,7 +85,7 @@ def model_source(model: str) -> ModelSource:
             "text with the model's own tokenizer; save it there (tokenizer.save_pretrained(DIR)), or use "
             "`rewrite init-model DIR` to make a small model with one"
         )
-    return ModelSource(model, kind, directory, has(_TOKENIZER))
+    return ModelSource(model, kind, directory, has(_TOKENIZER), drawn=kind == "checkpoint" and random_init(directory))
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """`rewrite train` on packed chat data, where every row trains another number of tokens: a run resumed
 under plans that split the same global batch otherwise (cp 2 x tp 2 as 2 x 2 rows -> tp 2 x pp 2 as
 4 x 1 -> dp 2 x pp 2 as 2 x (2 x 1)) trains what the uninterrupted run trains, loss for loss within
-1e-5; the same with one example a row (`pack=False`); step 1 matches one process (parity)."""
+1e-5; the same with one example a row (`pack=False`); step 1 matches one process (parity). At a
+fine-tuning learning rate: at a from-scratch one, AdamW's `m / (sqrt(v) + eps)` turns other plans'
+reduction order (~1e-9) into lr-sized weight differences where a gradient is near eps."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def _train(tmp: Path, name: str, tag: str, steps: int, pack: bool, parity: bool 
     plan, rows = PLANS[name]
     return train(TrainConfig(
         plan or str(tmp / "dp2-pp2.yaml"), model=str(tmp / "tiny"), data=str(ROOT / "data/chat-sums.jsonl"),
-        pack=pack, steps=steps, batch_size=rows, seq_len=64, progress=False, parity=parity,
+        pack=pack, steps=steps, batch_size=rows, seq_len=64, progress=False, parity=parity, lr=5e-5,
         out_dir=str(tmp / tag / "out"), ckpt=str(tmp / tag / "ckpt"), resume=True, save_every=1))
 
 

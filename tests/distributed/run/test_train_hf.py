@@ -44,7 +44,7 @@ def test_train_a_checkpoint_resume_under_another_plan_and_export(tmp_path):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert f"--resume: {ckpt} holds no checkpoint yet (no `latest` file): starting from step 1" in first.stdout
     assert f"saved the training state of step 3 to {ckpt / 'step-00000003'}" in first.stdout, first.stdout
-    assert "with its saved weights" in first.stdout and "tokens of" in first.stdout, first.stdout
+    assert "with its saved random weights" in first.stdout and "tokens of" in first.stdout, first.stdout
     assert "AdamW lr 0.003 (--lr)" in first.stdout, first.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -75,6 +75,7 @@ def test_train_a_checkpoint_resume_under_another_plan_and_export(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rewrite", "export", str(ckpt), str(exported)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # one process, no torchrun
     assert done.returncode == 0 and "loads with AutoModelForCausalLM" in done.stdout, done.stdout + done.stderr
+    assert f"from step 5 ({ckpt / 'step-00000005'})" in done.stdout, done.stdout  # which step it exported
     model = AutoModelForCausalLM.from_pretrained(exported)
     tokenizer = AutoTokenizer.from_pretrained(exported)
     assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
-
 import torch
+import yaml
 
 import rewrite
 from rewrite.estimate.memory import GIB, rank_memory
@@ -137,10 +138,27 @@ def test_rewrite_plan_writes_a_plan_that_validates_and_shows_the_memory_it_predi
         assert max(r["total"] for r in data["memory"]["ranks"]) == best["peak_bytes"]
         assert data["memory"]["dtype"] == "float32" and data["memory"]["compute_dtype"] == "bfloat16"
         assert data["predicted"]["step_s"] == pytest.approx(best["step_s"])
-    table = rewrite_cmd("plan", "--model", "tiny-llama", "--world", "2", "--hardware", "cpu", "--seq-len", "64",
-                        "--top", "2")
-    assert table.returncode == 0 and "Plans for tiny-llama on 2 x cpu" in table.stdout
-    assert "mesh:" in table.stdout and "# Predicted on cpu" in table.stdout  # no --out: the plan is printed
+    piped = rewrite_cmd("plan", "--model", "tiny-llama", "--world", "2", "--hardware", "cpu", "--seq-len", "64",
+                        "--top", "2")  # stdout not a terminal, no --out: the plan alone there, the table on stderr
+    assert piped.returncode == 0 and "Plans for tiny-llama on 2 x cpu" in piped.stderr, piped.stderr
+    assert piped.stdout.startswith("# Planned by") and "Plans for" not in piped.stdout
+    assert "rewrite show PLAN.yaml" in piped.stdout  # a pipe: no file to name
+    assert rewrite.load_plan(yaml.safe_load(piped.stdout)).mesh.world_size == 2
+
+
+def test_rewrite_plan_at_a_terminal_writes_plan_yaml_and_never_over_a_file(tmp_path, monkeypatch, capsys):
+    from rewrite.run.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    (tmp_path / "plan.yaml").write_text("mine\n")
+    args = ["plan", "--model", "tiny-llama", "--world", "2", "--hardware", "cpu", "--seq-len", "64", "--top", "1"]
+    assert main(args) == 0
+    said = capsys.readouterr().out
+    assert "Plans for tiny-llama" in said and "wrote plan-2.yaml (--out FILE names another)" in said, said
+    assert (tmp_path / "plan.yaml").read_text() == "mine\n"  # untouched
+    written = (tmp_path / "plan-2.yaml").read_text()
+    assert "#   rewrite show plan-2.yaml --model tiny-llama" in written and "mesh:" not in said
 
 
 def test_rewrite_plan_nothing_fits_and_bad_arguments(tmp_path):

@@ -118,15 +118,24 @@ def test_the_learning_rate_default_follows_whether_weights_were_loaded():
     assert "3e-03" not in help_text and "0.003 from random weights, 5e-05 from a checkpoint's" in help_text
 
 
-def test_training_from_loaded_weights_defaults_to_a_fine_tuning_rate_and_says_so(tmp_path):
+def test_init_model_weights_train_from_scratch_and_replaced_weights_are_fine_tuned(tmp_path):
+    from safetensors.torch import load_file, save_file
+
     from rewrite.run.tiny_model import make_tiny_checkpoint
+    from rewrite.run.train_setup import model_source
 
     model_dir = make_tiny_checkpoint(tmp_path / "tiny")
     (tmp_path / "one.yaml").write_text("mesh: {}\n")  # one rank: no torchrun needed
     run = rewrite_cmd("train", str(tmp_path / "one.yaml"), "--model", str(model_dir), "--steps", "1", "--seq-len", "16",
                       "--no-progress", "--out", str(tmp_path / "out"))
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "with its saved weights under" in run.stdout and "AdamW lr 5e-05 (the default for loaded weights; --lr sets it)" in run.stdout
+    assert "with its saved random weights (rewrite init-model: trained from scratch) under" in run.stdout, run.stdout
+    assert "AdamW lr 0.003 (the default for random weights; --lr sets it)" in run.stdout, run.stdout
+    # The same directory once its weights were replaced (trained, exported over it): fine-tuned.
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({k: v + 1e-3 for k, v in weights.items()}, model_dir / "model.safetensors", metadata={"format": "pt"})
+    source = model_source(str(model_dir))
+    assert source.trained and source.describe() == "its saved weights"
 
 
 def test_show_tells_one_story_of_activations_and_counts_weights_as_training_holds_them(capsys):

@@ -1,0 +1,68 @@
+"""Which model a training state was written for: its class and its configuration, in `model.json`.
+
+A state of the same shapes loads into any model whose tensors have its names: a LLaMA's state into
+a Mistral, one of rope_theta 10,000 into one of 500,000. Nothing but this mark tells them apart, so
+`load_training_state` compares it with the model it loads into and refuses another, naming both.
+States written before the mark existed carry none and load as they did.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["MARK_FILE", "model_mark", "write_mark", "model_change"]
+
+MARK_FILE = "model.json"
+# What may differ between two runs of one model: how it runs (cache, outputs, attention kernel, dtype)
+# and where it was read from, not what it computes.
+_RUNTIME = {"_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache",
+            "return_dict", "output_attentions", "output_hidden_states", "attn_implementation", "_commit_hash"}
+_SHOWN = 4  # differing config keys named in a message
+
+
+def model_mark(model: nn.Module) -> dict[str, Any]:
+    """The model's class, its config's `model_type` and the config's entries that fix what it computes
+    (None for a model without a Hugging Face config)."""
+    config = getattr(model, "config", None)
+    entries = None
+    if config is not None and hasattr(config, "to_dict"):
+        entries = {k: v for k, v in config.to_dict().items() if k not in _RUNTIME and not k.startswith("_")}
+        entries = json.loads(json.dumps(entries, default=str))  # as the file holds it: tuples as lists
+    return {"class": type(model).__name__, "model_type": getattr(config, "model_type", None), "config": entries}
+
+
+def write_mark(path: Path, model: nn.Module) -> None:
+    """Write `model`'s mark into the checkpoint directory `path`."""
+    (path / MARK_FILE).write_text(json.dumps(model_mark(model), indent=1, sort_keys=True) + "\n")
+
+
+def model_change(path: Path, model: nn.Module) -> str | None:
+    """How the model `path`'s state was written for differs from `model` ('LlamaForCausalLM (llama)
+    -> MistralForCausalLM (mistral)', or the config entries that differ), None when it is the same
+    model or the state carries no mark."""
+    file = path / MARK_FILE
+    if not file.is_file():
+        return None
+    try:
+        saved = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        return f"its {MARK_FILE} cannot be read ({exc})"
+    here = model_mark(model)
+    if (saved.get("class"), saved.get("model_type")) != (here["class"], here["model_type"]):
+        return f"{_name(saved)} -> {_name(here)}"
+    before, after = saved.get("config") or {}, here["config"] or {}
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if not changed:
+        return None
+    shown = ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:_SHOWN])
+    more = f" and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
+    return f"{_name(here)} with another configuration ({shown}{more})"
+
+
+def _name(mark: dict) -> str:
+    kind = mark.get("model_type")
+    return f"{mark.get('class')}" + (f" ({kind})" if kind else "")
