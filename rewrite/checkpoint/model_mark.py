@@ -22,6 +22,7 @@ MARK_FILE = "model.json"
 _RUNTIME = {"_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache",
             "return_dict", "output_attentions", "output_hidden_states", "attn_implementation", "_commit_hash"}
 _SHOWN = 4  # differing config keys named in a message
+_WRAPPERS = ("torch.distributed.", "rewrite.")  # where the classes put over a model's own come from
 
 
 def model_mark(model: nn.Module) -> dict[str, Any]:
@@ -32,7 +33,13 @@ def model_mark(model: nn.Module) -> dict[str, Any]:
     if config is not None and hasattr(config, "to_dict"):
         entries = {k: v for k, v in config.to_dict().items() if k not in _RUNTIME and not k.startswith("_")}
         entries = json.loads(json.dumps(entries, default=str))  # as the file holds it: tuples as lists
-    return {"class": type(model).__name__, "model_type": getattr(config, "model_type", None), "config": entries}
+    return {"class": model_class(model), "model_type": getattr(config, "model_type", None), "config": entries}
+
+
+def model_class(model: nn.Module) -> str:
+    """The model's own class name: past the classes FSDP2 (`FSDPLlamaForCausalLM`) and rewrite put over it."""
+    return next((c.__name__ for c in type(model).__mro__ if not c.__module__.startswith(_WRAPPERS)),
+                type(model).__name__)
 
 
 def write_mark(path: Path, model: nn.Module) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rewrite.checkpoint.model_mark import MARK_FILE, model_change, write_mark
+from rewrite.checkpoint.model_mark import MARK_FILE, model_change, model_mark, write_mark
 from tests.families import tiny_family_model
 
 
@@ -26,3 +26,13 @@ def test_a_state_without_a_mark_loads_and_a_damaged_one_is_named(tmp_path):
     assert model_change(tmp_path, llama) is None  # written before marks existed
     (tmp_path / MARK_FILE).write_text("{not json")
     assert f"its {MARK_FILE} cannot be read" in model_change(tmp_path, llama)
+
+
+def test_the_class_is_the_model_s_own_under_fsdp2_s():
+    import torch.distributed.fsdp as fsdp
+
+    llama = tiny_family_model("llama")
+    wrapped = type(f"FSDP{type(llama).__name__}", (fsdp.FSDPModule, type(llama)), {})  # what fully_shard makes
+    wrapped.__module__ = "torch.distributed.fsdp._fully_shard._fully_shard"
+    llama.__class__ = wrapped
+    assert model_mark(llama)["class"] == "LlamaForCausalLM"
