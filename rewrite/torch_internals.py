@@ -14,6 +14,8 @@ and not deep inside a training step. Checked on torch 2.13 (the range pyproject.
 - `backward_input`, `backward_weight`: torch.distributed.pipelining's split backward (dL/dx now,
   dL/dW later), which zero-bubble schedules need.
 - `ddp_ignore`: parameters DDP leaves alone (neither broadcast nor reduced): experts split over ep.
+- `default_store`: the default process group's rendezvous store, where ranks whose wait timed out
+  leave what they were doing for each other (`run/stall_report.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "CHECKED_ON", "replicate", "finish_fsdp_backward", "prepare_ddp_for_backward", "ddp_reducer_finished",
-    "backward_input", "backward_weight", "ddp_ignore",
+    "backward_input", "backward_weight", "ddp_ignore", "default_store",
 ]
 
 CHECKED_ON = "2.13"
@@ -74,3 +76,10 @@ def backward_input(
 def backward_weight(params: Iterator[nn.Parameter], groups: list) -> None:
     """dL/dW of `params`, from the groups `backward_input` kept."""
     _backward.stage_backward_weight(params, groups)
+
+
+def default_store():
+    """The default process group's store (`torch.distributed.Store`); raises RuntimeError without one."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..doing import doing
 from ..schedules import Action
 from . import p2p
 
@@ -77,6 +78,11 @@ class Inbox:
 
     def take(self, key: Key) -> torch.Tensor:
         """Wait for the tensor `key` names and post the next receive."""
+        kind, mb, stage = key
+        with doing(f"recv {kind}{mb} for stage {stage} from rank {self.src}", peer=self.src):
+            return self._take(key)
+
+    def _take(self, key: Key) -> torch.Tensor:
         i = self.index[key]
         while self.frontier <= i:
             if not self._post() and not self._resolve_header():

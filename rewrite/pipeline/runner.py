@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..context_parallel.microbatch import sequence_part
+from ..doing import doing
 from ..errors import InputError
 from ..lent import lend
 from ..schedules import Action, placement, plan_table, schedule_rules, table_problems
@@ -90,7 +91,8 @@ def run_schedule(
             "the loss must add up over the ranks' tokens: declare a loss that returns the sum over its tokens "
             "with @rewrite.returns_token_sums, or pass loss_fn=None (the default cross-entropy)"
         )
-    tokens = _trained_tokens(stage, inputs, targets, loss_fn, "run_schedule")
+    with doing("the step's input checks (an all-reduce over every rank)"):
+        tokens = _trained_tokens(stage, inputs, targets, loss_fn, "run_schedule")
     pipeline, pp, m = stage.resolved.plan.pipeline, stage.mesh.pp, len(inputs)
     k = pipeline.virtual_stages
     # The same on every rank: the microbatch count was agreed on above.
@@ -169,17 +171,22 @@ def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None, tokens: i
         for i, action in enumerate(row):
             if i in reducing:
                 stage.grad_sync.sync_next_backward()
-            step.run(action)
+            with doing(f"{action.kind}{action.mb} of stage {action.stage}"):
+                step.run(action)
     finally:
         if sums is not None:
             sums.end()  # model(...) outside a step sums at every use again
     step.finish()
     if stage.grad_sync is not None:
-        stage.grad_sync.finish()  # once per step: gradients averaged over the replicas
+        with doing("the data-parallel gradient reduce over " + ("dp x cp" if stage.mesh.cp > 1 else "dp")):
+            stage.grad_sync.finish()  # once per step: gradients averaged over the replicas
     if sums is not None:
-        sums.finish()
-    sum_tied_grads(stage, stash)
-    return _step_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
+        with doing("the sum of partial gradients over tp"):
+            sums.finish()
+    with doing("the tied weights' gradient sum between the first and last stage"):
+        sum_tied_grads(stage, stash)
+    with doing("the step loss's all-reduce over every rank"):
+        return _step_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
 
 
 _EVENT = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
@@ -277,8 +284,8 @@ class _Step:
             return
         dst = self.mesh.global_rank(peer)
         if kind == "F" and self._shapes(mb, s)["input"] is None:
-            self._send(*p2p.send_header(tensor, dst))
-        self._send(p2p.send(tensor, dst), tensor)
+            self._send(*p2p.send_header(tensor, dst), dst)
+        self._send(p2p.send(tensor, dst), tensor, dst)
 
     def forward(self, mb: int, s: int):
         part = None if self.parts is None else self.parts[mb]
@@ -343,16 +350,17 @@ class _Step:
                 self._hand_on("b", mb, s - 1, sums)
         return start
 
-    def _send(self, works: list, tensor: torch.Tensor) -> None:
+    def _send(self, works: list, tensor: torch.Tensor, dst: int) -> None:
         # Keep what is still in flight; let tensors whose sends completed go, so memory
         # follows the schedule (1F1B: pp - s microbatches), not the step's length.
-        self.sends = [(w, t) for w, t in self.sends if not all(x.is_completed() for x in w)]
-        self.sends.append((works, tensor))
+        self.sends = [(w, t, d) for w, t, d in self.sends if not all(x.is_completed() for x in w)]
+        self.sends.append((works, tensor, dst))
 
     def finish(self) -> None:
-        for works, _ in self.sends:
-            for work in works:
-                work.wait()
+        for works, _, dst in self.sends:
+            with doing(f"the step's last sends, to rank {dst}", peer=dst):
+                for work in works:
+                    work.wait()
         self.sends = []
 
 

@@ -25,6 +25,7 @@ from .show.columns import format_bytes
 from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, model_source, pick_device,
                           setting_problems, train_plan)
 from ..checkpoint.model_mark import model_change
+from ..doing import at_step, doing
 from ..checkpoint.training_state import latest_checkpoint, load_training_state
 from ..pipeline.grad_norm import clip_grad_norm_
 from .presets import load_config
@@ -193,6 +194,7 @@ def train(config: TrainConfig) -> dict:
     start = time.perf_counter()
     try:
         for step in range(first, config.steps + 1):
+            at_step(step)  # what each rank does is named by step, for a report if a peer stops answering
             # The global batch, the same on every rank; each replica runs its own m microbatches of it.
             inputs, targets = data.take(step, cursor, sequences, config.batch_size)
             cursor += sequences
@@ -205,7 +207,8 @@ def train(config: TrainConfig) -> dict:
                 reference = None  # free it
                 log.write(parity_result.line())
             t0 = time.perf_counter()
-            grad_norm = float(clip_grad_norm_(stage, config.max_grad_norm))
+            with doing("the gradient norm's all-reduce over every rank"):
+                grad_norm = float(clip_grad_norm_(stage, config.max_grad_norm))
             lr = optimizer.param_groups[0]["lr"]
             losses.append(float(loss))
             counted = sum(int((t != IGNORE_INDEX).sum()) for t in targets)  # the global batch's
@@ -230,12 +233,14 @@ def train(config: TrainConfig) -> dict:
             })
             log.step(step, losses[-1], step_seconds[-1])
             if config.ckpt and (step == config.steps or (config.save_every and step % config.save_every == 0)):
-                saved = guard.save(config.ckpt, stage, optimizer, schedule, log, keep=config.keep,
-                                   tokenizer=built.tokenizer, extra={"step": step, "cursor": cursor, "data": _data_key(config)})
+                with doing("saving the training state"):
+                    saved = guard.save(config.ckpt, stage, optimizer, schedule, log, keep=config.keep, tokenizer=built.tokenizer,
+                                       extra={"step": step, "cursor": cursor, "data": _data_key(config)})
                 if saved is not None:
                     log.write(f"saved the training state of step {step} to {saved}")
     finally:
         metrics_log.close()
+    at_step(None)
     wall = time.perf_counter() - start
     log.close()
     if config.export:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..errors import RewriteError
 from .byte_data import TrainConfigError
+from .stall_report import stall_report
 from .stores import local_store, restart_hazard, restart_store
 from .train import TrainConfig, train
 from .train_setup import pick_device
@@ -27,7 +28,14 @@ _TIMED_OUT = re.compile(r"timed? ?out", re.IGNORECASE)
 
 
 class PeerTimeout(RewriteError, RuntimeError):
-    """A collective waited `--timeout` seconds for a peer that never answered (stuck, stopped or gone)."""
+    """A collective waited `--timeout` seconds for a peer that never answered (stuck, stopped or gone).
+
+    `quiet`: another rank prints the report (the lowest one that timed out); this one exits without a word.
+    """
+
+    def __init__(self, message: str, *, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def build_init_kwargs(config: TrainConfig) -> dict:
@@ -75,7 +83,8 @@ def train_main(config: TrainConfig) -> dict:
     owns_group = not dist.is_initialized()
     if owns_group and os.environ.get("RANK") == "0" and (hazard := restart_hazard()):
         print(f"warning: {hazard}", file=sys.stderr, flush=True)
-    with _named_timeout(config.timeout_s):
+    cuda = device.type == "cuda"
+    with _named_timeout(config.timeout_s, cuda=cuda):
         if owns_group:
             if alone:  # a world of one on a store of its own: no port to pick
                 store = local_store(1, init_kwargs["timeout"])
@@ -83,29 +92,31 @@ def train_main(config: TrainConfig) -> dict:
                 dist.init_process_group(**init_kwargs, store=store, rank=0, world_size=1)
             else:
                 dist.init_process_group(**init_kwargs, **restart_store(init_kwargs["timeout"]))
-        try:
+    try:
+        with _named_timeout(config.timeout_s, cuda=cuda):  # inside: the group (and its store) still up to report
             result = train(config)
             if owns_group:
                 # Every rank done before any tears down its connections: gloo aborts a process
                 # whose peer closes a pair while its own threads still use it.
                 dist.barrier()
-            return result
-        finally:
-            if owns_group:
-                dist.destroy_process_group()
+        return result
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
-def _named_timeout(timeout_s: float):
-    """A collective or rendezvous that waited `timeout_s` for a peer, said in the run's words."""
+def _named_timeout(timeout_s: float, *, cuda: bool):
+    """A collective or rendezvous that waited `timeout_s` for a peer, said in the run's words: where every rank
+    that still answers was (`stall_report`), printed by one of them."""
     try:
         yield
     except RuntimeError as exc:  # gloo: "Timed out waiting 10000ms for recv"; the store: "wait timeout after"
         if isinstance(exc, RewriteError) or not _TIMED_OUT.search(str(exc)):
             raise
         first = str(exc).strip().splitlines()[0]
-        raise PeerTimeout(
-            f"no answer from a peer within --timeout {timeout_s:g} s (a rank stuck, stopped or gone); this run "
-            "stops. Under torchrun, --max-restarts starts every rank again and --resume continues from the last "
-            f"checkpoint. ({first})"
-        ) from None
+        if not dist.is_initialized():  # the rendezvous itself: no store to report through
+            raise PeerTimeout(f"no answer from a peer within --timeout {timeout_s:g} s (a rank stuck, stopped or gone) "
+                              f"while the ranks met; this run stops. ({first})") from None
+        report, speaks = stall_report(timeout_s, first, cuda=cuda)
+        raise PeerTimeout(report, quiet=not speaks) from None

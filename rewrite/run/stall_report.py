@@ -1,0 +1,58 @@
+"""When a peer stops answering: where every rank still running was, collected through the rendezvous store.
+
+Each rank whose wait timed out writes what it was doing (`rewrite.doing`: the step, the action or
+collective, the peer it waited for) under a key of its own, then reads the others' for a few
+seconds. A rank that wrote nothing is named as the one that stopped (stopped, stuck outside a
+collective, or gone). The lowest rank that reported prints the report; the others exit quietly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..agreement import describe_ranks
+from ..doing import stalled
+from ..torch_internals import default_store
+
+__all__ = ["stall_report"]
+
+_KEY = "rewrite/stalled/{rank}"
+_WINDOW_S = 10.0  # how long a reporter waits for the others' reports (ranks in one collective time out together)
+_STORE_S = 5.0  # each store call's own limit: the store's host may be the rank that stopped
+
+
+def stall_report(timeout_s: float, cause: str, *, cuda: bool) -> tuple[str, bool]:
+    """The report of a timed-out run (its first line names the timeout) and whether this rank prints it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = stalled()
+    reports = {rank: None if mine is None else mine.describe()}
+    try:
+        store = default_store()
+        store.set_timeout(timedelta(seconds=_STORE_S))
+        store.set(_KEY.format(rank=rank), json.dumps(reports[rank]))
+        deadline = time.monotonic() + min(_WINDOW_S, timeout_s)
+        while len(reports) < world and time.monotonic() < deadline:
+            for r in range(world):
+                if r not in reports and store.check([_KEY.format(rank=r)]):
+                    reports[r] = json.loads(store.get(_KEY.format(rank=r)))
+            time.sleep(0.05)
+    except (RuntimeError, ValueError, OSError):  # no store, or it stopped answering too: this rank's own view
+        pass
+    lines = [f"no answer from a peer within --timeout {timeout_s:g} s (a rank stuck, stopped or gone); this run stops:"]
+    by_what: dict[str, list[int]] = {}
+    for r in sorted(reports):
+        by_what.setdefault(reports[r] or "outside any step", []).append(r)
+    lines += [f"  {describe_ranks(ranks)} waited in {what}" for what, ranks in by_what.items()]
+    silent = [r for r in range(world) if r not in reports]
+    if silent:
+        lines.append(f"  {describe_ranks(silent)} sent no report: stopped, stuck outside a collective, or gone")
+    lines.append("  Under torchrun, --max-restarts starts every rank again and --resume continues from the last "
+                 f"checkpoint. ({cause})")
+    if cuda:
+        lines.append("  NCCL's flight recorder dumps each rank's collectives on a timeout: set "
+                     "TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1 (docs/training.md)")
+    return "\n".join(lines), rank == min(reports)
