@@ -146,10 +146,11 @@ def save_training_state(
         state["extra"] = extra
         state["run"] = {"mesh": _mesh(stage), "world_size": dist.get_world_size(), "step": step,
                         "plan": str(stage.resolved.plan.source)}
-    failed = None
+    failed, interrupted = None, False
     try:
         dcp.save(state, checkpoint_id=path, planner=PieceSavePlanner())
     except CheckpointException as exc:  # raised on every rank alike: DCP gathers each rank's outcome
+        interrupted = any(isinstance(error, KeyboardInterrupt) for error, _ in exc.failures.values())
         rank, (first, _) = next(iter(exc.failures.items()))
         failed = f"rank {rank}: {type(first).__name__}: {first}"
         if "unexpected pos" in str(first):  # torch's zip writer, when a write came up short
@@ -157,6 +158,9 @@ def save_training_state(
     if dist.get_rank() == 0:
         failed = failed or _finish(stage, directory, path, step, keep, tokenizer)
     failed = share(failed)[0]  # rank 0's word: no rank goes on before `latest` names this one, or all raise
+    if interrupted:  # Ctrl-C during the write: the partial goes, the interrupt goes on
+        _after_failure(directory, path)
+        raise KeyboardInterrupt
     if failed is not None:
         need = format_bytes(max(n for n, _ in needs.values()))
         raise CheckpointWriteError(f"{what}: writing {path.name} (about {need}) failed: {failed}; "

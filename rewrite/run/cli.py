@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -261,11 +262,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..errors import RewriteError
     from ..plan.schema import PlanError
     from .guard import TrainStopped
+    from .signals import TrainInterrupted
     from .train import TrainConfigError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except TrainInterrupted as exc:  # a signal, the step finished and saved: one line, by rank 0
+        if _rank() == 0:
+            print(str(exc), file=sys.stderr, flush=True)
+        return exc.status
+    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the training loop: at once
+        if _rank() == 0:
+            print("interrupted: stopped at once, nothing more saved; --resume continues from the last complete "
+                  "checkpoint, if the run saves one (--ckpt)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except (PlanError, TrainConfigError, TrainStopped) as exc:
         if _rank() == 0:
             print(f"error: {in_flags(str(exc))}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ and at the end the timeline, the loss curve and optionally a plain HF export.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
 from .metrics import MetricsLog, peak_memory_bytes
 from .guard import StateGuard, TrainStopped
+from .signals import StopRequests, TrainInterrupted, stopped_by
 from .parity import Parity, parity_check
 from .progress import Progress, plot_loss, write_outputs
 from .show.columns import format_bytes
@@ -87,6 +89,7 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a step with a nan/inf loss or gradient norm is never applied: stop the run, or skip it
     skip_limit: int = 5  # under on_nonfinite="skip": this many non-finite steps in a row stop the run
     on_save_error: str = "stop"  # a save that does not fit or fails (removed, latest untouched): stop, or continue
+    save_on_signal: bool = True  # SIGINT / SIGTERM: save the training state (with ckpt) after the step in flight
 
 
 def train(config: TrainConfig) -> dict:
@@ -192,7 +195,8 @@ def train(config: TrainConfig) -> dict:
     log.start()
     losses, step_seconds, parity_result = [], [], None
     start = time.perf_counter()
-    try:
+    # SIGINT / SIGTERM: stop after the step in flight, saved; the metrics file closed however the loop ends
+    with StopRequests(stage.mesh.host_group) as stops, contextlib.closing(metrics_log):
         for step in range(first, config.steps + 1):
             at_step(step)  # what each rank does is named by step, for a report if a peer stops answering
             # The global batch, the same on every rank; each replica runs its own m microbatches of it.
@@ -232,14 +236,18 @@ def train(config: TrainConfig) -> dict:
                 "peak_memory_bytes": peak_memory_bytes(device),
             })
             log.step(step, losses[-1], step_seconds[-1])
-            if config.ckpt and (step == config.steps or (config.save_every and step % config.save_every == 0)):
+            with doing("the stop-signal check (an all-reduce over every rank)"):
+                signum = stops.agreed() if step < config.steps else None
+            saved = None
+            if config.ckpt and (step == config.steps or (config.save_every and step % config.save_every == 0)
+                                or (signum and config.save_on_signal)):
                 with doing("saving the training state"):
                     saved = guard.save(config.ckpt, stage, optimizer, schedule, log, keep=config.keep, tokenizer=built.tokenizer,
                                        extra={"step": step, "cursor": cursor, "data": _data_key(config)})
                 if saved is not None:
                     log.write(f"saved the training state of step {step} to {saved}")
-    finally:
-        metrics_log.close()
+            if signum:
+                raise TrainInterrupted(stopped_by(signum, step, config, saved), signum=signum)
     at_step(None)
     wall = time.perf_counter() - start
     log.close()

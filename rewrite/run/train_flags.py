@@ -83,6 +83,9 @@ FLAGS = [
     Flag("on_save_error", "--on-save-error", "a save that would not fit or fails (a full disk): nothing of it is "
          "kept and `latest` is untouched; stop the run (exit 1) or continue training without it (default "
          "%(default)s)", {"choices": ON_SAVE_ERROR}),
+    Flag("save_on_signal", "--no-save-on-signal", "on SIGINT (Ctrl-C) or SIGTERM, stop after the step in flight "
+         "without saving the training state there (by default it is saved with --ckpt; a second Ctrl-C stops at once)",
+         {"action": "store_true"}, negate=True),
     Flag("progress", "--no-progress", "no progress bar (a line per step instead)", {"action": "store_true"},
          negate=True),
     Flag("timeout_s", "--timeout", "process-group timeout, > 0: a rank waiting longer than this in a collective (a "
