@@ -1,6 +1,6 @@
 # `make test` builds .venv on first use, installs everything, runs the suite.
 # `make demo` does the same install, then trains a tiny LLaMA on 4 CPU processes
-# (tp 2 x pp 2, torchrun, gloo) and writes out/demo/{timeline.png,loss.png,metrics.json}.
+# (tp 2 x pp 2, `rewrite train --nproc-per-node 4`, gloo) and writes out/demo/{timeline.png,loss.png,metrics.json}.
 # torch is installed first, pinned, so nothing later pulls a different build.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
@@ -35,7 +35,7 @@ DEMO_PLAN ?= plans/llama-tp2-pp2.yaml
 DEMO_ARGS ?= --model tiny-llama --steps 30 --out out/demo
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 -m rewrite train $(DEMO_PLAN) $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/rewrite train $(DEMO_PLAN) --nproc-per-node 4 $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

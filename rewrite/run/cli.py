@@ -149,7 +149,15 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train_entry import train_main
     from .train_flags import train_config
+    from .train_launch import launch_train, split_launch_args
 
+    if args.nproc_per_node is not None:  # this process launches the workers, each runs the rest of the command
+        if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+            print("error: --nproc-per-node under torchrun (or a launcher of its kind): this process is a worker "
+                  "already; use one launcher, `rewrite train ... --nproc-per-node N` or torchrun", file=sys.stderr)
+            return 2
+        launch, rest = split_launch_args(args.command_line[1:])
+        return launch_train(launch, rest)
     train_main(train_config(args))
     return 0
 
@@ -178,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .plan_cmd import add_calibrate_parser, add_hardware_flags, add_plan_parser
     from .presets import PRESETS
     from .train_flags import MODEL_HELP, PLAN_HELP, add_train_flags
+    from .train_launch import add_launch_flags
     from .train_setup import DTYPES  # `--dtype` of show, plan and train: one meaning, one default
 
     parser = argparse.ArgumentParser(
@@ -222,12 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        help="train under torchrun: a HF checkpoint and its tokenizer (or a preset on bytes), resumable",
-        description="Run under torchrun, one process per rank of the plan's mesh, e.g. "
-        "`torchrun --standalone --nproc-per-node 4 -m rewrite train plans/llama-tp2-pp2.yaml`. "
-        "Several machines: torchrun's own --nnodes/--node-rank/--rdzv-endpoint flags.",
+        help="train a HF checkpoint and its tokenizer (or a preset on bytes) under a plan, resumable",
+        description="One process per rank of the plan's mesh: `rewrite train plans/llama-tp2-pp2.yaml "
+        "--nproc-per-node 4` starts them (torch's elastic launcher, as torchrun; several machines: the same "
+        "command on each with --nnodes and --rdzv-endpoint), or run it under torchrun: `torchrun --standalone "
+        "--nproc-per-node 4 -m rewrite train plans/llama-tp2-pp2.yaml`.",
     )
     add_train_flags(train)
+    add_launch_flags(train)
     train.set_defaults(func=_cmd_train)
 
     export = sub.add_parser("export", help="a training checkpoint (--ckpt DIR, any plan) to a plain Hugging Face one")
@@ -266,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .train import TrainConfigError
 
     args = build_parser().parse_args(argv)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)  # as typed: a launcher hands it on
     try:
         return args.func(args)
     except TrainInterrupted as exc:  # a signal, the step finished and saved: one line, by rank 0

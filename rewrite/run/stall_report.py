@@ -50,7 +50,7 @@ def stall_report(timeout_s: float, cause: str, *, cuda: bool) -> tuple[str, bool
     silent = [r for r in range(world) if r not in reports]
     if silent:
         lines.append(f"  {describe_ranks(silent)} sent no report: stopped, stuck outside a collective, or gone")
-    lines.append("  Under torchrun, --max-restarts starts every rank again and --resume continues from the last "
+    lines.append("  --max-restarts (of rewrite train or torchrun) starts every rank again and --resume continues from the last "
                  f"checkpoint. ({cause})")
     if cuda:
         lines.append("  NCCL's flight recorder dumps each rank's collectives on a timeout: set "

@@ -1,4 +1,5 @@
-"""`make demo`'s run, shortened: `rewrite train` under torchrun on 4 processes."""
+"""`make demo`'s run, shortened: `rewrite train --nproc-per-node 4` (its own launcher, 4 processes); the
+`torchrun` helper for the tests that run plain torchrun."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ def torchrun(nprocs: int, *args: str, timeout_s: float = 240) -> subprocess.Comp
 
 def test_demo_parity_line_pictures_and_metrics(tmp_path):
     out_dir = tmp_path / "demo"
-    run = torchrun(4, "train", "plans/llama-tp2-pp2.yaml", "--model", "tiny-llama", "--steps", "3", "--out", str(out_dir))
+    run = subprocess.run(  # as `make demo` runs it: the launcher inside rewrite starts the 4 processes
+        [sys.executable, "-m", "rewrite", "train", "plans/llama-tp2-pp2.yaml", "--nproc-per-node", "4", "--model",
+         "tiny-llama", "--steps", "3", "--out", str(out_dir)], cwd=ROOT, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     # One parity line, printed once (by rank 0).
     found = PARITY.findall(run.stdout + run.stderr)

@@ -1,4 +1,4 @@
-"""Ctrl-C and preemption during `rewrite train` under torchrun: a SIGINT to torchrun (which forwards it)
+"""Ctrl-C and preemption during `rewrite train`: a SIGINT to its launcher (which forwards it)
 or a SIGTERM to the workers stops every rank after the step in flight, saves the training state there
 and says so in one line; a second SIGINT stops at once, saving nothing more, the last checkpoint intact."""
 
@@ -22,12 +22,14 @@ pytestmark = [pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torch
               pytest.mark.timeout(240)]
 
 
-def _interrupt(tmp_path: Path, send, *extra: str) -> tuple[str, int]:
-    """Train on 2 ranks (pp 2) until 3 steps ran, then `send(agent pid, {local rank: worker pid})`; (the log, status)."""
+def _interrupt(tmp_path: Path, send, *extra: str, torchrun: bool = True) -> tuple[str, int]:
+    """Train on 2 ranks (pp 2) until 3 steps ran, then `send(agent pid, {local rank: worker pid})`; (the log, status).
+    Launched by torchrun, or by `rewrite train --nproc-per-node 2`."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.2",
-           "-m", "rewrite", "train", "plans/llama-pp2.yaml", "--steps", "100000", "--seq-len", "16", "--batch-size", "1",
-           "--no-parity", "--no-progress", "--out", str(out), "--ckpt", str(ckpt), *extra]
+    train = ["train", "plans/llama-pp2.yaml", "--steps", "100000", "--seq-len", "16", "--batch-size", "1",
+             "--no-parity", "--no-progress", "--out", str(out), "--ckpt", str(ckpt), *extra]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.2",
+            "-m", "rewrite", *train] if torchrun else [sys.executable, "-m", "rewrite", *train, "--nproc-per-node", "2"])
     with open(tmp_path / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -59,9 +61,10 @@ def _stopped_and_saved(said: str, name: str, ckpt: Path) -> None:
     assert "Traceback" not in said.split("stopped by")[0], said[-3000:]  # no worker's traceback before it
 
 
-def test_ctrl_c_on_torchrun_stops_after_the_step_saved_with_one_line(tmp_path):
-    said, status = _interrupt(tmp_path, lambda agent, workers: os.kill(agent, signal.SIGINT))
+def test_ctrl_c_on_the_launcher_stops_after_the_step_saved_with_one_line(tmp_path):
+    said, status = _interrupt(tmp_path, lambda agent, workers: os.kill(agent, signal.SIGINT), torchrun=False)
     _stopped_and_saved(said, "SIGINT", tmp_path / "ckpt")
+    assert said.rstrip().splitlines()[-1].startswith("stopped by SIGINT") and status == 130, said[-2000:]  # the last word
 
 
 def test_sigterm_to_the_workers_stops_after_the_step_saved(tmp_path):
