@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rewrite.checkpoint.training_state import latest_checkpoint
-from tests.distributed.run.test_train_resume import _workers
+from tests.launched import end, workers as _workers
 from tests.paths import ROOT
 
 pytestmark = [pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc"),
@@ -33,6 +33,7 @@ def _interrupt(tmp_path: Path, send, *extra: str, torchrun: bool = True) -> tupl
     with open(tmp_path / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+    workers = {}
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and proc.poll() is None:
@@ -44,11 +45,7 @@ def _interrupt(tmp_path: Path, send, *extra: str, torchrun: bool = True) -> tupl
         send(proc.pid, workers)
         proc.wait(timeout=60)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        end(proc, workers.values())
     return (tmp_path / "log.txt").read_text(), proc.returncode
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rewrite.run.tiny_model import make_tiny_checkpoint
-from tests.distributed.run.test_train_resume import _workers
+from tests.launched import alive, end, workers as _workers
 from tests.paths import ROOT
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -67,7 +67,7 @@ def test_a_stopped_rank_is_reported_once_by_the_launcher(tmp_path):
            "--out", str(tmp_path / "out")]
     with open(tmp_path / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    metrics = tmp_path / "out" / "metrics.jsonl"
+    metrics, workers = tmp_path / "out" / "metrics.jsonl", {}
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
@@ -75,17 +75,12 @@ def test_a_stopped_rank_is_reported_once_by_the_launcher(tmp_path):
         workers = _workers(proc.pid)
         assert set(workers) == {0, 1, 2, 3}, (tmp_path / "log.txt").read_text()[-3000:]
         os.kill(workers[3], signal.SIGSTOP)
-        while any(Path(f"/proc/{workers[r]}").exists() and "Z" not in Path(f"/proc/{workers[r]}/stat").read_text()
-                  .rsplit(")", 1)[1].split()[0] for r in (0, 1, 2)) and time.monotonic() < deadline:
+        while any(alive(workers[r]) for r in (0, 1, 2)) and time.monotonic() < deadline:
             time.sleep(0.1)
         os.kill(workers[3], signal.SIGKILL)  # what the launcher does 30 s after the others ended
         proc.wait(timeout=60)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        end(proc, workers.values())
     lines = (tmp_path / "log.txt").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if "error: no answer from a peer" in line)
     block = lines[start:]

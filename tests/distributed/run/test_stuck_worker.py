@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.run.test_train_resume import _workers
+from tests.launched import alive as _alive, end, workers as _workers
 from tests.paths import ROOT
 
 TIMEOUT_S = 8
@@ -24,14 +24,6 @@ MARGIN_S = 20
 # run inside them at dp), or one of the step's all-reduces.
 WHERE = (r"(recv [FB]\d+ for stage 0 from rank 1|the step's last sends, to rank 1|[FBIW]\d+ of stage 0"
          r"|the data-parallel gradient reduce over dp|the .+ all-reduce over every rank|the step's input checks .+)")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _stop_rank_1(tmp_path: Path, plan: str, *, wait_for_torchrun: bool) -> tuple[str, float, float | None, int]:
@@ -44,7 +36,7 @@ def _stop_rank_1(tmp_path: Path, plan: str, *, wait_for_torchrun: bool) -> tuple
     with open(tmp_path / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    total_s = None
+    total_s, workers = None, {}
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:  # until it trains: past the rendezvous
@@ -62,12 +54,7 @@ def _stop_rank_1(tmp_path: Path, plan: str, *, wait_for_torchrun: bool) -> tuple
             proc.wait(timeout=TIMEOUT_S + TORCHRUN_GRACE_S + MARGIN_S)
             total_s = time.monotonic() - stopped
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-            os.killpg(proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        end(proc, workers.values())  # the stopped rank too: in a session of its own, killpg misses it
     return (tmp_path / "log.txt").read_text(), rank0_s, total_s, proc.returncode
 
 

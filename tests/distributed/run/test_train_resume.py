@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from rewrite.checkpoint.training_state import latest_checkpoint
 from rewrite.run.tiny_model import make_tiny_checkpoint
+from tests.launched import workers as _workers
 from tests.paths import ROOT
 
 STEPS = 24
@@ -55,26 +56,6 @@ def _finish(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 240) -> st
     out = (run_dir / "log.txt").read_text()
     assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{out[-4000:]}"
     return out
-
-
-def _workers(agent: int) -> dict[int, int]:
-    """LOCAL_RANK -> pid of the workers torchrun started (its children)."""
-    found = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent != agent:
-                continue
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        for item in env:
-            if item.startswith(b"LOCAL_RANK="):
-                found[int(item.split(b"=", 1)[1])] = int(pid)
-    return found
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

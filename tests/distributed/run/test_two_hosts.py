@@ -20,7 +20,7 @@ import pytest
 
 from rewrite.checkpoint.training_state import latest_checkpoint
 from tests.distributed.run.test_demo import PARITY, torchrun
-from tests.distributed.run.test_train_resume import _workers
+from tests.launched import workers as _workers
 from tests.paths import ROOT
 
 SUBNET = f"10.213.{os.getpid() % 250}"
