@@ -60,6 +60,9 @@ def raise_problems(per_rank: list[list[str]], what: str, error: type[Exception] 
     if not texts:
         return
     holders = {text: [r for r, found in enumerate(per_rank) if text in found] for text in texts}
+    if len(holders) == 1:  # one cause: said once, without a "1 problem" header over its own list
+        (text, ranks), = holders.items()
+        raise error(f"{what}: {describe_ranks(ranks)}: {text}")
     count = plural(len(holders), "problem")
     lines = [f"  {describe_ranks(r)}: {p}".replace("\n", "\n    ") for p, r in holders.items()]
     raise error(f"{what}: {count}\n" + "\n".join(lines))

@@ -21,6 +21,7 @@ from ..torch_internals import default_store
 __all__ = ["stall_report"]
 
 _KEY = "rewrite/stalled/{rank}"
+_SAID = "rewrite/stalled/said"  # counts the ranks that decided to print: the first one does
 _WINDOW_S = 10.0  # how long a reporter waits for the others' reports (ranks in one collective time out together)
 _STORE_S = 5.0  # each store call's own limit: the store's host may be the rank that stopped
 
@@ -29,17 +30,20 @@ def stall_report(timeout_s: float, cause: str, *, cuda: bool) -> tuple[str, bool
     """The report of a timed-out run (its first line names the timeout) and whether this rank prints it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = stalled()
-    reports = {rank: None if mine is None else mine.describe()}
+    reports, first = {rank: None if mine is None else mine.describe()}, None
+    window = min(_WINDOW_S, timeout_s)
     try:
         store = default_store()
         store.set_timeout(timedelta(seconds=_STORE_S))
         store.set(_KEY.format(rank=rank), json.dumps(reports[rank]))
-        deadline = time.monotonic() + min(_WINDOW_S, timeout_s)
+        deadline = time.monotonic() + window
         while len(reports) < world and time.monotonic() < deadline:
             for r in range(world):
                 if r not in reports and store.check([_KEY.format(rank=r)]):
                     reports[r] = json.loads(store.get(_KEY.format(rank=r)))
             time.sleep(0.05)
+        # The lowest rank heard from prints; a rank whose wait ended later (after the first printed) stays quiet.
+        first = rank == min(reports) and store.add(_SAID, 1) == 1
     except (RuntimeError, ValueError, OSError):  # no store, or it stopped answering too: this rank's own view
         pass
     lines = [f"no answer from a peer within --timeout {timeout_s:g} s (a rank stuck, stopped or gone); this run stops:"]
@@ -49,10 +53,10 @@ def stall_report(timeout_s: float, cause: str, *, cuda: bool) -> tuple[str, bool
     lines += [f"  {describe_ranks(ranks)} waited in {what}" for what, ranks in by_what.items()]
     silent = [r for r in range(world) if r not in reports]
     if silent:
-        lines.append(f"  {describe_ranks(silent)} sent no report: stopped, stuck outside a collective, or gone")
+        lines.append(f"  {describe_ranks(silent)} sent no report within {window:g} s: stopped, stuck elsewhere, or gone")
     lines.append("  --max-restarts (of rewrite train or torchrun) starts every rank again and --resume continues from the last "
                  f"checkpoint. ({cause})")
     if cuda:
         lines.append("  NCCL's flight recorder dumps each rank's collectives on a timeout: set "
                      "TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and TORCH_NCCL_DUMP_ON_TIMEOUT=1 (docs/training.md)")
-    return "\n".join(lines), rank == min(reports)
+    return "\n".join(lines), first if first is not None else rank == min(reports)

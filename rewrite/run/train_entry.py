@@ -25,6 +25,7 @@ __all__ = ["PeerTimeout", "build_init_kwargs", "train_main"]
 
 
 _TIMED_OUT = re.compile(r"timed? ?out", re.IGNORECASE)
+_PEER_LEFT = re.compile(r"Connection (closed|reset) by peer")  # gloo, when a peer that failed has exited
 
 
 class PeerTimeout(RewriteError, RuntimeError):
@@ -112,9 +113,12 @@ def _named_timeout(timeout_s: float, *, cuda: bool):
     try:
         yield
     except RuntimeError as exc:  # gloo: "Timed out waiting 10000ms for recv"; the store: "wait timeout after"
-        if isinstance(exc, RewriteError) or not _TIMED_OUT.search(str(exc)):
+        if isinstance(exc, RewriteError) or not (_TIMED_OUT.search(str(exc)) or _PEER_LEFT.search(str(exc))):
             raise
         first = str(exc).strip().splitlines()[0]
+        if _PEER_LEFT.search(first) and dist.is_initialized():
+            # A peer ended first (its own timeout, its error) and said why, or its launcher will: not again.
+            raise PeerTimeout(f"a peer left the run ({first})", quiet=True) from None
         if not dist.is_initialized():  # the rendezvous itself: no store to report through
             raise PeerTimeout(f"no answer from a peer within --timeout {timeout_s:g} s (a rank stuck, stopped or gone) "
                               f"while the ranks met; this run stops. ({first})") from None

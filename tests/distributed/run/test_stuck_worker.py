@@ -64,7 +64,7 @@ def _says_where(said: str, waited: str) -> None:
     assert said.count(named) == 1, said[-3000:]
     report = said[said.index(named):].splitlines()
     assert re.fullmatch(rf"  rank 0 waited in step \d+: {waited}", report[1]), report[:6]
-    assert report[2] == "  rank 1 sent no report: stopped, stuck outside a collective, or gone", report[:6]
+    assert report[2] == f"  rank 1 sent no report within {TIMEOUT_S} s: stopped, stuck elsewhere, or gone", report[:6]
     assert "[rank0]: Traceback" not in said, said[-3000:]  # the message, not a worker's traceback
 
 
