@@ -85,11 +85,11 @@ def _join(ctx, timeout: float) -> bool:
     except mp.ProcessRaisedException as exc:
         time.sleep(0.5)  # let peers failing at the same moment finish writing their errors
         failed = [(os.path.getmtime(f), r, f) for r, f in enumerate(ctx.error_files) if os.path.exists(f)]
-        traces = []
+        traces, cut_short = [], []
         for _, rank, path in sorted(failed):
             try:
                 with open(path, "rb") as fh:
                     traces.append(f"-- rank {rank} failed:\n{pickle.load(fh)}")
-            except (EOFError, pickle.UnpicklingError):
-                traces.append(f"-- rank {rank} failed (its traceback was not fully written)")
-        raise AssertionError("\n".join(traces) or str(exc)) from exc
+            except (EOFError, pickle.UnpicklingError):  # stopped while writing it: after the cause, whatever its time
+                cut_short.append(f"-- rank {rank} failed (its traceback was not fully written)")
+        raise AssertionError("\n".join(traces + cut_short) or str(exc)) from exc

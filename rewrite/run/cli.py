@@ -296,10 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(1.0)  # torchrun stops every rank once one exits: let rank 0 print first
         return 1
     except (ValueError, RewriteError) as exc:
-        if getattr(exc, "quiet", False):  # another rank prints it
-            return 1
-        prefix = f"[rank {_rank()}] " if "LOCAL_RANK" in os.environ else ""
-        print(f"{prefix}error: {in_flags(str(exc))}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # else another rank prints it
+            prefix = f"[rank {_rank()}] " if "LOCAL_RANK" in os.environ else ""
+            print(f"{prefix}error: {in_flags(str(exc))}", file=sys.stderr, flush=True)
+        getattr(exc, "settle", lambda: None)()
         return 1
     except BrokenPipeError:  # `rewrite show ... | head`
         return 0

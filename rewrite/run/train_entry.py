@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..errors import RewriteError
 from .byte_data import TrainConfigError
-from .stall_report import stall_report
+from .stall_report import run_store, settle, stall_being_reported, stall_report
 from .stores import local_store, restart_hazard, restart_store
 from .train import TrainConfig, train
 from .train_setup import pick_device
@@ -31,12 +31,21 @@ _PEER_LEFT = re.compile(r"Connection (closed|reset) by peer")  # gloo, when a pe
 class PeerTimeout(RewriteError, RuntimeError):
     """A collective waited `--timeout` seconds for a peer that never answered (stuck, stopped or gone).
 
-    `quiet`: another rank prints the report (the lowest one that timed out); this one exits without a word.
+    `quiet`: another rank prints the report (the lowest one that timed out); this one exits without a word,
+    after `settle`.
     """
 
     def __init__(self, message: str, *, quiet: bool = False):
         super().__init__(message)
         self.quiet = quiet
+        # Kept past the process group's teardown, for `settle`.
+        self._store = run_store() if dist.is_initialized() else None
+        self._world = dist.get_world_size() if dist.is_initialized() else 0
+
+    def settle(self) -> None:
+        """Called once this rank has printed its message (or, quiet, would have): the quiet ranks wait until the
+        report is out, so that a launcher stopping every rank when one exits does not cut it short."""
+        settle(self._store, self._world, printed=not self.quiet)
 
 
 def build_init_kwargs(config: TrainConfig) -> dict:
@@ -116,8 +125,8 @@ def _named_timeout(timeout_s: float, *, cuda: bool):
         if isinstance(exc, RewriteError) or not (_TIMED_OUT.search(str(exc)) or _PEER_LEFT.search(str(exc))):
             raise
         first = str(exc).strip().splitlines()[0]
-        if _PEER_LEFT.search(first) and dist.is_initialized():
-            # A peer ended first (its own timeout, its error) and said why, or its launcher will: not again.
+        if _PEER_LEFT.search(first) and dist.is_initialized() and not stall_being_reported():
+            # A peer ended first (its error) and said why, or its launcher will: not again.
             raise PeerTimeout(f"a peer left the run ({first})", quiet=True) from None
         if not dist.is_initialized():  # the rendezvous itself: no store to report through
             raise PeerTimeout(f"no answer from a peer within --timeout {timeout_s:g} s (a rank stuck, stopped or gone) "

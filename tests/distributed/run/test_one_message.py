@@ -83,7 +83,8 @@ def test_a_stopped_rank_is_reported_once_by_the_launcher(tmp_path):
     finally:
         end(proc, workers.values())
     lines = (tmp_path / "log.txt").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if "error: no answer from a peer" in line)
+    start = next((i for i, line in enumerate(lines) if "error: no answer from a peer" in line), None)
+    assert start is not None, "\n".join(lines[-40:])
     block = lines[start:]
     assert proc.returncode == 1 and len(block) <= 10, "\n".join(lines)
     # Rank 3, and any rank whose wait ended only after the first report was printed (its peer gone by then).
