@@ -20,12 +20,14 @@ from .agreement import describe_ranks, raise_problems, ranks_by_value, share
 from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as register_context_parallel
 from .context_parallel.family import context_parallel_problem
 from .data_parallel import apply_data_parallel
-from .expert_parallel import ExpertGradSync, RouterLoss, apply_expert_parallel, expert_parameters
+from .expert_parallel import ExpertSums, RouterLoss, apply_expert_parallel, expert_parameters
+from .models.names import first_names
 from .models.router_loss import router_loss_parts
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.precision import precision_for
 from .pipeline.stage import Stage
+from .pipeline.tied import TiedSums
 from .binding.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan, PlanError
 from .plan.loading import load_plan_for
@@ -107,10 +109,11 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)
     experts = expert_parameters(carved.module)
-    carved, grad_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split, precision=precision,
-                                            ignored=experts)
-    if experts:
-        grad_sync = ExpertGradSync(grad_sync, experts, mesh)
+    carved, dp_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split, precision=precision,
+                                          ignored=experts)
+    names = first_names(carved.model)
+    finishers = (dp_sync, ExpertSums(experts, mesh) if experts else None, StepSums(carved.module) or None,
+                 TiedSums(carved.model, [names[id(p)] for p in carved.tied], mesh.tied_group) if carved.tied else None)
     setattr(model, APPLIED, f"a stage of {plan.source}")
     return Stage(
         model=carved.model,
@@ -119,10 +122,9 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
         mesh=mesh,
         forward_fns=carved.forward_fns,
         tied=carved.tied,
-        grad_sync=grad_sync,
+        grad_finish=tuple(f for f in finishers if f is not None),
         recomputed=recomputed,
         logit_shard=carved.logit_shard,
-        tp_sums=StepSums(carved.module) or None,
         precision=precision,
         router_loss=router_loss,
     )

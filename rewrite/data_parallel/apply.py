@@ -10,13 +10,13 @@ gather the layer's.
 
 Under `data_parallel.reduce: step` (the default) gradients are synchronised once per step,
 whatever the schedule: the runner calls `GradSync.begin` before a step's first action (every
-backward then only accumulates), `sync_next_backward` before the last whole backward (each
+backward then only accumulates), `next_backward_reduces` before the last whole backward (each
 unit reduces as that backward leaves it) and `GradSync.finish` after the step's last action
 (one reduce-scatter, or all-reduce for `replicate`, per unit the last backward did not reach,
 as torch.distributed.pipelining does for its own stages). Under `reduce: microbatch` the runner
-calls `sync_next_backward` before every backward, so each unit reduces (and lets go of its
+calls `next_backward_reduces` before every backward, so each unit reduces (and lets go of its
 whole gradients) at the end of each microbatch's backward, as FSDP2 and DDP do by default.
-`GradSync` (and `ddp.DdpSync`) is the pipeline's `GradientSync`.
+`GradSync` and `ddp.DdpSync` are the stage's first `grad_finish.GradFinish`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from ..agreement import agree
+from ..grad_finish import GradFinish
 from ..torch_internals import finish_fsdp_backward, replicate
 from ..mesh import Mesh
 from ..models.names import first_names
@@ -41,11 +42,12 @@ __all__ = ["GradSync", "apply_data_parallel", "data_parallel_units"]
 _RUN = "_rewrite_run_stage"  # the model method a stage runs through, registered with FSDP
 
 
-class GradSync:
+class GradSync(GradFinish):
     """Switches a rank's data-parallel units between accumulating and synchronising gradients."""
 
-    def __init__(self, root: nn.Module, sharding: str, *, reshard_after_backward: bool):
+    def __init__(self, root: nn.Module, sharding: str, *, reshard_after_backward: bool, over: str = "dp"):
         self.root, self.sharding, self.reshard = root, sharding, reshard_after_backward
+        self.doing = f"the data-parallel gradient reduce over {over}"
 
     def begin(self) -> None:
         """Every backward of the step accumulates local gradients; nothing is reduced yet.
@@ -58,7 +60,7 @@ class GradSync:
         self.root.set_reshard_after_backward(self.reshard)
         self.root.set_requires_gradient_sync(False)
 
-    def sync_next_backward(self) -> None:
+    def next_backward_reduces(self) -> None:
         """The next backward is the rank's last: each unit reduces as its own backward ends,
         overlapping the reduction with the rest of that backward (`finish` then reduces
         only what that backward did not reach). Not for split backwards: their W comes later.
@@ -112,18 +114,20 @@ def apply_data_parallel(
             differ between the replicas and are reduced by `expert_parallel`).
 
     Returns:
-        `(carved, grad_sync)`: the parts with the forward functions and tied parameters
-        the stage must now use (FSDP2 replaced the parameters), and the step's gradient
-        sync; with dp = 1 the parts unchanged and None (nothing installed). `replicate`
+        `(carved, dp_sync)`: the parts with the forward functions and tied parameters
+        the stage must now use (FSDP2 replaced the parameters), and the step's data-parallel
+        `GradFinish`; with dp = 1 the parts unchanged and None (nothing installed). `replicate`
         on one stage per rank with whole backwards: the parts unchanged (plain
         parameters) and torch's DDP, built at the first step (`ddp.DdpSync`).
     """
     if mesh.replicas == 1:
         return carved, None
     sharding = resolved.plan.data_parallel.sharding
+    over = "dp x cp" if mesh.cp > 1 else "dp"
     if sharding == "replicate" and ddp_fits(len(carved.forward_fns), split_backward):
         names = first_names(carved.module)
-        return carved, DdpSync(carved.module, mesh.replica_mesh.get_group(), ignore=[names[id(p)] for p in ignored])
+        return carved, DdpSync(carved.module, mesh.replica_mesh.get_group(), ignore=[names[id(p)] for p in ignored],
+                               over=over)
     units = data_parallel_units(carved.model, resolved, sorted(carved.forward_fns))
     loose = _loose_parameters(carved, resolved, units)
     agree(
@@ -160,7 +164,7 @@ def apply_data_parallel(
         forward_fns=forward_fns,
         tied=[model.get_parameter(n) for n in tied],  # FSDP2 put sharded parameters in their place
     )
-    return sharded, GradSync(model, sharding, reshard_after_backward=zero3)
+    return sharded, GradSync(model, sharding, reshard_after_backward=zero3, over=over)
 
 
 def _bind(run, s: int):

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
+from ..grad_finish import GradFinish
 from ..torch_internals import ddp_ignore, ddp_reducer_finished, prepare_ddp_for_backward
 
 __all__ = ["DdpSync", "ddp_fits"]
@@ -31,11 +32,12 @@ def ddp_fits(stages_on_rank: int, split_backward: bool) -> bool:
     return stages_on_rank == 1 and not split_backward
 
 
-class DdpSync:
-    """The pipeline's `GradientSync` for `replicate` on DDP: one bucketed, overlapped all-reduce per step."""
+class DdpSync(GradFinish):
+    """The stage's data-parallel `GradFinish` for `replicate` on DDP: one bucketed, overlapped all-reduce per step."""
 
-    def __init__(self, module: nn.Module, group: ProcessGroup, *, ignore: list[str] = ()):
+    def __init__(self, module: nn.Module, group: ProcessGroup, *, ignore: list[str] = (), over: str = "dp"):
         self.module, self.group, self.ignore = module, group, list(ignore)  # ignore: parameter names DDP leaves alone
+        self.doing = f"the data-parallel gradient reduce over {over}"
         self.ddp: DistributedDataParallel | None = None
         self.armed = False
 
@@ -52,7 +54,7 @@ class DdpSync:
         self.ddp.require_backward_grad_sync = False
         self.armed = False
 
-    def sync_next_backward(self) -> None:
+    def next_backward_reduces(self) -> None:
         """The next backward is the step's last: DDP all-reduces each bucket as it fills."""
         self.ddp.require_backward_grad_sync = True
         prepare_ddp_for_backward(self.ddp)

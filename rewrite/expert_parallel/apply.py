@@ -4,7 +4,7 @@ Each experts module a plan names keeps its rank's experts (every tensor's rows a
 `ExpertSpec.split_of`) and sends tokens to them (`dispatch`; under tp each tp rank its chunk of the
 tokens). Data parallelism leaves these parameters alone: they differ from rank to rank of an ep
 group. Their gradients already hold every token's contribution from the group's ranks (the
-exchange's backward brought them); `ExpertGradSync` sums them over the ranks holding the same
+exchange's backward brought them); `ExpertSums` sums them over the ranks holding the same
 experts ((dp x tp / ep) x cp: between them they saw every replica's tokens once) and divides by
 dp x cp, as the dense gradients are averaged over the replicas, once per step.
 """
@@ -12,17 +12,17 @@ dp x cp, as the dense gradients are averaged over the replicas, once per step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..binding.resolve import ResolvedPlan
+from ..grad_finish import GradFinish, flat_sum
 from ..mesh import Mesh
 from ..tensor_parallel.mixins import add_mixin
 from ..models.experts import every_token, set_expert_counts
 from .dispatch import EveryTokenMixin, ExpertParallelMixin, ExpertShard, ShardedExperts
 from .tensor import split_experts_over_tp
 
-__all__ = ["apply_expert_parallel", "expert_parameters", "ExpertGradSync"]
+__all__ = ["apply_expert_parallel", "expert_parameters", "ExpertSums"]
 
 
 def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh, *, cast: torch.dtype | None = None
@@ -55,36 +55,21 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for m in module.modules() if isinstance(m, ShardedExperts) for p in m.parameters()]
 
 
-class ExpertGradSync:
-    """The step's gradient sync with the experts' own reduction after the dense one (`GradientSync`; None
-    where there are no replicas, ep borrowing only tp ranks)."""
+class ExpertSums(GradFinish):
+    """The experts' gradients summed over the ranks holding the same experts and divided by dp x cp, once per
+    step after the dense ones' reduction (`expert_replica_group` None: their sum is this rank's)."""
 
-    def __init__(self, dense, params: list[nn.Parameter], mesh: Mesh):
-        self.dense, self.params, self.mesh = dense, params, mesh
+    doing = "the experts' gradient sum over the ranks holding them"
 
-    def begin(self) -> None:
-        if self.dense is not None:
-            self.dense.begin()
-
-    def sync_next_backward(self) -> None:
-        if self.dense is not None:
-            self.dense.sync_next_backward()
+    def __init__(self, params: list[nn.Parameter], mesh: Mesh):
+        self.params, self.mesh = params, mesh
 
     def finish(self) -> None:
-        """Reduce the dense gradients, then sum the experts' over their replicas and divide by dp x cp."""
-        if self.dense is not None:
-            self.dense.finish()
         for param in self.params:  # a rank whose experts saw no row all step still adds its zeros
             if param.requires_grad and param.grad is None:
                 param.grad = torch.zeros_like(param)
         grads = [p.grad for p in self.params if p.requires_grad]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
         if self.mesh.expert_replica_group is not None:
-            dist.all_reduce(flat, group=self.mesh.expert_replica_group)
-        flat.div_(self.mesh.replicas)
-        offset = 0
+            flat_sum(grads, self.mesh.expert_replica_group)
         for grad in grads:
-            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+            grad.div_(self.mesh.replicas)

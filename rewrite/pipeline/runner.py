@@ -33,7 +33,6 @@ from ..tensor_parallel.loss import IGNORE_INDEX
 from .clock import StepClock
 from .router_sums import RouterSums
 from .stage import Stage
-from .tied import stash_tied_grads, sum_tied_grads
 
 __all__ = ["run_schedule", "causal_lm_loss"]
 
@@ -155,36 +154,28 @@ def _table(schedule: str, rows: tuple[str, ...] | None, pp: int, k: int, m: int)
 
 def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None, tokens: int | None) -> torch.Tensor:
     step = _Step(stage, table, inputs, targets, loss_for(stage.logit_shard, loss_fn), tokens)
-    stash = stash_tied_grads(stage)
-    row = table[stage.pp_rank]
-    reducing = set()  # the backwards that reduce as they go: the row's last (no W after it), or every one
-    if stage.grad_sync is not None:
-        stage.grad_sync.begin()  # backwards only accumulate until the step's end
-        if not any(a.kind == "W" for a in row):
-            backwards = [i for i, a in enumerate(row) if a.kind in ("B", "I")]
-            every = stage.resolved.plan.data_parallel.reduce == "microbatch"
-            reducing = set(backwards if every else backwards[-1:])
-    sums = stage.tp_sums
-    if sums is not None:
-        sums.begin()  # the backwards accumulate tp-partial gradients: summed once, below
+    row, finishers = table[stage.pp_rank], stage.grad_finish
+    # The backwards that may reduce as they go: the row's last (no W after it), or every one.
+    reducing = set()
+    if not any(a.kind == "W" for a in row):
+        backwards = [i for i, a in enumerate(row) if a.kind in ("B", "I")]
+        reducing = set(backwards if stage.resolved.plan.data_parallel.reduce == "microbatch" else backwards[-1:])
+    for finisher in finishers:
+        finisher.begin()
     try:
         for i, action in enumerate(row):
             if i in reducing:
-                stage.grad_sync.sync_next_backward()
+                for finisher in finishers:
+                    finisher.next_backward_reduces()
             with doing(f"{action.kind}{action.mb} of stage {action.stage}"):
                 step.run(action)
     finally:
-        if sums is not None:
-            sums.end()  # model(...) outside a step sums at every use again
+        for finisher in finishers:
+            finisher.end()
     step.finish()
-    if stage.grad_sync is not None:
-        with doing("the data-parallel gradient reduce over " + ("dp x cp" if stage.mesh.cp > 1 else "dp")):
-            stage.grad_sync.finish()  # once per step: gradients averaged over the replicas
-    if sums is not None:
-        with doing("the sum of partial gradients over tp"):
-            sums.finish()
-    with doing("the tied weights' gradient sum between the first and last stage"):
-        sum_tied_grads(stage, stash)
+    for finisher in finishers:
+        with doing(finisher.doing):
+            finisher.finish()
     with doing("the step loss's all-reduce over every rank"):
         return _step_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
 

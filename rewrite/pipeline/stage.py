@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -18,34 +17,15 @@ from torch import nn
 from ..mesh import Mesh
 from ..binding.resolve import ResolvedPlan
 from ..expert_parallel.aux_loss import RouterLoss
-from ..tensor_parallel.replicated import StepSums
+from ..grad_finish import GradFinish
 from .clock import StepClock, TimelineEvent
 from .loss import LogitShard
 from .precision import Precision
 
-__all__ = ["ForwardFn", "GradientSync", "Stage", "TimelineEvent"]
+__all__ = ["ForwardFn", "Stage", "TimelineEvent"]
 
 # Runs one stage on a microbatch: fn(x), or for an HF backbone fn(x, seq_len=..., position_ids=...).
 ForwardFn = Callable[..., torch.Tensor]
-
-
-@runtime_checkable
-class GradientSync(Protocol):
-    """What the runner calls to synchronise gradients over dp (`data_parallel.GradSync`, `DdpSync`).
-
-    Declared here, not imported from `data_parallel/`: the pipeline sits below it and
-    knows only these three calls.
-    """
-
-    def begin(self) -> None:
-        """Before the step's first action: every backward of the step only accumulates."""
-
-    def sync_next_backward(self) -> None:
-        """Before a whole backward that may reduce as it goes: the step's last (no W after it), or,
-        under `data_parallel.reduce: microbatch`, every one."""
-
-    def finish(self) -> None:
-        """After the step's last action: reduce the step's gradients over the replicas, once."""
 
 
 @dataclass
@@ -64,17 +44,17 @@ class Stage:
         tied: parameters this rank shares with another rank (tied embeddings),
             whose gradients the runner sums over `mesh.tied_group`.
         clock: the last step's action times on this rank (`timeline` reads them), or None.
-        grad_sync: with data parallelism (mesh.dp > 1), what the runner calls before a
-            step (`begin`: backwards only accumulate) and after it (`finish`: gradients
-            averaged over the replicas once); None otherwise.
+        grad_finish: what completes the step's gradients on this rank, in the order the runner
+            finishes them (`rewrite.grad_finish`): the data-parallel reduce (FSDP2, replicate
+            or DDP: averaged over the replicas), the experts' sum over the ranks holding them,
+            the sum of the partial gradients each tp rank holds (norms under sequence
+            parallelism, per-head norms, k/v projections replicated past the kv heads:
+            `tensor_parallel.replicated.StepSums`), the tied weights' sum between the first and
+            last stage (`pipeline.tied.TiedSums`); only those this rank needs.
         recomputed: this rank's modules whose activations are recomputed in the
             backward (`activation_checkpointing`); their weight gradients come with the I, W is empty.
         logit_shard: the last stage's vocabulary slice of the logits (`loss_parallel`);
             None when the last stage's output is the full logits, or on other ranks.
-        tp_sums: the parameters whose gradients each tp rank holds only in part (norms
-            under sequence parallelism, per-head norms, `grad_allreduce`, k/v projections
-            replicated past the kv heads), which the runner sums once per step
-            (`tensor_parallel.replicated.StepSums`); None when there are none.
         precision: how the runner computes in a lower dtype than the parameters'
             (`apply_plan(..., compute_dtype=)`: FSDP2's mixed precision or autocast); None
             computes in the parameters' dtype.
@@ -99,10 +79,9 @@ class Stage:
     forward_fns: dict[int, ForwardFn]
     tied: list[nn.Parameter] = field(default_factory=list)
     clock: StepClock | None = None
-    grad_sync: GradientSync | None = None
+    grad_finish: tuple[GradFinish, ...] = ()
     recomputed: tuple[str, ...] = ()
     logit_shard: LogitShard | None = None
-    tp_sums: StepSums | None = None
     precision: Precision | None = None
     router_loss: RouterLoss | None = None
 
@@ -146,6 +125,10 @@ class Stage:
     def timeline(self) -> list[TimelineEvent]:
         """The last step's events on this rank (on a GPU, reading them waits for the step's work)."""
         return [] if self.clock is None else self.clock.events()
+
+    def finishing(self, kind: type) -> GradFinish | None:
+        """This rank's gradient finisher of class `kind` (e.g. `data_parallel.GradSync`), or None."""
+        return next((f for f in self.grad_finish if isinstance(f, kind)), None)
 
     @property
     def stage_ids(self) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..grad_finish import GradFinish, flat_sum
 from . import comm
 from .comm import copy_to_parallel
 from .layers import ColumnParallelLinear
@@ -59,7 +60,7 @@ def make_grad_allreduce(module: nn.Module, group: ProcessGroup) -> nn.Module:
     return module
 
 
-class StepSums:
+class StepSums(GradFinish):
     """One step's partial gradients in `root` (`GradAllReduce` modules, replicated k/v
     projections), summed over their group once.
 
@@ -73,6 +74,8 @@ class StepSums:
 
     Collective: `finish` on every rank of each tp group, at the same point of the step.
     """
+
+    doing = "the sum of partial gradients over tp"
 
     def __init__(self, root: nn.Module):
         self.modules = [m for m in root.modules() if _partial_group(m) is not None]
@@ -103,13 +106,8 @@ class StepSums:
     def finish(self) -> None:
         for group, params in self._params().items():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-            flat = torch.cat([t.reshape(-1) for t in local])
-            comm.all_reduce_sum(flat, group)
-            offset = 0
-            for p, grad, t in zip(params, grads, local):
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            flat_sum([g.to_local() if hasattr(g, "to_local") else g for g in grads], group, comm.all_reduce_sum)
+            for p, grad in zip(params, grads):
                 p.grad = grad
         for p, before in self.stash:
             if before is not None:

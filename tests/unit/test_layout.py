@@ -25,6 +25,7 @@ LEVELS = {
     "values": -1,  # ints that are not bools, counts: checked alike everywhere
     "errors": -1,  # RewriteError and its kinds: every refusal
     "doing": -1,  # what this rank is doing, named for a report when a wait fails
+    "grad_finish": 1.9,  # how a step's gradients are completed: the protocol every finisher follows, one flat sum
     "agreement": 2,  # ranks share what they found before they talk
     "plan": 1,  # what a plan is: schema, files, loading, HF tp_plan import, patterns, size checks
     "binding": 1.5,  # what a plan binds to on a model: resolve, tp rules and shapes, shard layout, stage cuts

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rewrite
+from rewrite.data_parallel import GradSync
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
@@ -104,11 +105,11 @@ def _refusals(rank: int, ws: int) -> list[str]:
     from torch.distributed.fsdp import FSDPModule
 
     plain = rewrite.apply_plan(build_model(config, seed=3), {"mesh": {"pp": 2}})
-    assert plain.grad_sync is None and plain.dp == 1 and plain.dp_rank == 0
+    assert plain.finishing(GradSync) is None and plain.dp == 1 and plain.dp_rank == 0
     assert not any(isinstance(m, FSDPModule) or m._forward_pre_hooks or m._forward_hooks for m in plain.model.modules())
     assert not any(hasattr(p, "to_local") for p in plain.parameters())
     stage = rewrite.apply_plan(build_model(config, seed=3), {"mesh": {"dp": 2}, "pipeline": {"microbatches": 2}})
-    assert stage.grad_sync is not None and stage.dp == 2 and stage.dp_rank == rank
+    assert stage.finishing(GradSync) is not None and stage.dp == 2 and stage.dp_rank == rank
     ids, targets = _batch(config, 3)
     count = 2 if stage.dp_rank == 0 else 3  # the replicas disagree on the microbatch count
     try:

@@ -42,7 +42,7 @@ def _steps(rank: int, world: int) -> list[str]:
     model = build_model(config, seed=3)
     reference = copy.deepcopy(model)
     stage = rewrite.apply_plan(model, _plan())
-    assert isinstance(stage.grad_sync, DdpSync) and stage.grad_sync.ddp is None  # built at the first step
+    assert stage.finishing(DdpSync) is not None and stage.finishing(DdpSync).ddp is None  # built at the first step
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2, eps=1e-3)  # eps: see test_data_parallel
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3)
     losses = []
@@ -76,7 +76,7 @@ def _which_sync(rank: int, world: int) -> dict:
         model = build_model(config, seed=3)
         reference = copy.deepcopy(model)
         stage = rewrite.apply_plan(model, plan)
-        out[name] = type(stage.grad_sync).__name__
+        out[name] = type(stage.grad_finish[0]).__name__  # the data-parallel reduce comes first
         ids, targets = _batch(config, PER_REPLICA * 2)
         loss = rewrite.run_schedule(stage, *_mine(stage, ids, targets))
         assert_close(f"{name} loss", loss, reference_step(reference, ids, targets))

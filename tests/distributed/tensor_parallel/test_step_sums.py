@@ -9,6 +9,7 @@ import copy
 
 import rewrite
 from rewrite.run.parity import reference_step
+from rewrite.tensor_parallel.replicated import StepSums
 from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
 from tests.collectives import CountCollectives
@@ -36,8 +37,9 @@ def _case(rank: int, world: int, plan: dict, **overrides) -> dict:
     model = build_model(config, seed=3)
     reference = copy.deepcopy(model)
     stage = rewrite.apply_plan(model, plan)
-    partial = stage.tp_sums.modules if stage.tp_sums is not None else []
-    assert partial and stage.tp_sums is not None
+    sums = stage.finishing(StepSums)
+    partial = sums.modules if sums is not None else []
+    assert partial and sums is not None
     ids, targets = _batch(config, M)
 
     # The runner: the partial gradients accumulate, then one sum per step completes them all.

@@ -1,5 +1,5 @@
 """`Stage` built by hand, without a process group: its keyword constructor, `pp_rank` (the old
-`stage_idx` alias is gone), and the gradient-sync protocol the runner calls."""
+`stage_idx` alias is gone), and the gradient-finishing protocol the runner calls."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import warnings
 import pytest
 
 from rewrite import Stage, resolve
-from rewrite.data_parallel import GradSync
+from rewrite.data_parallel import DdpSync, GradSync
+from rewrite.expert_parallel import ExpertSums
+from rewrite.grad_finish import GradFinish
 from rewrite.mesh import Mesh
-from rewrite.pipeline.stage import GradientSync
+from rewrite.pipeline.tied import TiedSums
+from rewrite.tensor_parallel.replicated import StepSums
 from tests.models import ToyNet
 
 
@@ -32,17 +35,19 @@ def test_pp_rank_and_no_alias():
 
 def test_defaults_of_a_stage_built_by_keywords():
     stage = _stage(0)
-    assert (stage.tied, stage.timeline, stage.grad_sync, stage.recomputed, stage.logit_shard) == ([], [], None, (), None)
+    assert (stage.tied, stage.timeline, stage.grad_finish, stage.recomputed, stage.logit_shard) == ([], [], (), (), None)
+    assert stage.finishing(GradSync) is None
     assert stage.is_first and not stage.is_last
     assert repr(stage).startswith("Stage(0/2, tp_rank=0/1, rank=0, modules=")
 
 
-def test_data_parallel_grad_sync_is_the_runners_protocol():
-    assert issubclass(GradSync, GradientSync)
+def test_every_way_of_finishing_gradients_is_the_runners_protocol():
+    for kind in (GradSync, DdpSync, ExpertSums, StepSums, TiedSums):
+        assert issubclass(kind, GradFinish) and kind.finish is not GradFinish.finish, kind
 
-    class NoFinish:
-        def begin(self) -> None: ...
+    class NoFinish(GradFinish):
+        pass
 
-        def sync_next_backward(self) -> None: ...
-
-    assert not isinstance(NoFinish(), GradientSync)
+    with pytest.raises(NotImplementedError):
+        NoFinish().finish()
+    NoFinish().begin(), NoFinish().next_backward_reduces(), NoFinish().end()  # the rest are optional

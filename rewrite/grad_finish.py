@@ -1,0 +1,67 @@
+"""How a step's gradients are finished: one small protocol, and one flat sum.
+
+A rank's backwards leave some gradients incomplete: averaged over the data-parallel replicas
+(FSDP2, replicate, DDP), summed over the ranks holding the same experts, summed over the tp
+ranks that each hold a part (norms under sequence parallelism, replicated k/v projections),
+summed between the two ends of a tied embedding. Each of these is a `GradFinish`; the stage
+lists its own in the order they run (`Stage.grad_finish`) and the runner calls every one at
+the same four points of a step:
+
+- `begin()` before the step's first action (backwards only accumulate; what was accumulated
+  before the step may be set aside);
+- `next_backward_reduces()` before a whole backward that may reduce as it goes: the step's
+  last (no W after it), or every one under `data_parallel.reduce: microbatch`;
+- `end()` however the step ends, an error included;
+- `finish()` after the step's last action: complete the gradients, once per step.
+
+Collective: a finisher's `finish` runs on every rank of its group at the same point of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["GradFinish", "flat_sum"]
+
+
+class GradFinish:
+    """One way a step's gradients are completed; every call but `finish` does nothing unless overridden."""
+
+    # What a rank waiting in `finish` is said to be doing (`rewrite.doing`).
+    doing = "finishing the step's gradients"
+
+    def begin(self) -> None:
+        """Before the step's first action."""
+
+    def next_backward_reduces(self) -> None:
+        """Before a whole backward that may reduce as it goes."""
+
+    def end(self) -> None:
+        """After the step's actions, however they ended."""
+
+    def finish(self) -> None:
+        """After the step's last action: the gradients complete."""
+        raise NotImplementedError
+
+
+def flat_sum(tensors: Sequence[torch.Tensor], group: ProcessGroup | None,
+             reduce: Callable[[torch.Tensor, ProcessGroup | None], object] | None = None) -> None:
+    """Sum `tensors` over `group` in one collective, in place: flattened into one buffer, reduced, copied back.
+
+    `reduce(flat, group)` sums a contiguous tensor in place (default `dist.all_reduce`).
+    """
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if reduce is None:
+        dist.all_reduce(flat, group=group)
+    else:
+        reduce(flat, group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
