@@ -94,21 +94,14 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# Names once exported, kept working with a warning: where each lives now.
-_MOVED = {
-    "run_afab": ("rewrite.pipeline.runner", "use rewrite.run_schedule, which runs the plan's schedule (afab unless "
-                 "the plan names another)"),
-    "Mesh": ("rewrite.mesh", "apply_plan builds the mesh; a stage's is stage.mesh"),
-    "build_mesh": ("rewrite.mesh", "apply_plan builds the mesh; a stage's is stage.mesh"),
+# Names earlier releases exported, removed: what to use instead.
+_REMOVED = {
+    "run_afab": "use rewrite.run_schedule, which runs the plan's pipeline.schedule (afab unless the plan names another)",
+    "Mesh": "apply_plan builds the mesh; a stage's is stage.mesh",
+    "build_mesh": "apply_plan builds the mesh; a stage's is stage.mesh",
 }
 
 
 def __getattr__(name: str):
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        module, advice = _MOVED[name]
-        warnings.warn(f"rewrite.{name} is no longer part of the API: {advice}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module 'rewrite' has no attribute {name!r}")
+    advice = f" (removed: {_REMOVED[name]})" if name in _REMOVED else ""
+    raise AttributeError(f"module 'rewrite' has no attribute {name!r}{advice}")

@@ -10,7 +10,6 @@ nothing of LLaMA or plans.
 
 from __future__ import annotations
 
-import warnings
 from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -117,29 +116,6 @@ def _trained_tokens(stage: Stage, inputs, targets, loss_fn: LossFn | None, what:
             "token-weighted loss has nothing to divide by; leave such a batch out, or check how its labels are masked"
         )
     return tokens
-
-
-def run_afab(stage: Stage, inputs, targets, loss_fn: LossFn | None = None) -> torch.Tensor:
-    """Deprecated: one AFAB step whatever the plan's schedule; use `run_schedule` (the same gradients).
-
-    Takes `run_schedule`'s arguments and returns what it returns.
-    """
-    warnings.warn(
-        "rewrite.run_afab is deprecated: use rewrite.run_schedule, which runs the plan's pipeline.schedule "
-        "(afab unless the plan names another; the gradients are the same under every schedule)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    if stage.num_stages != stage.mesh.pp:
-        raise InputError(
-            f"run_afab runs one stage per rank, but this plan gives each rank {stage.num_stages // stage.mesh.pp} "
-            "(pipeline.virtual_stages); use rewrite.run_schedule"
-        )
-    if not sums_tokens(loss_fn) and stage.mesh.cp > 1:
-        raise InputError("run_afab: a loss_fn under context parallelism must be declared with "
-                         "@rewrite.returns_token_sums; use rewrite.run_schedule")
-    tokens = _trained_tokens(stage, inputs, targets, loss_fn, "run_afab")
-    return _run(stage, _table("afab", None, stage.mesh.pp, 1, len(inputs)), inputs, targets, loss_fn, tokens)
 
 
 @lru_cache(maxsize=64)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -43,16 +42,12 @@ def test_every_refusal_is_a_rewrite_error_and_its_old_builtin(tmp_path):
         rewrite.from_pretrained(tmp_path, {"mesh": {"tp": 1}})
 
 
-@pytest.mark.parametrize("name, home", [("run_afab", "rewrite.pipeline.runner"), ("Mesh", "rewrite.mesh"),
-                                        ("build_mesh", "rewrite.mesh")])
-def test_names_no_longer_exported_still_work_and_warn(name, home):
+@pytest.mark.parametrize("name, advice", [("run_afab", "use rewrite.run_schedule"), ("Mesh", "a stage's is stage.mesh"),
+                                          ("build_mesh", "apply_plan builds the mesh")])
+def test_names_earlier_releases_exported_say_what_to_use(name, advice):
     assert name not in rewrite.__all__
-    with warnings.catch_warnings(record=True) as warned:
-        warnings.simplefilter("always")
-        value = getattr(rewrite, name)
-    assert value is getattr(__import__(home, fromlist=[name]), name)
-    assert [w.category for w in warned] == [DeprecationWarning], warned
-    assert f"rewrite.{name} is no longer part of the API" in str(warned[0].message)
+    with pytest.raises(AttributeError, match=f"no attribute '{name}' \\(removed: .*{advice}"):
+        getattr(rewrite, name)
 
 
 def test_unknown_names_are_attribute_errors():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 from torch.nn import functional as F
@@ -128,14 +127,11 @@ def _misuse(rank: int, ws: int) -> list[str]:
     stage = rewrite.apply_plan(build_model(config, seed=3), "plans/llama-pp2-zbv.yaml")
     ids, targets = _batch(config, 2)
     messages = []
-    for call in (lambda: rewrite.run_afab(stage, ids, targets), lambda: stage(ids[0]), lambda: stage.run(5, ids[0])):
+    for call in (lambda: stage(ids[0]), lambda: stage.run(5, ids[0])):
         try:
-            with warnings.catch_warnings(record=True) as warned:
-                warnings.simplefilter("always")
-                call()
+            call()
         except (ValueError, TypeError) as exc:
             messages.append(str(exc))
-        messages[-1] += "".join(f" [warned: {w.message}]" for w in warned if w.category is DeprecationWarning)
     # After refusing, the stage still trains.
     assert_close("loss after the refusals", rewrite.run_schedule(stage, ids, targets),
                  reference_step(build_model(config, seed=3), ids, targets))
@@ -144,10 +140,8 @@ def _misuse(rank: int, ws: int) -> list[str]:
 
 def test_several_stages_per_rank_refuse_one_stage_calls():
     first, second = run(_misuse, 2, timeout_s=120)
-    assert "run_afab runs one stage per rank, but this plan gives each rank 2" in first[0] and first[0] == second[0]
-    assert "[warned: rewrite.run_afab is deprecated: use rewrite.run_schedule" in first[0]
-    assert "this rank holds stages [0, 3]: run one with stage.run(stage_id, x)" in first[1]
-    assert "stage 5 is not on this rank; it holds stages [1, 2]" in second[2]
+    assert "this rank holds stages [0, 3]: run one with stage.run(stage_id, x)" in first[0]
+    assert "stage 5 is not on this rank; it holds stages [1, 2]" in second[1]
 
 
 def _custom_count(rank: int, ws: int) -> str:
