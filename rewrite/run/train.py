@@ -10,33 +10,25 @@ and at the end the timeline, the loss curve and optionally a plain HF export.
 
 from __future__ import annotations
 
-import contextlib
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
-from .metrics import MetricsLog, peak_memory_bytes
-from .guard import StateGuard, TrainStopped
-from .signals import StopRequests, TrainInterrupted, stopped_by
-from .parity import Parity, parity_check
-from .progress import Progress, plot_loss, write_outputs
-from .show.columns import format_bytes
-from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, model_source, pick_device,
-                          setting_problems, train_plan)
 from ..checkpoint.model_mark import model_change
-from ..doing import at_step, doing
 from ..checkpoint.training_state import latest_checkpoint, load_training_state
-from ..pipeline.grad_norm import clip_grad_norm_
-from .presets import load_config
-from ..pipeline.runner import run_schedule
-from ..tensor_parallel.loss import IGNORE_INDEX
-from .packing import TuningBatches
-from .tuning_data import is_tuning_file
 from ..pipeline.timeline import events_to_dicts, gather_timeline
 from ..plan.wording import plural
+from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
+from .packing import TuningBatches
+from .parity import Parity, parity_check
+from .presets import load_config
+from .progress import Progress, plot_loss, write_outputs
+from .show.columns import format_bytes
+from .train_loop import Steps, data_key, run_steps
+from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, model_source, pick_device,
+                          setting_problems, train_plan)
+from .tuning_data import is_tuning_file
 
 __all__ = [
     "TrainConfig",
@@ -48,6 +40,7 @@ __all__ = [
     "sample_batch",
     "parity_check",
     "plot_loss",
+    "Run",
 ]
 
 
@@ -109,6 +102,43 @@ def train(config: TrainConfig) -> dict:
         >>> dist.init_process_group("gloo", timeout=timedelta(minutes=5))   # under torchrun, 4 processes
         >>> metrics = train(TrainConfig("plans/llama-tp2-pp2.yaml", steps=30))
     """
+    run = _start(config)
+    log = Progress(config.steps, show=dist.get_rank() == 0, bar=config.progress, done=run.first - 1)
+    _announce(run, config, log)
+    done = run_steps(run, config, log)
+    log.close()
+    if config.export:
+        _export(run.stage, run.plan, run.built.tokenizer, config.export)
+    return _report(run, config, done)
+
+
+@dataclass
+class Run:
+    """A run set up on this rank: what the loop steps (`train_loop.run_steps`) and the report reads."""
+
+    plan: object  # the ParallelPlan
+    source: object  # where the model comes from (`train_setup.model_source`)
+    data: object  # the batches: tokenized text, fine-tuning examples or bytes
+    device: torch.device
+    dtype: str
+    built: object  # `train_setup.build_stage`'s result: the stage, the parity reference, the tokenizer
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    sequences: int  # the global batch, in sequences
+    resume: tuple | None = None  # (step, directory) of the checkpoint resumed from
+    first: int = 1  # the first step this run trains
+    cursor: int = 0  # where the data's next window starts
+    transplant: str | None = None  # how the resumed state's model differs from this one (--allow-other-model)
+    changed: list = field(default_factory=list)  # the data settings that differ from the run that saved
+
+    @property
+    def stage(self):
+        return self.built.stage
+
+
+def _start(config: TrainConfig) -> Run:
+    """The plan, data, stage and optimizer of a run, the training state resumed; every setting checked first, on
+    every rank alike."""
     plan = train_plan(config)
     source = model_source(config.model)
     try:
@@ -121,16 +151,7 @@ def train(config: TrainConfig) -> dict:
     if config.parity and dtype != "float32":
         problems.append(f"--parity compares step 1 with one process in float32 to 1e-5, and this run computes in "
                         f"{dtype}: add --dtype float32, or leave --parity out")
-    if source.tokenizer and config.data and is_tuning_file(config.data):
-        data = TuningBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed, pack=config.pack)
-    elif source.tokenizer:
-        data = TextBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed)
-    elif config.data and is_tuning_file(config.data):
-        raise TrainConfigError(f"rewrite train: cannot start:\n  --data {config.data} holds fine-tuning examples "
-                               f"(messages or prompt/completion), which need the model's tokenizer, and --model "
-                               f"{config.model} has none; pass a model directory with one (`rewrite init-model DIR`)")
-    else:
-        data = ByteBatches(config.data, seq_len=config.seq_len, seed=config.seed)
+    data = _batches(config, source)
     problems += data.problems(getattr(model_config, "vocab_size", 0))
     if problems:
         raise TrainConfigError("rewrite train: " + "\n  ".join(["cannot start:", *problems]))
@@ -138,139 +159,99 @@ def train(config: TrainConfig) -> dict:
     parity = config.parity
     if parity is None:
         parity = source.kind != "checkpoint" and device.type == "cpu" and dtype == "float32"
-    parity = parity and resume is None
-    rank = dist.get_rank()
-    built = build_stage(source, plan, device=device, seed=config.seed, parity=parity, dtype=dtype)
-    stage, reference = built.stage, built.reference
-    m, dp, data_parallel = plan.pipeline.microbatches, plan.mesh.dp, plan.data_parallel.sharding
+    built = build_stage(source, plan, device=device, seed=config.seed, parity=parity and resume is None, dtype=dtype)
     lr = config.lr if config.lr is not None else LOADED_LR if source.trained else RANDOM_LR
-    optimizer = torch.optim.AdamW(stage.parameters(), lr=lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(built.stage.parameters(), lr=lr, weight_decay=config.weight_decay)
     warmup = max(1, config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    first, cursor = 1, 0
-    transplant = None if resume is None else model_change(resume[1], stage.model)
-    if transplant and not config.allow_other_model:  # the same files on every rank: every rank refuses alike
-        raise TrainConfigError(f"rewrite train: cannot resume: {resume[1]} was written for another model: {transplant}; "
-                               "pass the --model it was written for, or --allow-other-model to load it into this one "
-                               "on purpose")
+    sequences = plan.pipeline.microbatches * plan.mesh.dp * config.batch_size
+    run = Run(plan, source, data, device, dtype, built, optimizer, schedule, sequences, resume)
     if resume is not None:
-        extra = load_training_state(config.ckpt, stage, optimizer, schedule, allow_other_model=True)
-        first, cursor = extra["step"] + 1, extra["cursor"]
-        changed = [f"{k} {extra['data'][k]!r} -> {v!r}" for k, v in _data_key(config).items()
-                   if k in extra.get("data", {}) and extra["data"][k] != v]
-    sequences = m * dp * config.batch_size  # the global batch, in sequences
+        _resume(run, config)
+    return run
 
-    log = Progress(config.steps, show=rank == 0, bar=config.progress, done=first - 1)
-    weights = f"the weights of {resume[1]}" if resume is not None else source.describe()
-    lr = schedule.base_lrs[0]  # a resumed run goes on at its saved learning rate
+
+def _batches(config: TrainConfig, source):
+    """The run's data: fine-tuning examples or text through the model's tokenizer, else bytes."""
+    if source.tokenizer and config.data and is_tuning_file(config.data):
+        return TuningBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed, pack=config.pack)
+    if source.tokenizer:
+        return TextBatches(config.data, source.directory, seq_len=config.seq_len, seed=config.seed)
+    if config.data and is_tuning_file(config.data):
+        raise TrainConfigError(f"rewrite train: cannot start:\n  --data {config.data} holds fine-tuning examples "
+                               f"(messages or prompt/completion), which need the model's tokenizer, and --model "
+                               f"{config.model} has none; pass a model directory with one (`rewrite init-model DIR`)")
+    return ByteBatches(config.data, seq_len=config.seq_len, seed=config.seed)
+
+
+def _resume(run: Run, config: TrainConfig) -> None:
+    """Load the latest training state into the run, refusing one written for another model unless allowed."""
+    run.transplant = model_change(run.resume[1], run.stage.model)
+    if run.transplant and not config.allow_other_model:  # the same files on every rank: every rank refuses alike
+        raise TrainConfigError(f"rewrite train: cannot resume: {run.resume[1]} was written for another model: "
+                               f"{run.transplant}; pass the --model it was written for, or --allow-other-model to "
+                               "load it into this one on purpose")
+    extra = load_training_state(config.ckpt, run.stage, run.optimizer, run.schedule, allow_other_model=True)
+    run.first, run.cursor = extra["step"] + 1, extra["cursor"]
+    run.changed = [f"{k} {extra['data'][k]!r} -> {v!r}" for k, v in data_key(config).items()
+                   if k in extra.get("data", {}) and extra["data"][k] != v]
+
+
+def _announce(run: Run, config: TrainConfig, log: Progress) -> None:
+    """What is trained on what, and anything the user should know before the first step (rank 0 prints)."""
+    plan, built, resume, m, dp = run.plan, run.built, run.resume, run.plan.pipeline.microbatches, run.plan.mesh.dp
+    weights = f"the weights of {resume[1]}" if resume is not None else run.source.describe()
+    lr = run.schedule.base_lrs[0]  # a resumed run goes on at its saved learning rate
     lr_why = ("--lr" if config.lr is not None and resume is None else "the saved run's" if resume is not None
-              else f"the default for {'loaded' if source.trained else 'random'} weights; --lr sets it")
+              else f"the default for {'loaded' if run.source.trained else 'random'} weights; --lr sets it")
     log.write(
         f"training {config.model} ({built.model_class}, {built.total_params:,} parameters) with {weights} "
         f"under {plan.source}, AdamW lr {lr:g} ({lr_why}): "
-        f"{plan.mesh.shape_text()} on {plural(dist.get_world_size(), 'rank')} ({device.type}, {_recipe(dtype, built.stage)}); "
-        f"{plural(m, 'microbatch')} x {config.batch_size} x {config.seq_len} {data.what} per step"
-        + (f" and replica ({dp} replicas, {data_parallel} sharding)" if dp > 1 else "")
+        f"{plan.mesh.shape_text()} on {plural(dist.get_world_size(), 'rank')} ({run.device.type}, "
+        f"{_recipe(run.dtype, built.stage)}); "
+        f"{plural(m, 'microbatch')} x {config.batch_size} x {config.seq_len} {run.data.what} per step"
+        + (f" and replica ({dp} replicas, {plan.data_parallel.sharding} sharding)" if dp > 1 else "")
     )
-    if hasattr(data, "per_step"):
-        log.write(data.per_step(sequences))
-    if reference is not None:
-        held = sum(p.numel() * p.element_size() for p in reference.parameters())
+    if hasattr(run.data, "per_step"):
+        log.write(run.data.per_step(run.sequences))
+    if built.reference is not None:
+        held = sum(p.numel() * p.element_size() for p in built.reference.parameters())
         log.write(f"--parity: each rank also holds the whole model once more, in one process, for step 1's check: "
                   f"{format_bytes(2 * held)} of weights and gradients and that model's activations, which `rewrite "
                   "show` does not count and peak_memory_bytes does; --no-parity leaves it out")
     if config.resume and resume is None:
         log.write(f"--resume: {config.ckpt} holds no checkpoint yet (no `latest` file): starting from step 1")
     if resume is not None:
-        log.write(f"resumed from {resume[1]}: step {first} of {config.steps}" if first <= config.steps else
-                  f"{resume[1]} is already at step {first - 1}, past --steps {config.steps}: nothing to train")
-        if transplant:
-            log.write(f"warning: --allow-other-model: {resume[1]} was written for another model ({transplant}); "
+        log.write(f"resumed from {resume[1]}: step {run.first} of {config.steps}" if run.first <= config.steps else
+                  f"{resume[1]} is already at step {run.first - 1}, past --steps {config.steps}: nothing to train")
+        if run.transplant:
+            log.write(f"warning: --allow-other-model: {resume[1]} was written for another model ({run.transplant}); "
                       "its weights and optimizer state are loaded into this one")
-        if changed:
-            log.write(f"warning: the data differ from the run that saved ({'; '.join(changed)}): the steps "
+        if run.changed:
+            log.write(f"warning: the data differ from the run that saved ({'; '.join(run.changed)}): the steps "
                       "from here on do not see the windows an uninterrupted run would")
-    metrics_log = MetricsLog(config.out_dir, enabled=rank == 0, first_step=first)
-    guard = StateGuard(config.on_nonfinite, config.skip_limit, config.ckpt, lr, config.on_save_error)
-    log.start()
-    losses, step_seconds, parity_result = [], [], None
-    start = time.perf_counter()
-    # SIGINT / SIGTERM: stop after the step in flight, saved; the metrics file closed however the loop ends
-    with StopRequests(stage.mesh.host_group) as stops, contextlib.closing(metrics_log):
-        for step in range(first, config.steps + 1):
-            at_step(step)  # what each rank does is named by step, for a report if a peer stops answering
-            # The global batch, the same on every rank; each replica runs its own m microbatches of it.
-            inputs, targets = data.take(step, cursor, sequences, config.batch_size)
-            cursor += sequences
-            mine = slice(stage.dp_rank * m, (stage.dp_rank + 1) * m)
-            t0 = time.perf_counter()
-            loss = run_schedule(stage, inputs[mine], targets[mine])
-            seconds = time.perf_counter() - t0
-            if reference is not None:
-                parity_result = parity_check(stage.model, reference, inputs, targets, loss)
-                reference = None  # free it
-                log.write(parity_result.line())
-            t0 = time.perf_counter()
-            with doing("the gradient norm's all-reduce over every rank"):
-                grad_norm = float(clip_grad_norm_(stage, config.max_grad_norm))
-            lr = optimizer.param_groups[0]["lr"]
-            losses.append(float(loss))
-            counted = sum(int((t != IGNORE_INDEX).sum()) for t in targets)  # the global batch's
-            line = {"loss": losses[-1], "lr": lr, "grad_norm": grad_norm, "counted_tokens": counted}
-            try:  # the same two numbers on every rank (both reduced over it): every rank decides alike
-                applied = guard.applies(step, losses[-1], grad_norm)
-            except TrainStopped:
-                metrics_log.write(step, {**line, "applied": False, "skipped_steps": guard.skipped})
-                raise
-            if applied:
-                optimizer.step()
-                schedule.step()
-            else:
-                log.write(f"step {step}: loss {losses[-1]:g}, gradient norm {grad_norm:g}: not applied "
-                          f"({guard.in_a_row} in a row; --skip-limit {config.skip_limit} stops the run)")
-            optimizer.zero_grad(set_to_none=True)
-            step_seconds.append(seconds + time.perf_counter() - t0)  # the step itself, not the parity check
-            metrics_log.write(step, {
-                **line, "applied": applied, "skipped_steps": guard.skipped, "step_seconds": step_seconds[-1],
-                "tokens_per_second": sequences * config.seq_len / step_seconds[-1],
-                "peak_memory_bytes": peak_memory_bytes(device),
-            })
-            log.step(step, losses[-1], step_seconds[-1])
-            with doing("the stop-signal check (an all-reduce over every rank)"):
-                signum = stops.agreed() if step < config.steps else None
-            saved = None
-            if config.ckpt and (step == config.steps or (config.save_every and step % config.save_every == 0)
-                                or (signum and config.save_on_signal)):
-                with doing("saving the training state"):
-                    saved = guard.save(config.ckpt, stage, optimizer, schedule, log, keep=config.keep, tokenizer=built.tokenizer,
-                                       extra={"step": step, "cursor": cursor, "data": _data_key(config)})
-                if saved is not None:
-                    log.write(f"saved the training state of step {step} to {saved}")
-            if signum:
-                raise TrainInterrupted(stopped_by(signum, step, config, saved), signum=signum)
-    at_step(None)
-    wall = time.perf_counter() - start
-    log.close()
-    if config.export:
-        _export(stage, plan, built.tokenizer, config.export)
-    events = gather_timeline(stage)
+
+
+def _report(run: Run, config: TrainConfig, done: Steps) -> dict:
+    """The run's metrics (the same on every rank), written out by rank 0 with the timeline and loss plots."""
+    plan, events = run.plan, gather_timeline(run.stage)
     metrics = {
         "plan": str(plan.source),
         "model": config.model,
-        "data": data.what,
-        "mesh": {"dp": dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp, "world_size": dist.get_world_size()},
+        "data": run.data.what,
+        "mesh": {"dp": plan.mesh.dp, "pp": plan.mesh.pp, "tp": plan.mesh.tp, "world_size": dist.get_world_size()},
         "config": asdict(config),
-        "first_step": first,
-        "losses": losses,
-        "skipped_steps": guard.skipped,
-        "failed_saves": guard.failed_saves,
-        "step_seconds": step_seconds,
-        "train_seconds": wall,
-        "tokens_per_step": sequences * config.seq_len,
-        "parity": asdict(parity_result) if parity_result is not None else None,
+        "first_step": run.first,
+        "losses": done.losses,
+        "skipped_steps": done.guard.skipped,
+        "failed_saves": done.guard.failed_saves,
+        "step_seconds": done.step_seconds,
+        "train_seconds": done.wall,
+        "tokens_per_step": run.sequences * config.seq_len,
+        "parity": asdict(done.parity) if done.parity is not None else None,
         "timeline": events_to_dicts(events),
     }
-    if rank == 0 and losses:
+    if dist.get_rank() == 0 and done.losses:
         write_outputs(config, metrics, events, plan)
     return metrics
 
@@ -281,11 +262,6 @@ def _recipe(dtype: str, stage) -> str:
         return dtype
     how = "FSDP2 mixed precision" if stage.precision.by == "fsdp" else "autocast"
     return f"{dtype} compute ({how}), float32 weights"
-
-
-def _data_key(config: TrainConfig) -> dict:
-    """What fixes the order of the windows: a resumed run with other values continues on other data."""
-    return {"data": config.data, "seq_len": config.seq_len, "seed": config.seed, "pack": config.pack}
 
 
 def _export(stage, plan, tokenizer, out_dir: str) -> None:

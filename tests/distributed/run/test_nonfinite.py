@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import rewrite
 from rewrite.checkpoint.finite import NonFiniteState
 from rewrite.checkpoint.training_state import latest_checkpoint
-from rewrite.run import train as train_module
+from rewrite.run import train_loop as train_module  # where the steps call run_schedule
 from rewrite.run.guard import TrainStopped
 from rewrite.run.presets import build_model
 from rewrite.run.train import TrainConfig, train
