@@ -81,7 +81,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     resolved, error, precision = None, None, None
     try:
         plan = load_plan_for(plan, model)
-        check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, plan.mesh.cp)
+        check_world(plan.mesh.shape)
         resolved = resolve(plan, model, world_size=dist.get_world_size())
         if plan.mesh.cp > 1 and (problem := context_parallel_problem(model)):
             raise PlanError(plan.source, [f"{plan.where('mesh', 'cp')}mesh.cp={plan.mesh.cp}: {type(model).__name__}: "
@@ -93,8 +93,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
             raise  # no group: no peer is waiting
         error = exc
     _agree_on_binding(model, resolved, error)  # the first collective
-    mesh = build_mesh(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, kv_replicas=resolved.kv_replicas, cp=plan.mesh.cp,
-                      ep=plan.mesh.ep)
+    mesh = build_mesh(plan.mesh.shape, kv_replicas=resolved.kv_replicas)
     if mesh.cp > 1:
         register_context_parallel()
         model.set_attn_implementation(CONTEXT_PARALLEL)  # its layers call it; the stage passes each its shard

@@ -188,7 +188,7 @@ def resolve(
     Args:
         plan: a `ParallelPlan`, or anything `load_plan` takes.
         model: the model to bind to (it is not changed; a meta-device model works).
-        world_size: when given, must equal `mesh.dp * mesh.pp * mesh.tp`.
+        world_size: when given, must equal `mesh.dp * mesh.pp * mesh.cp * mesh.tp`.
         cache: a dict kept across calls on the same, unchanged model (a plan search): what depends only on
             the tensor_parallel rules and tp (shards, their checks, costs) or on the stages' modules
             (their parameters) is computed once, not per mesh, schedule or switch.

@@ -25,7 +25,7 @@ from ..plan.schema import ParallelPlan, PlanError
 from ..rewriter import apply_plan
 from . import swap
 from .headers import load_dtype, model_dtype, model_keys, read_headers, save_id_problems, weight_map_of
-from ..plan.ranks import coordinates, expert_place
+from ..plan.ranks import expert_place
 from .layout import INDEX, Entry, meta_model, stage_entries
 from .disk_layout import Stacked, stored_keys, stored_names
 from .shards import Source, file_order, fill_dp_shards, reading, rebuild_unstored, unstored_modules
@@ -90,9 +90,9 @@ def from_pretrained(
         >>> loss = rewrite.run_schedule(stage, ids, targets)
     """
     plan = load_plan(plan)
-    check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, plan.mesh.cp)
+    check_world(plan.mesh.shape)
     directory = Path(directory)
-    dp_rank, pp_rank, tp_rank = coordinates(dist.get_rank(), pp=plan.mesh.pp, tp=plan.mesh.tp, cp=plan.mesh.cp)
+    at = plan.mesh.shape.coords(dist.get_rank())
     what = f"from_pretrained({str(directory)!r}, {plan.source})"
     problems, sources, entries, meta, generation, note, floats = [], {}, [], None, None, None, None
     try:
@@ -100,8 +100,7 @@ def from_pretrained(
         config, generation = _read_configs(directory)
         meta = meta_model(config)
         resolved = _resolve(plan, meta, directory, config)
-        ep_rank = expert_place(dp_rank, tp_rank, tp=plan.mesh.tp, ep=plan.mesh.ep)[0]
-        entries = stage_entries(meta, resolved, pp_rank, tp_rank, ep_rank)
+        entries = stage_entries(meta, resolved, at.pp, at.tp, expert_place(plan.mesh.shape, at)[0])
         weight_map, index_id = weight_map_of(directory)
         stored, problems = stored_names(meta, weight_map, directory)  # transformers' on-disk layout
         sources, found = _check_sources(directory, weight_map, entries, stored)

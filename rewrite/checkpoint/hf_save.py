@@ -36,7 +36,7 @@ from ..tensor_parallel.vocab import VocabParallelEmbedding
 from ..expert_parallel.tensor import ExpertTensorParallelMixin
 from ..models.experts import num_experts
 from . import swap
-from ..plan.ranks import coordinates, cp_rank_of, expert_place, global_rank, shape_text
+from ..plan.ranks import Coords, expert_place
 from .disk_layout import on_disk
 from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
 
@@ -97,13 +97,13 @@ def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stag
             resolved = resolve(plan, meta)
         except PlanError as exc:
             return [f"the model's config does not fit the plan: {exc}"], []
-    dp, tp, pp, cp = plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.mesh.cp
-    dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp, cp=cp)
-    mine = stage_entries(meta, resolved, pp_rank, tp_rank, expert_place(dp_rank, tp_rank, tp=tp, ep=plan.mesh.ep)[0])
+    dp, pp, cp, at = plan.mesh.dp, plan.mesh.pp, plan.mesh.cp, plan.mesh.shape.coords(rank)
+    pp_rank, tp_rank = at.pp, at.tp
+    mine = stage_entries(meta, resolved, pp_rank, tp_rank, expert_place(plan.mesh.shape, at)[0])
     by_expert = {e.name for e in mine if e.over == "ep"}  # whole on each rank of their group: never dp-sharded
     have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
     want = {e.name: e.local_shape for e in mine}
-    where = (f"dp_rank {dp_rank}, " if dp > 1 else "") + f"pp_rank {pp_rank}, tp_rank {tp_rank}"
+    where = (f"dp_rank {at.dp}, " if dp > 1 else "") + f"pp_rank {pp_rank}, tp_rank {tp_rank}"
     problems = _summary(
         f"{where}: {{n}} tensors have other shapes than the plan gives this rank, e.g.",
         [f"{n}: {list(have[n])} here, {list(s)} in the plan" for n, s in want.items() if n in have and have[n] != s],
@@ -188,18 +188,16 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         >>> rewrite.save_pretrained(stage, "plans/llama-tp2-pp2.yaml", "ckpt/")
     """
     plan = load_plan(plan)
-    check_world(plan.mesh.pp, plan.mesh.tp, plan.mesh.dp, plan.mesh.cp)
+    check_world(plan.mesh.shape)
     stage = model if isinstance(model, Stage) else None
     model = stage.model if stage is not None else model
-    directory, rank, tp, pp, cp = Path(directory), dist.get_rank(), plan.mesh.tp, plan.mesh.pp, plan.mesh.cp
+    directory, rank, shape = Path(directory), dist.get_rank(), plan.mesh.shape
     if not isinstance(model, nn.Module):
         problems, entries = [f"save_pretrained needs a model or Stage, got {type(model).__name__}"], []
-    elif stage is not None and (stage.mesh.dp, stage.mesh.pp, stage.mesh.cp, stage.mesh.tp, stage.mesh.ep) != (
-            plan.mesh.dp, pp, cp, tp, plan.mesh.ep):
-        built = shape_text(stage.mesh.dp, stage.mesh.pp, stage.mesh.tp, stage.mesh.cp, stage.mesh.ep)
+    elif stage is not None and stage.mesh.shape != shape:
         problems, entries = [
-            f"the stage was built with mesh {built}, the plan says {plan.mesh.shape_text()}; pass the plan the model "
-            "was rewritten with"
+            f"the stage was built with mesh {stage.mesh.shape.text()}, the plan says {plan.mesh.shape_text()}; "
+            "pass the plan the model was rewritten with"
         ], []
     else:
         try:
@@ -215,27 +213,27 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     tokens = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)  # first collective
     save_id = tokens[0]
     tmp = swap.temporary(directory, save_id)
-    dp_rank, pp_rank, tp_rank = coordinates(rank, pp=pp, tp=tp, cp=cp)
-    first = dp_rank == 0 and cp_rank_of(rank, tp=tp, cp=cp) == 0  # the copy that writes: replica 0, cp rank 0
+    at = shape.coords(rank)
+    pp_rank, head = at.pp, shape.rank(Coords(pp=at.pp))  # the stage's first rank (dp 0, cp 0, tp 0) gathers
+    first = at.dp == 0 and at.cp == 0  # the copy that writes: replica 0, cp rank 0
     local = model.state_dict()  # FSDP2 registers its sharded parameters first: DTensors under dp
     error, sizes = None, {}
     try:
         tensors = {}
-        ep_copy = expert_place(dp_rank, tp_rank, tp=tp, ep=plan.mesh.ep)[1]
-        experts_group = ep_copy == 0 and cp_rank_of(rank, tp=tp, cp=cp) == 0  # the stage's first ep group
+        experts_group = expert_place(shape, at)[1] == 0 and at.cp == 0  # the stage's first ep group
         for e in entries:  # the same entries, in the same order, on every rank of a dp group
             whole = _gather_dp(local[e.name])
             if e.over == "ep" and experts_group:  # the first ep group's experts, gathered to its first rank
-                gathered = _gather_experts(model, whole, e, global_rank(0, pp_rank, 0, pp=pp, tp=tp, cp=cp))
+                gathered = _gather_experts(model, whole, e, head)
                 if gathered is not None:
                     tensors[e.canonical] = gathered
             elif first and e.over != "ep":  # one replica (and cp rank) writes; the others took part in the gathers
-                tensors[e.canonical] = _gather(model, whole, e, stage, global_rank(0, pp_rank, 0, pp=pp, tp=tp, cp=cp))
-        if first and tp_rank == 0:
+                tensors[e.canonical] = _gather(model, whole, e, stage, head)
+        if first and at.tp == 0:
             tmp.mkdir(parents=True, exist_ok=True)
             tensors = on_disk(model.config, tensors)  # the family's stored layout: experts one by one
             tensors = {k: _own_storage(t) for k, t in tensors.items()}
-            save_file(tensors, str(tmp / shard_file(pp_rank, pp)), metadata={"format": "pt", SAVE_ID: save_id})
+            save_file(tensors, str(tmp / shard_file(pp_rank, shape.pp)), metadata={"format": "pt", SAVE_ID: save_id})
             sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
         del tensors
     except Exception as exc:  # any rank's failure must reach every rank, or they would wait
@@ -246,9 +244,9 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         errors.append(f"nothing in {directory} was changed")
     elif rank == 0:
         try:
-            stored = {k: (coordinates(r, pp=pp, tp=tp, cp=cp)[1], n)  # name: (stage, bytes)
+            stored = {k: (shape.coords(r).pp, n)  # name: (stage, bytes)
                       for r, (_, s) in enumerate(results) for k, n in s.items()}
-            _finish(model, tmp, directory, pp, stored, save_id)
+            _finish(model, tmp, directory, shape.pp, stored, save_id)
         except Exception as exc:
             errors = [f"rank 0: putting the checkpoint in place: {type(exc).__name__}: {exc}; "
                       f"{directory} holds the old checkpoint or the new one, never a mix: save again"]

@@ -13,7 +13,7 @@ them whole.
 
 from __future__ import annotations
 
-from ..plan.ranks import expert_groups, global_rank
+from ..plan.ranks import expert_groups
 from ..binding.resolve import ResolvedPlan
 from .collectives import all_gather_s, all_reduce_s, groups_link, reduce_scatter_s
 from .hardware import Hardware
@@ -34,13 +34,11 @@ class DpTime:
         """`gathered`: bytes a gathered parameter moves per byte it is stored in (0.5: FSDP2 gathers
         float32 weights in bfloat16); gradients reduce in the stored dtype. The group is every rank
         holding the same parameters: the dp replicas times the cp ranks (`dp` below counts them all)."""
-        dp, pp, tp, cp = resolved.plan.mesh.dp, resolved.pp, resolved.tp, resolved.plan.mesh.cp
-        self.dp, self.hw, self.eff = dp * cp, hw, hw.efficiency.collective
+        shape = resolved.plan.mesh.shape
+        self.dp, self.hw, self.eff = shape.dp * shape.cp, hw, hw.efficiency.collective
         self.gathered = gathered
-        groups = [[global_rank(d, p, t, pp=pp, tp=tp, cp=cp, cp_rank=c) for d in range(dp) for c in range(cp)]
-                  for p in range(pp) for t in range(tp)]
-        self.link = groups_link(hw, groups, gpus_per_node)
-        replicas = expert_groups(pp, tp, dp, cp, resolved.plan.mesh.ep)[1]
+        self.link = groups_link(hw, shape.along("dp", "cp"), gpus_per_node)
+        replicas = expert_groups(shape)[1]
         self.expert_replicas = len(replicas[0]) if replicas else 1
         self.expert_link = groups_link(hw, replicas, gpus_per_node)
         self.units = [{k: b for k, b in u.items() if k != EXPERTS} for u in units]  # the dense ones, FSDP2's

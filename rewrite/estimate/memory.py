@@ -27,6 +27,7 @@ from torch import nn
 
 from ..binding.params import held_parameters
 from ..binding.resolve import ResolvedPlan
+from ..plan.ranks import Coords
 from ..schedules import splits_backward
 from .activations import activation_problem, compute_dtype, rank_activations
 
@@ -324,7 +325,7 @@ def rank_memory(
             or autocast's cast weights (`footprint`).
 
     Returns:
-        One `RankMemory` per global rank of replica 0 (`plan.ranks.global_rank`), its cp ranks included
+        One `RankMemory` per global rank of replica 0 (`plan.ranks.Shape.rank`), its cp ranks included
         (they hold the same); activations follow the plan's schedule (AFAB keeps every microbatch alive,
         1F1B at most pp - r on rank r).
 
@@ -343,7 +344,7 @@ def rank_memory(
         for c in range(mesh.cp):
             for t in range(resolved.tp):
                 out.append(RankMemory(
-                    rank=mesh.global_rank(pp_rank, t, cp_rank=c), pp_rank=pp_rank, tp_rank=t,
+                    rank=mesh.shape.rank(Coords(pp=pp_rank, cp=c, tp=t)), pp_rank=pp_rank, tp_rank=t,
                     stages=resolved.rank_stages(pp_rank), params=foot.params, weights=foot.weights, grads=foot.grads,
                     adamw=foot.adamw, gathered=foot.peak - foot.at_rest, activations=None if act is None else act.peak,
                     in_flight=None if act is None else act.in_flight, cp_rank=c,

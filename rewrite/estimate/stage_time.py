@@ -81,14 +81,12 @@ class StageTimes:
 
 def tp_groups(resolved: ResolvedPlan) -> list[list[int]]:
     """The global ranks of every tp group: contiguous runs of tp."""
-    tp = resolved.tp
-    return [list(range(start, start + tp)) for start in range(0, resolved.world_size, tp)]
+    return resolved.plan.mesh.shape.along("tp")
 
 
 def cp_groups(resolved: ResolvedPlan) -> list[list[int]]:
     """The global ranks of every cp group: a stage's ranks at one tp rank, tp apart."""
-    tp, cp = resolved.tp, resolved.plan.mesh.cp
-    return [[start + t + c * tp for c in range(cp)] for start in range(0, resolved.world_size, cp * tp) for t in range(tp)]
+    return resolved.plan.mesh.shape.along("cp")
 
 
 class _Clock:
@@ -213,7 +211,7 @@ def stage_times(
     styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
     G = gpus_per_node or hardware.devices_per_node
     link, cp, ep = groups_link(hardware, tp_groups(resolved), G), resolved.plan.mesh.cp, resolved.plan.mesh.ep
-    ep_groups = expert_groups(resolved.pp, resolved.tp, resolved.plan.mesh.dp, cp, ep)[0]
+    ep_groups = expert_groups(resolved.plan.mesh.shape)[0]
     clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, link,
                    cp, groups_link(hardware, cp_groups(resolved), G), ep, groups_link(hardware, ep_groups, G))
     split_experts = {spec.fqn for spec in resolved.experts} if ep > 1 else set()

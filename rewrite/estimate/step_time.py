@@ -25,7 +25,6 @@ from torch import nn
 
 from ..models.flops import TRAINING, head_flops, layer_flops
 from ..binding.params import held_parameters
-from ..plan.ranks import global_rank
 from ..binding.resolve import ResolvedPlan
 from ..schedules import bubble, plan_table, simulate, splits_backward
 from .activations import activation_problem, compute_dtype, plan_sizes
@@ -134,7 +133,7 @@ def predict_step(
     times = stage_times(run, model, hw, batch_size=batch_size, gpus_per_node=G, layer_weights=layer_weights,
                         root_weights=root_weights, dtype=dtype)
     master, compute = compute_dtype(model), compute_dtype(model, dtype)
-    dp, pp, tp, cp, m = plan.mesh.dp, run.pp, run.tp, plan.mesh.cp, pipe.microbatches
+    dp, pp, cp, tp, m = plan.mesh.dp, run.pp, plan.mesh.cp, run.tp, pipe.microbatches
     eff, split = hw.efficiency.collective, splits_backward(pipe.schedule, pipe.table)
     dpt = dp_time or DpTime(run, units, hw, G, gathered=compute.itemsize / master.itemsize)
     sharding, reduce = dpt.sharding(run), plan.data_parallel.reduce
@@ -143,8 +142,7 @@ def predict_step(
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp and cp rank its sequence chunk)
 
     def hop_s(a: int, b: int) -> float:  # pp rank a to pp rank b, over the slowest pair of global ranks
-        pairs = [[global_rank(d, a, t, pp=pp, tp=tp, cp=cp, cp_rank=c), global_rank(d, b, t, pp=pp, tp=tp, cp=cp, cp_rank=c)]
-                 for d in range(dp) for c in range(cp) for t in range(tp)]
+        pairs = [[ranks[a], ranks[b]] for ranks in plan.mesh.shape.along("pp")]
         return p2p_s(hop, groups_link(hw, pairs, G), eff)
 
     table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)

@@ -80,7 +80,7 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
         # (A meta-device model has no values yet: whoever materialises it loads both.)
         if not tied_weight.is_meta:
             data = tied_weight.data  # a new tensor object: lent, so gloo can let it go at exit
-            dist.broadcast(data, src=mesh.global_rank(0), group=mesh.tied_group)
+            dist.broadcast(data, src=mesh.rank_at(pp=0), group=mesh.tied_group)
             lend(data)
         tied = [tied_weight]
     head, shard = None, None

@@ -198,7 +198,7 @@ class _Step:
         for peer in range(self.mesh.pp):
             order = messages_between(table[peer], self.place, peer, me, sums=self.routers is not None) if peer != me else []
             if order:
-                src = self.mesh.global_rank(peer)
+                src = self.mesh.rank_at(pp=peer)
                 self.inboxes[peer] = Inbox(src, order, self._shape_of, self.device)
 
     def _params(self) -> list:
@@ -249,7 +249,7 @@ class _Step:
         if peer == self.stage.pp_rank:
             self.local[kind, mb, s] = tensor
             return
-        dst = self.mesh.global_rank(peer)
+        dst = self.mesh.rank_at(pp=peer)
         if kind == "F" and self._shapes(mb, s)["input"] is None:
             self._send(*p2p.send_header(tensor, dst), dst)
         self._send(p2p.send(tensor, dst), tensor, dst)
@@ -355,7 +355,7 @@ def _step_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -
     cp rank, added up."""
     mesh = stage.mesh
     total = torch.zeros((), device=device, dtype=torch.float32)
-    if mesh.rank == mesh.global_rank(stage.stage_rank[-1], 0) and losses:  # one contribution per replica, cp rank
+    if mesh.rank == mesh.rank_at(pp=stage.stage_rank[-1], tp=0) and losses:  # one contribution per replica, cp rank
         total += torch.stack([l.detach() for l in losses]).sum().to(device=device, dtype=torch.float32)
     dist.all_reduce(total)  # one collective on the whole world, every replica at once
     lend(total)  # callers keep the loss: hand them a copy

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .stage import Stage, TimelineEvent
 from ..agreement import share
-from ..plan.ranks import cp_rank_of
+from ..plan.ranks import Shape
 from ..plan.wording import noun_for
 
 __all__ = ["gather_timeline", "plot_timeline", "events_to_dicts"]
@@ -104,7 +104,7 @@ def plot_timeline(
         held = sorted({e.stage_idx for e in events if e.rank == rank})
         where = [f"{noun_for(len(held), 'stage')} {','.join(map(str, held))}"]
         if cp and cp > 1:
-            where.append(f"cp {cp_rank_of(rank, tp=tp or 1, cp=cp)}")
+            where.append(f"cp {Shape(cp=cp, tp=tp or 1).coords(rank).cp}")
         if tp:
             where.append(f"tp {rank % tp}")
         labels.append(f"rank {rank}\n{', '.join(where)}")

@@ -6,8 +6,8 @@ drawing it is `rewrite.run.show`.
 """
 
 from .from_hf import plan_from_hf
-from .ranks import coordinates, global_rank
+from .ranks import Coords, Shape
 from .loading import load_plan
 from .schema import MeshSpec, ParallelPlan, PlanError
 
-__all__ = ["ParallelPlan", "MeshSpec", "PlanError", "load_plan", "plan_from_hf", "global_rank", "coordinates"]
+__all__ = ["ParallelPlan", "MeshSpec", "PlanError", "load_plan", "plan_from_hf", "Coords", "Shape"]

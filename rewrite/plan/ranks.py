@@ -1,54 +1,114 @@
-"""The one rank formula: global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank.
+"""Where each rank sits: the world laid out as one grid, `torch.arange(world).view(dp, pp, cp, tp)`.
 
-Tensor-parallel ranks are neighbours (one machine under torchrun), then the context-parallel
-ranks of a stage (each holding part of the sequence), pipeline neighbours share a cp_rank and
-tp_rank, data-parallel replicas are the outermost dimension (across machines). With cp = 1 it is
-(dp_rank * pp + pp_rank) * tp + tp_rank. Pure arithmetic: `rewrite.mesh` builds its groups with
-it, `show` and checkpoints name ranks with it.
+Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: a stage's tensor-parallel ranks
+are neighbours (one machine under torchrun), then its context-parallel ranks; pipeline neighbours share
+a cp_rank and tp_rank; data-parallel replicas are outermost (across machines). Every group is a slice
+of the grid. Pure: `rewrite.mesh` makes the groups; `show`, estimates and checkpoints name ranks with it.
 """
 
 from __future__ import annotations
 
-__all__ = ["global_rank", "coordinates", "cp_rank_of", "expert_groups", "length_problem", "shape_text"]
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DIMS", "Coords", "Shape", "expert_place", "expert_groups", "length_problem"]
+
+DIMS = ("dp", "pp", "cp", "tp")  # the grid's dimensions, outermost first: the one order of coordinates
 
 
-def global_rank(dp_rank: int, pp_rank: int, tp_rank: int, *, pp: int, tp: int, cp: int = 1, cp_rank: int = 0) -> int:
-    """The global rank at these coordinates of a (dp, pp, cp, tp) mesh.
+@dataclass(frozen=True)
+class Coords:
+    """A rank's coordinates in the grid."""
 
-        >>> global_rank(1, 0, 1, pp=2, tp=2)
-        5
-        >>> global_rank(0, 1, 0, pp=2, tp=2, cp=2, cp_rank=1)
-        6
+    dp: int = 0
+    pp: int = 0
+    cp: int = 0
+    tp: int = 0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The grid's sizes, and ep: how many of a stage's dp x tp ranks split the experts (it adds no ranks)."""
+
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def grid(self) -> torch.Tensor:
+        """Every global rank at its coordinates: `[dp, pp, cp, tp]`."""
+        return torch.arange(self.world).view(self.dp, self.pp, self.cp, self.tp)
+
+    def rank(self, at: Coords) -> int:
+        """The global rank at `at`: `grid()[at.dp, at.pp, at.cp, at.tp]`.
+
+        >>> Shape(dp=2, pp=2, tp=2).rank(Coords(dp=1, tp=1)), Shape(pp=2, cp=2, tp=2).rank(Coords(pp=1, cp=1))
+        (5, 6)
+        """
+        return ((at.dp * self.pp + at.pp) * self.cp + at.cp) * self.tp + at.tp
+
+    def coords(self, rank: int) -> Coords:
+        """Where global rank `rank` sits (`rank(coords(r)) == r`).
+
+        >>> Shape(dp=2, pp=2, tp=2).coords(5)
+        Coords(dp=1, pp=0, cp=0, tp=1)
+        """
+        rest, tp = divmod(rank, self.tp)
+        rest, cp = divmod(rest, self.cp)
+        dp, pp = divmod(rest, self.pp)
+        return Coords(dp, pp, cp, tp)
+
+    def along(self, *dims: str) -> list[list[int]]:
+        """The groups of ranks whose coordinates differ only in `dims`: one per value of the others (in the
+        grid's order), its ranks running over `dims` (the last fastest).
+
+        >>> Shape(dp=2, cp=2, tp=2).along("tp"), Shape(dp=2, cp=2, tp=2).along("dp", "cp")
+        ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
+        """
+        fixed = [i for i, name in enumerate(DIMS) if name not in dims]
+        grid = self.grid().permute(*fixed, *(DIMS.index(name) for name in dims))
+        return grid.reshape(-1, math.prod(getattr(self, name) for name in dims)).tolist()
+
+    def text(self) -> str:
+        """`pp=2 x tp=2`: dp and cp named when above 1, ` (ep=4)` after it when ep is."""
+        sizes = [f"{name}={getattr(self, name)}" for name in DIMS if name in ("pp", "tp") or getattr(self, name) > 1]
+        return " x ".join(sizes) + (f" (ep={self.ep})" if self.ep > 1 else "")
+
+
+def expert_place(shape: Shape, at: Coords) -> tuple[int, int]:
+    """(ep_rank, copy) of the rank at `at`: its place in its expert-parallel group, and which of the stage's
+    groups (at one cp rank) that is (`expert_groups`).
+
+    >>> expert_place(Shape(dp=2, tp=2, ep=4), Coords(dp=1)), expert_place(Shape(dp=2, tp=2, ep=2), Coords(dp=1, tp=1))
+    ((2, 0), (1, 1))
     """
-    return ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
+    i = at.dp * shape.tp + at.tp  # the rank's place in its stage's dp x tp, tp fastest
+    return i % shape.ep, i // shape.ep
 
 
-def coordinates(rank: int, *, pp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
-    """(dp_rank, pp_rank, tp_rank) of global rank `rank` (its cp_rank: `cp_rank_of`).
+def expert_groups(shape: Shape) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-replica groups) as lists of global ranks.
 
-        >>> coordinates(5, pp=2, tp=2)
-        (1, 0, 1)
+    ep borrows a stage's dp x tp ranks at one cp rank, tp fastest: a group is `ep` consecutive ones (part of one
+    replica's tp group, or the tp groups of ep / tp neighbouring replicas), its `e`-th rank holding expert block
+    `e`. The `e`-th ranks of a stage's groups, over every cp rank, hold the same experts.
+
+    >>> expert_groups(Shape(dp=4, ep=2)), expert_groups(Shape(dp=2, tp=2, ep=2))
+    (([[0, 1], [2, 3]], [[0, 2], [1, 3]]), ([[0, 1], [2, 3]], [[0, 2], [1, 3]]))
+    >>> expert_groups(Shape(dp=2, tp=2, ep=4))
+    ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
     """
-    dp_rank, rest = divmod(rank, pp * cp * tp)
-    pp_rank, rest = divmod(rest, cp * tp)
-    return dp_rank, pp_rank, rest % tp
-
-
-def cp_rank_of(rank: int, *, tp: int, cp: int) -> int:
-    """The context-parallel rank of global rank `rank`.
-
-        >>> cp_rank_of(6, tp=2, cp=2)
-        1
-    """
-    return rank // tp % cp
-
-
-def shape_text(dp: int, pp: int, tp: int, cp: int = 1, ep: int = 1) -> str:
-    """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas, `cp=2 x ` before tp when cp > 1,
-    and ` (ep=4)` after it when ep of a stage's dp x tp ranks split the experts."""
-    replicas = f"dp={dp} x " if dp > 1 else ""
-    experts = f" (ep={ep})" if ep > 1 else ""
-    return replicas + f"pp={pp} x " + (f"cp={cp} x " if cp > 1 else "") + f"tp={tp}" + experts
+    pp, cp, ep = shape.pp, shape.cp, shape.ep
+    split = shape.grid().permute(1, 2, 0, 3).reshape(pp, cp, -1, ep)  # (pp, cp, copies, ep)
+    groups = split.permute(2, 0, 1, 3).reshape(-1, ep)  # (copies x pp x cp, ep)
+    return groups.tolist(), split.permute(0, 3, 2, 1).reshape(pp * ep, -1).tolist()  # (pp x ep, copies x cp)
 
 
 def length_problem(seq: int, cp: int) -> str | None:
@@ -60,39 +120,3 @@ def length_problem(seq: int, cp: int) -> str | None:
     near = f"{below} or {above}" if below else f"{above}"
     return (f"a sequence of {seq} tokens does not split into 2 x cp = {step} equal chunks (cp ranks hold two each, "
             f"balanced for the causal mask); use a length that {step} divides, e.g. {near}")
-
-
-def expert_place(dp_rank: int, tp_rank: int, *, tp: int, ep: int) -> tuple[int, int]:
-    """(ep_rank, copy) of the rank at `dp_rank`, `tp_rank` of a stage: ep borrows the stage's dp x tp ranks,
-    tp fastest (`expert_groups`); `copy` counts the expert-parallel groups of the stage (at one cp rank).
-
-        >>> expert_place(1, 0, tp=2, ep=4), expert_place(1, 1, tp=2, ep=2)
-        ((2, 0), (1, 1))
-    """
-    return (dp_rank * tp + tp_rank) % ep, (dp_rank * tp + tp_rank) // ep
-
-
-def expert_groups(pp: int, tp: int, dp: int, cp: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(expert-parallel groups, expert-replica groups) of a mesh, as lists of global ranks.
-
-    ep borrows a stage's dp x tp ranks (at one cp rank), numbered `dp_rank * tp + tp_rank` (tp
-    fastest): an expert-parallel group is `ep` consecutive ones, so its tp ranks first (ep <= tp: part
-    of one replica's tp group; ep > tp: whole tp groups of ep / tp neighbouring replicas). Together they
-    hold every expert once, the group's `e`-th rank the experts of block `e`. The ranks at the same
-    place of every group of the stage, over every cp rank, hold the same experts.
-
-        >>> expert_groups(1, 1, 4, 1, 2)
-        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
-        >>> expert_groups(1, 2, 2, 1, 2)
-        ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
-        >>> expert_groups(1, 2, 2, 1, 4)
-        ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
-    """
-    def at(i: int, p: int, c: int) -> int:  # the stage's i-th rank of dp x tp
-        return global_rank(i // tp, p, i % tp, pp=pp, tp=tp, cp=cp, cp_rank=c)
-
-    copies = dp * tp // ep
-    places = [(p, c) for p in range(pp) for c in range(cp)]
-    groups = [[at(g * ep + e, p, c) for e in range(ep)] for g in range(copies) for p, c in places]
-    replicas = [[at(g * ep + e, p, c) for g in range(copies) for c in range(cp)] for p in range(pp) for e in range(ep)]
-    return groups, replicas

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ConfigDict, Field, PrivateAttr, model_serializer, model_validator
 
 from .files import PlanError
-from .ranks import global_rank, length_problem, shape_text
+from .ranks import Shape, length_problem
 from .styles import Style
 from .pipeline_schema import Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
 from ..schedules import splits_backward
@@ -21,14 +21,10 @@ __all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError"]
 
 
 class MeshSpec(StrictModel):
-    """How the ranks are arranged: world size = dp * pp * cp * tp.
+    """How the ranks are arranged: dp * pp * cp * tp of them, numbered as `torch.arange(world).view(dp, pp, cp, tp)`:
+    a stage's tp ranks are neighbours (one machine), dp replicas outermost (across machines)."""
 
-    Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: tensor-parallel
-    ranks are neighbours (one machine), then a stage's context-parallel ranks, data-parallel
-    replicas the outermost (across machines).
-    """
-
-    # The plan's `mesh` section (`ranks.global_rank` is the formula); `rewrite.Mesh` is a running
+    # The plan's `mesh` section (`ranks.Shape` places the ranks); `rewrite.Mesh` is a running
     # mesh with its process groups. Titled "Mesh" in the JSON schema, as the plan names it.
     model_config = ConfigDict(extra="forbid", frozen=True, title="Mesh")
 
@@ -99,16 +95,16 @@ class MeshSpec(StrictModel):
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
+        return self.shape.world
+
+    @property
+    def shape(self) -> Shape:
+        """The sizes as a `ranks.Shape`: global ranks and coordinates (`shape.rank`, `shape.coords`), groups."""
+        return Shape(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep)
 
     def shape_text(self) -> str:
-        """`pp=2 x tp=2`, with `dp=2 x ` in front when there are replicas, `cp=2 x ` before tp and
-        ` (ep=2)` after it with ep (`ranks.shape_text`)."""
-        return shape_text(self.dp, self.pp, self.tp, self.cp, self.ep)
-
-    def global_rank(self, pp_rank: int, tp_rank: int, dp_rank: int = 0, cp_rank: int = 0) -> int:
-        """The global rank of these coordinates (`ranks.global_rank`)."""
-        return global_rank(dp_rank, pp_rank, tp_rank, pp=self.pp, tp=self.tp, cp=self.cp, cp_rank=cp_rank)
+        """`pp=2 x tp=2`, with dp and cp when above 1 and ` (ep=2)` after it with ep (`Shape.text`)."""
+        return self.shape.text()
 
 
 class DataParallel(StrictModel):

@@ -116,8 +116,7 @@ def stage_entries(resolved: ResolvedPlan) -> list[dict]:
         out.append({
             "stage": s.stage_idx,
             "pp_rank": pp_rank,
-            "ranks": [resolved.plan.mesh.global_rank(pp_rank, t, cp_rank=c)
-                      for c in range(resolved.plan.mesh.cp) for t in range(resolved.tp)],
+            "ranks": resolved.plan.mesh.shape.grid()[0, pp_rank].flatten().tolist(),  # (cp, tp) of replica 0
             "est_compute": s.est_compute,
             "modules": collapse_names(s.modules),
             "layers": list(layers),

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ...plan.ranks import shape_text
+from ...plan.ranks import DIMS, Shape
 from ...binding.resolve import ResolvedPlan
 from ...plan.wording import plural
 from .columns import WIDTH, format_bytes, format_table, span, wrap_list, wrap_prose
@@ -192,7 +192,7 @@ def render_text(data: dict) -> str:
     m = pipe["planned"]["microbatches"]
     out = [
         f"{data['plan']} on {name}",
-        f"mesh: {shape_text(mesh['dp'], mesh['pp'], mesh['tp'], mesh.get('cp', 1), mesh.get('ep', 1))} = {mesh['world_size']} ranks; "
+        f"mesh: {Shape(**{k: mesh.get(k, 1) for k in (*DIMS, 'ep')}).text()} = {mesh['world_size']} ranks; "
         f"{plural(m, 'microbatch')} per step{' per replica' if mesh['dp'] > 1 else ''}, "
         f"schedule {pipe['schedule']}; {'module walker (hf)' if pipe['kind'] == 'hf' else 'torch.fx stages'}",
         *_layout_lines(data),

@@ -9,6 +9,7 @@ import torch
 
 import rewrite
 from rewrite.mesh import expert_groups
+from rewrite.plan.ranks import Shape
 from rewrite.models.experts import every_token, expert_block, experts_problem
 from rewrite.estimate import rank_footprints
 from tests.families import tiny_family_model, tiny_moe_model
@@ -47,17 +48,17 @@ def test_ep_in_the_mesh():
 
 def test_expert_groups_are_neighbouring_ranks_of_a_stage_tp_first():
     # dp 4 x pp 2 x tp 1, ep 2: global rank = dp_rank * 2 + pp_rank.
-    groups, replicas = expert_groups(2, 1, 4, 1, 2)
+    groups, replicas = expert_groups(Shape(dp=4, pp=2, ep=2))
     assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]  # dp ranks (0, 1) and (2, 3) at each pp rank
     assert replicas == [[0, 4], [2, 6], [1, 5], [3, 7]]  # the same experts: dp ranks 0 and 2, 1 and 3
-    groups, replicas = expert_groups(1, 2, 2, 2, 2)  # dp 2 x cp 2 x tp 2: a replica's tp pair at each cp rank
+    groups, replicas = expert_groups(Shape(dp=2, cp=2, tp=2, ep=2))  # a replica's tp pair at each cp rank
     assert groups == [[0, 1], [2, 3], [4, 5], [6, 7]] and replicas == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert sorted(r for g in groups for r in g) == list(range(8))
-    groups, replicas = expert_groups(2, 2, 2, 1, 4)  # dp 2 x pp 2 x tp 2, ep 4: both replicas' tp pairs a stage
+    groups, replicas = expert_groups(Shape(dp=2, pp=2, tp=2, ep=4))  # both replicas' tp pairs a stage
     assert groups == [[0, 1, 4, 5], [2, 3, 6, 7]] and replicas == [[0], [1], [4], [5], [2], [3], [6], [7]]
-    groups, replicas = expert_groups(1, 4, 1, 1, 2)  # tp 4, ep 2: halves of the tp group, each a copy
+    groups, replicas = expert_groups(Shape(tp=4, ep=2))  # halves of the tp group, each a copy
     assert groups == [[0, 1], [2, 3]] and replicas == [[0, 2], [1, 3]]
-    groups, _ = expert_groups(1, 2, 3, 1, 3)  # tp 2 x dp 3, ep 3: a group may take part of a replica's tp ranks
+    groups, _ = expert_groups(Shape(dp=3, tp=2, ep=3))  # a group may take part of a replica's tp ranks
     assert groups == [[0, 1, 2], [3, 4, 5]]
 
 
