@@ -1,0 +1,77 @@
+"""`build_mesh` on real ranks: every group a rank is given holds exactly the ranks the documented layout
+says, in order. The oracle numbers ranks by the formula itself, not by `plan.ranks`."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+from rewrite.mesh import build_mesh
+from rewrite.plan.ranks import Coords, Shape
+from tests.multiproc import run
+
+
+def _ranks(group) -> list[int] | None:
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def _groups(rank: int, world: int, sizes: dict, kv_replicas: int) -> dict:
+    mesh = build_mesh(Shape(**sizes), kv_replicas=kv_replicas)
+    assert mesh.rank == rank
+    return {
+        "coords": mesh.coords, "first": mesh.rank_at(pp=0), "ep_rank": mesh.ep_rank, "copy": mesh.expert_copy,
+        "tp": _ranks(mesh.tp_group), "cp": _ranks(mesh.cp_group), "dp": _ranks(mesh.dp_group),
+        "tied": _ranks(mesh.tied_group), "kv": _ranks(mesh.kv_group), "ep": _ranks(mesh.ep_group),
+        "experts": _ranks(mesh.expert_replica_group),
+        "replicas": None if mesh.replica_mesh is None else mesh.replica_mesh.mesh.flatten().tolist(),
+    }
+
+
+def _expected(sizes: dict, kv_replicas: int) -> dict:
+    """Each rank's groups, from global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank."""
+    dp, pp, cp, tp, ep = (sizes.get(k, 1) for k in ("dp", "pp", "cp", "tp", "ep"))
+    every = list(itertools.product(range(dp), range(pp), range(cp), range(tp)))
+
+    def rank(d, p, c, t):
+        return ((d * pp + p) * cp + c) * tp + t
+
+    def members(keep) -> list[int] | None:  # a group's ranks in rank order, as torch's new_group keeps them
+        found = sorted(rank(*x) for x in every if keep(x))
+        return found if len(found) > 1 else None
+
+    out = {}
+    for d, p, c, t in every:
+        i = d * tp + t  # place in the stage's dp x tp, tp fastest
+        out[rank(d, p, c, t)] = {
+            "coords": Coords(dp=d, pp=p, cp=c, tp=t), "first": rank(d, 0, c, t), "ep_rank": i % ep, "copy": i // ep,
+            "tp": list(range(rank(d, p, c, 0), rank(d, p, c, 0) + tp)),
+            "cp": members(lambda x: (x[0], x[1], x[3]) == (d, p, t)) if cp > 1 else None,
+            "dp": [rank(e, p, c, t) for e in range(dp)],
+            "tied": [rank(d, 0, c, t), rank(d, pp - 1, c, t)] if pp > 1 and p in (0, pp - 1) else None,
+            "kv": members(lambda x: x[:3] == (d, p, c) and x[3] // kv_replicas == t // kv_replicas)
+            if kv_replicas > 1 else None,
+            "ep": members(lambda x: (x[1], x[2]) == (p, c) and (x[0] * tp + x[3]) // ep == i // ep) if ep > 1 else None,
+            "experts": members(lambda x: x[1] == p and (x[0] * tp + x[3]) % ep == i % ep) if ep > 1 else None,
+            "replicas": members(lambda x: (x[1], x[3]) == (p, t)) if dp * cp > 1 else None,
+        }
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sizes", "kv_replicas"),
+    [
+        ({"pp": 3, "cp": 2}, 1),  # tied groups past pp 2, at each cp rank; replicas over cp
+        ({"dp": 2, "tp": 4, "ep": 2}, 2),  # kv heads on blocks of 2 tp ranks; ep halves of each tp group
+        ({"dp": 2, "pp": 3, "ep": 2}, 1),  # ep across replicas; tied groups in each replica
+    ],
+    ids=["pp3-cp2", "dp2-tp4-kv2-ep2", "dp2-pp3-ep2"],
+)
+def test_every_group_is_the_documented_slice(sizes, kv_replicas):
+    world = Shape(**sizes).world
+    got = run(_groups, world, sizes, kv_replicas)
+    want = _expected(sizes, kv_replicas)
+    for rank in range(world):
+        for name, ranks in want[rank].items():
+            assert got[rank][name] == ranks, f"rank {rank} {name}: {got[rank][name]}, expected {ranks}"
