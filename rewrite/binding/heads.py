@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..models.blocks import ATTENTION
 from ..models.oracle import config_value
 from ..plan.wording import MOST_RANKS, common_divisors, either, plural
 
-__all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems", "kv_replicas_of", "kv_groups_problems"]
+__all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems", "is_split_kv", "kv_replicas_of", "kv_groups_problems"]
 
 _MOST = 8  # tp values named in a message
+_SPLIT_HEAD = f"({', '.join(ATTENTION.members)} would split a head)"
 
 
 def head_counts(config, k_features: int | None = None) -> tuple[int, int] | None:
@@ -73,8 +75,8 @@ def head_problems(config, tp: int, tp_at: str, k_features: int | None = None) ->
     plain = common_divisors(heads, kv)
     if kv == heads:
         return [
-            f"{tp_at}mesh.tp={tp} does not divide num_attention_heads={heads} (q_proj, k_proj, v_proj, o_proj "
-            f"would split a head); tp must divide {plural(heads, 'attention head')}: tp {either(plain)}; set "
+            f"{tp_at}mesh.tp={tp} does not divide num_attention_heads={heads} {_SPLIT_HEAD}; "
+            f"tp must divide {plural(heads, 'attention head')}: tp {either(plain)}; set "
             "mesh.tp to " + (f"{plain[0]}" if len(plain) == 1 else "one of them") + ", or leave the attention unsharded"
         ]
     kv_off = kv % tp and tp % kv
@@ -85,16 +87,22 @@ def head_problems(config, tp: int, tp_at: str, k_features: int | None = None) ->
     replicated = replicated_tps(heads, kv)
     past = f"tp {either(replicated)}" if replicated else f"none divides {heads}"
     return [
-        f"{tp_at}mesh.tp={tp} {found} (q_proj, k_proj, v_proj, o_proj would split a head); tp must divide the "
+        f"{tp_at}mesh.tp={tp} {found} {_SPLIT_HEAD}; tp must divide the "
         f"{heads} attention heads and either divide the {plural(kv, 'kv head')} (tp {either(plain)}) or be a multiple "
         f"of {'it' if kv == 1 else 'them'}, each kv head then replicated on tp / {kv} ranks ({past}); set mesh.tp to "
         "one of these, or leave the attention unsharded"
     ]
 
 
+def is_split_kv(fqn: str, styles: dict[str, str]) -> bool:
+    """Whether `fqn` is a k/v projection split as a column beside its q projection split alike (whole kv heads)."""
+    parent, _, leaf = fqn.rpartition(".")
+    return leaf in ATTENTION.kv and styles.get(fqn) == styles.get(f"{parent}.{ATTENTION.splitter}") == "column"
+
+
 def kv_replicas_of(model: nn.Module, modules: dict[str, nn.Module], fqn: str, tp: int) -> int:
     """Ranks holding each kv head of the attention `fqn` (a k/v projection) belongs to."""
-    k_proj = modules.get(f"{fqn.rpartition('.')[0]}.k_proj")
+    k_proj = modules.get(f"{fqn.rpartition('.')[0]}.{ATTENTION.kv[0]}")
     counts = head_counts(getattr(model, "config", None), getattr(k_proj, "out_features", None))
     return kv_replicas(*counts, tp) if counts else 1
 

@@ -19,14 +19,13 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ..models.blocks import KV_A
 from ..plan.patterns import general_path
 from ..plan.styles import COLUMN_STYLES, STYLE_INFO
 
-__all__ = ["KV_A", "LATENT", "STYLE", "is_latent_attention", "latent_problems", "rope_width"]
+__all__ = ["STYLE", "is_latent_attention", "latent_problems", "rope_width"]
 
 STYLE = "mla_kv_a"
-KV_A = "kv_a_proj_with_mqa"
-LATENT = ("q_a_proj", "q_a_layernorm", KV_A, "kv_a_layernorm")  # whole, before the column layers
 
 
 def is_latent_attention(module: nn.Module) -> bool:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .heads import head_problems, kv_replicas_of
+from ..models.blocks import ATTENTION
+from .heads import head_problems, is_split_kv, kv_replicas_of
 from ..plan.styles import COLUMN_STYLES, packed_parts
 from ..plan.wording import MOST_RANKS
 
@@ -25,13 +26,12 @@ def fitting_tps(model: nn.Module, modules: dict[str, nn.Module], chosen: dict[st
         if style == "vocab":
             rules.append((module.num_embeddings, 1, None))
         elif style in COLUMN_STYLES:
-            kv = fqn.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and chosen.get(f"{fqn.rpartition('.')[0]}.q_proj") == "column"
-            rules.append((module.out_features, packed_parts(style), fqn if kv and style == "column" else None))
+            rules.append((module.out_features, packed_parts(style), fqn if is_split_kv(fqn, chosen) else None))
         elif style == "row":
             rules.append((module.in_features, 1, None))
-    attentions = [fqn.rpartition(".")[0] for fqn, style in chosen.items() if fqn.endswith(".q_proj") and style == "column"]
     config = getattr(model, "config", None)
-    k_features = {getattr(modules.get(f"{a}.k_proj"), "out_features", None) for a in attentions}
+    k_features = {getattr(modules.get(f"{fqn.rpartition('.')[0]}.{ATTENTION.kv[0]}"), "out_features", None)
+                  for fqn, style in chosen.items() if fqn.endswith(f".{ATTENTION.splitter}") and style == "column"}
     found = []
     for t in range(1, min([MOST_RANKS] + [size for size, _, _ in rules]) + 1):
         if all(size % (parts * (t // kv_replicas_of(model, modules, kv, t) if kv else t)) == 0 for size, parts, kv in rules) \

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..models.blocks import ATTENTION, MLP
 from ..models.families import embedding_scale
 from ..models.names import tied_modules
 from ..plan.schema import ParallelPlan
 from .shard_layout import WHOLE, TensorSplit
-from ..plan.styles import COLUMN_STYLES, STYLE_INFO, WHOLE_STYLES, packed_parts
-from .heads import head_counts, head_problems, kv_groups_problems, kv_replicas_of
+from ..plan.styles import COLUMN_STYLES, SPLIT_OUTPUT_STYLES, STYLE_INFO, WHOLE_STYLES, packed_parts
+from .heads import head_counts, head_problems, is_split_kv, kv_groups_problems, kv_replicas_of
 from .latent_attention import latent_problems
 from .tp_fits import fitting_tps
 from .tp_params import parameter_problem
@@ -49,15 +50,8 @@ class ShardSpec:
         return self.tp // self.replicas
 
 
-def _output_sharded(style: str | None) -> bool:
-    return style in STYLE_INFO and STYLE_INFO[style].output_sharded
-
-
 def _input_sharded(style: str | None) -> bool:
     return style in STYLE_INFO and STYLE_INFO[style].input_sharded
-
-
-_BLOCKS = ((("q_proj", "k_proj", "v_proj"), "o_proj"), (("gate_proj", "up_proj"), "down_proj"))
 
 
 @dataclass(frozen=True)
@@ -149,11 +143,11 @@ def shard_problems(
         for fqn in implied:
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
     shards, order = [], {name: i for i, name in enumerate(names)}
-    fitting: list[int] = []
+    styles, fitting = {f: st for f, (_, st) in chosen.items()}, []
 
     def fits() -> list[int]:  # every size refusal names the same tp sizes: those the whole plan fits, heads too
         if not fitting:
-            fitting.extend(fitting_tps(model, modules, {f: st for f, (_, st) in chosen.items()}))
+            fitting.extend(fitting_tps(model, modules, styles))
         return fitting
 
     for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
@@ -175,7 +169,7 @@ def shard_problems(
                                     None, 1, tp))
             continue
         split_out, parts = style in COLUMN_STYLES, packed_parts(style)
-        replicas = kv_replicas_of(model, modules, fqn, tp) if style == "column" and _is_kv(fqn, chosen) else 1
+        replicas = kv_replicas_of(model, modules, fqn, tp) if is_split_kv(fqn, styles) else 1
         slices = tp // replicas
         dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
         if parts > 1 and size % (parts * tp):
@@ -193,7 +187,7 @@ def shard_problems(
         bias = None if lin.bias is None else (split if split_out else WHOLE).local_shape((lin.out_features,))
         shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias,
                                 replicas, tp))
-    shards += _parameter_shards(model, params, {f: s for f, (_, s) in chosen.items()}, tp, rules, problems)
+    shards += _parameter_shards(model, params, styles, tp, rules, problems)
     if tp > 1:
         rule_at = {s.fqn: rules.at(s.pattern) for s in shards if s.pattern != "(implied)"}
         problems += _tied_problems(tied, {s.fqn: s.style for s in shards}, rule_at)
@@ -259,28 +253,21 @@ def _block_problems(
     problems, config = [], getattr(model, "config", None)
     parents = sorted({fqn.rsplit(".", 1)[0] for fqn in styles if "." in fqn})
     for parent in parents:
-        for inputs, output in _BLOCKS:
-            members = [*inputs, output]
+        for block in (ATTENTION, MLP):
+            inputs, output, members = block.inputs, block.output, block.members
             got = {m: styles.get(f"{parent}.{m}") for m in members}
-            if not any(got.values()):
+            if not any(got.values()) or not all(hasattr(model.get_submodule(parent), m) for m in members):
                 continue
-            if not all(hasattr(model.get_submodule(parent), m) for m in members):
-                continue
-            if len({_output_sharded(got[m]) for m in inputs} | {_input_sharded(got[output])}) > 1:
+            if len({got[m] in SPLIT_OUTPUT_STYLES for m in inputs} | {_input_sharded(got[output])}) > 1:
                 found = ", ".join(f"{m}={got[m] or 'unsharded'}" for m in members)
                 at = next((rule_at[f"{parent}.{m}"] for m in members if rule_at.get(f"{parent}.{m}")), "")
                 problems.append(
                     f"{at}{parent}: {found}; shard {', '.join(inputs)} as column and {output} as row together "
                     "(the column outputs are the row layer's sharded input)"
                 )
-            if output == "o_proj" and config is not None and _output_sharded(got["q_proj"]):
-                k_features = getattr(model.get_submodule(f"{parent}.k_proj"), "out_features", None)
+            if block.kv and config is not None and got[block.splitter] in SPLIT_OUTPUT_STYLES:
+                k_features = getattr(model.get_submodule(f"{parent}.{block.kv[0]}"), "out_features", None)
                 problems += (head_problems(config, tp, tp_at, k_features)
                              or kv_groups_problems(model, parent, head_counts(config, k_features), tp, tp_at))
     return list(dict.fromkeys(problems))  # each config problem once, not once per layer
 
-
-def _is_kv(fqn: str, chosen: dict[str, tuple[str, str]]) -> bool:
-    """A k/v projection beside a q_proj split by output: the ones that hold whole kv heads past the kv count."""
-    parent, _, leaf = fqn.rpartition(".")
-    return leaf in ("k_proj", "v_proj") and chosen.get(f"{parent}.q_proj", ("", ""))[1] == "column"

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..models.blocks import ATTENTION, LATENT_ATTENTION, SPLITTERS
 from ..plan.patterns import general_path
-from .latent_attention import LATENT, is_latent_attention
+from ..plan.styles import SPLIT_OUTPUT_STYLES
+from .latent_attention import is_latent_attention
 
 __all__ = ["kept_whole"]
-
-# The linears whose output features split a block over tp (column), and the block's own linears.
-_SPLITTERS = {"q_proj": ("q_proj", "k_proj", "v_proj", "o_proj"), "up_proj": ("gate_proj", "up_proj", "down_proj"),
-              "gate_up_proj": ("gate_up_proj", "down_proj")}
 
 
 def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -31,11 +29,11 @@ def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[l
     found, problems = [], []
     for fqn, style in styles.items():
         parent, _, leaf = fqn.rpartition(".")
-        if leaf not in _SPLITTERS or style not in ("column", "packed_column"):
+        if leaf not in SPLITTERS or style not in SPLIT_OUTPUT_STYLES:
             continue
-        own, width = _SPLITTERS[leaf], modules[fqn].out_features
+        own, width = SPLITTERS[leaf].members, modules[fqn].out_features
         if is_latent_attention(modules[parent]):
-            own = (*own, *LATENT)
+            own = (*own, *LATENT_ATTENTION.whole)
         for name, param in modules[parent].named_parameters(recurse=False):
             if f"{parent}.{name}" in styles:  # split with the heads by its own rule (`tp_params`)
                 continue
@@ -43,7 +41,7 @@ def kept_whole(modules: dict[str, nn.Module], styles: dict[str, str]) -> tuple[l
                 f"{parent}.{name} is a parameter of {parent} itself, kept whole while its {width} features are "
                 f"split over tp: its gradient would be partial; leave {parent} unsharded"
                 + (f", or, if it holds one value per head (attention sinks), split it with them: "
-                   f"tensor_parallel['{general_path(parent)}.{name}']: column" if leaf == "q_proj" else "")
+                   f"tensor_parallel['{general_path(parent)}.{name}']: column" if SPLITTERS[leaf] is ATTENTION else "")
             )
         for name, child in modules[parent].named_modules():
             path = f"{parent}.{name}"

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..values import is_int
+from .blocks import ATTENTION
 from .families import set_local_kv_groups
 from .hf_llama import find_backbone, run_backbone
 
@@ -270,7 +271,7 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
                 parent, _, leaf = fqn.rpartition(".")
                 setattr(tiny.get_submodule(parent), leaf, nn.Parameter(param.detach()[: param.shape[0] // tp].clone()))
         for fqn, module in tiny.named_modules():
-            if styles.get(_template(f"{fqn}.k_proj")) == "kv":
+            if styles.get(_template(f"{fqn}.{ATTENTION.kv[0]}")) == "kv":
                 set_local_kv_groups(module, config.num_attention_heads // tp, 1)
         ids = torch.randint(0, config.vocab_size, (2, 8))
         try:

@@ -10,7 +10,7 @@ from pydantic import BeforeValidator
 
 from .files import short
 
-__all__ = ["STYLES", "STYLE_ALIASES", "NEEDS_NO_RULE", "COLUMN_STYLES", "WHOLE_STYLES", "Style", "StyleInfo", "STYLE_INFO", "packed_parts"]
+__all__ = ["STYLES", "STYLE_ALIASES", "NEEDS_NO_RULE", "COLUMN_STYLES", "SPLIT_OUTPUT_STYLES", "WHOLE_STYLES", "Style", "StyleInfo", "STYLE_INFO", "packed_parts"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,8 @@ NEEDS_NO_RULE: dict[str, str] = {
 
 # The styles that split output features (ColumnParallelLinear).
 COLUMN_STYLES = tuple(name for name, info in STYLE_INFO.items() if info.layer == "column")
+# The styles whose output stays split over tp, for a `row` layer to read: they split a block through its middle.
+SPLIT_OUTPUT_STYLES = tuple(name for name, info in STYLE_INFO.items() if info.output_sharded)
 # The styles that keep their module whole on every tp rank.
 WHOLE_STYLES = tuple(name for name, info in STYLE_INFO.items() if info.layer == "whole")
 

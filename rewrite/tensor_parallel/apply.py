@@ -10,6 +10,7 @@ from collections import Counter
 
 from torch import nn
 
+from ..models.blocks import ATTENTION
 from ..models.families import set_local_kv_groups
 from ..binding.heads import head_counts
 from ..binding.latent_attention import STYLE as LATENT_STYLE, rope_width
@@ -69,7 +70,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
         sharded[id(module.weight)] = new.weight
         setattr(parent, name, new)
     for spec in resolved.shards:
-        if spec.replicas > 1 and spec.fqn.endswith(".k_proj"):
+        if spec.replicas > 1 and spec.fqn.endswith(f".{ATTENTION.kv[0]}"):
             heads, kv = head_counts(model.config, spec.out_features)
             # A rank: H / tp query heads against kv / slices (one) whole kv heads.
             set_local_kv_groups(model.get_submodule(spec.fqn.rpartition(".")[0]), heads // spec.tp, kv // spec.slices)

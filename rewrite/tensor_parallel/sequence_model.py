@@ -23,9 +23,10 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..models.blocks import LATENT_ATTENTION
 from ..models.hf_llama import Backbone
 from ..binding.tp_switches import sequence_blocks
-from ..binding.latent_attention import LATENT, is_latent_attention
+from ..binding.latent_attention import is_latent_attention
 from .latent import RotaryKeyCopy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
@@ -137,7 +138,7 @@ def _gathered(block: nn.Module, state: SequenceState) -> None:
         elif isinstance(sub, RotaryKeyCopy):
             sub.sequence = True
         if is_latent_attention(sub):
-            for name in LATENT:
+            for name in LATENT_ATTENTION.whole:
                 latent = getattr(sub, name, None)
                 if latent is not None and any(True for _ in latent.parameters(recurse=False)):
                     make_grad_allreduce(latent, state.group)
