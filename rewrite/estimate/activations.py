@@ -94,15 +94,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.blocks import LAYER_PARTS
 from ..models.flops import EXPERT_VALUES, config_size, moe_shape
 from ..models.latent_shape import LatentShape, latent_attention_bytes, latent_shape
 from ..binding.resolve import ResolvedPlan
-from .plan_parts import LAYER_PARTS, activation_problem, block_splits, loss_sharded, recomputed_parts, shard_styles
+from .plan_parts import activation_problem, block_splits, loss_sharded, recomputed_parts, shard_styles
 from ..schedules import peak_in_flight, plan_table
 from ..schedules.table import alive_counts
 
 __all__ = [
-    "Sizes", "RankActivations", "LAYER_PARTS", "layer_bytes", "end_bytes", "rank_activations", "activation_problem",
+    "Sizes", "RankActivations", "layer_bytes", "end_bytes", "rank_activations", "activation_problem",
     "compute_dtype", "plan_sizes", "stage_activations", "place_activations", "place_peaks",
 ]
 
@@ -193,12 +194,8 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool, shared_split: bo
                                                        dtype_bytes=B, tp=ta)
     if z.qk_norm:
         attention += T * ((F32 + B) * (a + g) * d + F32 * (a + g)) // ta
-    return {
-        "input_layernorm": _norm(z, z.chunk),
-        "self_attn": attention,
-        "post_attention_layernorm": _norm(z, z.chunk),
-        "mlp": _moe(z, tm, z.tp if shared_split else 1) if z.top_k else R * B * h + 4 * R * B * z.intermediate // tm,
-    }
+    mlp = _moe(z, tm, z.tp if shared_split else 1) if z.top_k else R * B * h + 4 * R * B * z.intermediate // tm
+    return dict(zip(LAYER_PARTS, (_norm(z, z.chunk), attention, _norm(z, z.chunk), mlp)))
 
 
 def _moe(z: Sizes, tm: int, ts: int) -> int:
@@ -230,7 +227,7 @@ def layer_bytes(
         attention_split, mlp_split: the block's linears are split over tp (t' = t).
         shared_split: a mixture of experts' shared experts are split over tp (t_s = t); None: as the MLP.
         first: the model's first layer (under sequence parallelism its input is whole).
-        recomputed: "" for the whole layer, or names in `LAYER_PARTS`, checkpointed.
+        recomputed: "" for the whole layer, or names in `models.blocks.LAYER_PARTS`, checkpointed.
 
     Example:
         >>> z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=256, seq_len=16)

@@ -9,13 +9,11 @@ from __future__ import annotations
 from torch import nn
 
 from ..binding.experts import TP_STYLE
-from ..plan.styles import COLUMN_STYLES
+from ..models.blocks import ATTENTION, LATENT_ATTENTION, LAYER_PARTS, MLP, PACKED_MLP
+from ..plan.styles import COLUMN_STYLES, SPLIT_OUTPUT_STYLES
 from ..binding.resolve import ResolvedPlan
 
-__all__ = ["LAYER_PARTS", "activation_problem", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
-
-# The children of a decoder layer that activation checkpointing is estimated for.
-LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+__all__ = ["activation_problem", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
 
 
 def shard_styles(resolved: ResolvedPlan) -> dict[str, str]:
@@ -27,14 +25,15 @@ def shard_styles(resolved: ResolvedPlan) -> dict[str, str]:
 
 
 def block_splits(styles: dict[str, str], layer: str) -> dict[str, bool]:
-    """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their first linear is a column
-    (multi-head latent attention's: q_b_proj; a mixture of experts' MLP: its experts split over tp), and
-    whether a mixture of experts' shared experts are (a column inside a child of its MLP)."""
-    inner = f"{layer}.mlp."
+    """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their splitter's output is
+    (`models.blocks`; a mixture of experts' MLP: its experts split over tp), and whether a mixture of
+    experts' shared experts are (a column inside a child of its MLP)."""
+    inner = f"{layer}.{MLP.layer_part}."
+    split = {b.layer_part for b in (ATTENTION, LATENT_ATTENTION, MLP, PACKED_MLP)
+             if styles.get(f"{layer}.{b.layer_part}.{b.splitter}") in SPLIT_OUTPUT_STYLES}
     return {
-        "attention_split": "column" in (styles.get(f"{layer}.self_attn.q_proj"), styles.get(f"{layer}.self_attn.q_b_proj")),
-        "mlp_split": styles.get(f"{layer}.mlp.gate_proj") == "column"
-        or styles.get(f"{layer}.mlp.gate_up_proj") == "packed_column"
+        "attention_split": ATTENTION.layer_part in split,
+        "mlp_split": MLP.layer_part in split
         or any(s == TP_STYLE and f.startswith(f"{layer}.") for f, s in styles.items()),
         "shared_split": any(s in COLUMN_STYLES and f.startswith(inner) and "." in f[len(inner):]
                             for f, s in styles.items()),
@@ -74,7 +73,7 @@ def activation_problem(resolved: ResolvedPlan, model: nn.Module) -> str | None:
             f"{resolved.model_name} is split by torch.fx"
         )
     layer = model.get_submodule(bb.layer(0))
-    if not all(isinstance(getattr(layer, name, None), nn.Module) for name in ("self_attn", "mlp")):
+    if not all(isinstance(getattr(layer, b.layer_part, None), nn.Module) for b in (ATTENTION, MLP)):
         return (
             f"activations are estimated for LLaMA-shaped layers (self_attn, then mlp); {type(layer).__name__} "
             f"holds {', '.join(layer._modules)}"

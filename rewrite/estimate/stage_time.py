@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.blocks import ATTENTION, MLP
 from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
 from ..binding.resolve import ResolvedPlan
 from .activations import F32, Sizes, compute_dtype, end_bytes, layer_bytes, plan_sizes
@@ -157,7 +158,7 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
                       + clock.overhead)
     weight_backward = clock.run(proj + mlp, 2 * weights) + clock.overhead
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
-    share = 1.0 if "" in recomputed else len(recomputed & {"self_attn", "mlp"}) / 2
+    share = 1.0 if "" in recomputed else len(recomputed & {ATTENTION.layer_part, MLP.layer_part}) / 2
     input_backward += share * forward
     tp_comm = fwd_comm + bwd_comm + share * fwd_comm
     flops = (proj + scores + mlp + norms) + (proj + 2 * scores + mlp + 2 * norms) + (proj + mlp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Block", "ATTENTION", "LATENT_ATTENTION", "MLP", "PACKED_MLP", "SPLITTERS", "KV_A"]
+__all__ = ["Block", "ATTENTION", "LATENT_ATTENTION", "MLP", "PACKED_MLP", "SPLITTERS", "KV_A", "LAYER_PARTS"]
 
 
 @dataclass(frozen=True)
@@ -36,3 +36,5 @@ PACKED_MLP = Block(("gate_up_proj",), "down_proj", "gate_up_proj", "mlp")  # gat
 
 # The splitter's name -> its block, for the blocks told apart by that name alone.
 SPLITTERS = {block.splitter: block for block in (ATTENTION, MLP, PACKED_MLP)}
+# The children of a decoder layer, in order (activation checkpointing is estimated per part).
+LAYER_PARTS = ("input_layernorm", ATTENTION.layer_part, "post_attention_layernorm", MLP.layer_part)
