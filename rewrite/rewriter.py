@@ -32,7 +32,7 @@ from .binding.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan, PlanError
 from .plan.loading import load_plan_for
 from .recompute import apply_activation_checkpointing
-from .tensor_parallel.replicated import StepSums
+from .tensor_parallel.partial_grads import StepSums
 from .schedules import splits_backward
 from .tensor_parallel.apply import apply_tensor_parallel
 from .tensor_parallel.sequence_model import sequence_state
@@ -67,7 +67,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
         (`model(input_ids=...)`, `model.generate(...)` work on every rank).
 
     Raises:
-        ValueError: no process group, a world size other than dp * pp * tp, any problem
+        ValueError: no process group, a world size other than dp * pp * cp * tp, any problem
             `resolve` finds, a compute_dtype wider than the parameters', a model already rewritten, or ranks that were given
             different plans, models or weights. Raised on every rank alike, after one
             collective on the default group and before any other; the model is left

@@ -14,7 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from ..models.flops import Costs, estimate_costs
-from ..models.hf_llama import Backbone, find_backbone
+from ..models.hf_decoder import Backbone, find_backbone
 from ..models.oracle import narrowed_problem, walker_problem
 from ..schedules import placement
 from .params import HeldParameter, held_by_stage, held_parameters, parameter_walk

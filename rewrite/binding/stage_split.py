@@ -8,7 +8,7 @@ from torch import nn
 
 from ..models import fx_graph
 from ..models.flops import Costs
-from ..models.hf_llama import Backbone, backbone_problem
+from ..models.hf_decoder import Backbone, backbone_problem
 from ..models.oracle import exception_line
 from .cuts import balanced_split, best_split
 from ..plan.schema import ParallelPlan

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from ..models.experts import experts_problem
-from ..models.hf_llama import Backbone
+from ..models.hf_decoder import Backbone
 from ..plan.schema import ParallelPlan
 from ..plan.patterns import match_pattern
 from .tp_rules import ShardSpec

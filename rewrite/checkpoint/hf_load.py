@@ -80,7 +80,7 @@ def from_pretrained(
 
     Raises:
         ValueError: on every rank, before any tensor is read, when the config does not
-            fit the plan, the world size is not dp * pp * tp, or a file or tensor this rank
+            fit the plan, the world size is not dp * pp * cp * tp, or a file or tensor this rank
             needs is missing, unreadable or of the wrong shape, or shards come from
             different saves (each named).
 

@@ -19,7 +19,7 @@ import torch
 from torch.nn import functional as F
 from torch.distributed import ProcessGroup
 
-from ..models.hf_llama import document_index
+from ..models.hf_decoder import document_index
 from .causal_blocks import causal_chunk_attention, runs_unmasked
 from .collectives import gather_sequence
 from .shard import held

@@ -16,7 +16,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from ..models.hf_llama import RECURRENT_KINDS
+from ..models.hf_decoder import RECURRENT_KINDS
 from ..models.oracle import TOLERANCE, exception_line, packing_problem, tiny_clone_config
 from .attention import NAME, register, sequence_shard
 

@@ -198,7 +198,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
             dtype: str | None = None, max_cp: int | None = 1) -> dict:
     """The best fitting candidate per (dp, pp, cp, tp); `timed` False: fit only (unit
     times), `frugal`: the least memory per mesh only (full sharding, every layer checkpointed)."""
-    from ..models.hf_llama import find_backbone
+    from ..models.hf_decoder import find_backbone
 
     num_layers = find_backbone(model).num_layers
     # A mixture of experts whose family's ep plan splits them: ep joins the search.

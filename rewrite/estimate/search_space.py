@@ -61,7 +61,7 @@ def _rules(model: nn.Module, tp: int, vocab_loss: bool) -> dict:
         return {}
     rules = dict(plan_from_hf(model, tp=tp, loss_parallel=vocab_loss).tensor_parallel)
     if vocab_loss:
-        from ..models.hf_llama import find_backbone
+        from ..models.hf_decoder import find_backbone
 
         rules[find_backbone(model).embed] = "vocab"
     return rules

@@ -1,6 +1,6 @@
 """What a Hugging Face family's own forward does beyond embed -> layers -> norm -> head, in one place.
 
-The module walker (`hf_llama.run_backbone`) reads this table; the oracle guard
+The module walker (`hf_decoder.run_backbone`) reads this table; the oracle guard
 (`oracle.walker_problem`) then proves, per config, that walker and table together give
 the model's own logits, so an entry that is wrong, or a family that needs one and has
 none, is refused instead of training another model. Rotary embeddings chosen per layer

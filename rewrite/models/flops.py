@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from .hf_llama import Backbone
+from .hf_decoder import Backbone
 from .latent_shape import latent_flop_parts, latent_shape
 
 __all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops", "EXPERT_VALUES", "moe_shape", "moe_width",

@@ -23,7 +23,7 @@ from torch import nn
 from ..values import is_int
 from .blocks import ATTENTION
 from .families import set_local_kv_groups
-from .hf_llama import find_backbone, run_backbone
+from .hf_decoder import find_backbone, run_backbone
 
 __all__ = ["config_value", "exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "packing_problem",
            "tiny_clone_config", "tiny_run", "TOLERANCE"]

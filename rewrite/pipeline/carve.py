@@ -18,7 +18,7 @@ from torch import fx, nn
 from ..mesh import Mesh
 from ..lent import lend
 from ..models import fx_graph
-from ..models.hf_llama import run_backbone
+from ..models.hf_decoder import run_backbone
 from ..binding.resolve import ResolvedPlan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.sequence_model import sequence_state

@@ -43,9 +43,9 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
       plain tensor under DDP) only once, on dp_rank 0. The cp ranks of a stage hold the same
       parameters as replicas do (FSDP2 shards them over dp x cp): counted alike.
     - experts split over tp (`expert_tensor_parallel`): every tensor a slice on each tp rank.
-    - expert parallel: experts split over ep are whole on each rank of their group, one
-      block each; a block's replicas (dp ranks `d` with the same `d % ep`) count it once,
-      on the first (dp_rank < ep).
+    - expert parallel: an ep group (ep of a stage's dp x tp ranks) holds every expert once,
+      one block a rank; the same block on the other ep groups of the stage and on the other
+      cp ranks (`mesh.expert_copy`, `cp_rank`) counts once, on copy 0 at cp_rank 0.
 
     With norm_type 2 the total is `sqrt(sum of squares)` over every rank, with inf
     `max |g|`: one all-reduce of one float32 tensor on the default group. When

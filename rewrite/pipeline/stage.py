@@ -49,7 +49,7 @@ class Stage:
             or DDP: averaged over the replicas), the experts' sum over the ranks holding them,
             the sum of the partial gradients each tp rank holds (norms under sequence
             parallelism, per-head norms, k/v projections replicated past the kv heads:
-            `tensor_parallel.replicated.StepSums`), the tied weights' sum between the first and
+            `tensor_parallel.partial_grads.StepSums`), the tied weights' sum between the first and
             last stage (`pipeline.tied.TiedSums`); only those this rank needs.
         recomputed: this rank's modules whose activations are recomputed in the
             backward (`activation_checkpointing`); their weight gradients come with the I, W is empty.

@@ -148,7 +148,7 @@ class ParallelPlan(StrictModel):
     model_config = ConfigDict(extra="forbid", frozen=True, title="rewrite parallel plan")
 
     description: Annotated[str | None, Field(description="Free text: what the plan is for.")] = None
-    mesh: Annotated[MeshSpec, Field(description="World size = dp * pp * tp.")] = MeshSpec()
+    mesh: Annotated[MeshSpec, Field(description="World size = dp * pp * cp * tp.")] = MeshSpec()
     tensor_parallel: Annotated[
         dict[Pattern, Style],
         Field(

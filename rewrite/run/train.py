@@ -53,7 +53,7 @@ LOADED_LR = 5e-5  # and from a checkpoint's weights: fine-tuning, where 3e-3 wou
 class TrainConfig:
     """What `rewrite train` runs. Every rank must get the same config."""
 
-    plan: str  # plan file; its mesh fixes the number of processes (dp * pp * tp)
+    plan: str  # plan file; its mesh fixes the number of processes (dp * pp * cp * tp)
     model: str = "tiny-llama"  # preset name, HF config.json, or a model directory (weights + tokenizer: loaded)
     data: str | None = None  # .txt, .jsonl, a directory of them, or a saved `datasets` dataset; None: data/alice29.txt
     # (a .jsonl of messages or prompt/completion lines: fine-tuning examples, `tuning_data`)

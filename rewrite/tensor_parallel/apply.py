@@ -21,7 +21,7 @@ from .head_params import split_head_parameter
 from .latent import make_rotary_key_copy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
-from .replicated import make_grad_allreduce
+from .partial_grads import make_grad_allreduce
 from .sequence_model import apply_sequence_parallel
 from .vocab import VocabParallelEmbedding
 

@@ -24,13 +24,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..models.blocks import LATENT_ATTENTION
-from ..models.hf_llama import Backbone
+from ..models.hf_decoder import Backbone
 from ..binding.tp_switches import sequence_blocks
 from ..binding.latent_attention import is_latent_attention
 from .latent import RotaryKeyCopy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
-from .replicated import make_grad_allreduce
+from .partial_grads import make_grad_allreduce
 from .sequence import gather_from_sequence, scatter_to_sequence
 
 __all__ = ["SequenceState", "apply_sequence_parallel", "sequence_state"]

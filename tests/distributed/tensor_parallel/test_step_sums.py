@@ -9,7 +9,7 @@ import copy
 
 import rewrite
 from rewrite.run.parity import reference_step
-from rewrite.tensor_parallel.replicated import StepSums
+from rewrite.tensor_parallel.partial_grads import StepSums
 from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
 from tests.collectives import CountCollectives

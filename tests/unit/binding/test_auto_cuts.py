@@ -9,7 +9,7 @@ import pytest
 
 import rewrite
 from rewrite import load_plan, resolve
-from rewrite.models.hf_llama import find_backbone
+from rewrite.models.hf_decoder import find_backbone
 from rewrite.models.flops import TRAINING, embed_flops, estimate_costs, head_flops, layer_flops
 from rewrite.binding.cuts import balanced_split, best_split
 from rewrite.run.show.report import format_plan

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import rewrite
 from rewrite.context_parallel.family import context_parallel_problem
-from rewrite.models.hf_llama import backbone_problem, find_backbone, run_backbone
+from rewrite.models.hf_decoder import backbone_problem, find_backbone, run_backbone
 from rewrite.binding.tp_switches import sequence_blocks
 from rewrite.run.show.data import show_data
 from rewrite.run.show.report import render_text

@@ -13,7 +13,7 @@ from rewrite.expert_parallel import ExpertSums
 from rewrite.grad_finish import GradFinish
 from rewrite.mesh import Mesh
 from rewrite.pipeline.tied import TiedSums
-from rewrite.tensor_parallel.replicated import StepSums
+from rewrite.tensor_parallel.partial_grads import StepSums
 from tests.models import ToyNet
 
 

@@ -1,4 +1,4 @@
-"""Modules kept whole on every tensor-parallel rank while their input is sharded.
+"""Partial gradients: parameters whole on every tensor-parallel rank whose gradients each rank holds in part.
 
 Qwen3's per-head `q_norm`/`k_norm` run on each rank's own heads, and under sequence
 parallelism every norm runs on each rank's own tokens, so each rank's weight gradient
