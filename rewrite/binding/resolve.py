@@ -133,36 +133,23 @@ def _estimate(rules: TpRules, seq_len: int, model: nn.Module, bb: Backbone, n: i
         return str(exc)
 
 
-def _memo(cache: dict | None, make: Callable, keyed: tuple, *model_parts):
-    """`make(*keyed, *model_parts)`, computed once per `keyed` when a cache is given (None: not cached).
+def _memo(cache: dict | None, key: tuple, make: Callable[[], object]):
+    """`make()`, computed once per `key` when a cache is given (None: not cached).
 
-    `keyed` is everything `make` reads of the plan, as hashable values (`TpRules`, `PipelineShape`,
-    sizes), and the key with `make`'s name; `model_parts` are what it reads of the model, or
-    derived from `keyed` alone, which one cache (kept for one unchanged model) leaves out.
+    `key` names the result and holds everything of the plan it depends on, as hashable values
+    (`TpRules`, `PipelineShape`, sizes); what it reads of the model is left out: a cache is kept
+    for one unchanged model.
     """
     if cache is None:
-        return make(*keyed, *model_parts)
-    key = (make.__name__, *keyed)
+        return make()
     if key not in cache:
-        cache[key] = make(*keyed, *model_parts)
+        cache[key] = make()
     return cache[key]
-
-
-def _modules(model: nn.Module) -> dict[str, nn.Module]:
-    return dict(model.named_modules())
 
 
 def _parallel_modules(modules: dict[str, nn.Module]) -> list[str]:
     # Parallel layers expose `shard_of` (the slicing rule of tensor_parallel.layers).
     return [f for f, m in modules.items() if callable(getattr(m, "shard_of", None))]
-
-
-def _stages(rules: TpRules, seq_len: int, shape: PipelineShape, n: int, bb: Backbone, costs: Costs | str) -> tuple:
-    return hf_stages(shape, n, bb, costs)  # `costs` is (rules, seq_len) estimated
-
-
-def _held(rules: TpRules, sets: tuple, experts: tuple, model: nn.Module, shards: tuple, walk: tuple | None) -> list:
-    return held_by_stage(model, sets, shards, walk, experts)  # `shards` is `rules` bound
 
 
 def _bind_shards(rules: TpRules, model: nn.Module, modules: dict[str, nn.Module]) -> tuple[tuple, tuple, tuple]:
@@ -216,12 +203,12 @@ def resolve(
             f"the model was already rewritten by apply_plan (it holds {applied}); "
             "apply a plan to a model that has not been rewritten (build or load it again)"
         ])
-    modules = _memo(cache, _modules, (), model)
-    done = _memo(cache, _parallel_modules, (), modules)
+    modules = _memo(cache, ("modules",), lambda: dict(model.named_modules()))
+    done = _memo(cache, ("parallel",), lambda: _parallel_modules(modules))
     if done:
         raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
     rules, seq_len, shape = TpRules.of(plan), plan.pipeline.seq_len, PipelineShape.of(plan)
-    shards, tp_problems, notes = _memo(cache, _bind_shards, (rules,), model, modules)
+    shards, tp_problems, notes = _memo(cache, ("shards", rules), lambda: _bind_shards(rules, model, modules))
     problems += tp_problems
     experts, expert_issues = expert_problems(plan, model, modules)
     problems += expert_issues
@@ -230,15 +217,16 @@ def resolve(
     bb = find_backbone(model)
     costs: Costs | str | None = None
     if bb is not None:
-        guard = _memo(cache, walker_problem, (), model)
+        guard = _memo(cache, ("walker",), lambda: walker_problem(model))
         if guard:  # every other problem would be moot: no plan runs this family correctly
             raise PlanError(plan.source, [
                 f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses it rather than train a "
                 "different model, and no plan setting changes that"
             ])
         n = bb.num_layers
-        costs = _memo(cache, _estimate, (rules, seq_len), model, bb, n, shards)
-        layer_sets, cuts, stage_problems = _memo(cache, _stages, (rules, seq_len, shape), n, bb, costs)
+        costs = _memo(cache, ("costs", rules, seq_len), lambda: _estimate(rules, seq_len, model, bb, n, shards))
+        layer_sets, cuts, stage_problems = _memo(cache, ("stages", rules, seq_len, shape),
+                                                 lambda: hf_stages(shape, n, bb, costs))
         stage_problems = list(stage_problems)
         norm = model.get_submodule(bb.norm)
         if bb.norm_first and pp > 1 and any(True for _ in norm.parameters()):
@@ -262,13 +250,14 @@ def resolve(
     costs = costs if isinstance(costs, Costs) else None
     shares = costs.shares([len(ls) for ls in layer_sets]) if costs else [None] * len(module_sets)
     sets = module_sets if pp > 1 else [[""]]
-    walk = _memo(cache, parameter_walk, (), model) if cache is not None else None
-    held_sets = _memo(cache, _held, (rules, tuple(map(tuple, sets)), experts), model, shards, walk)
+    walk = _memo(cache, ("walk",), lambda: parameter_walk(model)) if cache is not None else None
+    sets = tuple(map(tuple, sets))
+    held_sets = _memo(cache, ("held", rules, sets, experts), lambda: held_by_stage(model, sets, shards, walk, experts))
     stages = []
     for s, held in enumerate(held_sets):
         count, size = sum(p.numel for p in held), sum(p.nbytes for p in held)
         stages.append(StageSpec(s, tuple(module_sets[s]), tuple(layer_names[s]), count, size, shares[s], tuple(held)))
-    total, total_bytes = _memo(cache, _totals, (), model)
+    total, total_bytes = _memo(cache, ("totals",), lambda: _totals(model))
     return ResolvedPlan(
         plan=plan,
         model_name=type(model).__name__,

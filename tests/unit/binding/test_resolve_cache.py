@@ -28,9 +28,9 @@ def test_a_shared_cache_binds_each_rule_set_once_and_gives_what_a_fresh_binding_
     for data in plans:
         cached, fresh = resolve(data, model, cache=cache), resolve(data, model)
         assert cached.shards == fresh.shards and cached.stages == fresh.stages
-    assert len(_steps(cache, "_bind_shards")) == 2  # tp 2 and tp 4
-    assert len(_steps(cache, "_estimate")) == 3  # (tp 2, seq 512), (tp 4, seq 512), (tp 2, seq 64)
-    assert len(_steps(cache, "_stages")) == 5
+    assert len(_steps(cache, "shards")) == 2  # tp 2 and tp 4
+    assert len(_steps(cache, "costs")) == 3  # (tp 2, seq 512), (tp 4, seq 512), (tp 2, seq 64)
+    assert len(_steps(cache, "stages")) == 5
 
 
 def test_the_keys_are_the_values_read_with_their_lines(tmp_path):
