@@ -1,7 +1,10 @@
-"""The `rewrite` command, run as a subprocess the way a user runs it."""
+"""The `rewrite` command: through its entry point in this process (what the console script calls), and as
+the installed console script in a process of its own."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -16,10 +19,27 @@ PLAN = "plans/llama-tp2-pp2.yaml"
 
 
 def rewrite_cmd(*args: str, script: bool = False) -> subprocess.CompletedProcess:
-    """`python -m rewrite ARGS` (or the installed console script) from the repository root."""
-    exe = [str(Path(sys.executable).parent / "rewrite")] if script else [sys.executable, "-m", "rewrite"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*exe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    """`rewrite ARGS` from the repository root: `rewrite.run.cli.main` in this process (a fresh interpreter
+    would spend its seconds importing torch), or with `script` the installed console script, a process of its
+    own, as `train` always is (it may start a process group and signal handlers). Its status, stdout and
+    stderr either way."""
+    if script or args[:1] == ("train",):
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        exe = [str(Path(sys.executable).parent / "rewrite")] if script else [sys.executable, "-m", "rewrite"]
+        return subprocess.run([*exe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    from rewrite.run.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(args))
+            except SystemExit as exc:  # argparse's usage errors and --help
+                status = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["rewrite", *args], status, out.getvalue(), err.getvalue())
 
 
 def test_show_prints_the_three_tables():
