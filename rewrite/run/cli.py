@@ -288,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _rank() == 0:
             print("interrupted: stopped at once, nothing more saved; --resume continues from the last complete "
                   "checkpoint, if the run saves one (--ckpt)", file=sys.stderr, flush=True)
+        else:
+            time.sleep(1.0)  # a launcher stops every rank once one exits: let rank 0 (perhaps in a wait) say it first
         return 128 + signal.SIGINT
     except (PlanError, TrainConfigError, TrainStopped) as exc:
         if _rank() == 0:
