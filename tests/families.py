@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rewrite.models.oracle import per_head_sizes
+from rewrite.models.oracle import per_head_sizes, small_chunks
 from rewrite.plan.styles import STYLE_ALIASES
 
 # The tensor-parallel styles of transformers that rewrite reads (`plan/styles.py`).
@@ -53,7 +53,8 @@ def tiny_family_model(family: str, *, seed: int = 0, **overrides):
         default = AutoConfig.for_model(family)
         latent = {"num_key_value_heads": TINY["num_attention_heads"]} if "kv_lora_rank" in default.to_dict() else {}
         # (latent attention has a key and a value per query head)
-        config = AutoConfig.for_model(family, **{**TINY, **per_head_sizes(default), **latent, **overrides})
+        config = AutoConfig.for_model(family, **{**TINY, **per_head_sizes(default), **small_chunks(default), **latent,
+                                                   **overrides})
         # A training configuration: no KV cache, and no dropout, so that one process and a plan draw
         # no random masks and can be compared value for value.
         config.use_cache = False
@@ -92,13 +93,12 @@ MOE_EXTRA = {
                         "layer_types": ["indexed_attention", "sliding_attention", "sliding_attention", "indexed_attention"]},
     # Granite's scales set away from 1, so that a walker forgetting one is caught
     **dict.fromkeys(["granitemoe", "granitemoeshared"], {"embedding_multiplier": 2.0, "logits_scaling": 4.0}),
-    # (Mamba's reference scan pads the sequence to a whole chunk: a chunk of 16, not 256, keeps it quick)
-    "granitemoehybrid": {"embedding_multiplier": 2.0, "logits_scaling": 4.0, "mamba_chunk_size": 16},
-    "nemotron_h": {"chunk_size": 16},
+    "granitemoehybrid": {"embedding_multiplier": 2.0, "logits_scaling": 4.0},
     # and GraniteMoE-SWA's rotary bases per layer, two of them and no rotation (0)
     "granitemoe_swa": {"embedding_multiplier": 2.0, "logits_scaling": 4.0,
                        "layer_rope_theta": [10000.0, 0, 500000.0, 0]},
-    "kimi_linear": {"num_experts_per_token": 2},
+    # (its linear attention's heads as few and as narrow as the others: 32 of 128 wide cost seconds a step)
+    "kimi_linear": {"num_experts_per_token": 2, "linear_num_heads": 4, "linear_head_dim": 16},
     "ernie4_5_moe": {"moe_k": 2, "moe_layer_start_index": 0, "moe_layer_end_index": 3},
 }
 

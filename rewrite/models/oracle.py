@@ -25,7 +25,7 @@ from .blocks import ATTENTION
 from .families import set_local_kv_groups
 from .hf_decoder import find_backbone, run_backbone
 
-__all__ = ["config_value", "exception_line", "per_head_sizes", "walker_problem", "narrowed_problem", "packing_problem",
+__all__ = ["config_value", "exception_line", "per_head_sizes", "small_chunks", "walker_problem", "narrowed_problem", "packing_problem",
            "tiny_clone_config", "tiny_run", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
@@ -73,6 +73,12 @@ def per_head_sizes(config) -> dict[str, int]:
     return {k: max(2, 2 * round(data[k] * _SIZES["head_dim"] / head_dim / 2)) for k in scaled}
 
 
+def small_chunks(config) -> dict[str, int]:
+    """The config's scan chunk lengths (`mamba_chunk_size`, `chunk_size`) cut to 16: a reference scan pads
+    the sequence to a whole chunk, so a tiny run with Mamba's 256 costs seconds a step for the same sums."""
+    return {k: 16 for k, v in config.to_dict().items() if k.endswith("chunk_size") and is_int(v) and v > 16}
+
+
 def config_value(config, key: str):
     """`config.key`, or None when absent or not one value (Gemma-4 keeps some per layer and raises)."""
     try:
@@ -96,6 +102,7 @@ def tiny_clone_config(config):
     heads = getattr(config, "num_attention_heads", None) or 4
     kv = getattr(config, "num_key_value_heads", None) or heads
     data.update(per_head_sizes(config))
+    data.update(small_chunks(config))
     data.update({key: size for key, size in _SIZES.items() if key in data or key != "head_dim"})
     data.update(num_hidden_layers=len(keep), num_attention_heads=4, num_key_value_heads=4 if kv == heads else 1 if kv == 1 else 2)
     if data.get("sliding_window") is not None:
