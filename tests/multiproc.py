@@ -8,6 +8,7 @@ deadline (a deadlock) is killed with the others and named in the failure.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -21,10 +22,14 @@ import torch.multiprocessing as mp
 
 # Workers are forked from a server that imported these once: a spawn per rank would
 # re-import torch and transformers (seconds each) in every test.
-_PRELOAD = ["torch", "torch.distributed", "transformers", "rewrite", "tests.multiproc", "tests.models"]
+_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_layers", "rewrite", "tests.multiproc",
+            "tests.models"]
 
 
 def _worker(rank: int, fn, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+    # The preloaded modules' objects (millions) stay put: left to the collector, each full collection
+    # walks them all, a few seconds of a family's step spent in collections.
+    gc.freeze()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
