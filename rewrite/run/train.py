@@ -10,6 +10,7 @@ and at the end the timeline, the loss curve and optionally a plain HF export.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -102,7 +103,12 @@ def train(config: TrainConfig) -> dict:
         >>> dist.init_process_group("gloo", timeout=timedelta(minutes=5))   # under torchrun, 4 processes
         >>> metrics = train(TrainConfig("plans/llama-tp2-pp2.yaml", steps=30))
     """
-    run = _start(config)
+    gc.disable()  # the model's and optimizer's objects live as long as the run: no collector passes while
+    try:  # they are made, and none over them afterwards (the step's own garbage is still collected)
+        run = _start(config)
+    finally:
+        gc.freeze()
+        gc.enable()
     log = Progress(config.steps, show=dist.get_rank() == 0, bar=config.progress, done=run.first - 1)
     _announce(run, config, log)
     done = run_steps(run, config, log)
