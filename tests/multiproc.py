@@ -12,6 +12,8 @@ import gc
 import multiprocessing
 import os
 import pickle
+import runpy
+import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -51,32 +53,49 @@ def run(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
 
     `fn` must be defined at module level (it is pickled by reference).
     """
-    multiprocessing.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="rewrite-dist-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        ctx = mp.start_processes(
-            _worker,
-            args=(fn, world_size, init_file, tmp, args),
-            nprocs=world_size,
-            join=False,
-            start_method="forkserver",
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not _join(ctx, timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-                    raise AssertionError(
-                        f"{getattr(fn, '__name__', fn)} timed out after {timeout_s:.0f}s on "
-                        f"{world_size} ranks; ranks still running (killed): {alive}"
-                    )
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(5)
+        _spawn(_worker, (fn, world_size, init_file, tmp, args), world_size, timeout_s, getattr(fn, "__name__", fn))
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def run_script(path: str, world_size: int, *, cwd: str, timeout_s: float = 120.0) -> None:
+    """Run the script at `path` as `torchrun --nproc-per-node world_size path` would, from `cwd`: each rank
+    with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), as `__main__`."""
+    with socket.socket() as sock:  # a free port for the rank 0 store, as torchrun's --standalone picks one
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    _spawn(_script_worker, (path, world_size, port, cwd), world_size, timeout_s, path)
+
+
+def _script_worker(rank: int, path: str, world_size: int, port: int, cwd: str) -> None:
+    gc.freeze()
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    os.chdir(cwd)
+    runpy.run_path(path, run_name="__main__")
+
+
+def _spawn(worker, args: tuple, world_size: int, timeout_s: float, name) -> None:
+    """`worker(rank, *args)` on `world_size` forked ranks, joined under a deadline (every rank killed at it)."""
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    ctx = mp.start_processes(worker, args=args, nprocs=world_size, join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not _join(ctx, timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                raise AssertionError(
+                    f"{name} timed out after {timeout_s:.0f}s on {world_size} ranks; ranks still running (killed): {alive}"
+                )
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        for p in ctx.processes:
+            p.join(5)
 
 
 def _join(ctx, timeout: float) -> bool:
