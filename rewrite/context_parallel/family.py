@@ -1,6 +1,6 @@
 """Whether a model family runs under context parallelism: checked on a tiny clone, one process.
 
-The clone (`models.oracle.tiny_clone_config`) runs its own forward twice on a few packed
+The clone (`models.oracle.tiny_clone_config`, cached by `tiny_clone_key`) runs its own forward twice on a few packed
 documents: with its usual attention, and with the context-parallel attention function at cp 1
 (the whole sequence on one rank: the same mask predicates, no gather). They must agree: a family
 whose layers do not pass their keyword arguments down to the attention function, whose attention
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..models.hf_decoder import RECURRENT_KINDS
-from ..models.oracle import TOLERANCE, exception_line, packing_problem, tiny_clone_config
+from ..models.oracle import TOLERANCE, exception_line, packing_problem, tiny_clone_key
 from .attention import NAME, register, sequence_shard
 
 __all__ = ["context_parallel_problem"]
@@ -30,7 +30,7 @@ def context_parallel_problem(model: nn.Module) -> str | None:
         return f"{type(model).__name__} is not a Hugging Face decoder model: context parallelism runs the model's own " \
                "attention through transformers' attention interface"
     try:
-        tiny = tiny_clone_config(config)
+        key = tiny_clone_key(config)
     except Exception as exc:
         return f"cannot build a tiny {config.model_type} config to check context parallelism against ({exception_line(exc)})"
     recurrent = sorted(set(getattr(config, "layer_types", None) or ()) & RECURRENT_KINDS)
@@ -42,7 +42,7 @@ def context_parallel_problem(model: nn.Module) -> str | None:
         return (f"{config.model_type}'s layers mix tokens outside attention (a convolution or recurrent state, or "
                 "attention that ignores its mask: packed documents reach each other), which a rank holding part of "
                 "the sequence cannot compute")
-    return _check(type(model), type(tiny), json.dumps(tiny.to_dict(), sort_keys=True, default=str))
+    return _check(type(model), type(config), key)
 
 
 @lru_cache(maxsize=64)

@@ -6,6 +6,9 @@ Shared by the activation estimate (`activations`) and the step-time model (`stag
 
 from __future__ import annotations
 
+import re
+from functools import cached_property
+
 from torch import nn
 
 from ..binding.experts import TP_STYLE
@@ -13,30 +16,47 @@ from ..models.blocks import ATTENTION, LATENT_ATTENTION, LAYER_PARTS, MLP, PACKE
 from ..plan.styles import COLUMN_STYLES, SPLIT_OUTPUT_STYLES
 from ..binding.resolve import ResolvedPlan
 
-__all__ = ["activation_problem", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
+__all__ = ["activation_problem", "Styles", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
 
 
-def shard_styles(resolved: ResolvedPlan) -> dict[str, str]:
+_INDEX = re.compile(r"(?:^|\.)\d+(?=\.)")
+
+
+class Styles(dict):
+    """fqn -> style of the modules a plan splits over tp, with the entries under each decoder layer found
+    once: an estimate reads every layer of every candidate plan."""
+
+    @cached_property
+    def by_layer(self) -> dict[str, list[tuple[str, str]]]:
+        """`<layers>.<i>` -> (the rest of the fqn, style) of each entry under it."""
+        found: dict[str, list[tuple[str, str]]] = {}
+        for fqn, style in self.items():
+            for index in _INDEX.finditer(fqn):  # a layer's path ends in its index
+                found.setdefault(fqn[:index.end()], []).append((fqn[index.end() + 1:], style))
+        return found
+
+
+def shard_styles(resolved: ResolvedPlan) -> Styles:
     """fqn -> style of every module the plan splits over tp (empty at tp 1: nothing is split): the
     linears, and the fused experts modules each expert of which it splits (`expert_tensor_parallel`)."""
     if resolved.tp == 1:
-        return {}
-    return {**{s.fqn: s.style for s in resolved.shards}, **{e.fqn: TP_STYLE for e in resolved.experts if e.tp > 1}}
+        return Styles()
+    return Styles({**{s.fqn: s.style for s in resolved.shards}, **{e.fqn: TP_STYLE for e in resolved.experts if e.tp > 1}})
 
 
 def block_splits(styles: dict[str, str], layer: str) -> dict[str, bool]:
     """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their splitter's output is
     (`models.blocks`; a mixture of experts' MLP: its experts split over tp), and whether a mixture of
     experts' shared experts are (a column inside a child of its MLP)."""
-    inner = f"{layer}.{MLP.layer_part}."
+    under = (styles if isinstance(styles, Styles) else Styles(styles)).by_layer.get(layer, [])
+    inner = f"{MLP.layer_part}."
     split = {b.layer_part for b in (ATTENTION, LATENT_ATTENTION, MLP, PACKED_MLP)
              if styles.get(f"{layer}.{b.layer_part}.{b.splitter}") in SPLIT_OUTPUT_STYLES}
     return {
         "attention_split": ATTENTION.layer_part in split,
-        "mlp_split": MLP.layer_part in split
-        or any(s == TP_STYLE and f.startswith(f"{layer}.") for f, s in styles.items()),
-        "shared_split": any(s in COLUMN_STYLES and f.startswith(inner) and "." in f[len(inner):]
-                            for f, s in styles.items()),
+        "mlp_split": MLP.layer_part in split or any(s == TP_STYLE for _, s in under),
+        "shared_split": any(s in COLUMN_STYLES and rest.startswith(inner) and "." in rest[len(inner):]
+                            for rest, s in under),
     }
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .experts import every_token, identity_experts, num_experts
-from .oracle import tiny_run, exception_line, tiny_clone_config
+from .oracle import tiny_run, exception_line, tiny_clone_key
 
 __all__ = ["tp_layout", "split_problem", "take_features"]
 
@@ -76,13 +76,12 @@ def split_problem(model: nn.Module, fqn: str, layout: dict[str, tuple[int, int]]
     32), at tp 2, cached per class and config."""
     config = model.config
     try:
-        tiny = tiny_clone_config(config)
+        data = json.loads(tiny_clone_key(config))
     except Exception as exc:  # noqa: BLE001
         return f"cannot build a tiny {config.model_type} config to check its experts split over tp ({exception_line(exc)})"
-    data = tiny.to_dict()
     data.update({k: v for k, v in _TINY_EXPERTS.items() if k in data})
     template = ".".join("*" if p.isdigit() else p for p in fqn.split("."))
-    return _check(type(model), type(tiny), json.dumps(data, sort_keys=True, default=str), template,
+    return _check(type(model), type(config), json.dumps(data, sort_keys=True, default=str), template,
                   tuple(sorted(layout.items())))
 
 

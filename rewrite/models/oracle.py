@@ -26,7 +26,7 @@ from .families import set_local_kv_groups
 from .hf_decoder import find_backbone, run_backbone
 
 __all__ = ["config_value", "exception_line", "per_head_sizes", "small_chunks", "walker_problem", "narrowed_problem", "packing_problem",
-           "tiny_clone_config", "tiny_run", "TOLERANCE"]
+           "tiny_clone_config", "tiny_clone_key", "tiny_run", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
 _LAYERS = 4  # the clone's layers: enough for each attention type and a two-stage split
@@ -117,6 +117,22 @@ def tiny_clone_config(config):
     return type(config).from_dict(data)
 
 
+_CLONE_KEYS: dict[tuple, str] = {}
+
+
+def tiny_clone_key(config) -> str:
+    """`tiny_clone_config(config)` as sorted JSON: the key the checks on a tiny clone are cached by.
+
+    Remembered per config value (its class and attributes), since a plan search asks for every candidate plan
+    and every experts module: transformers' `to_dict` is milliseconds a call."""
+    seen = (type(config), repr(sorted(vars(config).items(), key=lambda item: item[0])))
+    if seen not in _CLONE_KEYS:
+        if len(_CLONE_KEYS) >= 64:
+            _CLONE_KEYS.clear()
+        _CLONE_KEYS[seen] = json.dumps(tiny_clone_config(config).to_dict(), sort_keys=True, default=str)
+    return _CLONE_KEYS[seen]
+
+
 def walker_problem(model: nn.Module) -> str | None:
     """Why the module walker cannot stand in for `model`'s own forward, or None when it gives its logits.
 
@@ -126,11 +142,10 @@ def walker_problem(model: nn.Module) -> str | None:
     """
     config = model.config
     try:
-        tiny = tiny_clone_config(config)
+        key = tiny_clone_key(config)
     except Exception as exc:  # a config class that cannot be shrunk: the walker cannot be proven
         return f"cannot build a tiny {config.model_type} config to check the module walker against ({exception_line(exc)})"
-    key = json.dumps(tiny.to_dict(), sort_keys=True, default=str)
-    return _check(type(model), type(tiny), key)
+    return _check(type(model), type(config), key)
 
 
 @lru_cache(maxsize=128)
@@ -180,10 +195,10 @@ def packing_problem(model: nn.Module) -> str | None:
     """
     config = model.config
     try:
-        tiny = tiny_clone_config(config)
+        key = tiny_clone_key(config)
     except Exception as exc:
         return f"cannot build a tiny {config.model_type} config to check packed documents against ({exception_line(exc)})"
-    return _packing(type(model), type(tiny), json.dumps(tiny.to_dict(), sort_keys=True, default=str))
+    return _packing(type(model), type(config), key)
 
 
 @lru_cache(maxsize=128)
@@ -241,10 +256,10 @@ def narrowed_problem(model: nn.Module, styles: Mapping[str, str], replicated: It
     if not narrowed:
         return None
     try:
-        tiny = tiny_clone_config(config)
+        key = tiny_clone_key(config)
     except Exception as exc:
         return f"cannot build a tiny {config.model_type} config to check its sharded forward against ({exception_line(exc)})"
-    return _narrowed(type(model), type(tiny), json.dumps(tiny.to_dict(), sort_keys=True, default=str), narrowed)
+    return _narrowed(type(model), type(config), key, narrowed)
 
 
 def _template(fqn: str) -> str:
