@@ -3,8 +3,9 @@
 `apply_plan` binds the plan on every rank, lets the ranks agree on what they were
 given (one collective, before any group is made), builds the mesh, swaps sharded
 linears for their parallel versions at the same dotted paths, carves out this rank's
-pipeline stages, wraps activation checkpointing and data parallelism around them, and
-builds the rank's `Stage` from what those steps returned.
+pipeline stages, wraps activation checkpointing and data parallelism around them,
+builds the rank's `Stage` from what those steps returned, and marks each of its
+parameters with its split (`binding.shard_layout.split_of`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .models.names import first_names
 from .models.router_loss import router_loss_parts
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
+from .pipeline.param_splits import apply_param_splits
 from .pipeline.precision import precision_for
 from .pipeline.stage import Stage
 from .pipeline.tied import TiedSums
@@ -114,7 +116,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     finishers = (dp_sync, ExpertSums(experts, mesh) if experts else None, StepSums(carved.module) or None,
                  TiedSums(carved.model, [names[id(p)] for p in carved.tied], mesh.tied_group) if carved.tied else None)
     setattr(model, APPLIED, f"a stage of {plan.source}")
-    return Stage(
+    stage = Stage(
         model=carved.model,
         module=carved.module,
         resolved=resolved,
@@ -127,6 +129,8 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
         precision=precision,
         router_loss=router_loss,
     )
+    apply_param_splits(stage)  # after data parallelism: the parameters it put in place carry them
+    return stage
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:

@@ -116,6 +116,18 @@ def assert_shares_of(tag: str, model: nn.Module, reference: nn.Module) -> None:
         assert torch.equal(whole, expected_shard(model, name, want[name])), f"{tag}: {name}"
 
 
+def assert_counted_once(tag: str, stage, reference: nn.Module) -> None:
+    """Every parameter of `stage` carries its split, and the elements whose copy counts, summed over every rank,
+    are exactly the unsharded `reference`'s parameter count: each element counted once. Collective."""
+    from rewrite.binding.shard_layout import split_of
+
+    held = [p.to_local() if hasattr(p, "to_local") else p for p in stage.module.parameters() if split_of(p).counts]
+    counted = torch.tensor([sum(p.numel() for p in held)], dtype=torch.int64)
+    dist.all_reduce(counted)
+    want = sum(p.numel() for p in reference.parameters())
+    assert int(counted) == want, f"{tag}: {int(counted)} elements counted over the ranks, the model has {want}"
+
+
 def assert_step_and_norm(model: nn.Module, plan, seq_len: int, tag: str):
     """Apply `plan` to `model` and check one step of 2 one-row microbatches per replica of `seq_len` random
     tokens (seed 5) against a copy of `model` in one process: the loss, every gradient and the gradient
@@ -132,4 +144,5 @@ def assert_step_and_norm(model: nn.Module, plan, seq_len: int, tag: str):
     total = rewrite.clip_grad_norm_(stage, None)
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters() if p.grad is not None]))
     assert_close(f"{tag} gradient norm", total, norm)
+    assert_counted_once(tag, stage, reference)
     return stage, reference, loss

@@ -14,7 +14,8 @@ order (`replicas` neighbouring ranks hold the same slice: a k/v projection past 
 expert-parallel group (`holder` picks this rank's place among them).
 
 The binding gives each module's per-rank shapes with it (`tp_rules`), the layers cut their shards with it (`shard_of`), checkpoints place them (`checkpoint/layout.py`,
-`checkpoint/pieces.py`), the gradient norm counts each slice once (`counts_on`).
+`checkpoint/pieces.py`). `apply_plan` marks each parameter of a stage with its `ParamSplit` (its split and
+whether this rank's copy counts once), which the gradient norm reads (`split_of`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ..plan.styles import STYLE_INFO
+from ..errors import InputError
+from ..plan.styles import STYLE_INFO, packed_parts
 
 if TYPE_CHECKING:
     from .experts import ExpertSpec
     from .tp_rules import ShardSpec  # which builds its per-rank shapes with TensorSplit
 
-__all__ = ["TensorSplit", "WHOLE", "split_dim", "tensor_split", "state_split"]
+__all__ = [
+    "TensorSplit", "WHOLE", "ParamSplit", "split_dim", "style_split", "tensor_split", "state_split", "mark_split",
+    "split_of",
+]
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,45 @@ class TensorSplit:
 WHOLE = TensorSplit()
 
 
+@dataclass(frozen=True)
+class ParamSplit:
+    """What one parameter of a rewritten stage is on this rank: how its tensor is split, and whether this
+    rank's copy is the one that counts once in a sum over every rank (the gradient norm).
+
+    `counts` is False on all but one holder of each element: of a slice's tp replicas (or of a whole
+    tensor's tp ranks) all but the first; the last pipeline stage's end of a tied embedding; experts' copies
+    other than copy 0 at cp rank 0; a plain tensor's dp x cp replicas other than (0, 0), and a DTensor's
+    replicas other than coordinate 0 of a mesh dim it is replicated over (its shards each count).
+    """
+
+    split: TensorSplit
+    counts: bool
+
+
+_MARK = "_rewrite_split"  # the attribute on the parameter holding its ParamSplit
+
+
+def mark_split(param: torch.Tensor, record: ParamSplit) -> None:
+    """Attach `record` to `param` (in place), for `split_of`."""
+    setattr(param, _MARK, record)
+
+
+def split_of(param: torch.Tensor) -> ParamSplit:
+    """The `ParamSplit` `apply_plan` attached to `param`.
+
+    Raises:
+        InputError: `param` carries none: it is not a parameter of a stage `apply_plan` returned (or it was
+            put in place after, by code other than `rewrite`'s loaders).
+    """
+    record = getattr(param, _MARK, None)
+    if not isinstance(record, ParamSplit):
+        raise InputError(
+            f"a parameter of shape {list(param.shape)} carries no split: it was not placed by apply_plan; pass "
+            "the parameters of the Stage apply_plan (or from_pretrained) returned"
+        )
+    return record
+
+
 def split_dim(style: str, leaf: str) -> int | None:
     """The dim along which a tensor-parallel style splits its module's tensor `leaf`; None: whole."""
     info = STYLE_INFO.get(style)
@@ -92,6 +136,15 @@ def split_dim(style: str, leaf: str) -> int | None:
     if leaf == "bias":  # a column layer's bias is split with its output features; a row layer's is whole
         return 0 if info.layer == "column" else None
     return info.weight_dim  # vocab: rows of the vocabulary
+
+
+def style_split(style: str, leaf: str, tp: int, *, parts: int = 1, replicas: int = 1) -> TensorSplit:
+    """How a module sharded as `style` over `tp` ranks holds its tensor `leaf` along `split_dim`: `parts`
+    blocks, each in tp / `replicas` slices. The binding (`tensor_split`) and the layers (`split`) both ask it."""
+    dim = split_dim(style, leaf)
+    if dim is None or tp == 1:
+        return WHOLE
+    return TensorSplit(dim, tp // replicas, parts, replicas)
 
 
 def state_split(shards: Mapping[str, ShardSpec], experts: Mapping[str, ExpertSpec], name: str) -> TensorSplit:
@@ -108,7 +161,6 @@ def state_split(shards: Mapping[str, ShardSpec], experts: Mapping[str, ExpertSpe
 
 def tensor_split(spec: ShardSpec | None, leaf: str) -> TensorSplit:
     """How the module bound as `spec` (None: not sharded) holds its tensor `leaf` on each tp rank."""
-    dim = split_dim(spec.style, leaf) if spec is not None and spec.tp > 1 else None
-    if dim is None:
+    if spec is None:
         return WHOLE
-    return TensorSplit(dim, spec.slices, STYLE_INFO[spec.style].parts, spec.replicas)
+    return style_split(spec.style, leaf, spec.tp, parts=packed_parts(spec.style), replicas=spec.replicas)

@@ -18,6 +18,7 @@ from torch import nn
 from ..agreement import agree
 from ..mesh import check_world
 from ..models.names import first_names
+from ..pipeline.param_splits import apply_param_splits
 from ..pipeline.stage import Stage
 from ..binding.resolve import ResolvedPlan, resolve
 from ..plan.loading import load_plan
@@ -135,6 +136,7 @@ def from_pretrained(
         # All meta, tied weights too: both ends of a tied pair read it from the checkpoint.
         stage = apply_plan(meta, plan, compute_dtype=compute_dtype)
         problems = fill_dp_shards(stage, by_name, sources, device)
+    apply_param_splits(stage)  # the tensors read (or given storage) in place of the meta ones carry theirs too
     left = [n for n, t in [*stage.model.named_parameters(), *stage.model.named_buffers()] if t.is_meta]
     if left:
         problems.append(f"tensors left without storage: {left[:5]}; the checkpoint does not cover this model")

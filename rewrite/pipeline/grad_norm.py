@@ -9,15 +9,11 @@ from numbers import Real
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..expert_parallel import expert_parameters
-from ..expert_parallel.tensor import ExpertTensorParallelMixin
+from ..binding.shard_layout import split_of
+from ..errors import InputError
 from ..lent import lend
-from ..tensor_parallel.head_params import split_parameter_ids
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..tensor_parallel.vocab import VocabParallelEmbedding
 from .stage import Stage
 
 __all__ = ["clip_grad_norm_"]
@@ -28,7 +24,9 @@ _EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_no
 def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 2.0) -> torch.Tensor:
     """Measure the gradient norm of the whole model and clip this rank's gradients to it, in place.
 
-    Each gradient element of the unsharded model is counted once, wherever it lives:
+    Each gradient element of the unsharded model is counted once, wherever it lives; which
+    copy counts is what each parameter carries (`binding.shard_layout.split_of`: its
+    `ParamSplit`, attached by `apply_plan`), and a DTensor gradient's shards (below):
 
     - tensor parallel: a split weight `W = [W_1; ...; W_tp]` contributes `sum_i ||W_i||^2`,
       one slice per tp rank; a weight whole on every tp rank (norms, row biases; their
@@ -70,6 +68,8 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
         ValueError: `max_norm` is not positive (or NaN), or a norm_type other than 2 or
             inf (before any collective); a gradient still partial over dp, not yet reduced
             (after the one all-reduce, on every rank alike).
+        InputError: a parameter carries no split (not placed by `apply_plan`), likewise
+            after the all-reduce.
 
     Example:
         >>> loss = rewrite.run_schedule(stage, ids, targets)
@@ -77,28 +77,27 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
         >>> optimizer.step()
     """
     norm_type = _check(stage, max_norm, norm_type)
-    mesh = stage.mesh
-    split = _tp_split_ids(stage.module, mesh.tp_rank) if mesh.tp > 1 else set()
-    not_mine = {id(p) for p in stage.tied} if not stage.is_first else set()
-    experts = {id(p) for p in expert_parameters(stage.module)}
-    grads, counted, partial = [], [], []
+    grads, counted, partial, unplaced = [], [], [], None
     for name, param in stage.module.named_parameters():  # a tied object once
         if param.grad is None:
             continue
-        expert = id(param) in experts  # its copies: the stage's ep groups (over dp x tp) times cp
-        replica = mesh.expert_copy if expert else mesh.dp_rank
-        grad, once = _local_grad(param, replica + mesh.cp_rank)  # 0 on the first of the dp x cp copies
-        if once is None:
-            partial.append(name)
-            continue
+        grad = param.grad
+        if isinstance(grad, DTensor):  # its shards over dp x cp are in its placements; Partial: not yet reduced
+            if not all(isinstance(p, (Shard, Replicate)) for p in grad.placements):
+                partial.append(name)
+                continue
+            with torch.no_grad():  # to_local without autograd is the shard itself, not a temporary view
+                grad = grad.to_local()
         grads.append(grad)
-        # A copy held elsewhere too counts on exactly one rank.
-        if once and (expert or id(param) in split or mesh.tp_rank == 0) and id(param) not in not_mine:
-            counted.append(grad)
+        try:
+            if split_of(param).counts:  # this rank's copy is the one that counts, of every rank holding it
+                counted.append(grad)
+        except InputError as exc:
+            unplaced = exc  # raised after the collective, on every rank alike
     device = grads[0].device if grads else stage.device
-    # Packed: [this rank's sum of squares (or max), its count of unreduced gradients].
-    packed = torch.zeros(2, dtype=torch.float32, device=device)
-    packed[1] = len(partial)
+    # Packed: [this rank's sum of squares (or max), its unreduced gradients, its parameters without a split].
+    packed = torch.zeros(3, dtype=torch.float32, device=device)
+    packed[1], packed[2] = len(partial), unplaced is not None
     if counted:
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in counted])
         packed[0] = norms.max() if math.isinf(norm_type) else norms.square().sum()
@@ -110,6 +109,8 @@ def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 
             "clip_grad_norm_: some gradients are still partial sums over data-parallel ranks (not yet "
             f"reduced){held}; call it after run_schedule, which reduces them once per step"
         )
+    if packed[2] > 0:
+        raise unplaced or InputError("clip_grad_norm_: parameters of other ranks carry no split; see their error")
     total = packed[0].clone() if math.isinf(norm_type) else packed[0].sqrt()
     if max_norm is not None and grads:
         coef = (max_norm / (total + _EPS)).clamp(max=1.0)  # 1.0 leaves a gradient unchanged
@@ -137,38 +138,3 @@ def _check(stage: Stage, max_norm, norm_type) -> float:
     if isinstance(norm_type, bool) or value not in (2.0, math.inf):
         raise ValueError(f"clip_grad_norm_: norm_type must be 2 or float('inf'), got {norm_type!r}")
     return value
-
-
-def _tp_split_ids(module: nn.Module, tp_rank: int) -> set[int]:
-    """Ids of the parameters split over tp that count on tp rank `tp_rank`: column weight and
-    bias, row weight, vocabulary rows; a slice held by `replicas` ranks only on the first of them."""
-    out = split_parameter_ids(module)  # bare per-head parameters (attention sinks): a slice on each rank
-    for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
-            # A row layer's bias is whole on every rank; a replica's slice counts on the first of its holders.
-            out |= {id(p) for name, p in m.named_parameters(recurse=False) if m.split(name).counts_on(tp_rank)}
-        elif isinstance(m, ExpertTensorParallelMixin):  # every tensor of it split over tp: a slice on each rank
-            out |= {id(p) for p in m.parameters(recurse=False)}
-    return out
-
-
-def _local_grad(param: nn.Parameter, dp_rank: int) -> tuple[torch.Tensor, bool | None]:
-    """This rank's gradient storage, and whether it counts here as far as dp is concerned.
-
-    A DTensor gradient counts on every shard, and for each mesh dimension it is
-    replicated over, only at coordinate 0 there; None when it is partial (unreduced).
-    A plain one is whole on every replica (dp = 1, or DDP's): it counts on dp_rank 0.
-    """
-    grad = param.grad
-    if not isinstance(grad, DTensor):
-        return grad, dp_rank == 0
-    coordinate = grad.device_mesh.get_coordinate()
-    once = coordinate is not None
-    for dim, placement in enumerate(grad.placements):
-        if isinstance(placement, Replicate):
-            once = once and coordinate[dim] == 0
-        elif not isinstance(placement, Shard):
-            once = None
-            break
-    with torch.no_grad():
-        return grad.to_local(), once

@@ -3,7 +3,7 @@
 A parameter the plan splits by its own rule (`binding.tp_params`) keeps this tp rank's slice of its dim 0,
 the values of the heads the rank's column layers hold; its owner module runs on it as it is. Each rank's
 gradient is then its slice's whole gradient: nothing to sum. The owner remembers which of its parameters
-are split, so the gradient norm counts each slice once (`split_parameter_ids`).
+are split, for the HF save (`split_parameters`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 
 from ..binding.shard_layout import TensorSplit
 
-__all__ = ["split_head_parameter", "split_parameter_ids", "split_parameters"]
+__all__ = ["split_head_parameter", "split_parameters"]
 
 _SPLIT = "_rewrite_split_parameters"
 
@@ -31,7 +31,3 @@ def split_parameters(module: nn.Module) -> tuple[str, ...]:
     """The names of `module`'s own parameters split with its heads."""
     return getattr(module, _SPLIT, ())
 
-
-def split_parameter_ids(module: nn.Module) -> set[int]:
-    """Ids of the parameters under `module` split with the heads: each rank's slice counts."""
-    return {id(getattr(m, leaf)) for m in module.modules() for leaf in split_parameters(m)}

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
-from ..binding.shard_layout import WHOLE, TensorSplit
+from ..binding.shard_layout import TensorSplit, style_split
 from ..values import is_count
 from .base import _ParallelLinear
 from .comm import (
@@ -127,7 +127,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def split(self, name: str) -> TensorSplit:
         """Weight and bias: output features (dim 0), `parts` blocks each in tp / replicas slices."""
-        return TensorSplit(0, self.tp_size // self.replicas, self.parts, self.replicas)
+        return style_split("column", name, self.tp_size, parts=self.parts, replicas=self.replicas)
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the weight, entries of the bias (a view; a copy of each part's rows when packed)."""
@@ -241,7 +241,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def split(self, name: str) -> TensorSplit:
         """The weight's input features (dim 1) in tp slices; the bias whole, added once after the sum."""
-        return WHOLE if name == "bias" else TensorSplit(1, self.tp_size)
+        return style_split("row", name, self.tp_size)
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's columns of the weight (a view); the whole bias."""

@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroup
 from torch.nn import functional as F
 
 from ..models.families import embedding_scale
-from ..binding.shard_layout import TensorSplit
+from ..binding.shard_layout import TensorSplit, style_split
 from ..values import check_count, is_int
 from .comm import group_rank, group_size, reduce_from_parallel
 
@@ -169,7 +169,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def split(self, name: str) -> TensorSplit:
         """The weight's rows (the vocabulary, dim 0) in tp slices."""
-        return TensorSplit(0, self.tp_size)
+        return style_split("vocab", name, self.tp_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):

@@ -18,7 +18,7 @@ import rewrite
 from tests.asserts import assert_close
 from tests.families import TINY, tiny_moe_model
 from tests.multiproc import run
-from tests.reference import assert_replica_step, expected_shard
+from tests.reference import assert_counted_once, assert_replica_step, expected_shard
 
 RULE = {"model.layers.*.mlp.experts": "expert_parallel"}
 AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
@@ -79,6 +79,7 @@ def _steps(rank: int, world: int, family: str, overrides: dict, names: list[str]
                 assert torch.equal(got, want), f"{tag} layer {layer}: routing differs"
         loss = assert_replica_step(stage, model, reference, inputs, targets, tag)
         total = rewrite.clip_grad_norm_(stage, None)  # each expert counted once
+        assert_counted_once(tag, stage, reference)
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
         assert_close(f"{tag} gradient norm", total, norm)
         held = {n: p.shape[0] for n, p in model.named_parameters() if ".experts." in n}

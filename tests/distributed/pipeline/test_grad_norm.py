@@ -21,7 +21,7 @@ from tests.collectives import CountCollectives
 from tests.distributed.pipeline.test_pipeline import _batch
 from tests.models import toy_step_setup
 from tests.multiproc import run
-from tests.reference import expected_shard
+from tests.reference import assert_counted_once, expected_shard
 
 LAYERS = rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel
 VOCAB_RULES = {"model.embed_tokens": "vocab", "lm_head": "column"}
@@ -85,6 +85,7 @@ def _hf_case(name: str, plan: dict, **overrides) -> float:
     model = build_model(config, seed=0)
     reference = copy.deepcopy(model)
     stage = rewrite.apply_plan(model, plan)
+    assert_counted_once(name, stage, reference)
     per_replica = 2
     ids, targets = _batch(config, per_replica * stage.dp, seq=8)  # the global batch, alike on every rank
     mine = slice(stage.dp_rank * per_replica, (stage.dp_rank + 1) * per_replica)
@@ -96,6 +97,7 @@ def _hf_case(name: str, plan: dict, **overrides) -> float:
 def _fx_case(name: str) -> float:
     model, reference, xs, ys = toy_step_setup(2)
     stage = rewrite.apply_plan(model, _plan({"pp": 2}))
+    assert_counted_once(name, stage, reference)
     rewrite.run_schedule(stage, xs, ys, loss_fn=F.mse_loss)
     sum(F.mse_loss(reference(x), y) / len(xs) for x, y in zip(xs, ys)).backward()
     return _measure_and_clip(name, stage, stage.module, reference)
