@@ -34,7 +34,7 @@ def _first_holder(split: TensorSplit, mesh: Mesh) -> bool:
     ep rank of an experts' group too), the first of a slice's `replicas`, tp rank 0 of a whole tensor."""
     if split.over == "ep":
         return True
-    return mesh.tp_rank % (mesh.tp if split.dim is None else split.replicas) == 0
+    return mesh.tp_rank == 0 if split.dim is None else split.counts_on(mesh.tp_rank)
 
 
 def _first_replica(param: nn.Parameter, split: TensorSplit, mesh: Mesh) -> bool:

@@ -23,6 +23,7 @@ from tests.distributed.checkpoint.test_hf_checkpoint import (
     _stored_names,
 )
 from tests.multiproc import run
+from tests.reference import assert_counted_once
 
 TP_RULES = rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel
 MICROBATCHES = 4  # the global batch: each of dp replicas runs MICROBATCHES // dp of them
@@ -107,6 +108,7 @@ def _round_trip(rank: int, case: dict, directory: str) -> dict:
     trained, held = _whole_slices(stage.model), _shards(stage.model)
     out = {"trained": trained, "writes": _save_counting_writes(stage, plan, directory), "dp_rank": stage.dp_rank}
     same = rewrite.from_pretrained(directory, plan)
+    assert_counted_once(f"rank {rank} reloaded under {_name(plan)}", same, build_model(config, seed=3))
     _assert_same_shards(f"rank {rank} reloaded under {_name(plan)}", held, _shards(same.model))
     if case["tied"] and plan["mesh"]["pp"] > 1:
         names = {id(p): n for n, p in same.model.named_parameters()}
@@ -118,6 +120,7 @@ def _round_trip(rank: int, case: dict, directory: str) -> dict:
         half = rewrite.from_pretrained(directory, plan, dtype=torch.bfloat16)
         _assert_same_shards(f"rank {rank} reloaded in bf16 under {_name(plan)}", cast, _shards(half.model))
     moved = rewrite.from_pretrained(directory, other)
+    assert_counted_once(f"rank {rank} reloaded under {_name(other)}", moved, build_model(config, seed=3))
     out["other_loss"] = _step(moved, config, seed=6)
     return out
 
