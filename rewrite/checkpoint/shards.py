@@ -62,9 +62,16 @@ def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, S
     """
     model = stage.model
     unstored = unstored_modules(model, by_name)  # before to_empty gives their meta buffers storage (uninitialised)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    tied = [names[id(p)] for p in stage.tied]
+    paths: dict[int, list[str]] = {}  # id(parameter) -> its paths (a tied weight has several)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(param), []).append(name)
+    tied = [paths[id(p)][0] for p in stage.tied]
     model.to_empty(device=device)
+    for first, *others in (p for p in paths.values() if len(p) > 1):  # to_empty gives each module its own copy
+        param = model.get_parameter(first)  # (FSDP2 keeps the one object; DDP's plain parameters are re-tied here)
+        for path in others:
+            owner, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, param)
     stage.tied = [model.get_parameter(n) for n in tied]
     slots: dict[int, list] = {}  # id(tensor) -> [(name, tensor)] for each of its names; tied ones share
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
