@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewrite.binding.shard_layout import WHOLE, TensorSplit, tensor_split
+from torch import nn
+
+from rewrite import ColumnParallelLinear, RowParallelLinear
+from rewrite.binding.shard_layout import WHOLE, ParamSplit, TensorSplit, mark_split, split_of, tensor_split
 from rewrite.binding.tp_rules import ShardSpec
+from rewrite.errors import InputError
 
 FULL = torch.arange(24 * 6).reshape(24, 6)
 
@@ -42,3 +46,18 @@ def test_whole_and_the_split_a_binding_gives():
     assert tensor_split(row, "q_norm") == WHOLE and tensor_split(None, "weight") == WHOLE
     assert tensor_split(ShardSpec("e", "vocab", "*", 32, 8, False, (16, 8), None, tp=2), "weight") == TensorSplit(0, 2)
     assert tensor_split(ShardSpec("l.o_proj", "row", "*", 8, 8, True, (8, 8), (8,), tp=1), "weight") == WHOLE
+
+
+def test_standalone_layers_know_their_split():
+    column, row = ColumnParallelLinear(4, 6, True, torch.randn(6, 4)), RowParallelLinear(6, 4, True, torch.randn(4, 6))
+    # One process: each holds the whole, as a layer of a plan with tp 1.
+    assert column.split("weight") == column.split("bias") == row.split("weight") == row.split("bias") == WHOLE
+
+
+def test_a_parameter_carries_the_split_it_was_marked_with():
+    param = nn.Parameter(torch.zeros(4, 2))
+    with pytest.raises(InputError, match=r"shape \[4, 2\] carries no split: it was not placed by apply_plan"):
+        split_of(param)
+    record = ParamSplit(TensorSplit(0, 2), counts=True)
+    mark_split(param, record)
+    assert split_of(param) is record
