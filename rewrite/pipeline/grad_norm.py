@@ -24,9 +24,9 @@ _EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_no
 def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 2.0) -> torch.Tensor:
     """Measure the gradient norm of the whole model and clip this rank's gradients to it, in place.
 
-    Each gradient element of the unsharded model is counted once, wherever it lives; which
-    copy counts is what each parameter carries (`binding.shard_layout.split_of`: its
-    `ParamSplit`, attached by `apply_plan`), and a DTensor gradient's shards (below):
+    Each gradient element of the unsharded model is counted once, wherever it lives: each
+    parameter carries whether this rank's copy is the one that counts (its `ParamSplit`,
+    attached by `apply_plan`, read with `binding.shard_layout.split_of`), decided so:
 
     - tensor parallel: a split weight `W = [W_1; ...; W_tp]` contributes `sum_i ||W_i||^2`,
       one slice per tp rank; a weight whole on every tp rank (norms, row biases; their
