@@ -17,6 +17,7 @@ from rewrite import ColumnParallelLinear, RowParallelLinear
 from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
 from tests.multiproc import run
+from tests.reference import assert_counted_once
 
 TP2, PP2, TP4 = "plans/llama-tp2.yaml", "plans/llama-pp2.yaml", "plans/llama-tp4.yaml"
 TP2PP2 = "plans/llama-tp2-pp2.yaml"
@@ -116,12 +117,14 @@ def _tp2pp2_round_trip(rank: int, ws: int, directory: str) -> dict:
     trained = _local_slices(stage.model)
     rewrite.save_pretrained(stage, TP2PP2, directory)
     same = rewrite.from_pretrained(directory, TP2PP2)
+    assert_counted_once(f"rank {rank} reloaded under {TP2PP2}", same, build_model(config, seed=3))
     _assert_same_local(f"rank {rank} reloaded under {TP2PP2}", trained, _local_slices(same.model))
     spec = same.resolved.stages[same.stage_ids[0]]  # one stage per rank
     loaded_bytes = _param_bytes(same)
     assert loaded_bytes == spec.param_bytes, (loaded_bytes, spec.param_bytes)
     # Another plan on the same ranks: one stage, four tensor-parallel ranks.
     other = rewrite.from_pretrained(directory, TP4)
+    assert_counted_once(f"rank {rank} reloaded under {TP4}", other, build_model(config, seed=3))
     assert _param_bytes(other) == other.resolved.stages[0].param_bytes
     next_loss = _train_step(other, config, seed=6)
     return {"trained": trained, "next_loss": next_loss, "bytes": loaded_bytes,
