@@ -15,7 +15,7 @@ import rewrite
 from tests.asserts import assert_close
 from tests.families import TINY, tiny_moe_model
 from tests.multiproc import run
-from tests.reference import assert_replica_step
+from tests.reference import assert_counted_once, assert_replica_step
 
 LAYOUTS = {
     "tp2 x dp2 full": ({"tp": 2, "dp": 2}, {}),
@@ -46,6 +46,7 @@ def _steps(rank: int, world: int, family: str, overrides: dict, names: list[str]
         total = rewrite.clip_grad_norm_(stage, None)  # each expert's slices counted once
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
         assert_close(f"{tag} gradient norm", total, norm)
+        assert_counted_once(tag, stage, reference)
         whole = dict(reference.named_parameters())
         held = {n: (tuple(p.shape), tuple(whole[n].shape)) for n, p in model.named_parameters() if ".experts." in n}
         assert held and all(h != w and h[0] == w[0] for h, w in held.values()), f"{tag}: experts held {held}"
