@@ -15,7 +15,7 @@ import rewrite
 from tests.asserts import assert_close
 from tests.families import TINY, tiny_family_model
 from tests.multiproc import run
-from tests.reference import assert_replica_step
+from tests.reference import assert_counted_once, assert_replica_step
 
 SEQ = 16
 RECOMPUTE = {"model.layers.*": "full"}
@@ -67,6 +67,7 @@ def _layouts(rank: int, world: int, family: str, overrides: dict, names: list[st
         total = rewrite.clip_grad_norm_(stage, None)  # each gradient counted once over dp x cp
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
         assert_close(f"{tag} gradient norm", total, norm)
+        assert_counted_once(tag, stage, reference)
         out.append(f"{name}: {float(loss):.5f}, kv heads held by {stage.mesh.kv_replicas} tp ranks each")
     return out
 
