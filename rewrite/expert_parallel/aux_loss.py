@@ -3,7 +3,8 @@
 With `config.output_router_logits`, a transformers MoE causal LM adds its routers' balance over every
 layer's rows to its loss (`models.router_loss`). The runner computes the loss itself, so `RouterLoss`
 records the routers' logits as the family declares them (`_can_record_outputs["router_logits"]`: the
-router class and which output) while a stage runs one microbatch, and `finish` reduces them to the
+router class and which output) while a stage runs one microbatch (each router's class gains
+`RecordedRouter`, whose forward hands its output to the `RouterLoss`), and `finish` reduces them to the
 sums a stage hands on with its activations (`Pooled`). The scope is the microbatch, as one process
 running that microbatch counts it (each replica's, under dp and ep); under context parallelism a
 microbatch's rows are spread over the cp ranks, so their sums are added over the cp group; under
@@ -22,9 +23,21 @@ from torch.distributed import ProcessGroup
 
 from ..models.router_loss import Pooled, RouterLossParts, balance, pooled
 from ..tensor_parallel.comm import group_rank, group_size
+from ..tensor_parallel.mixins import add_mixin
 from ..tensor_parallel.sequence import sequence_chunk
 
-__all__ = ["RouterLoss"]
+__all__ = ["RecordedRouter", "RouterLoss"]
+
+
+class RecordedRouter:
+    """Mixin: a router whose forward also hands its output to `router_loss` (kept there while it records)."""
+
+    router_loss: RouterLoss
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        self.router_loss.record(output)
+        return output
 
 
 class RouterLoss:
@@ -38,14 +51,15 @@ class RouterLoss:
         self.logits: list[torch.Tensor] | None = None  # None: not inside a forward, record nothing
         for module in model.modules():
             if isinstance(module, parts.router):
-                module.register_forward_hook(self._record)
+                add_mixin(module, RecordedRouter).router_loss = self
 
     @property
     def width(self) -> int:
         """Numbers in the sums a stage hands on: `2 E + 1`."""
         return 2 * self.parts.experts + 1
 
-    def _record(self, module: nn.Module, args, output) -> None:
+    def record(self, output) -> None:
+        """A router's output (its logits, or a tuple holding them at `RouterLossParts.index`): kept while recording."""
         if self.logits is not None:
             self.logits.append(output[self.parts.index] if isinstance(output, tuple) else output)
 

@@ -33,7 +33,7 @@ by side, and sends each block back (`EveryTokenMixin`). The family's own forward
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -92,21 +92,17 @@ class ShardedExperts:
         """This rank's experts of the module's whole tensor `full` (named `leaf`)."""
         return self.expert_shard.spec.split_of(leaf).take(full, self.expert_shard.ep_rank)
 
-    @contextmanager
-    def _computing(self):
-        """The family's forward runs inside: the parameters cast to `ExpertShard.cast` when it is set (an
-        autograd cast: gradients reach the parameters in their own dtype), as they are otherwise."""
-        dtype, saved = self.expert_shard.cast, dict(self._parameters)
+    def _cast(self) -> ShardedExperts:
+        """What the family's forward runs on: this module, or when `ExpertShard.cast` is set, a stand-in for it (a
+        shallow copy: the same class, attributes and submodules) holding its floating parameters cast to that
+        dtype, an autograd cast (gradients reach the parameters in their own dtype). The module is left as it is."""
+        dtype = self.expert_shard.cast
         if dtype is None:
-            yield
-            return
-        try:
-            for name, param in saved.items():
-                if param is not None and param.is_floating_point() and param.dtype != dtype:
-                    self._parameters[name] = param.to(dtype)
-            yield
-        finally:
-            self._parameters.update(saved)
+            return self
+        stand_in = copy.copy(self)
+        stand_in.__dict__["_parameters"] = {
+            name: p.to(dtype) if p is not None and p.is_floating_point() else p for name, p in self._parameters.items()}
+        return stand_in
 
 
 class EveryTokenMixin(ShardedExperts):
@@ -132,8 +128,9 @@ class EveryTokenMixin(ShardedExperts):
         receive = [shard.local * t for t in theirs]
         got = exchange_rows(blocks.reshape(-1, hidden), send, receive, shard.group)  # (sum n T_r, H), by source
         side_by_side = torch.cat([b.view(shard.local, t, hidden) for b, t in zip(got.split(receive), theirs)], dim=1)
-        with self._computing():
-            out = super().forward(side_by_side.reshape(-1, hidden), *args, **kwargs).view(shard.local, -1, hidden)
+        # The family's forward (the class after the mixin's), on this module or its cast stand-in.
+        own = super(EveryTokenMixin, self._cast()).forward
+        out = own(side_by_side.reshape(-1, hidden), *args, **kwargs).view(shard.local, -1, hidden)
         back = torch.cat([b.reshape(-1, hidden) for b in out.split(theirs, dim=1)])  # by destination
         return exchange_rows(back, receive, send, shard.group).view(shard.ep * shard.local * tokens, hidden)
 
@@ -184,8 +181,8 @@ class ExpertParallelMixin(ShardedExperts):
         """The family's forward over this rank's experts; with no row, zeros that still reach every
         parameter (their gradient is 0, as on one process, not missing) and the received (empty) rows,
         so that the backward runs the exchanges' backwards here as on the ranks that got rows."""
-        if rows.shape[0]:
-            with self._computing():
-                return super().forward(rows, *paired_choices(self, ids, weights), *args, **kwargs)
+        if rows.shape[0]:  # the family's forward (the class after the mixin's), on this module or its cast stand-in
+            own = super(ExpertParallelMixin, self._cast()).forward
+            return own(rows, *paired_choices(self, ids, weights), *args, **kwargs)
         touch = (sum(p.sum() for p in self.parameters() if p.requires_grad) + rows.sum() + weights.sum()) * 0
         return rows.new_zeros(0, rows.shape[-1]) + touch

@@ -2,15 +2,16 @@
 
 Qwen3's per-head `q_norm`/`k_norm` run on each rank's own heads, and under sequence
 parallelism every norm runs on each rank's own tokens, so each rank's weight gradient
-is a partial sum. Routing the parameters through f (identity forward, all-reduce
-backward) makes every rank's gradient the full one, at every use.
+is a partial sum. A hook on each such parameter (`Tensor.register_hook`: it is handed a
+backward's whole gradient of the parameter, every use of it summed, before it is
+accumulated) sums that gradient over the tp group, so every rank's gradient is the full one.
 
 A k/v projection past its kv heads (`ColumnParallelLinear(replicas=r)`) is the same
 over its replica group: each holder's gradient comes from its own query heads.
 
-A training step can do better (`StepSums`): its uses only accumulate the partial
+A training step can do better (`StepSums`): its backwards only accumulate the partial
 gradients, and one sum per group at the step's end, of all of them at once, completes
-them: one collective per step instead of one per module, use and microbatch.
+them: one collective per step instead of one per parameter and backward.
 """
 
 from __future__ import annotations
@@ -21,42 +22,56 @@ from torch.distributed import ProcessGroup
 
 from ..grad_finish import GradFinish, flat_sum
 from . import comm
-from .comm import copy_to_parallel
 from .layers import ColumnParallelLinear
 from .mixins import add_mixin
 
 __all__ = ["make_grad_allreduce", "GradAllReduce", "StepSums"]
 
+_SUMMED = "_grad_summed_by"  # on a parameter: the module whose hook sums its gradient over tp
+
 
 class GradAllReduce:
-    """Mixin: during forward, each parameter is read through f over `tp_group` (unless deferred)."""
+    """Mixin: each parameter's gradient is summed over `tp_group` as a backward hands it over (unless deferred).
+
+    Every parameter the module is given carries the sum, whoever gives it: `make_grad_allreduce`
+    for those it holds, assignment for later ones (FSDP2 sets its sharded and gathered parameters
+    as attributes, as `module.weight = ...` does). The module's forward is the original class's.
+    """
 
     tp_group: ProcessGroup
     deferred = False  # inside a step that sums the gradients once at its end (`StepSums`)
 
-    def forward(self, *args, **kwargs):
-        if self.deferred:
-            return super().forward(*args, **kwargs)
-        params = self._parameters
-        saved = dict(params)
-        try:
-            # The module's own forward reads self.<name>: hand it f(param) for this call.
-            for name, param in saved.items():
-                if param is not None and param.requires_grad:
-                    params[name] = copy_to_parallel(param, self.tp_group)
-            return super().forward(*args, **kwargs)
-        finally:
-            params.update(saved)
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if isinstance(value, nn.Parameter):
+            _sum_gradient(self, value)
+
+
+def _sum_gradient(module: GradAllReduce, param: nn.Parameter) -> None:
+    """Have `param`'s gradient summed over `module.tp_group` in each backward, once per parameter object."""
+    if not param.requires_grad or getattr(param, _SUMMED, None) is module:
+        return
+
+    def summed(grad: torch.Tensor) -> torch.Tensor | None:
+        if module.deferred:
+            return None  # the step sums it once at its end
+        # The engine may hand the same tensor elsewhere: sum a private copy, never in place.
+        return comm.all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), module.tp_group)
+
+    param.register_hook(summed)
+    setattr(param, _SUMMED, module)
 
 
 def make_grad_allreduce(module: nn.Module, group: ProcessGroup) -> nn.Module:
     """Make `module`'s parameter gradients sum over `group`, in place.
 
-    The object, its class's behaviour and its parameter names are kept: only its
-    class becomes a subclass of the original that adds the mixin.
+    The object, its parameters and their names are kept: its class becomes a subclass of
+    the original that adds the mixin, and each parameter a hook that sums its gradient.
     """
     add_mixin(module, GradAllReduce)
     module.tp_group = group
+    for param in module.parameters(recurse=False):
+        _sum_gradient(module, param)
     return module
 
 
