@@ -100,3 +100,32 @@ def test_partial_gradients_summed_once_per_step_and_at_every_use_outside():
     # k_proj and v_proj of 4 layers: their weights' sums (one each per use) become one per step,
     # beside the layers' own sums, which both ways make alike.
     assert kv["modules"] == 8 and kv["use_sums"] - kv["step_sums"] == 8 * M - 1, kv
+
+
+def _fsdp_outside_a_step(rank: int, world: int) -> int:
+    config = build_config("tiny-llama")
+    model = build_model(config, seed=3)
+    reference = copy.deepcopy(model)
+    plan = {"mesh": {"dp": 2, "tp": 2}, "tensor_parallel": rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel,
+            "sequence_parallel": True, "data_parallel": {"sharding": "full"}}
+    stage = rewrite.apply_plan(model, plan)
+    partial = stage.finishing(StepSums).modules
+    ids, targets = _batch(config, 1)  # every replica the same microbatch: their average is its gradient
+    for _ in range(2):  # FSDP2 sets its gathered parameters anew on each forward: each sums again, once
+        model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
+        with CountCollectives() as seen:
+            rewrite.causal_lm_loss(model(input_ids=ids[0]).logits, targets[0]).backward()
+        reference_step(reference, ids, targets)
+        ref = dict(reference.named_parameters())
+        for pname, param in model.named_parameters():
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            assert_close(f"rank {rank} FSDP2 model(...) {pname}.grad", grad, expected_shard(model, pname, ref[pname].grad))
+    return {"sums": seen.counts["all_reduce"], "modules": len(partial)}
+
+
+def test_partial_gradients_whole_under_fsdp_outside_a_step():
+    """FSDP2 replaces the parameters (sharded at rest, gathered for a forward): a plain forward and backward
+    still sums every norm's gradient over tp, on the gathered parameters, once."""
+    counts = run(_fsdp_outside_a_step, 4, timeout_s=240)
+    # tiny-llama's 9 norms, one sum each (sequence parallelism's other traffic is gathers and reduce-scatters)
+    assert all(c == {"sums": 9, "modules": 9} for c in counts), counts
