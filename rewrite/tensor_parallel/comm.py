@@ -1,7 +1,8 @@
 """Tensor-parallel collectives as autograd Functions (Megatron's f and g operators).
 
 Each Function pairs a forward collective with its adjoint in backward, so a
-rewritten model is differentiated by plain autograd: no hooks anywhere.
+rewritten model is differentiated by plain autograd (the only hooks are the gradient
+sums of parameters kept whole, `partial_grads`).
 """
 
 from __future__ import annotations

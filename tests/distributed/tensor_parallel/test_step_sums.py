@@ -1,6 +1,6 @@
 """Gradients each tp rank holds only in part (the norms under sequence parallelism, Qwen3's
-per-head norms): summed over tp once per step under the runner, at every use under model(...);
-both equal one process, and a step that raises leaves the modules summing at every use again."""
+per-head norms): summed over tp once per step under the runner, once per backward under model(...);
+both equal one process, and a step that raises leaves the modules summing at every backward again."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _case(rank: int, world: int, plan: dict, **overrides) -> dict:
     reference_step(reference, ids, targets)
     _grads_match("two steps", model, reference)
 
-    # model(...) with its own backward: each use sums (f), no step is there to do it.
+    # model(...) with its own backward: each backward sums (a hook on the weight), no step is there to do it.
     model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
 
     tokens = sum(int((y != -100).sum()) for y in targets)  # the step's loss is their token mean
