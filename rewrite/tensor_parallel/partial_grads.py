@@ -27,7 +27,7 @@ from .mixins import add_mixin
 
 __all__ = ["make_grad_allreduce", "GradAllReduce", "StepSums"]
 
-_SUMMED = "_grad_summed_by"  # on a parameter: the module whose hook sums its gradient over tp
+_SUMMED = "_grad_summed_over_tp"  # on a parameter: a hook sums its gradient (one hook, however often it is set)
 
 
 class GradAllReduce:
@@ -49,7 +49,7 @@ class GradAllReduce:
 
 def _sum_gradient(module: GradAllReduce, param: nn.Parameter) -> None:
     """Have `param`'s gradient summed over `module.tp_group` in each backward, once per parameter object."""
-    if not param.requires_grad or getattr(param, _SUMMED, None) is module:
+    if not param.requires_grad or hasattr(param, _SUMMED):
         return
 
     def summed(grad: torch.Tensor) -> torch.Tensor | None:
@@ -59,7 +59,7 @@ def _sum_gradient(module: GradAllReduce, param: nn.Parameter) -> None:
         return comm.all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), module.tp_group)
 
     param.register_hook(summed)
-    setattr(param, _SUMMED, module)
+    setattr(param, _SUMMED, True)
 
 
 def make_grad_allreduce(module: nn.Module, group: ProcessGroup) -> nn.Module:
