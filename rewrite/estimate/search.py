@@ -27,6 +27,7 @@ from ..plan.schema import ParallelPlan
 from ..schedules import splits_backward
 from ..values import is_count
 from .activations import activation_problem, compute_dtype
+from .bind_memo import MemoSteps
 from .hardware import Hardware, default_dtype, load_hardware
 from .memory import GIB, rank_memory
 from .search_space import (
@@ -205,7 +206,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
     experts = expert_count(model)
     best: dict = {}
     sp_binds: dict = {}  # (tp, vocab_loss) -> whether sequence parallelism binds
-    binds: dict = {}  # resolve's cache: the shards per (tp, switches), the parameters per stage set
+    binds = MemoSteps(model)  # the binding steps kept: the shards per (tp, switches), the parameters per stage set
     for dp, pp, cp, tp in meshes(world, G, num_layers, seq_len=seq_len, max_cp=max_cp):
         if batch % dp:
             continue
@@ -216,7 +217,7 @@ def _search(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: 
         stages = (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,)
         for vocab_loss, k, ep in itertools.product(switches, stages, eps):
             base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len,
-                        cache=binds, cp=cp, ep=ep)
+                        steps=binds, cp=cp, ep=ep)
             if isinstance(base, str):
                 continue
             problem = activation_problem(base, model)

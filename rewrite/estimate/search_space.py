@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ..plan.from_hf import plan_from_hf
-from ..binding.resolve import ResolvedPlan, resolve
+from ..binding.bind_steps import BindSteps
+from ..binding.resolve import ResolvedPlan, resolve_with
 from ..plan.loading import load_plan
 from ..plan.schema import PlanError
 from ..schedules import placement, splits_backward
@@ -83,10 +84,11 @@ def expert_count(model: nn.Module) -> int | None:
     return counts.pop() if "expert_parallel" in rules.values() else None
 
 
-def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, cache: dict | None = None, cp: int = 1,
+def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, steps: BindSteps | None = None, cp: int = 1,
          ep: int = 1) -> ResolvedPlan | str:
-    """The mesh and switches bound to the model (the reason it does not bind, as text); `cache`: `resolve`'s,
-    kept across the binds of one search. `ep` > 1: the experts split as the family's ep plan says."""
+    """The mesh and switches bound to the model (the reason it does not bind, as text); `steps`: the binding
+    steps kept across the binds of one search (`bind_memo.MemoSteps(model)`). `ep` > 1: the experts split as the
+    family's ep plan says."""
     try:
         rules = _rules(model, tp, vocab_loss)
         if ep > 1:
@@ -99,16 +101,16 @@ def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, cache: dict | None = 
                          **({"cut_points": "auto"} if pp > 1 else {})},
             "loss_parallel": vocab_loss, "sequence_parallel": sp,
         }
-        return resolve(load_plan(data), model, cache=cache)
+        return resolve_with(steps or BindSteps(model), load_plan(data))
     except (PlanError, ValueError) as exc:
         return exc.problems[0] if isinstance(exc, PlanError) and exc.problems else str(exc)
 
 
-def binds_sp(model: nn.Module, base: ResolvedPlan, cache: dict | None = None) -> bool:
-    """Whether `base`'s plan binds with sequence_parallel on (the model's layers allow it)."""
+def binds_sp(model: nn.Module, base: ResolvedPlan, steps: BindSteps | None = None) -> bool:
+    """Whether `base`'s plan binds with sequence_parallel on (the model's layers allow it); `steps` as `bind`'s."""
     data = base.plan.model_dump(mode="json", exclude_none=True)
     try:
-        resolve(load_plan({**data, "sequence_parallel": True}), model, cache=cache)
+        resolve_with(steps or BindSteps(model), load_plan({**data, "sequence_parallel": True}))
         return True
     except (PlanError, ValueError):
         return False
