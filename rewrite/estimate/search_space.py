@@ -20,7 +20,7 @@ from ..schedules import placement, splits_backward
 from .activations import compute_dtype, place_peaks, stage_activations
 from .dp_time import DpTime
 from .hardware import Hardware
-from .memory import footprint, param_sums, rank_parameters, reduce_as_run
+from .param_memory import footprint, param_sums, rank_parameters, reduce_as_run
 from .stage_time import StageTimes, stage_times
 from .step_bound import step_lower_bound
 from .step_time import stage_parameters

@@ -53,7 +53,8 @@ from torch import nn
 from ..models.blocks import ATTENTION, MLP
 from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
 from ..binding.resolve import ResolvedPlan
-from .activations import F32, Sizes, compute_dtype, end_bytes, layer_bytes, plan_sizes
+from .activations import compute_dtype, plan_sizes
+from .layer_activations import F32, Sizes, end_bytes, layer_bytes
 from .plan_parts import block_splits, loss_sharded, recomputed_parts, shard_styles
 from ..plan.ranks import expert_groups
 from .collectives import all_gather_s, all_reduce_s, all_to_all_s, groups_link

@@ -9,7 +9,7 @@ import gc
 import pytest
 
 import rewrite
-from rewrite.estimate import search
+from rewrite.estimate import mesh_search
 from rewrite.estimate.hardware import load_hardware
 from rewrite.estimate.search import NoPlanFits
 from rewrite.estimate.search_space import CHECKPOINTING, Bound, bind, binds_sp, meshes, variant
@@ -41,7 +41,7 @@ def _groups(model, *, world, G, seq_len, batch):
         if batch % dp:
             continue
         for bound in _bounds(model, dp, pp, tp, seq_len, cp):
-            for schedule, m, sharding, reduce in search._groups(bound, batch // dp):
+            for schedule, m, sharding, reduce in mesh_search._groups(bound, batch // dp):
                 yield (dp, pp, cp, tp), bound, schedule, m, sharding, reduce, batch // dp
 
 
@@ -75,7 +75,7 @@ def _exhaustive_best(model, hw, *, world, G, limit, seq_len, batch):
         for mode in CHECKPOINTING:
             v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode,
                         reduce=reduce)
-            params_fit, peak = search._fits(bound, v, mode, n // m, limit)
+            params_fit, peak = mesh_search._fits(bound, v, mode, n // m, limit)
             if not params_fit:
                 break
             if peak is None:
