@@ -28,6 +28,7 @@ from ..tensor_parallel.loss import IGNORE_INDEX
 from .positions import KEYS, ids_of, packing_of, positions_mark, positions_of
 from .stage import Stage
 from ..errors import InputError
+from .input_problems import describe_inputs, integer_dtype, local_problems
 
 __all__ = ["check_step_inputs"]
 
@@ -51,7 +52,7 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
     Returns:
         The global batch's trained tokens when `count_tokens`, else None; the same on every rank.
     """
-    view, found, counted = _describe(inputs), True, None
+    view, found, counted = describe_inputs(inputs), True, None
     replica, replicas = (stage.mesh.dp_rank, stage.mesh.dp) if isinstance(stage, Stage) else (0, 1)
     positions = positions_mark(inputs)
     if isinstance(stage, Stage):
@@ -65,7 +66,7 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
     if not flagged:
         return total if count_tokens else None
     # Some rank found a problem or saw other microbatches: every rank is here; say what each found.
-    views = agree(_local_problems(stage, inputs, targets, default_loss, count_tokens), what,
+    views = agree(local_problems(stage, inputs, targets, default_loss, count_tokens), what,
                   view=(view, replica, positions, counted))
     groups = ranks_by_value([v for v, _, _, _ in views])
     if len(groups) > 1:
@@ -158,7 +159,7 @@ def _entry(x) -> tuple | str:
 @lru_cache(maxsize=256)
 def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, default_loss: bool,
                      count_tokens: bool) -> bool:
-    """Whether a structure (from `_layout`) breaks a rule that shapes and dtypes alone decide (`_local_problems`')."""
+    """Whether a structure (from `_layout`) breaks a rule that shapes and dtypes alone decide (`local_problems`')."""
     takes_ids, last, classes, unpackable, cp = facts
     if isinstance(inputs, str) or not inputs or any(isinstance(x, str) for x in inputs):
         return True
@@ -166,9 +167,9 @@ def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, de
         return True
     if cp > 1 and any(len(x[0]) != 2 or length_problem(x[0][-1], cp) for x in inputs):
         return True  # a sequence the cp ranks cannot share in balanced chunks
-    if takes_ids and any(len(x[0]) != 2 or not _integer_dtype(x[1]) for x in inputs):
+    if takes_ids and any(len(x[0]) != 2 or not integer_dtype(x[1]) for x in inputs):
         return True
-    if any(len(x) == 3 and (not takes_ids or x[2][0] != x[0] or not _integer_dtype(x[2][1])) for x in inputs):
+    if any(len(x) == 3 and (not takes_ids or x[2][0] != x[0] or not integer_dtype(x[2][1])) for x in inputs):
         return True  # positions: an HF model's, one per token, integers
     if not last:
         return False
@@ -177,13 +178,9 @@ def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, de
     if count_tokens and any(isinstance(t, str) for t in targets):
         return True  # counting trained tokens needs tensors
     return default_loss and any(
-        isinstance(t, str) or not _integer_dtype(t[1]) or (takes_ids and t[0] != inputs[i][0])
+        isinstance(t, str) or not integer_dtype(t[1]) or (takes_ids and t[0] != inputs[i][0])
         for i, t in enumerate(targets)
     )
-
-
-def _integer_dtype(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _values_fit(stage: Stage, inputs, targets, default_loss: bool, count_tokens: bool) -> tuple[bool, int | None]:
@@ -214,128 +211,3 @@ def _values_fit(stage: Stage, inputs, targets, default_loss: bool, count_tokens:
     fits = all(low >= 0 and (top is None or high <= top)
                for low, high, (_, top) in zip(extremes[::2], extremes[1::2], spans))
     return fits, counted
-
-
-def _is_tensor_list(values) -> bool:
-    """A non-empty list of microbatches: tensors, or dicts of tensors."""
-    return isinstance(values, Sequence) and len(values) > 0 and all(
-        isinstance(x, torch.Tensor) or (isinstance(x, dict) and x and all(isinstance(v, torch.Tensor) for v in x.values()))
-        for x in values
-    )
-
-
-def _kind(x) -> str:
-    if isinstance(x, dict):
-        return "{" + ", ".join(f"{k}: {_kind(v)}" for k, v in x.items()) + "}"
-    return f"[{', '.join(map(str, x.shape))}] {str(x.dtype).removeprefix('torch.')}"
-
-
-def _describe(inputs) -> str:
-    """'4 x [2, 16] int64' when uniform, else every microbatch's shape and dtype (dicts: every entry's)."""
-    if not _is_tensor_list(inputs):
-        return "no list of tensors"
-    kinds = [_kind(x) for x in inputs]
-    return f"{len(kinds)} x {kinds[0]}" if len(set(kinds)) == 1 else f"{len(kinds)}: " + ", ".join(kinds)
-
-
-def _names(what: str, indices: list[int], shown: int = 3) -> str:
-    """'inputs[0], inputs[1]' or 'inputs[0], inputs[1], inputs[2] and 5 more'."""
-    names = ", ".join(f"{what}[{i}]" for i in indices[:shown])
-    return names + (f" and {len(indices) - shown} more" if len(indices) > shown else "")
-
-
-def _is_integer(x: torch.Tensor) -> bool:
-    return _integer_dtype(x.dtype)
-
-
-def _first_outside(x: torch.Tensor, low: int, high: int | None, *, allow: int | None = None) -> str | None:
-    """'id 300 at (0, 5)' for the first value outside [low, high) (and not `allow`), else None."""
-    bad = x < low if high is None else (x < low) | (x >= high)
-    if allow is not None:
-        bad &= x != allow
-    if not bool(bad.any()):
-        return None
-    where = tuple(bad.nonzero()[0].tolist())
-    return f"{int(x[where])} at {where}"
-
-
-def _local_problems(stage: Stage, inputs, targets, default_loss: bool, count_tokens: bool) -> list[str]:
-    if not isinstance(stage, Stage):
-        return [f"needs the Stage returned by apply_plan, got {type(stage).__name__}"]
-    if not _is_tensor_list(inputs):
-        got = f"a tensor of shape {list(inputs.shape)}" if isinstance(inputs, torch.Tensor) else type(inputs).__name__
-        return [f"inputs must be a non-empty list of tensors, one per microbatch (on every rank), got {got}; "
-                "cut a [batch, seq] batch of token ids with `inputs, targets = rewrite.microbatches(ids, "
-                "stage.resolved.plan.pipeline.microbatches, dp_rank=stage.dp_rank, dp=stage.dp)` "
-                "(packed documents: add position_ids=, and each microbatch is a dict of input_ids and position_ids)"]
-    problems = _position_problems(stage, inputs)
-    if problems:
-        return problems
-    inputs = [ids_of(x) for x in inputs]
-    if stage.takes_token_ids:
-        vocab = stage.vocab_size
-        not_ids = [i for i, x in enumerate(inputs) if x.dim() != 2 or not _is_integer(x)]
-        if not_ids:
-            kinds = ", ".join(dict.fromkeys(_kind(inputs[i]) for i in not_ids))
-            problems.append(f"{_names('inputs', not_ids)} must be integer token ids [mb, seq], got {kinds}")
-        for i, x in enumerate(inputs):
-            if stage.is_first and i not in not_ids and (bad := _first_outside(x, 0, vocab)):
-                problems.append(f"inputs[{i}] holds id {bad}, outside the vocabulary [0, {vocab})")
-        uneven = [i for i, x in enumerate(inputs) if i not in not_ids and length_problem(x.shape[-1], stage.mesh.cp)]
-        if uneven and stage.mesh.cp > 1:
-            problems.append(f"{_names('inputs', uneven)}: mesh.cp={stage.mesh.cp}: "
-                            + length_problem(inputs[uneven[0]].shape[-1], stage.mesh.cp))
-    if stage.is_last:
-        if not isinstance(targets, Sequence) or len(targets) != len(inputs):
-            got = len(targets) if isinstance(targets, Sequence) else type(targets).__name__
-            problems.append(f"targets must be a list with one tensor per microbatch ({len(inputs)}), got {got}")
-        elif default_loss:
-            problems += _target_problems(stage, inputs, targets)
-        elif count_tokens and (odd := [i for i, t in enumerate(targets) if not isinstance(t, torch.Tensor)]):
-            problems.append(f"{_names('targets', odd)} must be tensors: a loss declared with returns_token_sums "
-                            f"is divided by the global batch's targets other than {IGNORE_INDEX}, got "
-                            f"{type(targets[odd[0]]).__name__}")
-    return problems
-
-
-def _position_problems(stage: Stage, inputs) -> list[str]:
-    """What is wrong with the microbatches given as dicts (`input_ids` with `position_ids`)."""
-    dicts = [i for i, x in enumerate(inputs) if isinstance(x, dict)]
-    if not dicts:
-        return []
-    if not stage.takes_token_ids:
-        return [f"{_names('inputs', dicts)} are dicts: position_ids need a Hugging Face decoder model run by "
-                "the module walker; a traced model takes one tensor per microbatch"]
-    if unpackable := packing_of(stage):
-        return [f"{_names('inputs', dicts)} carry position_ids (packed documents), which "
-                f"{type(stage.model).__name__} cannot take: {unpackable}"]
-    problems = []
-    for i in dicts:
-        x = inputs[i]
-        if tuple(sorted(x)) != KEYS:
-            problems.append(f"inputs[{i}] has keys {sorted(x)}; a microbatch with positions has exactly "
-                            "'input_ids' and 'position_ids'")
-            continue
-        ids, pos = x["input_ids"], x["position_ids"]
-        if pos.shape != ids.shape or not _is_integer(pos):
-            problems.append(f"inputs[{i}]['position_ids'] is {_kind(pos)} but its input_ids are {_kind(ids)}: "
-                            "one integer position per token")
-        elif bad := _first_outside(pos, 0, None):
-            problems.append(f"inputs[{i}]['position_ids'] holds {bad}: positions count from 0 where each "
-                            "document starts")
-    return problems
-
-
-def _target_problems(stage: Stage, inputs, targets) -> list[str]:
-    """What the default cross-entropy would fail on, on this rank alone."""
-    problems, classes = [], stage.num_classes
-    span = f"[0, {classes})" if classes else "[0, classes)"
-    for i, t in enumerate(targets):
-        if not isinstance(t, torch.Tensor) or not _is_integer(t):
-            got = _kind(t) if isinstance(t, torch.Tensor) else type(t).__name__
-            problems.append(f"targets[{i}] must hold integer class ids in {span} or {IGNORE_INDEX}, got {got}")
-        elif stage.takes_token_ids and t.shape != inputs[i].shape:
-            problems.append(f"targets[{i}] is {_kind(t)} but inputs[{i}] is {_kind(inputs[i])}: one target per token")
-        elif bad := _first_outside(t, 0, classes, allow=IGNORE_INDEX):
-            problems.append(f"targets[{i}] holds {bad}, outside {span} and not {IGNORE_INDEX} (ignored)")
-    return problems

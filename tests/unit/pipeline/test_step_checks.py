@@ -9,6 +9,7 @@ import torch
 from rewrite import Stage, resolve
 from rewrite.mesh import Mesh
 from rewrite.pipeline import inputs as checks
+from rewrite.pipeline.input_problems import local_problems
 from rewrite.pipeline.clock import StepClock, TimelineEvent
 from rewrite.run.presets import build_model
 
@@ -41,7 +42,7 @@ def test_fast_checks_refuse_exactly_what_the_full_checks_name():
         stage = _stage(first, last)
         assert (stage.is_first, stage.is_last, stage.takes_token_ids, stage.vocab_size) == (first, last, True, 256)
         for (i_name, x), (t_name, t) in itertools.product(inputs.items(), targets.items()):
-            full = checks._local_problems(stage, x, t, default_loss, counting)
+            full = local_problems(stage, x, t, default_loss, counting)
             facts = checks._facts(stage, checks._packed(x))
             fast = checks._structure_fails(facts, checks._layout(x), checks._layout(t), default_loss, counting)
             fast = fast or not checks._values_fit(stage, x, t, default_loss, counting)[0]
