@@ -27,119 +27,15 @@ from ..agreement import agree, share
 from ..lent import lend
 from ..mesh import check_world
 from ..pipeline.stage import Stage
-from ..binding.resolve import resolve
 from ..plan.loading import load_plan
-from ..plan.schema import ParallelPlan, PlanError
-from ..tensor_parallel.head_params import split_parameters
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..tensor_parallel.vocab import VocabParallelEmbedding
-from ..expert_parallel.tensor import ExpertTensorParallelMixin
-from ..models.experts import num_experts
+from ..plan.schema import ParallelPlan
 from . import swap
-from ..plan.ranks import Coords, expert_place
+from ..plan.ranks import Coords, Shape, expert_place
 from .disk_layout import on_disk
-from .layout import INDEX, SAVE_ID, Entry, meta_model, shard_file, stage_entries, written_by_stage
+from .layout import INDEX, SAVE_ID, Entry, shard_file
+from .save_checks import save_problems
 
 __all__ = ["save_pretrained"]
-
-def _summary(head: str, items: list[str], shown: int = 3) -> list[str]:
-    """One problem for many alike: the count and the first few."""
-    if not items:
-        return []
-    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
-    return [head.format(n=len(items)) + " " + "; ".join(items[:shown]) + more]
-
-
-def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
-    """Why the module holding `entry` is not the parallel layer the plan says, or None."""
-    if entry.dim is None:
-        return None
-    owner = model.get_submodule(entry.name.rpartition(".")[0])
-    if entry.over == "ep":
-        shard = getattr(owner, "expert_shard", None)
-        if shard is None:
-            return f"{entry.name}: the plan splits its experts over ep, the model holds a {type(owner).__name__} whole"
-        if shard.first != entry.start:
-            return f"{entry.name}: the module holds experts from {shard.first}, the plan gives this rank {entry.start}"
-        return None
-    if isinstance(owner, ExpertTensorParallelMixin):
-        return None  # each expert's slices: the module's tensors are this tp rank's (`split_experts_over_tp`)
-    if entry.name.rpartition(".")[2] in split_parameters(owner):
-        return None  # a bare per-head parameter, this tp rank's heads' values (`split_head_parameter`)
-    if num_experts(owner) is not None:
-        return f"{entry.name}: the plan splits each expert over tp, the model holds a {type(owner).__name__} whole"
-    classes = (ColumnParallelLinear, VocabParallelEmbedding) if entry.dim == 0 else (RowParallelLinear,)
-    if not isinstance(owner, classes):
-        wanted = " or ".join(c.__name__ for c in classes)
-        return f"{entry.name}: the plan shards it as {wanted}, the model holds {type(owner).__name__}"
-    if owner.tp_rank != tp_rank:
-        return f"{entry.name}: the layer is tp rank {owner.tp_rank}, this rank is tp rank {tp_rank} of the plan"
-    replicas = getattr(owner, "replicas", 1)
-    if replicas != entry.replicas:
-        return f"{entry.name}: the layer's slice is held by {replicas} tp ranks, the plan's by {entry.replicas}"
-    return None
-
-
-def _local_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stage | None) -> tuple[list[str], list[Entry]]:
-    """Check this rank's model against the plan; returns (problems, the entries this rank writes).
-
-    A stage rewritten with this very plan holds its binding; any other plan is bound afresh to a
-    meta copy of the model, so a plan that does not match the model is found either way.
-    """
-    config = getattr(model, "config", None)
-    if config is None:
-        return [f"{type(model).__name__} has no .config: only Hugging Face models can be saved"], []
-    meta = meta_model(config)
-    if stage is not None and stage.resolved.plan.model_dump() == plan.model_dump():
-        resolved = stage.resolved
-    else:
-        try:
-            resolved = resolve(plan, meta)
-        except PlanError as exc:
-            return [f"the model's config does not fit the plan: {exc}"], []
-    dp, pp, cp, at = plan.mesh.dp, plan.mesh.pp, plan.mesh.cp, plan.mesh.shape.coords(rank)
-    pp_rank, tp_rank = at.pp, at.tp
-    mine = stage_entries(meta, resolved, pp_rank, tp_rank, expert_place(plan.mesh.shape, at)[0])
-    by_expert = {e.name for e in mine if e.over == "ep"}  # whole on each rank of their group: never dp-sharded
-    have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
-    want = {e.name: e.local_shape for e in mine}
-    where = (f"dp_rank {at.dp}, " if dp > 1 else "") + f"pp_rank {pp_rank}, tp_rank {tp_rank}"
-    problems = _summary(
-        f"{where}: {{n}} tensors have other shapes than the plan gives this rank, e.g.",
-        [f"{n}: {list(have[n])} here, {list(s)} in the plan" for n, s in want.items() if n in have and have[n] != s],
-    )
-    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
-    if missing or extra:
-        problems.append(
-            f"{where}: should hold {len(want)} tensors but holds {len(have)}: missing {missing[:3]}"
-            f"{' ...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}"
-        )
-    if not problems:
-        problems = _summary(f"{where}: {{n}} layers are not what the plan makes of them:",
-                            [p for e in mine if (p := _expected_layer(model, e, tp_rank))])
-    replicas = dp * cp  # the ranks holding the same parameters: FSDP2 spreads them over all of them
-    split = f"not split over its {replicas} data-parallel ranks" if replicas > 1 else "split over data-parallel ranks"
-    ddp = replicas > 1 and plan.data_parallel.sharding == "replicate"  # torch's DDP keeps plain parameters
-    problems += _summary(
-        f"{where}: the plan has mesh.dp={dp}" + (f" x cp={cp}" if cp > 1 else "") + f", but {{n}} parameters are {split}, e.g.",
-        [f"{n}: {_dp_text(p)}" for n, p in model.named_parameters()
-         if _dp_size(p) != replicas and not (ddp and not isinstance(p, DTensor)) and n not in by_expert],
-    )
-    if problems:
-        problems[-1] += "; pass the plan the model was rewritten with"
-    every = [stage_entries(meta, resolved, s, 0) for s in range(pp)]
-    written = {e.name for e in written_by_stage(every)[pp_rank]}
-    return problems, [e for e in mine if e.name in written and e.name in have]
-
-
-def _dp_size(param: torch.Tensor) -> int:
-    """Over how many data-parallel ranks FSDP2 (or its replicate) spread `param`: 1 for a plain tensor."""
-    return param.device_mesh.size() if isinstance(param, DTensor) else 1
-
-
-def _dp_text(param: torch.Tensor) -> str:
-    return f"a DTensor over {_dp_size(param)} ranks" if isinstance(param, DTensor) else "a plain tensor"
-
 
 def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | dict, directory: str | Path) -> Path:
     """Write this rank's part of a rewritten model into one Hugging Face checkpoint directory.
@@ -192,16 +88,32 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     stage = model if isinstance(model, Stage) else None
     model = stage.model if stage is not None else model
     directory, rank, shape = Path(directory), dist.get_rank(), plan.mesh.shape
+    problems, entries = _save_problems(model, plan, stage, directory, rank)
+    tokens = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)  # first collective
+    save_id = tokens[0]
+    tmp = swap.temporary(directory, save_id)
+    error, sizes = _write_stage(model, stage, entries, shape.coords(rank), shape, tmp, save_id)
+    errors = _put_in_place(model, shape, tmp, directory, save_id, error, sizes)
+    if rank == 0 and os.path.lexists(tmp):  # holds nothing needed: the unused new files, or the old ones
+        shutil.rmtree(tmp, ignore_errors=True)
+    if errors:
+        raise RuntimeError(f"save_pretrained({str(directory)!r}) failed:\n  " + "\n  ".join(errors))
+    return directory
+
+
+def _save_problems(model, plan: ParallelPlan, stage: Stage | None, directory: Path, rank: int
+                   ) -> tuple[list[str], list[Entry]]:
+    """This rank's problems with the model, the plan and the directory, and the entries it writes."""
     if not isinstance(model, nn.Module):
         problems, entries = [f"save_pretrained needs a model or Stage, got {type(model).__name__}"], []
-    elif stage is not None and stage.mesh.shape != shape:
+    elif stage is not None and stage.mesh.shape != plan.mesh.shape:
         problems, entries = [
             f"the stage was built with mesh {stage.mesh.shape.text()}, the plan says {plan.mesh.shape_text()}; "
             "pass the plan the model was rewritten with"
         ], []
     else:
         try:
-            problems, entries = _local_problems(model, plan, rank, stage)
+            problems, entries = save_problems(model, plan, rank, stage)
         except Exception as exc:  # a rank that raised alone would leave the others waiting
             problems, entries = [f"checking the model against the plan: {type(exc).__name__}: {exc}"], []
     if directory.exists() and not directory.is_dir():
@@ -210,10 +122,15 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         swap.current(directory)
     except ValueError as exc:
         problems.append(str(exc))
-    tokens = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)  # first collective
-    save_id = tokens[0]
-    tmp = swap.temporary(directory, save_id)
-    at = shape.coords(rank)
+    return problems, entries
+
+
+def _write_stage(model: nn.Module, stage: Stage | None, entries: list[Entry], at: Coords, shape: Shape, tmp: Path,
+                 save_id: str) -> tuple[str | None, dict[str, int]]:
+    """Gather this rank's entries and, on a stage's writing rank, write its safetensors file into `tmp`.
+
+    Collective over the dp, tp and ep groups. Returns (this rank's error or None, bytes per tensor written).
+    """
     pp_rank, head = at.pp, shape.rank(Coords(pp=at.pp))  # the stage's first rank (dp 0, cp 0, tp 0) gathers
     first = at.dp == 0 and at.cp == 0  # the copy that writes: replica 0, cp rank 0
     local = model.state_dict()  # FSDP2 registers its sharded parameters first: DTensors under dp
@@ -238,6 +155,16 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         del tensors
     except Exception as exc:  # any rank's failure must reach every rank, or they would wait
         error = f"writing stage {pp_rank}: {type(exc).__name__}: {exc}"
+    return error, sizes
+
+
+def _put_in_place(model: nn.Module, shape: Shape, tmp: Path, directory: Path, save_id: str, error: str | None,
+                  sizes: dict[str, int]) -> list[str]:
+    """Every rank's outcome shared; when all wrote, rank 0 adds config and index and swaps `tmp` in.
+
+    Collective. Returns the errors, the same on every rank (none: the checkpoint is in place).
+    """
+    rank = dist.get_rank()
     results = share((error, sizes))
     errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(results) if e]
     if errors:
@@ -251,12 +178,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
             errors = [f"rank 0: putting the checkpoint in place: {type(exc).__name__}: {exc}; "
                       f"{directory} holds the old checkpoint or the new one, never a mix: save again"]
     final = share(("\n  ".join(errors) if errors and rank == 0 else None, {}))
-    errors = errors or [e for e, _ in final if e]
-    if rank == 0 and os.path.lexists(tmp):  # holds nothing needed: the unused new files, or the old ones
-        shutil.rmtree(tmp, ignore_errors=True)
-    if errors:
-        raise RuntimeError(f"save_pretrained({str(directory)!r}) failed:\n  " + "\n  ".join(errors))
-    return directory
+    return errors or [e for e, _ in final if e]
 
 
 def _gather_dp(local: torch.Tensor) -> torch.Tensor:
