@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import signal
 import sys
@@ -22,56 +21,6 @@ from collections.abc import Sequence
 from .flag_words import in_flags
 
 __all__ = ["main", "console", "build_parser"]
-
-
-def shown_dtype(hardware: str | None) -> str:
-    """`show`'s and `plan`'s default `--dtype`: the profile's (`estimate.hardware.default_dtype`:
-    bfloat16 on a GPU), float32 without one, as `rewrite train` takes bfloat16 on a GPU."""
-    from ..estimate.hardware import default_dtype, load_hardware
-
-    return "float32" if hardware is None else default_dtype(load_hardware(hardware))
-
-
-def _meta_model(model: str, dtype: str | None = None):
-    """The model with no weights allocated: enough to bind a plan to it."""
-    import torch
-
-    from .presets import build_model, load_config
-
-    config = load_config(model)
-    return build_model(config, device="meta", dtype=getattr(torch, dtype) if dtype else None)
-
-
-def _cmd_show(args: argparse.Namespace) -> int:
-    from ..estimate.balance import balance_warnings
-    from ..binding.resolve import resolve
-    from .show.columns import wrap_prose
-    from .show.data import show_data
-    from .show.options import format_options
-    from .show.report import render_text
-    from .show.schedule import format_schedule
-
-    model = _meta_model(args.model, "float32")  # the master weights `rewrite train` holds, whatever the config says
-    resolved = resolve(args.plan, model, world_size=args.world_size)
-    _check_context_parallel(resolved, model, args.model)
-    data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
-                     microbatches=args.microbatches, memory_limit=args.memory_limit,
-                     warnings=[*resolved.warnings, *balance_warnings(resolved, model)],
-                     hardware=args.hardware, gpus_per_node=args.gpus_per_node,
-                     dtype=args.dtype or shown_dtype(args.hardware))
-    if args.json:
-        sys.stdout.write(json.dumps(data, indent=2) + "\n")
-        return 0
-    print(render_text(data))
-    options = format_options(resolved, model, batch_size=args.batch_size, seq_len=args.seq_len,
-                             microbatches=args.microbatches)
-    if options:
-        print()
-        print(wrap_prose(options))
-    if args.schedule:
-        print()
-        print(format_schedule(resolved.plan, microbatches=args.microbatches))
-    return 0
 
 
 def _at_least_one(kind):
@@ -89,104 +38,12 @@ def _at_least_one(kind):
     return parse
 
 
-def _mesh_words(plan) -> str:
-    """`dp=2 x pp=2 x tp=2 = 8 ranks, 2 replicas with data_parallel.sharding full` (replicas only when dp > 1)."""
-    from ..plan.wording import plural
-
-    mesh = plan.mesh
-    words = f"{mesh.shape_text()} = {plural(mesh.world_size, 'rank')}"
-    return words + (f", {mesh.dp} replicas with data_parallel.sharding {plan.data_parallel.sharding}" if mesh.dp > 1 else "")
-
-
-def _cmd_validate(args: argparse.Namespace) -> int:
-    from ..plan.loading import load_plan
-    from ..binding.resolve import resolve
-
-    if args.model is None:
-        plan = load_plan(args.plan)
-        if args.world_size is not None and args.world_size != plan.mesh.world_size:
-            from ..plan.schema import PlanError
-            from ..plan.size_checks import world_problem
-
-            raise PlanError(args.plan, [world_problem(plan, args.world_size)])
-        print(f"{args.plan}: OK as a plan (mesh {_mesh_words(plan)}); pass --model to check it against a model too")
-        return 0
-    from ..estimate.balance import balance_warnings
-    from ..plan.wording import plural
-
-    model = _meta_model(args.model)
-    resolved = resolve(args.plan, model, world_size=args.world_size)  # the file's problems and the model's at once
-    _check_context_parallel(resolved, model, args.model)
-    plan, r, n = resolved.plan, resolved.kv_replicas, len(resolved.stages)
-    kv = f" (kv heads replicated {r}x: each of the {plan.mesh.tp // r} on {r} tp ranks)" if r > 1 else ""
-    print(
-        f"{args.plan}: OK for {resolved.model_name} ({args.model}): {_mesh_words(plan)}, "
-        f"{len(resolved.shards)} sharded modules{kv}, {plural(n, 'stage')}"
-    )
-    for warning in [*resolved.warnings, *balance_warnings(resolved, model)]:  # valid, but worth a look
-        print(f"warning: {args.plan}: {warning}", file=sys.stderr)
-    return 0
-
-
-def _check_context_parallel(resolved, model, name: str) -> None:
-    """Refuse mesh.cp > 1 for a family whose attention context parallelism cannot run (as apply_plan does)."""
-    from ..context_parallel.family import context_parallel_problem
-    from ..plan.schema import PlanError
-
-    cp = resolved.plan.mesh.cp
-    if cp > 1 and (problem := context_parallel_problem(model)):
-        raise PlanError(resolved.plan.source, [
-            f"{resolved.plan.where('mesh', 'cp')}mesh.cp={cp}: {resolved.model_name} ({name}): {problem}; use cp 1"])
-
-
-def _cmd_schema(args: argparse.Namespace) -> int:
-    from ..plan.schema import ParallelPlan
-
-    sys.stdout.write(json.dumps(ParallelPlan.model_json_schema(), indent=2) + "\n")
-    return 0
-
-
-def _cmd_train(args: argparse.Namespace) -> int:
-    from .train_entry import train_main
-    from .train_flags import train_config
-    from .train_launch import launch_train, split_launch_args
-
-    if args.nproc_per_node is not None:  # this process launches the workers, each runs the rest of the command
-        if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
-            print("error: --nproc-per-node under torchrun (or a launcher of its kind): this process is a worker "
-                  "already; use one launcher, `rewrite train ... --nproc-per-node N` or torchrun", file=sys.stderr)
-            return 2
-        launch, rest = split_launch_args(args.command_line[1:])
-        return launch_train(launch, rest)
-    train_main(train_config(args))
-    return 0
-
-
-def _cmd_export(args: argparse.Namespace) -> int:
-    from ..checkpoint.export import checkpoint_path, export_checkpoint
-    from ..checkpoint.state_dirs import STEP_DIR
-
-    source = checkpoint_path(args.checkpoint, args.step)
-    out = export_checkpoint(source, args.out)
-    step = STEP_DIR.match(source.name)
-    which = f"step {int(step[1])} ({source})" if step else str(source)
-    print(f"wrote {out} from {which}: loads with AutoModelForCausalLM.from_pretrained({str(out)!r})")
-    return 0
-
-
-def _cmd_init_model(args: argparse.Namespace) -> int:
-    from .tiny_model import make_tiny_checkpoint
-
-    out = make_tiny_checkpoint(args.out, preset=args.preset, data=args.data, vocab_size=args.vocab_size, seed=args.seed)
-    print(f"wrote {out}: a {args.preset} model with random weights and a BPE tokenizer trained on its text")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .plan_cmd import add_calibrate_parser, add_hardware_flags, add_plan_parser
     from .presets import PRESETS
     from .train_flags import MODEL_HELP, PLAN_HELP, add_train_flags
     from .train_launch import add_launch_flags
+    from .commands import cmd_export, cmd_init_model, cmd_schema, cmd_show, cmd_train, cmd_validate
     from .train_setup import DTYPES  # `--dtype` of show, plan and train: one meaning, one default
 
     parser = argparse.ArgumentParser(
@@ -218,16 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print the same content as one JSON document (sizes in bytes) instead of tables")
     show.add_argument("--schedule", action="store_true", help="also print the schedule table: each rank's actions and the predicted bubble")
     add_hardware_flags(show, "predict the step time on this hardware: a profile name")
-    show.set_defaults(func=_cmd_show)
+    show.set_defaults(func=cmd_show)
 
     validate = sub.add_parser("validate", help="check a plan (against a model); exit 1 listing every problem")
     validate.add_argument("plan", metavar="PLAN", help=PLAN_HELP)
     validate.add_argument("--model", default=None, metavar="MODEL", help=MODEL_HELP + " (omit: check the file only)")
     validate.add_argument("--world-size", type=int, default=None, help="check the mesh against this many ranks")
-    validate.set_defaults(func=_cmd_validate)
+    validate.set_defaults(func=cmd_validate)
 
     schema = sub.add_parser("schema", help="print the plan JSON schema (plans/plan.schema.json)")
-    schema.set_defaults(func=_cmd_schema)
+    schema.set_defaults(func=cmd_schema)
 
     train = sub.add_parser(
         "train",
@@ -239,13 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_flags(train)
     add_launch_flags(train)
-    train.set_defaults(func=_cmd_train)
+    train.set_defaults(func=cmd_train)
 
     export = sub.add_parser("export", help="a training checkpoint (--ckpt DIR, any plan) to a plain Hugging Face one")
     export.add_argument("checkpoint", metavar="CKPT_DIR", help="a run's --ckpt directory (its latest step) or a step-N directory")
     export.add_argument("out", metavar="OUT_DIR", help="where the Hugging Face checkpoint and tokenizer go")
     export.add_argument("--step", type=int, default=None, help="export step N instead of the latest")
-    export.set_defaults(func=_cmd_export)
+    export.set_defaults(func=cmd_export)
 
     init = sub.add_parser("init-model", help="a small Hugging Face model directory (random weights + BPE tokenizer)")
     init.add_argument("out", metavar="OUT_DIR", help="a new (or empty) directory")
@@ -253,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (default %(default)s)")
     init.add_argument("--data", default=None, help="text to train the tokenizer on (default: data/alice29.txt)")
     init.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default %(default)s)")
-    init.set_defaults(func=_cmd_init_model)
+    init.set_defaults(func=cmd_init_model)
     add_plan_parser(sub)
     add_calibrate_parser(sub)
     return parser

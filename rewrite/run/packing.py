@@ -19,7 +19,8 @@ import torch
 from ..pipeline.batches import microbatches
 from ..tensor_parallel.loss import IGNORE_INDEX
 from .byte_data import TrainConfigError
-from .text_data import EpochOrder, load_tokenizer
+from .text_data import load_tokenizer
+from .token_windows import EpochOrder
 from .tuning_data import Example, read_examples
 
 __all__ = ["Rows", "pack_examples", "TuningBatches"]
