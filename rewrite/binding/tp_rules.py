@@ -85,58 +85,9 @@ def shard_problems(
 
     A problem about one rule starts with that rule's line when the plan came from a file.
     """
-
-    tp, problems, chosen, params = rules.tp, [], {}, {}
-    names = list(modules)
+    tp, problems, names = rules.tp, [], list(modules)
     tied = tied_modules(model)
-    for pattern, style in rules.rules:
-        at = rules.at(pattern)
-        hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
-        if not hits:
-            found = [n for n, _ in model.named_parameters() if match_pattern(pattern, n)]
-            params.update((n, (pattern, style)) for n in found)  # bare parameters (attention sinks)
-            problems += [] if found else [unmatched_problem(at, pattern, names)]
-        for fqn in hits:
-            module = modules[fqn]
-            if STYLE_INFO[style].layer == "experts":
-                continue  # fused experts (by expert over ep, or each over tp): bound by `experts.expert_problems`
-            if style == "grad_allreduce":
-                if not any(True for _ in module.parameters()):  # nothing to sum: harmless, but say so
-                    if notes is not None:
-                        notes.append(f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters: "
-                                     "there is no gradient to sum, so the rule changes nothing there")
-                    continue
-            elif style == "vocab" and not isinstance(module, nn.Embedding):
-                problems.append(
-                    f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}; style 'vocab' "
-                    "shards an nn.Embedding's rows"
-                )
-            elif style == "vocab" and type(module).forward is not nn.Embedding.forward and embedding_scale(module) is None:
-                problems.append(
-                    f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, whose forward does "
-                    "more than look up rows (and scale them, as Gemma's scaled embedding does, which 'vocab' keeps); "
-                    "style 'vocab' would drop that: leave the embedding whole"
-                )
-            elif isinstance(module, nn.Embedding) and style != "vocab":
-                problems.append(
-                    f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, an nn.Embedding, as {style!r}; "
-                    "embeddings are sharded with style 'vocab' (HF: embedding_rowwise)"
-                )
-            elif style != "vocab" and not isinstance(module, nn.Linear):
-                linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n]
-                hint = f"; its linears: {', '.join(linears[:4])}" if linears else ""
-                problems.append(
-                    f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, not an "
-                    f"nn.Linear; only linears can be sharded{hint}"
-                )
-            elif fqn in chosen and chosen[fqn][1] != style:
-                other, other_style = chosen[fqn]
-                problems.append(
-                    f"{at}{fqn!r} is matched by tensor_parallel[{other!r}] as {other_style!r} and by "
-                    f"tensor_parallel[{pattern!r}] as {style!r}; keep one style per module"
-                )
-            else:
-                chosen.setdefault(fqn, (pattern, style))
+    chosen, params = _matched(rules, model, modules, problems, notes)
     if tp > 1:
         implied, whole_problems = kept_whole(modules, {f: s for f, (_, s) in [*chosen.items(), *params.items()]})
         problems += whole_problems + latent_problems(model, modules, chosen, tp, rules.at)
@@ -151,48 +102,105 @@ def shard_problems(
         return fitting
 
     for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
-        lin = modules[fqn]
-        if style in WHOLE_STYLES:
-            weight = getattr(lin, "weight", None)
-            shape = tuple(weight.shape) if isinstance(weight, nn.Parameter) else None
-            shards.append(ShardSpec(fqn, style, pattern, None, None, False, shape, None))
-            continue
-        at = rules.at(pattern)
-        if style == "vocab":
-            rows, dim = lin.num_embeddings, lin.embedding_dim
-            if rows % tp:
-                problems.append(
-                    f"{at}{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
-                    f"use tp {either(fits())} ({_FITS}), or leave the embedding whole"
-                )
-            shards.append(ShardSpec(fqn, style, pattern, rows, dim, False, TensorSplit(0, tp).local_shape((rows, dim)),
-                                    None, 1, tp))
-            continue
-        split_out, parts = style in COLUMN_STYLES, packed_parts(style)
-        replicas = kv_replicas_of(model, modules, fqn, tp) if is_split_kv(fqn, styles) else 1
-        slices = tp // replicas
-        dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
-        if parts > 1 and size % (parts * tp):
-            problems.append(
-                f"{at}{fqn} ({style}): out_features={size} must be {parts} equal parts, each divisible by "
-                f"mesh.tp={tp}; use tp {either(fits())} ({_FITS}), or shard it as 'column_gather'"
-            )
-        elif size % slices:
-            problems.append(
-                f"{at}{fqn} ({style}): {dim}={size}{_dim_meaning(model, size)} is not divisible by mesh.tp={tp}; "
-                f"use tp {either(fits())} ({_FITS}), or leave {fqn.rsplit('.', 1)[-1]} whole"
-            )
-        split = TensorSplit(0 if split_out else 1, slices, parts, replicas)
-        weight = split.local_shape((lin.out_features, lin.in_features))
-        bias = None if lin.bias is None else (split if split_out else WHOLE).local_shape((lin.out_features,))
-        shards.append(ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias,
-                                replicas, tp))
+        shards.append(_module_shard(model, modules, styles, fqn, pattern, style, rules, fits, problems))
     shards += _parameter_shards(model, params, styles, tp, rules, problems)
     if tp > 1:
         rule_at = {s.fqn: rules.at(s.pattern) for s in shards if s.pattern != "(implied)"}
         problems += _tied_problems(tied, {s.fqn: s.style for s in shards}, rule_at)
         problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp, rule_at, rules.tp_line)
     return shards, problems
+
+
+def _matched(rules: TpRules, model: nn.Module, modules: dict[str, nn.Module], problems: list[str],
+             notes: list[str] | None) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, str]]]:
+    """(pattern, style) per module path and per bare parameter the rules choose; problems added to `problems`."""
+    chosen, params, names = {}, {}, list(modules)
+    for pattern, style in rules.rules:
+        at = rules.at(pattern)
+        hits = [fqn for fqn in names if fqn and match_pattern(pattern, fqn)]
+        if not hits:
+            found = [n for n, _ in model.named_parameters() if match_pattern(pattern, n)]
+            params.update((n, (pattern, style)) for n in found)  # bare parameters (attention sinks)
+            problems += [] if found else [unmatched_problem(at, pattern, names)]
+        for fqn in hits:
+            module = modules[fqn]
+            if STYLE_INFO[style].layer == "experts":
+                continue  # fused experts (by expert over ep, or each over tp): bound by `experts.expert_problems`
+            if style == "grad_allreduce":
+                if notes is not None and not any(True for _ in module.parameters()):  # nothing to sum: say so
+                    notes.append(f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, which has no parameters: "
+                                 "there is no gradient to sum, so the rule changes nothing there")
+                continue
+            problem = _module_problem(at, pattern, style, fqn, module)
+            if problem:
+                problems.append(problem)
+            elif fqn in chosen and chosen[fqn][1] != style:
+                other, other_style = chosen[fqn]
+                problems.append(
+                    f"{at}{fqn!r} is matched by tensor_parallel[{other!r}] as {other_style!r} and by "
+                    f"tensor_parallel[{pattern!r}] as {style!r}; keep one style per module"
+                )
+            else:
+                chosen.setdefault(fqn, (pattern, style))
+    return chosen, params
+
+
+def _module_problem(at: str, pattern: str, style: str, fqn: str, module: nn.Module) -> str | None:
+    """Why `style` cannot shard `module` (an embedding only as 'vocab', a linear only otherwise), or None."""
+    if style == "vocab" and not isinstance(module, nn.Embedding):
+        return (f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}; style 'vocab' "
+                "shards an nn.Embedding's rows")
+    if style == "vocab" and type(module).forward is not nn.Embedding.forward and embedding_scale(module) is None:
+        return (f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, whose forward does "
+                "more than look up rows (and scale them, as Gemma's scaled embedding does, which 'vocab' keeps); "
+                "style 'vocab' would drop that: leave the embedding whole")
+    if isinstance(module, nn.Embedding) and style != "vocab":
+        return (f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, an nn.Embedding, as {style!r}; "
+                "embeddings are sharded with style 'vocab' (HF: embedding_rowwise)")
+    if style != "vocab" and not isinstance(module, nn.Linear):
+        linears = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and n]
+        hint = f"; its linears: {', '.join(linears[:4])}" if linears else ""
+        return (f"{at}tensor_parallel[{pattern!r}] matches {fqn!r}, a {type(module).__name__}, not an "
+                f"nn.Linear; only linears can be sharded{hint}")
+    return None
+
+
+def _module_shard(model: nn.Module, modules: dict[str, nn.Module], styles: dict[str, str], fqn: str, pattern: str,
+                  style: str, rules: TpRules, fits, problems: list[str]) -> ShardSpec:
+    """The `ShardSpec` of module `fqn` under `style`; a size tp does not divide is added to `problems`."""
+    lin, tp = modules[fqn], rules.tp
+    if style in WHOLE_STYLES:
+        weight = getattr(lin, "weight", None)
+        shape = tuple(weight.shape) if isinstance(weight, nn.Parameter) else None
+        return ShardSpec(fqn, style, pattern, None, None, False, shape, None)
+    at = rules.at(pattern)
+    if style == "vocab":
+        rows, dim = lin.num_embeddings, lin.embedding_dim
+        if rows % tp:
+            problems.append(
+                f"{at}{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
+                f"use tp {either(fits())} ({_FITS}), or leave the embedding whole"
+            )
+        return ShardSpec(fqn, style, pattern, rows, dim, False, TensorSplit(0, tp).local_shape((rows, dim)), None, 1, tp)
+    split_out, parts = style in COLUMN_STYLES, packed_parts(style)
+    replicas = kv_replicas_of(model, modules, fqn, tp) if is_split_kv(fqn, styles) else 1
+    slices = tp // replicas
+    dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
+    if parts > 1 and size % (parts * tp):
+        problems.append(
+            f"{at}{fqn} ({style}): out_features={size} must be {parts} equal parts, each divisible by "
+            f"mesh.tp={tp}; use tp {either(fits())} ({_FITS}), or shard it as 'column_gather'"
+        )
+    elif size % slices:
+        problems.append(
+            f"{at}{fqn} ({style}): {dim}={size}{_dim_meaning(model, size)} is not divisible by mesh.tp={tp}; "
+            f"use tp {either(fits())} ({_FITS}), or leave {fqn.rsplit('.', 1)[-1]} whole"
+        )
+    split = TensorSplit(0 if split_out else 1, slices, parts, replicas)
+    weight = split.local_shape((lin.out_features, lin.in_features))
+    bias = None if lin.bias is None else (split if split_out else WHOLE).local_shape((lin.out_features,))
+    return ShardSpec(fqn, style, pattern, lin.in_features, lin.out_features, lin.bias is not None, weight, bias,
+                     replicas, tp)
 
 
 def _parameter_shards(model: nn.Module, params: dict[str, tuple[str, str]], styles: dict[str, str], tp: int,
