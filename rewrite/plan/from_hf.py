@@ -92,25 +92,51 @@ def plan_from_hf(
         >>> plan_from_hf(LlamaConfig(), tp=2, loss_parallel=True).tensor_parallel["lm_head"]
         'column'
     """
-    if isinstance(model_or_config, nn.Module):
-        model, config = model_or_config, model_or_config.config
-        prefix = _base_attribute(model)
-        head_rules = dict(getattr(type(model), "_tp_plan", None) or {}) if prefix else {}
-    else:
-        config, model = model_or_config, None
-        cls = _model_class(config)
-        prefix, head_rules = cls.base_model_prefix, dict(getattr(cls, "_tp_plan", None) or {})
-        try:  # where its base model really sits (Llama 4's is not where its prefix says)
-            model = _meta_model(config)
-            prefix = _base_attribute(model) or prefix
-        except Exception:  # noqa: BLE001 - a config its class cannot build: its prefix as declared
-            model = None
+    model, config, prefix, head_rules = _model_and_prefix(model_or_config)
     base_rules = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not base_rules:
         raise ValueError(f"{type(config).__name__} has no base_model_tp_plan to build a plan from")
     rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_rules.items()}
     rules = _with_experts(rules, config, prefix, model,
                           split_over_tp=tp > 1 and ep == 1)
+    rules = _with_head(rules, model_or_config, config, prefix, head_rules, base_rules, loss_parallel)
+    rules = {k: v for k, v in rules.items() if v not in NEEDS_NO_RULE}  # local_params: how HF's DTensors run
+    _refuse_unsupported(config, rules)
+    pipeline = {"microbatches": microbatches, "schedule": schedule, "virtual_stages": virtual_stages}
+    if cut_points is not None:
+        pipeline["cut_points"] = cut_points
+    # Through load_plan, so a bad argument reads like a bad plan file: each problem with its fix.
+    return load_plan({
+        "mesh": {"pp": pp, "tp": tp, "ep": ep, "dp": _replicas(ep, tp) if dp is None else dp},
+        "tensor_parallel": rules,
+        "pipeline": pipeline,
+        "loss_parallel": loss_parallel,
+        "sequence_parallel": sequence_parallel,
+    })
+
+
+def _model_and_prefix(model_or_config) -> tuple[nn.Module | None, object, str, dict]:
+    """(the model, or a meta one built from the config, None when its class cannot build it; the config; the
+    attribute holding the base model, "" for a bare base model; the causal LM's own head rules)."""
+    if isinstance(model_or_config, nn.Module):
+        model, config = model_or_config, model_or_config.config
+        prefix = _base_attribute(model)
+        head_rules = dict(getattr(type(model), "_tp_plan", None) or {}) if prefix else {}
+        return model, config, prefix, head_rules
+    config, model = model_or_config, None
+    cls = _model_class(config)
+    prefix, head_rules = cls.base_model_prefix, dict(getattr(cls, "_tp_plan", None) or {})
+    try:  # where its base model really sits (Llama 4's is not where its prefix says)
+        model = _meta_model(config)
+        prefix = _base_attribute(model) or prefix
+    except Exception:  # noqa: BLE001 - a config its class cannot build: its prefix as declared
+        model = None
+    return model, config, prefix, head_rules
+
+
+def _with_head(rules: dict, model_or_config, config, prefix: str, head_rules: dict, base_rules: dict,
+               loss_parallel: bool) -> dict:
+    """`rules` with the LM head's and, for tied embeddings, the embedding's as `plan_from_hf` says."""
     tied = getattr(config, "tie_word_embeddings", False)
     if loss_parallel:
         if not prefix:
@@ -128,7 +154,11 @@ def plan_from_hf(
         rules = {k: v for k, v in rules.items() if not _is_vocab(v)}
     else:
         rules.update(head_rules)
-    rules = {k: v for k, v in rules.items() if v not in NEEDS_NO_RULE}  # local_params: how HF's DTensors run
+    return rules
+
+
+def _refuse_unsupported(config, rules: dict) -> None:
+    """ValueError naming the rules whose styles this toolkit does not implement."""
     known = {*STYLES, *STYLE_ALIASES}
     unsupported = {k: v for k, v in rules.items() if v not in known}
     if unsupported:
@@ -137,17 +167,6 @@ def plan_from_hf(
             f"{type(config).__name__}'s tensor-parallel plan uses styles this toolkit does not implement ({listed}); "
             f"supported: {', '.join(sorted(known))}"
         )
-    pipeline = {"microbatches": microbatches, "schedule": schedule, "virtual_stages": virtual_stages}
-    if cut_points is not None:
-        pipeline["cut_points"] = cut_points
-    # Through load_plan, so a bad argument reads like a bad plan file: each problem with its fix.
-    return load_plan({
-        "mesh": {"pp": pp, "tp": tp, "ep": ep, "dp": _replicas(ep, tp) if dp is None else dp},
-        "tensor_parallel": rules,
-        "pipeline": pipeline,
-        "loss_parallel": loss_parallel,
-        "sequence_parallel": sequence_parallel,
-    })
 
 
 def _base_attribute(model: nn.Module) -> str:
