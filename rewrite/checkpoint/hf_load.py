@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
 from ..agreement import agree
@@ -20,15 +19,11 @@ from ..mesh import check_world
 from ..models.names import first_names
 from ..pipeline.param_splits import apply_param_splits
 from ..pipeline.stage import Stage
-from ..binding.resolve import ResolvedPlan, resolve
 from ..plan.loading import load_plan
-from ..plan.schema import ParallelPlan, PlanError
+from ..plan.schema import ParallelPlan
 from ..rewriter import apply_plan
-from . import swap
-from .headers import load_dtype, model_dtype, model_keys, read_headers, save_id_problems, weight_map_of
-from ..plan.ranks import expert_place
-from .layout import INDEX, Entry, meta_model, stage_entries
-from .disk_layout import Stacked, stored_keys, stored_names
+from .layout import Entry
+from .load_checks import ReadPlan, plan_read
 from .shards import Source, file_order, fill_dp_shards, reading, rebuild_unstored, unstored_modules
 from ..errors import CheckpointError
 
@@ -93,49 +88,21 @@ def from_pretrained(
     plan = load_plan(plan)
     check_world(plan.mesh.shape)
     directory = Path(directory)
-    at = plan.mesh.shape.coords(dist.get_rank())
     what = f"from_pretrained({str(directory)!r}, {plan.source})"
-    problems, sources, entries, meta, generation, note, floats = [], {}, [], None, None, None, None
+    read = ReadPlan()
     try:
-        directory = swap.current(directory)  # the old checkpoint, if a save was killed mid-swap
-        config, generation = _read_configs(directory)
-        meta = meta_model(config)
-        resolved = _resolve(plan, meta, directory, config)
-        entries = stage_entries(meta, resolved, at.pp, at.tp, expert_place(plan.mesh.shape, at)[0])
-        weight_map, index_id = weight_map_of(directory)
-        stored, problems = stored_names(meta, weight_map, directory)  # transformers' on-disk layout
-        sources, found = _check_sources(directory, weight_map, entries, stored)
-        problems += found
-        headers = read_headers(directory, weight_map.values())  # every file: all ranks decide alike
-        problems += save_id_problems(directory, headers, index_id)
-        keys = {**model_keys(meta, weight_map), **{k: weight_map[k] for k in stored_keys(stored)}}
-        dtype, note = load_dtype(headers, keys, config, dtype)
-        floats = model_dtype(headers, keys, dtype)
+        plan_read(read, directory, plan, dtype)
     except ValueError as exc:
-        problems.append(str(exc))
+        read.problems.append(str(exc))
     except Exception as exc:  # anything else too: a rank that raised alone would leave the others waiting
-        problems.append(f"{type(exc).__name__}: {exc}")
-    agree(problems, what, error=CheckpointError)  # the first collective: every rank raises, or none does
-    if note is not None and dist.get_rank() == 0:
-        warnings.warn(f"{what}: {note}", stacklevel=2)
-
-    by_name = {e.name: e for e in entries}
-    if floats is not None:  # FSDP2 units keep the dtype their parameters had when made
-        meta.to(floats)
-    if plan.mesh.dp * plan.mesh.cp == 1:  # no data-parallel units: plain tensors, each rank's own
-        # Whole tied weights first: apply_plan broadcasts the first stage's copy to the last
-        # stage. Tied weights split along the vocabulary stay meta: each end reads its rows.
-        agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what, error=CheckpointError)
-        stage = apply_plan(meta, plan, compute_dtype=compute_dtype)
-        names = first_names(stage.model)
-        tied = [names[id(p)] for p in stage.tied]
-        problems = _materialise(stage.model, by_name, sources, device, dtype, only_tied=False)
-        stage.tied = [stage.model.get_parameter(n) for n in tied]  # the loaded tensors, not the meta ones
-        problems += rebuild_unstored(stage, unstored_modules(stage.model), device)
-    else:
-        # All meta, tied weights too: both ends of a tied pair read it from the checkpoint.
-        stage = apply_plan(meta, plan, compute_dtype=compute_dtype)
-        problems = fill_dp_shards(stage, by_name, sources, device)
+        read.problems.append(f"{type(exc).__name__}: {exc}")
+    agree(read.problems, what, error=CheckpointError)  # the first collective: every rank raises, or none does
+    if read.note is not None and dist.get_rank() == 0:
+        warnings.warn(f"{what}: {read.note}", stacklevel=2)
+    meta = read.meta
+    if read.floats is not None:  # FSDP2 units keep the dtype their parameters had when made
+        meta.to(read.floats)
+    stage, problems = _load_stage(meta, plan, read, device, compute_dtype, what)
     apply_param_splits(stage)  # the tensors read (or given storage) in place of the meta ones carry theirs too
     left = [n for n, t in [*stage.model.named_parameters(), *stage.model.named_buffers()] if t.is_meta]
     if left:
@@ -144,96 +111,30 @@ def from_pretrained(
     floats = [p.dtype for p in stage.model.parameters() if p.is_floating_point()]
     if floats:
         stage.model.config.dtype = floats[0]
-    if generation is not None:
-        stage.model.generation_config = generation
+    if read.generation is not None:
+        stage.model.generation_config = read.generation
     return stage
 
 
-def _read_configs(directory: Path):
-    from transformers import AutoConfig, GenerationConfig
-
-    path = directory / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file; pass a checkpoint directory (config.json + safetensors files)")
-    try:
-        config = AutoConfig.from_pretrained(str(directory))
-    except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{path}: cannot read the model config: {exc}") from None
-    generation = None
-    if (directory / "generation_config.json").is_file():
-        try:
-            generation = GenerationConfig.from_pretrained(str(directory))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{directory / 'generation_config.json'}: cannot read it: {exc}") from None
-    return config, generation
-
-
-def _resolve(plan: ParallelPlan, meta: nn.Module, directory: Path, config) -> ResolvedPlan:
-    try:
-        return resolve(plan, meta, world_size=dist.get_world_size())
-    except PlanError as exc:
-        fields = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
-        desc = ", ".join(f"{f}={getattr(config, f)}" for f in fields if hasattr(config, f))
-        raise CheckpointError(
-            f"{directory / 'config.json'} ({type(meta).__name__}: {desc}) does not fit the plan; "
-            f"change the plan or load another checkpoint:\n{exc}"
-        ) from None
-
-
-def _check_sources(
-    directory: Path, weight_map: dict[str, str], entries: list[Entry], stored: dict
-) -> tuple[dict[str, Source], list[str]]:
-    """Where each entry is stored (`stored`: `disk_layout.stored_names`, for those stored under other names);
-    problems for anything missing, unreadable or misshapen."""
-    problems, wanted, sources = [], {}, {}
-    for e in entries:
-        key = e.canonical if e.canonical in weight_map else e.name
-        if key not in weight_map:
-            if e.name in stored and stored[e.name] is None:
-                continue  # stored in a layout not read: reported by stored_names
-            key = stored.get(e.name, stored.get(e.canonical))
-            if isinstance(key, Stacked):
-                found = key.problems(e.name, e.full_shape, e.dim)
-                problems += found
-                if not found:
-                    sources[e.name] = key
-                continue
-        if key not in weight_map:
-            problems.append(
-                f"{directory}: tensor {e.name!r} is not in the checkpoint; it does not hold this config's model"
-            )
-            continue
-        wanted.setdefault(weight_map[key], []).append((e, key))
-    shapes_off = []
-    for file, pairs in wanted.items():
-        path = directory / file
-        if not path.is_file():
-            names = [key for _, key in pairs]
-            problems.append(
-                f"{path}: shard file missing (the index maps {len(names)} tensors this rank needs to it, "
-                f"e.g. {names[0]!r}); copy the complete checkpoint"
-            )
-            continue
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                keys = set(f.keys())
-                shapes = {key: tuple(f.get_slice(key).get_shape()) for _, key in pairs if key in keys}
-        except Exception as exc:  # SafetensorError or OSError
-            problems.append(f"{path}: unreadable ({exc}); the file is corrupted or truncated, re-save it")
-            continue
-        for e, key in pairs:
-            if key not in keys:
-                problems.append(f"{path}: no tensor {key!r}, though {INDEX} maps it there; re-save the checkpoint")
-            elif shapes[key] != e.full_shape:
-                shapes_off.append(
-                    f"{path}: tensor {key!r} has shape {list(shapes[key])}, but config.json implies {list(e.full_shape)}"
-                )
-            else:
-                sources[e.name] = (path, key)
-    if shapes_off:
-        more = f" (and {len(shapes_off) - 2} more tensors)" if len(shapes_off) > 2 else ""
-        problems.append("; ".join(shapes_off[:2]) + more + "; the config and the weights do not belong together")
-    return sources, problems
+def _load_stage(meta: nn.Module, plan: ParallelPlan, read: ReadPlan, device, compute_dtype: torch.dtype | None,
+                what: str) -> tuple[Stage, list[str]]:
+    """The plan applied to the meta model and this rank's tensors read into it; and the problems found."""
+    by_name, sources, dtype = {e.name: e for e in read.entries}, read.sources, read.dtype
+    if plan.mesh.dp * plan.mesh.cp > 1:
+        # All meta, tied weights too: both ends of a tied pair read it from the checkpoint.
+        stage = apply_plan(meta, plan, compute_dtype=compute_dtype)
+        return stage, fill_dp_shards(stage, by_name, sources, device)
+    # No data-parallel units: plain tensors, each rank's own. Whole tied weights first: apply_plan broadcasts
+    # the first stage's copy to the last stage. Tied weights split along the vocabulary stay meta: each end
+    # reads its rows.
+    agree(_materialise(meta, by_name, sources, device, dtype, only_tied=True), what, error=CheckpointError)
+    stage = apply_plan(meta, plan, compute_dtype=compute_dtype)
+    names = first_names(stage.model)
+    tied = [names[id(p)] for p in stage.tied]
+    problems = _materialise(stage.model, by_name, sources, device, dtype, only_tied=False)
+    stage.tied = [stage.model.get_parameter(n) for n in tied]  # the loaded tensors, not the meta ones
+    problems += rebuild_unstored(stage, unstored_modules(stage.model), device)
+    return stage, problems
 
 
 def _owned(view: torch.Tensor, device, dtype) -> torch.Tensor:
