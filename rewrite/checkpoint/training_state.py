@@ -104,7 +104,39 @@ def save_training_state(
     Example:
         >>> rewrite.save_training_state("ckpt", stage, optimizer, scheduler, extra={"step": 50})
     """
-    directory, problems, path = Path(directory), [], None
+    directory = Path(directory)
+    problems, step, boxes, moments = _save_problems(directory, stage, optimizer, scheduler, extra, step, keep)
+    what = f"save_training_state({str(directory)!r})"
+    view = space_view(directory, {**boxes, **moments}) if not problems else None
+    gathered = share((problems, nonfinite_problems(stage, optimizer), view))  # the first collective
+    raise_problems([found for found, _, _ in gathered], what)
+    raise_problems([diverged for _, diverged, _ in gathered], what, NonFiniteState)
+    needs = space_needs([v for _, _, v in gathered])
+    if too_big := space_problems(needs, directory):
+        raise CheckpointWriteError(f"{what}: " + "; ".join(too_big))
+    path = step_dir(directory, step)
+    if dist.get_rank() == 0 and path.exists():
+        shutil.rmtree(path)  # a save of this step that died before `latest` named it
+    dist.barrier()
+    failed, interrupted = _write(_state(stage, optimizer, scheduler, extra, step, boxes, moments), path)
+    if dist.get_rank() == 0:
+        failed = failed or _finish(stage, directory, path, step, keep, tokenizer)
+    failed = share(failed)[0]  # rank 0's word: no rank goes on before `latest` names this one, or all raise
+    if interrupted:  # Ctrl-C during the write: the partial goes, the interrupt goes on
+        _after_failure(directory, path)
+        raise KeyboardInterrupt
+    if failed is not None:
+        need = format_bytes(max(n for n, _ in needs.values()))
+        raise CheckpointWriteError(f"{what}: writing {path.name} (about {need}) failed: {failed}; "
+                                   + _after_failure(directory, path))
+    return path
+
+
+def _save_problems(directory: Path, stage: Stage, optimizer, scheduler, extra, step, keep
+                   ) -> tuple[list[str], Any, dict, dict]:
+    """This rank's problems with the arguments and the state to save, the step named, and the boxes of the
+    model's tensors and of the optimizer state."""
+    problems, boxes, moments = [], {}, {}
     try:
         latest = latest_checkpoint(directory)
         if step is None:
@@ -125,18 +157,11 @@ def save_training_state(
             {"extra": extra, "scheduler": scheduler.state_dict() if scheduler is not None else None})
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
-    what = f"save_training_state({str(directory)!r})"
-    view = space_view(directory, {**boxes, **moments}) if not problems else None
-    gathered = share((problems, nonfinite_problems(stage, optimizer), view))  # the first collective
-    raise_problems([found for found, _, _ in gathered], what)
-    raise_problems([diverged for _, diverged, _ in gathered], what, NonFiniteState)
-    needs = space_needs([v for _, _, v in gathered])
-    if too_big := space_problems(needs, directory):
-        raise CheckpointWriteError(f"{what}: " + "; ".join(too_big))
-    path = step_dir(directory, step)
-    if dist.get_rank() == 0 and path.exists():
-        shutil.rmtree(path)  # a save of this step that died before `latest` named it
-    dist.barrier()
+    return problems, step, boxes, moments
+
+
+def _state(stage: Stage, optimizer, scheduler, extra, step: int, boxes: dict, moments: dict) -> dict[str, Any]:
+    """What this rank hands DCP: its boxes, moments and RNG state; rank 0 also the run's own state."""
     state: dict[str, Any] = {f"model/{name}": box for name, box in boxes.items()}
     state.update(moments)
     state[f"rng/{dist.get_rank()}"] = _rng_state()
@@ -146,6 +171,11 @@ def save_training_state(
         state["extra"] = extra
         state["run"] = {"mesh": _mesh(stage), "world_size": dist.get_world_size(), "step": step,
                         "plan": str(stage.resolved.plan.source)}
+    return state
+
+
+def _write(state: dict, path: Path) -> tuple[str | None, bool]:
+    """Collective: `state` written by DCP; (the first failure in words or None, whether it was a Ctrl-C)."""
     failed, interrupted = None, False
     try:
         dcp.save(state, checkpoint_id=path, planner=PieceSavePlanner())
@@ -155,17 +185,7 @@ def save_training_state(
         failed = f"rank {rank}: {type(first).__name__}: {first}"
         if "unexpected pos" in str(first):  # torch's zip writer, when a write came up short
             failed += " (a file could not be written whole: a full disk, a quota or a file-size limit)"
-    if dist.get_rank() == 0:
-        failed = failed or _finish(stage, directory, path, step, keep, tokenizer)
-    failed = share(failed)[0]  # rank 0's word: no rank goes on before `latest` names this one, or all raise
-    if interrupted:  # Ctrl-C during the write: the partial goes, the interrupt goes on
-        _after_failure(directory, path)
-        raise KeyboardInterrupt
-    if failed is not None:
-        need = format_bytes(max(n for n, _ in needs.values()))
-        raise CheckpointWriteError(f"{what}: writing {path.name} (about {need}) failed: {failed}; "
-                                   + _after_failure(directory, path))
-    return path
+    return failed, interrupted
 
 
 def _finish(stage: Stage, directory: Path, path: Path, step: int, keep: int | None, tokenizer: Any) -> str | None:
