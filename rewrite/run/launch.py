@@ -13,14 +13,12 @@ file outlives the launching process, however that process ends.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import pickle
 import selectors
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from datetime import timedelta
@@ -59,70 +57,12 @@ if sys.platform.startswith("linux"):
         import ctypes, signal
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):
-        pass  # the watchdog thread of _worker still stops us
+        pass  # the watchdog thread of run_worker still stops us
 if os.getppid() != parent:
     os._exit(1)
-from rewrite.run.launch import _worker
-_worker(parent, int(sys.argv[2]), int(sys.argv[3]))
+from rewrite.run.launch_worker import run_worker
+run_worker(parent, int(sys.argv[2]), int(sys.argv[3]))
 """
-
-
-def _watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
-    """Exit this process once `parent_pid` is no longer its parent (it died; we were adopted).
-
-    The portable fallback for where PR_SET_PDEATHSIG does not exist: a daemon thread,
-    so it fires even while the main thread is blocked in a collective.
-    """
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(interval_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="rewrite-launch-watchdog", daemon=True).start()
-
-
-def _put(fd: int, data: bytes) -> None:
-    """Make `data` the whole content of this rank's result file."""
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    with open(fd, "wb", closefd=False) as f:
-        f.write(data)
-
-
-def _worker(parent_pid: int, payload_fd: int, result_fd: int) -> None:
-    """Worker side: join the group, call the function, write its value or traceback.
-
-    The payload's descriptor (and so its file offset) is shared by every rank: read
-    it through a mapping of our own.
-    """
-    import traceback
-    from datetime import timedelta
-
-    _watch_parent(parent_pid)
-    try:
-        with mmap.mmap(payload_fd, 0, access=mmap.ACCESS_READ) as payload:
-            sys.path[:0] = [p for p in pickle.load(payload) if p not in sys.path]
-            fn, args, kwargs, init, timeout_s = pickle.load(payload)  # cloudpickle output loads with pickle
-        os.close(payload_fd)
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)  # the ranks share the machine's cores
-        if init:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-        result = fn(*args, **kwargs)
-        if init and dist.is_initialized():
-            dist.destroy_process_group()  # only on success: a failed rank's peers may be mid-collective
-        import cloudpickle
-
-        _put(result_fd, cloudpickle.dumps(result))  # read by the parent only after we exit with 0
-    except BaseException:
-        text = traceback.format_exc()
-        _put(result_fd, text.encode())
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        os._exit(1)  # skip interpreter teardown: a peer may be stuck in a collective with us
 
 
 def _stream(selector: selectors.BaseSelector, tails: list[deque], echo: bool, wait: float) -> None:
@@ -185,33 +125,9 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 3
     """
     import cloudpickle
 
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"launch needs nprocs >= 1 ranks, got {nprocs!r}")
-    if not callable(fn):
-        raise ValueError(f"launch needs a function to run on each rank, got {type(fn).__name__}")
-    paths = [p for p in sys.path if p and os.path.isdir(p)]
-    if os.getcwd() not in paths:
-        paths.insert(0, os.getcwd())
-    try:
-        payload = cloudpickle.dumps((fn, args, kwargs, init_process_group, timeout_s))
-    except Exception as exc:  # cloudpickle raises many kinds
-        raise ValueError(
-            f"launch cannot serialise {getattr(fn, '__name__', fn)!r} or its arguments: {exc}; "
-            "pass plain data (numbers, strings, paths, tensors) and open files or sockets inside fn"
-        ) from None
+    paths, payload = _payload(fn, nprocs, args, kwargs, init_process_group, timeout_s)
     store = local_store(nprocs, timedelta(seconds=timeout_s))  # held until the launch returns
-    base = {
-        **os.environ,
-        "WORLD_SIZE": str(nprocs),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the store above as clients
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "MPLBACKEND": "Agg",  # not the notebook's inline backend: workers have no display
-        **(env or {}),
-    }
+    base = _worker_env(nprocs, store.port, env)
     # Unnamed files (O_TMPFILE on Linux, unlinked at once elsewhere), handed to the
     # workers as open descriptors: the kernel frees them when the last holder ends, so
     # nothing is left in the temp folder whoever dies first and however.
@@ -248,6 +164,44 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 3
                 proc.wait()
                 proc.stdout.close()
             selector.close()
+
+
+def _payload(fn, nprocs, args: tuple, kwargs: dict, init_process_group: bool, timeout_s: float
+             ) -> tuple[list[str], bytes]:
+    """(the import paths the workers need, `fn` and its arguments serialised by value); ValueError for bad ones."""
+    import cloudpickle
+
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"launch needs nprocs >= 1 ranks, got {nprocs!r}")
+    if not callable(fn):
+        raise ValueError(f"launch needs a function to run on each rank, got {type(fn).__name__}")
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    if os.getcwd() not in paths:
+        paths.insert(0, os.getcwd())
+    try:
+        payload = cloudpickle.dumps((fn, args, kwargs, init_process_group, timeout_s))
+    except Exception as exc:  # cloudpickle raises many kinds
+        raise ValueError(
+            f"launch cannot serialise {getattr(fn, '__name__', fn)!r} or its arguments: {exc}; "
+            "pass plain data (numbers, strings, paths, tensors) and open files or sockets inside fn"
+        ) from None
+    return paths, payload
+
+
+def _worker_env(nprocs: int, port: int, env: dict[str, str] | None) -> dict[str, str]:
+    """The environment every worker starts with, as torchrun's (its rank added per worker)."""
+    return {
+        **os.environ,
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the store above as clients
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "MPLBACKEND": "Agg",  # not the notebook's inline backend: workers have no display
+        **(env or {}),
+    }
 
 
 def _contents(f: BinaryIO) -> bytes:

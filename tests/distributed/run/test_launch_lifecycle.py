@@ -159,9 +159,9 @@ def test_sigkilled_parent_takes_its_workers_and_files_with_it(tmp_path):
 
 WATCHED = """
 import os, sys, time
-from rewrite.run.launch import _watch_parent
+from rewrite.run.launch_worker import watch_parent
 
-_watch_parent(int(sys.argv[1]), interval_s=0.1)
+watch_parent(int(sys.argv[1]), interval_s=0.1)
 with open(sys.argv[2], "w") as f:
     f.write(str(os.getpid()))
 time.sleep(600)
