@@ -194,12 +194,9 @@ def show_data(
         >>> data = show_data(rewrite.resolve("plans/llama-tp2-pp2.yaml", model), model, memory_limit=40)
         >>> [r["total"] for r in data["memory"]["ranks"]]
     """
-    plan, pipe = resolved.plan, resolved.plan.pipeline
-    limit = None if memory_limit is None else memory_limit * GIB
-    ranks = rank_memory(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches,
-                        dtype=dtype)
-    first = next(iter(model.parameters()), None) if model is not None else None
-    master = None if first is None else str(first.dtype).removeprefix("torch.")
+    plan = resolved.plan
+    memory = _memory_section(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches,
+                             memory_limit=memory_limit, dtype=dtype)  # first: it refuses bad run settings
     out = {
         "plan": plan.source,
         "description": plan.description,
@@ -211,14 +208,7 @@ def show_data(
         "experts_over_tp": [{"module": e.fqn, "experts": e.num_experts,
                              "features": {leaf: {"dim": dim, "parts": parts} for leaf, dim, parts in e.features}}
                             for e in resolved.experts if e.tp > 1],
-        "pipeline": {
-            "schedule": pipe.schedule, "microbatches": microbatches or pipe.microbatches,
-            "virtual_stages": pipe.virtual_stages, "seq_len": seq_len or pipe.seq_len, "batch_size": batch_size,
-            "cut_points": list(resolved.cut_points), "kind": resolved.kind,
-            "planned": {"microbatches": pipe.microbatches, "cut_points": pipe.cut_points},
-            "splits_backward": splits_backward(pipe.schedule, pipe.table),
-            "est_compute_seq_len": resolved.costs.seq_len if resolved.costs else None,
-        },
+        "pipeline": _pipeline_entry(resolved, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches),
         "data_parallel": {"sharding": plan.data_parallel.sharding, "reduce": plan.data_parallel.reduce},
         "tensor_parallel": tp_entries(resolved, model),
         "kv_replicas": resolved.kv_replicas,
@@ -226,18 +216,7 @@ def show_data(
         "recomputed": collapse_names(resolved.recomputed),
         "recomputed_modules": len(resolved.recomputed),
         "stages": stage_entries(resolved),
-        "memory": {
-            "dtype": master,
-            "compute_dtype": dtype or master,
-            "optimizer": "AdamW, 2 moments in float32",
-            "limit_bytes": limit,
-            "not_fitting": sum(1 for m in ranks if m.fits(limit) is False),
-            "ranks": [_memory_entry(m, limit) for m in ranks],
-            "fullest": _fullest(resolved, model, dtype),
-            "activations_not_estimated": (
-                "no model given" if model is None else activation_problem(resolved, model)
-            ) if not ranks or ranks[0].activations is None else None,
-        },
+        "memory": memory,
         "whole_model": {"params": resolved.total_params, "bytes": resolved.total_bytes},
         "warnings": list(warnings or []),
     }
@@ -245,6 +224,41 @@ def show_data(
         out["predicted"] = predicted(resolved, model, hardware, batch_size=batch_size, seq_len=seq_len,
                                      microbatches=microbatches, gpus_per_node=gpus_per_node, dtype=dtype)
     return out
+
+
+def _pipeline_entry(resolved: ResolvedPlan, *, batch_size: int, seq_len: int | None, microbatches: int | None) -> dict:
+    """`show_data`'s "pipeline": the run's schedule, microbatches and sequence length, and the plan's own."""
+    pipe = resolved.plan.pipeline
+    return {
+        "schedule": pipe.schedule, "microbatches": microbatches or pipe.microbatches,
+        "virtual_stages": pipe.virtual_stages, "seq_len": seq_len or pipe.seq_len, "batch_size": batch_size,
+        "cut_points": list(resolved.cut_points), "kind": resolved.kind,
+        "planned": {"microbatches": pipe.microbatches, "cut_points": pipe.cut_points},
+        "splits_backward": splits_backward(pipe.schedule, pipe.table),
+        "est_compute_seq_len": resolved.costs.seq_len if resolved.costs else None,
+    }
+
+
+def _memory_section(resolved: ResolvedPlan, model: nn.Module | None, *, batch_size: int, seq_len: int | None,
+                    microbatches: int | None, memory_limit: float | None, dtype: str | None) -> dict:
+    """`show_data`'s "memory": every rank of replica 0, the limit and the fullest rank per sharding."""
+    limit = None if memory_limit is None else memory_limit * GIB
+    ranks = rank_memory(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches,
+                        dtype=dtype)
+    first = next(iter(model.parameters()), None) if model is not None else None
+    master = None if first is None else str(first.dtype).removeprefix("torch.")
+    return {
+        "dtype": master,
+        "compute_dtype": dtype or master,
+        "optimizer": "AdamW, 2 moments in float32",
+        "limit_bytes": limit,
+        "not_fitting": sum(1 for m in ranks if m.fits(limit) is False),
+        "ranks": [_memory_entry(m, limit) for m in ranks],
+        "fullest": _fullest(resolved, model, dtype),
+        "activations_not_estimated": (
+            "no model given" if model is None else activation_problem(resolved, model)
+        ) if not ranks or ranks[0].activations is None else None,
+    }
 
 
 def predicted(resolved: ResolvedPlan, model: nn.Module | None, hardware, **run) -> dict:
