@@ -134,37 +134,14 @@ def predict_step(
                         root_weights=root_weights, dtype=dtype)
     master, compute = compute_dtype(model), compute_dtype(model, dtype)
     dp, pp, cp, tp, m = plan.mesh.dp, run.pp, plan.mesh.cp, run.tp, pipe.microbatches
-    eff, split = hw.efficiency.collective, splits_backward(pipe.schedule, pipe.table)
+    split = splits_backward(pipe.schedule, pipe.table)
     dpt = dp_time or DpTime(run, units, hw, G, gathered=compute.itemsize / master.itemsize)
     sharding, reduce = dpt.sharding(run), plan.data_parallel.reduce
 
     z = plan_sizes(run, model, batch_size=batch_size, dtype=compute)
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp and cp rank its sequence chunk)
-
-    def hop_s(a: int, b: int) -> float:  # pp rank a to pp rank b, over the slowest pair of global ranks
-        pairs = [[ranks[a], ranks[b]] for ranks in plan.mesh.shape.along("pp")]
-        return p2p_s(hop, groups_link(hw, pairs, G), eff)
-
     table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)
-    # The table's timing depends on these durations only: plans alike in them (dp 1, replicate and grad_op
-    # sharding) share one simulation through `sim_cache`.
-    key = (id(table), run.stage_rank, hop, tuple((t.forward, t.input_backward, t.weight_backward) for t in times),
-           dpt.per_microbatch(sharding, split) and tuple(map(tuple, dpt.gather.values())),
-           dpt.reduces_each(sharding, split, reduce) and sharding)
-    if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
-        sim = sim_cache[key][1]
-    else:
-        # Durations per (kind, stage) and transfers per pair of pp ranks: each computed once, not per cell.
-        costs = dpt.costs(times, sharding, split, reduce)
-        # An action waits on the stage before or after its own: the pairs of neighbouring stages' ranks, both ways.
-        hops = {pair for s in range(1, len(times)) for pair in ((run.stage_rank[s - 1], run.stage_rank[s]),
-                                                                  (run.stage_rank[s], run.stage_rank[s - 1]))}
-        delays = {(a, b): hop_s(a, b) for a, b in hops if a != b}
-        sim, stuck = simulate(table, run.stage_rank, costs, delays)
-        if stuck:
-            raise ValueError("the schedule table deadlocks: " + "; ".join(stuck))
-        if sim_cache is not None:
-            sim_cache[key] = (table, sim)
+    sim = _simulated(run, table, times, dpt, (sharding, split, reduce), hop, hw, G, sim_cache)
     span = max(end for _, end in sim.values())
     ends, worst_dp, worst_opt = [], 0.0, 0.0
     for r, row in enumerate(table):
@@ -183,3 +160,35 @@ def predict_step(
         mfu=flops / (step * world * hw.flops(str(compute).removeprefix("torch."))),
         bubble=bubble(table, sim), pipeline_s=span, dp_s=worst_dp, optimizer_s=worst_opt, stages=tuple(times),
     )
+
+
+def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tuple[str, bool, str], hop: int,
+               hw: Hardware, G: int, sim_cache: dict | None) -> dict:
+    """The schedule table simulated with the stages' durations and the transfers between pp ranks: each
+    action's (start, end). `dp_mode`: (sharding, split backward, reduce)."""
+    sharding, split, reduce = dp_mode
+    plan, eff = run.plan, hw.efficiency.collective
+
+    def hop_s(a: int, b: int) -> float:  # pp rank a to pp rank b, over the slowest pair of global ranks
+        pairs = [[ranks[a], ranks[b]] for ranks in plan.mesh.shape.along("pp")]
+        return p2p_s(hop, groups_link(hw, pairs, G), eff)
+
+    # The table's timing depends on these durations only: plans alike in them (dp 1, replicate and grad_op
+    # sharding) share one simulation through `sim_cache`.
+    key = (id(table), run.stage_rank, hop, tuple((t.forward, t.input_backward, t.weight_backward) for t in times),
+           dpt.per_microbatch(sharding, split) and tuple(map(tuple, dpt.gather.values())),
+           dpt.reduces_each(sharding, split, reduce) and sharding)
+    if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
+        return sim_cache[key][1]
+    # Durations per (kind, stage) and transfers per pair of pp ranks: each computed once, not per cell.
+    costs = dpt.costs(times, sharding, split, reduce)
+    # An action waits on the stage before or after its own: the pairs of neighbouring stages' ranks, both ways.
+    hops = {pair for s in range(1, len(times)) for pair in ((run.stage_rank[s - 1], run.stage_rank[s]),
+                                                              (run.stage_rank[s], run.stage_rank[s - 1]))}
+    delays = {(a, b): hop_s(a, b) for a, b in hops if a != b}
+    sim, stuck = simulate(table, run.stage_rank, costs, delays)
+    if stuck:
+        raise ValueError("the schedule table deadlocks: " + "; ".join(stuck))
+    if sim_cache is not None:
+        sim_cache[key] = (table, sim)
+    return sim
