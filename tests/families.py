@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rewrite.models.oracle import per_head_sizes, small_chunks
+from rewrite.models.tiny_clone import per_head_sizes, small_chunks
 from rewrite.plan.styles import STYLE_ALIASES
 
 # The tensor-parallel styles of transformers that rewrite reads (`plan/styles.py`).

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..models.blocks import ATTENTION
-from ..models.oracle import config_value
+from ..models.tiny_clone import config_value
 from ..plan.wording import MOST_RANKS, common_divisors, either, plural
 
 __all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems", "is_split_kv", "kv_replicas_of", "kv_groups_problems"]

@@ -1,6 +1,6 @@
 """Whether a model family runs under context parallelism: checked on a tiny clone, one process.
 
-The clone (`models.oracle.tiny_clone_config`, cached by `tiny_clone_key`) runs its own forward twice on a few packed
+The clone (`models.tiny_clone`) runs its own forward twice on a few packed
 documents: with its usual attention, and with the context-parallel attention function at cp 1
 (the whole sequence on one rank: the same mask predicates, no gather). They must agree: a family
 whose layers do not pass their keyword arguments down to the attention function, whose attention
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..models.hf_decoder import RECURRENT_KINDS
-from ..models.oracle import TOLERANCE, exception_line, packing_problem, tiny_clone_key
+from ..models.oracle import TOLERANCE, exception_line, packing_problem
+from ..models.tiny_clone import tiny_clone_key
 from .attention import NAME, register, sequence_shard
 
 __all__ = ["context_parallel_problem"]

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .experts import every_token, identity_experts, num_experts
-from .oracle import tiny_run, exception_line, tiny_clone_key
+from .oracle import exception_line
+from .tiny_clone import tiny_clone_key, tiny_run
 
 __all__ = ["tp_layout", "split_problem", "take_features"]
 

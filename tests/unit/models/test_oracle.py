@@ -8,7 +8,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import rewrite
-from rewrite.models.oracle import tiny_clone_config, walker_problem
+from rewrite.models.oracle import walker_problem
+from rewrite.models.tiny_clone import tiny_clone_config
 from rewrite.run.cli import main
 from rewrite.run.presets import build_config, build_model, load_config
 from tests.families import TINY
