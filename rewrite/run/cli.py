@@ -141,12 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _rank() == 0:
             print(str(exc), file=sys.stderr, flush=True)
         return exc.status
-    except KeyboardInterrupt:  # a second Ctrl-C, or one outside the training loop: at once
-        if _rank() == 0:
+    except KeyboardInterrupt as exc:  # a second Ctrl-C, or one outside the training loop: at once
+        if getattr(exc, "says", _rank() == 0):  # the first rank to stop, where training ran
             print("interrupted: stopped at once, nothing more saved; --resume continues from the last complete "
                   "checkpoint, if the run saves one (--ckpt)", file=sys.stderr, flush=True)
         else:
-            time.sleep(1.0)  # a launcher stops every rank once one exits: let rank 0 (perhaps in a wait) say it first
+            time.sleep(1.0)  # a launcher stops every rank once one exits: let the one saying it finish
         return 128 + signal.SIGINT
     except (PlanError, TrainConfigError, TrainStopped) as exc:
         if _rank() == 0:

@@ -110,9 +110,22 @@ def train_main(config: TrainConfig) -> dict:
                 # whose peer closes a pair while its own threads still use it.
                 dist.barrier()
         return result
+    except KeyboardInterrupt as exc:  # a second Ctrl-C: one rank says so, the first to get here
+        exc.says = _first_to_say("interrupted")  # (rank 0 may be held in a wait its peers will never end)
+        raise
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _first_to_say(what: str) -> bool:
+    """Whether this rank is the first of the run to claim saying `what` (through the group's store); rank 0
+    where the store does not answer."""
+    store = run_store()
+    try:
+        return store.add(f"rewrite/says/{what}", 1) == 1
+    except (AttributeError, RuntimeError, ValueError):  # no store, or its host gone
+        return dist.get_rank() == 0 if dist.is_initialized() else True
 
 
 @contextlib.contextmanager
