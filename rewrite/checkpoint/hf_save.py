@@ -1,10 +1,5 @@
-"""Saving a rewritten model as one standard Hugging Face checkpoint (config + safetensors).
-
-Under data parallelism every replica first puts its FSDP2 shards back together (over
-the dp group); then, in replica 0 only, each stage's tp_rank 0 gathers its stage's
-sharded tensors over the tp group and writes one safetensors file; rank 0 adds
-config.json and the index and swaps the new directory in (`swap`). Loading is in
-`hf_load`; the layout both share is in `layout`.
+"""Saving a rewritten model as one standard Hugging Face checkpoint (config + safetensors),
+from any plan; loading is in `hf_load`, the layout both share in `layout` (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..agreement import agree, share
@@ -33,6 +27,8 @@ from . import swap
 from ..plan.ranks import Coords, Shape, expert_place
 from .disk_layout import on_disk
 from .layout import INDEX, SAVE_ID, Entry, shard_file
+from .model_mark import model_class
+from .pieces import own_cpu
 from .save_checks import save_problems
 
 __all__ = ["save_pretrained"]
@@ -40,29 +36,18 @@ __all__ = ["save_pretrained"]
 def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | dict, directory: str | Path) -> Path:
     """Write this rank's part of a rewritten model into one Hugging Face checkpoint directory.
 
-    Collective: every rank calls it with its rewritten model (or `Stage`) and the plan
-    it was rewritten with. Under data parallelism (mesh.dp > 1) each parameter's FSDP2
-    shards are first gathered over the dp group (`DTensor.full_tensor`, on every replica,
-    in the same order); the checkpoint is then written by replica 0 alone (dp_rank 0),
-    so it is the same whatever dp and sharding. Each stage's tp_rank 0 gathers the
-    stage's tp shards and writes `model-0000{s+1}-of-0000{pp}.safetensors`
-    (`model.safetensors` when pp == 1); rank 0 writes `config.json` and the index.
-    Tied embeddings are written once, as `model.embed_tokens.weight`. Tensors are written
-    in the family's on-disk layout, as transformers' own save writes them (a mixture of
-    experts' experts one tensor per expert), whenever `from_pretrained` reads that layout
-    back (`disk_layout.on_disk`). Every shard's
-    metadata and the index carry this save's id (`rewrite_save_id`), so that
-    `from_pretrained` refuses shards of different saves.
-    `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads the result.
+    Collective: every rank calls it with its rewritten model (or `Stage`) and the plan it was
+    rewritten with. Under dp > 1 every replica gathers its FSDP2 shards (`DTensor.full_tensor`,
+    in the same order) and replica 0 alone writes, so the checkpoint is the same whatever the
+    mesh. Each stage's tp_rank 0 gathers the stage's tp shards and writes
+    `model-0000{s+1}-of-0000{pp}.safetensors` (`model.safetensors` when pp == 1); rank 0 writes
+    `config.json` and the index. Tied embeddings are written once; tensors go in the family's
+    on-disk layout when `from_pretrained` reads it back (`disk_layout.on_disk`). Every shard and
+    the index carry this save's id (`rewrite_save_id`): `from_pretrained` refuses mixed saves.
 
-    All or nothing, even if killed at any instant: the complete new checkpoint is
-    written to a sibling `.<name>.tmp-<save id>`, the old checkpoint's other files (a
-    tokenizer; not its weight files) are hard-linked into it, and only once every rank
-    has succeeded is it swapped with `directory` in one step (Linux `renameat2`
-    exchange; elsewhere rename-aside then rename-in, an interrupted one being finished
-    by the next save and read by `from_pretrained` from `.<name>.old-<id>`). Any
-    intermediate state holds the old or the new checkpoint, never a mix. The old one
-    and temporaries left by killed saves are deleted afterwards (see `swap`).
+    All or nothing, even if killed at any instant: the new checkpoint is written to a sibling
+    `.<name>.tmp-<save id>`, the old one's other files (a tokenizer) are hard-linked into it,
+    and once every rank succeeded it is swapped with `directory` in one step (see `swap`).
 
     Args:
         model: this rank's rewritten model, or the `Stage` `apply_plan` returned.
@@ -89,8 +74,7 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
     model = stage.model if stage is not None else model
     directory, rank, shape = Path(directory), dist.get_rank(), plan.mesh.shape
     problems, entries = _save_problems(model, plan, stage, directory, rank)
-    tokens = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)  # first collective
-    save_id = tokens[0]
+    save_id = agree(problems, f"save_pretrained({str(directory)!r})", view=uuid.uuid4().hex)[0]  # first collective
     tmp = swap.temporary(directory, save_id)
     error, sizes = _write_stage(model, stage, entries, shape.coords(rank), shape, tmp, save_id)
     errors = _put_in_place(model, shape, tmp, directory, save_id, error, sizes)
@@ -149,7 +133,7 @@ def _write_stage(model: nn.Module, stage: Stage | None, entries: list[Entry], at
         if first and at.tp == 0:
             tmp.mkdir(parents=True, exist_ok=True)
             tensors = on_disk(model.config, tensors)  # the family's stored layout: experts one by one
-            tensors = {k: _own_storage(t) for k, t in tensors.items()}
+            tensors = {k: own_cpu(t) for k, t in tensors.items()}  # safetensors refuses shared storage
             save_file(tensors, str(tmp / shard_file(pp_rank, shape.pp)), metadata={"format": "pt", SAVE_ID: save_id})
             sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
         del tensors
@@ -182,35 +166,31 @@ def _put_in_place(model: nn.Module, shape: Shape, tmp: Path, directory: Path, sa
 
 
 def _gather_dp(local: torch.Tensor) -> torch.Tensor:
-    """This rank's whole tp slice: a data-parallel DTensor's shards gathered over the dp group.
-
-    Collective over the dp group for a sharded DTensor (FSDP2's padding is torch's own
-    business: `full_tensor` returns the unpadded tensor); a replicated one or a plain
-    tensor is returned as it is.
-    """
+    """This rank's whole tp slice: a sharded DTensor's shards gathered over the dp group (collective;
+    `full_tensor` drops FSDP2's padding); a replicated one or a plain tensor as it is."""
     local = local.detach()
     return local.full_tensor() if isinstance(local, DTensor) else local
 
 
-def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | None, dst: int) -> torch.Tensor | None:
-    """The full tensor on the stage's tp_rank 0 of replica 0 (None elsewhere): shards gathered over the tp group.
-
-    Called in replica 0 only: `dst` is the global rank of its tp rank 0. A slice held by
-    `entry.replicas` neighbouring tp ranks (a kv head past the kv heads) arrives that many
-    times, alike; the first of each is written.
-    """
-    local = local.detach()
-    if entry.dim is None:
-        return local
-    owner = model.get_submodule(entry.name.rpartition(".")[0])
-    group = stage.mesh.tp_group if stage is not None else getattr(owner, "group", None) or owner.tp_group
-    local = local.contiguous()
+def _gather_to(local: torch.Tensor, group, dst: int) -> list[torch.Tensor] | None:
+    """Every rank's `local` of `group`, in rank order, on global rank `dst`; None elsewhere."""
+    local = local.detach().contiguous()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
     dist.gather(local, parts, dst=dst, group=group)
     lend(local, *(parts or []))
-    if parts is None:
-        return None
-    return _joined(parts[:: entry.replicas], entry)  # tp ranks [j * r, (j + 1) * r) hold slice j
+    return parts
+
+
+def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | None, dst: int) -> torch.Tensor | None:
+    """The full tensor on the stage's tp_rank 0 of replica 0 (global rank `dst`; None elsewhere), gathered
+    over the tp group. A slice held by `entry.replicas` neighbouring tp ranks (a kv head past the kv heads)
+    arrives that many times, alike; the first of each is written."""
+    if entry.dim is None:
+        return local.detach()
+    owner = model.get_submodule(entry.name.rpartition(".")[0])
+    group = stage.mesh.tp_group if stage is not None else getattr(owner, "group", None) or owner.tp_group
+    parts = _gather_to(local, group, dst)
+    return None if parts is None else _joined(parts[:: entry.replicas], entry)  # tp ranks [j * r, (j + 1) * r) hold slice j
 
 
 def _joined(slices: list[torch.Tensor], entry: Entry) -> torch.Tensor:
@@ -223,23 +203,8 @@ def _joined(slices: list[torch.Tensor], entry: Entry) -> torch.Tensor:
 def _gather_experts(model: nn.Module, local: torch.Tensor, entry: Entry, dst: int) -> torch.Tensor | None:
     """The whole experts tensor on `dst` (the first ep group's ep rank 0: dp 0, tp 0), None elsewhere: gathered
     over the expert-parallel group, ep rank `r`'s experts at slice `r` of dim 0 (of each block)."""
-    group = model.get_submodule(entry.name.rpartition(".")[0]).expert_shard.group
-    local = local.detach().contiguous()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
-    dist.gather(local, parts, dst=dst, group=group)
-    lend(local, *(parts or []))
+    parts = _gather_to(local, model.get_submodule(entry.name.rpartition(".")[0]).expert_shard.group, dst)
     return None if parts is None else _joined(parts, entry)
-
-
-def _model_class(model: nn.Module) -> type:
-    """The model's own class: FSDP2 (and replicate) swap a unit's class for a subclass of theirs."""
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-
-
-def _own_storage(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor that shares storage with nothing (safetensors refuses shared ones)."""
-    t = t.detach().to("cpu").contiguous()
-    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def _finish(model: nn.Module, tmp: Path, directory: Path, pp: int, sizes: dict[str, tuple[int, int]],
@@ -249,7 +214,7 @@ def _finish(model: nn.Module, tmp: Path, directory: Path, pp: int, sizes: dict[s
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
     if dtypes:
         config.dtype = dtypes[0]
-    config.architectures = [_model_class(model).__name__]
+    config.architectures = [model_class(model)]  # past FSDP2's class put over it
     config.to_json_file(str(tmp / "config.json"), use_diff=True)
     generation = getattr(model, "generation_config", None)
     if generation is not None:

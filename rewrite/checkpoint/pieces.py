@@ -141,14 +141,10 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def _cpu_own(t: torch.Tensor) -> torch.Tensor:
-    """What DCP's writer may `torch.save`: on the CPU, and not a view of a larger storage (saved whole)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        return t.cpu()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-        return t.clone()
-    return t
+def own_cpu(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous on the CPU, sharing storage with nothing (a view would be saved with its whole storage)."""
+    t = t.detach().to("cpu").contiguous()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 def plain_data_problems(objects: dict[str, Any]) -> list[str]:
@@ -191,7 +187,7 @@ class PieceSavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex):
         value = self.state_dict[index.fqn]
-        return _cpu_own(value.box_at(index.offset)) if isinstance(value, Piece) else value
+        return own_cpu(value.box_at(index.offset)) if isinstance(value, Piece) else value
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):
