@@ -1,25 +1,12 @@
 """Checkpoints in transformers' on-disk layout: a family's conversion mapping, read and written.
 
-transformers 5 holds some tensors in memory under other names or shapes than its checkpoints
-store them, and converts on load and save with each family's conversion mapping
-(`transformers.conversion_mapping`): renamings (Mixtral's `block_sparse_moe` is `mlp` in
-memory), and converters, chiefly a mixture of experts' experts: stored one tensor per expert and
-projection (`mlp.experts.7.gate_proj.weight`), held as one (`mlp.experts.gate_up_proj [E, 2I, H]`:
-the experts stacked, gate and up side by side). Hub checkpoints, and transformers' own saves,
-are in that layout.
-
-Reading (`stored_names`): each checkpoint key the model does not hold under its own name goes
-through the family's renamings and at most one converter, matched by transformers' own
-`rename_source_key`. A renamed tensor is read under its stored name; a tensor a converter makes
-is read as `Stacked` pieces, expert by expert, so that a rank reads only the experts it holds.
-The converters read are those that stack experts (`MergeModulelist(dim=0)`) and then put each
-expert's projections side by side (`Concatenate(dim=1)`); a tensor any other converter makes is
-named as not read, with the way out.
-
-Writing (`on_disk`): the tensors a save writes go through transformers' own
-`revert_weight_conversion` when every converter of the family is one read here (so that
-`from_pretrained` reads back what `save_pretrained` wrote); else they keep their in-memory
-names, which transformers loads too.
+transformers 5 stores some tensors under other names or shapes than it holds them
+(`transformers.conversion_mapping`): renamings, and chiefly experts stored one tensor per expert
+and projection (`mlp.experts.7.gate_proj.weight`) but held as one (`mlp.experts.gate_up_proj
+[E, 2I, H]`). Reading (`stored_names`) matches keys with transformers' `rename_source_key` and
+reads the experts converters (`MergeModulelist(dim=0)`, then `Concatenate(dim=1)`) as `Stacked`
+pieces, each rank only its experts; any other converter is named as not read. Writing
+(`on_disk`) uses `revert_weight_conversion` when every converter of the family is read here.
 """
 
 from __future__ import annotations

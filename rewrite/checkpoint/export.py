@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .layout import meta_model
 from .pieces import Piece
 from .safe_reader import load_pieces, read_metadata
 from .training_state import latest_checkpoint, saved_steps, step_dir
@@ -71,14 +72,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     Example:
         >>> rewrite.export_checkpoint("ckpt", "out/model")
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     path, out_dir = checkpoint_path(checkpoint, step), Path(out_dir)
     stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
     config = AutoConfig.from_pretrained(path)
     floats = {md.properties.dtype for k, md in stored.items() if k.startswith("model/") and md.properties.dtype.is_floating_point}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=floats.pop() if len(floats) == 1 else None)
+    model = meta_model(config, dtype=floats.pop() if len(floats) == 1 else None)
     model.to_empty(device="cpu")  # non-persistent buffers (rotary) are not saved: garbage in them is harmless
     state = {f"model/{n}": Piece(t.detach(), t.size(), torch.Size([0] * t.dim())) for n, t in model.state_dict().items()}
     missing = [k for k in state if k not in stored]

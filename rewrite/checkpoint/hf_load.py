@@ -1,9 +1,4 @@
-"""Loading a Hugging Face checkpoint straight into a parallel plan.
-
-The model is built on the meta device and rewritten there; each rank then reads
-from the safetensors files only the slices of its own stage and tp rank, and under
-data parallelism keeps of each slice only its FSDP2 shard.
-"""
+"""Loading a Hugging Face checkpoint straight into a parallel plan, each rank reading only its slices."""
 
 from __future__ import annotations
 
@@ -39,27 +34,16 @@ def from_pretrained(
 ) -> Stage:
     """Build a Hugging Face checkpoint's model already rewritten by `plan`, this rank's part only.
 
-    Collective: every rank of the default process group calls it with the same
-    arguments. The model is built on the meta device from `config.json`, the plan is
-    applied there, and each rank materialises only its stage's tensors, reading only
-    its tensor-parallel slices from the safetensors files (`get_slice`). Under data
-    parallelism (mesh.dp > 1) `apply_plan` has made the stage's FSDP2 (or replicate)
-    units on the meta device: they are given storage on `device` (`to_empty`), and each
-    rank copies into every parameter's local shard its dp rows of the slice it read
-    (DTensor's own split, the one FSDP2 made). Rotary frequencies (not stored) are
-    recomputed from the config. Tensors stored in transformers' on-disk layout (renamed,
-    or a mixture of experts' experts one tensor per expert, as hub checkpoints hold them)
-    are read through the family's conversion mapping, only this rank's experts
-    (`disk_layout`).
-
-    Before reading, every rank reads every shard's header, so that all decide alike:
-    shards whose save ids (written by `save_pretrained`; transformers writes none)
-    differ from each other or from the index's are refused. dtypes: with `dtype=None`
-    a checkpoint stored in one floating dtype keeps it; one whose floating tensors have
-    several (an fp16 tensor among fp32) is cast whole, on every rank, to the config's
-    `dtype` (else the dtype holding most elements), as transformers does, and rank 0
-    warns naming the tensors cast. A `directory` missing because a save was killed
-    mid-swap is read from the complete old checkpoint beside it (see `swap`).
+    Collective: every rank calls it with the same arguments. The model is built and the
+    plan applied on the meta device; each rank reads only its stage's tensors and its
+    tp slices (`get_slice`), under dp > 1 only its FSDP2 shard of each (DTensor's own
+    split). Rotary frequencies are recomputed from the config; tensors in transformers'
+    on-disk layout are read through the family's conversion mapping (`disk_layout`).
+    Every rank reads every shard's header, so all decide alike: shards of different saves
+    are refused; with `dtype=None` one stored floating dtype is kept, several are cast
+    whole to the config's `dtype` (else the one holding most elements), rank 0 warning.
+    A `directory` missing because a save was killed mid-swap is read from the old
+    checkpoint beside it (`swap`). See docs/checkpoints.md.
 
     Args:
         directory: a checkpoint directory (`config.json` plus `model.safetensors` or
@@ -99,17 +83,15 @@ def from_pretrained(
     agree(read.problems, what, error=CheckpointError)  # the first collective: every rank raises, or none does
     if read.note is not None and dist.get_rank() == 0:
         warnings.warn(f"{what}: {read.note}", stacklevel=2)
-    meta = read.meta
     if read.floats is not None:  # FSDP2 units keep the dtype their parameters had when made
-        meta.to(read.floats)
-    stage, problems = _load_stage(meta, plan, read, device, compute_dtype, what)
+        read.meta.to(read.floats)
+    stage, problems = _load_stage(read.meta, plan, read, device, compute_dtype, what)
     apply_param_splits(stage)  # the tensors read (or given storage) in place of the meta ones carry theirs too
     left = [n for n, t in [*stage.model.named_parameters(), *stage.model.named_buffers()] if t.is_meta]
     if left:
         problems.append(f"tensors left without storage: {left[:5]}; the checkpoint does not cover this model")
     agree(problems, what, error=CheckpointError)
-    floats = [p.dtype for p in stage.model.parameters() if p.is_floating_point()]
-    if floats:
+    if floats := [p.dtype for p in stage.model.parameters() if p.is_floating_point()]:
         stage.model.config.dtype = floats[0]
     if read.generation is not None:
         stage.model.generation_config = read.generation
@@ -138,11 +120,8 @@ def _load_stage(meta: nn.Module, plan: ParallelPlan, read: ReadPlan, device, com
 
 
 def _owned(view: torch.Tensor, device, dtype) -> torch.Tensor:
-    """A contiguous copy in memory of its own.
-
-    safetensors hands out views of the memory-mapped file (a slice keeps the whole
-    tensor's mapping alive, and a row-parallel slice is strided): copy only the slice.
-    """
+    """A contiguous copy in memory of its own: safetensors hands out views of the memory-mapped file
+    (a slice keeps the whole tensor's mapping alive, a row-parallel slice is strided)."""
     out = view.to(device=device, dtype=dtype)
     if out.data_ptr() == view.data_ptr():
         out = out.clone(memory_format=torch.contiguous_format)

@@ -211,13 +211,11 @@ def _finish(model: nn.Module, tmp: Path, directory: Path, pp: int, sizes: dict[s
             save_id: str) -> None:
     """Rank 0: add config and index to the new checkpoint in `tmp`, then swap it in."""
     config = copy.deepcopy(model.config)
-    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    if dtypes:
+    if dtypes := [p.dtype for p in model.parameters() if p.is_floating_point()]:
         config.dtype = dtypes[0]
     config.architectures = [model_class(model)]  # past FSDP2's class put over it
     config.to_json_file(str(tmp / "config.json"), use_diff=True)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None:
+    if (generation := getattr(model, "generation_config", None)) is not None:
         generation.save_pretrained(str(tmp))
     if pp > 1:
         index = {

@@ -54,12 +54,12 @@ def is_weight_file(name: str) -> bool:
     return name == INDEX or (name.startswith("model") and name.endswith(".safetensors"))
 
 
-def meta_model(config) -> nn.Module:
-    """The causal LM of `config` with no storage: enough to bind a plan to."""
+def meta_model(config, **kwargs) -> nn.Module:
+    """The causal LM of `config` (`from_config`'s `kwargs`) with no storage: enough to bind a plan to."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int, ep_rank: int = 0) -> list[Entry]:

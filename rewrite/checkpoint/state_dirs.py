@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import CheckpointError
+from .swap import fsync
 
 __all__ = ["LATEST", "step_dir", "saved_steps", "latest_checkpoint", "point_latest", "prune"]
 
@@ -50,7 +51,6 @@ def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
     return int(match[1]), path
 
 
-
 def point_latest(directory: Path, path: Path) -> None:
     """Make `directory/latest` name `path`, atomically and durably (written aside, renamed, synced)."""
     tmp = directory / f".{LATEST}.tmp"
@@ -59,11 +59,7 @@ def point_latest(directory: Path, path: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, directory / LATEST)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync(directory)
 
 
 def prune(directory: Path, step: int, keep: int) -> None:

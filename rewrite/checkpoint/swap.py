@@ -1,24 +1,19 @@
 """Putting a complete new checkpoint directory in place of the old one, all or nothing.
 
-A save never edits `directory` file by file: it writes a whole new directory beside it,
-`.<name>.tmp-<save id>`, and swaps the two in one step, so that a process killed at any
-instant leaves either the old checkpoint or the new one, each complete, never a mix:
+A save never edits `directory` file by file, so a process killed at any instant leaves the old
+checkpoint or the new one, each complete, never a mix:
 
-1. write the new shards, config and index into `.<name>.tmp-<id>` (nothing visible changes);
-2. hard-link (or copy) into it every file of the old checkpoint the save does not replace
-   (tokenizer files...; old weight files are dropped), then fsync it;
-3. swap: Linux `renameat2(RENAME_EXCHANGE)` exchanges the two directories atomically, the
-   old one now sits at `.<name>.tmp-<id>`. Where the call is missing (other systems, some
-   file systems) `directory` is renamed to `.<name>.old-<id>`, then the new one renamed in:
-   between the two renames `directory` is missing and the complete old one sits at
-   `.<name>.old-<id>`; `current` reads it from there and the next save swaps from it.
-   A new `directory` is a plain rename;
-4. delete the old one, and every `.<name>.tmp-<32 hex>` / `.<name>.old-<32 hex>` left by
-   saves killed earlier (only names of exactly that pattern).
+1. write the new shards, config and index into `.<name>.tmp-<id>` beside it;
+2. hard-link (or copy) into it the old checkpoint's files the save does not replace (tokenizer
+   files...; not old weight files), then fsync it;
+3. swap: Linux `renameat2(RENAME_EXCHANGE)` exchanges the two directories atomically (the old one
+   now at `.<name>.tmp-<id>`). Where it is missing, `directory` is renamed to `.<name>.old-<id>`,
+   then the new one renamed in; in between, `current` reads the complete old one from there and
+   the next save swaps from it. A new `directory` is a plain rename;
+4. delete the old one and every `.<name>.tmp-<32 hex>` / `.<name>.old-<32 hex>` left by killed saves.
 
-Invariants: a `.tmp-*` is never needed (deleted at any time); an `.old-*` is always a
-complete checkpoint (before deleting one it is renamed to a `.tmp-*` name). One save per
-directory at a time: a save deletes the temporaries of any other.
+Invariants: a `.tmp-*` is never needed; an `.old-*` is always complete (renamed to a `.tmp-*` name
+before it is deleted). One save per directory at a time: a save deletes any other's temporaries.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ from pathlib import Path
 from .layout import is_weight_file
 from ..errors import CheckpointError
 
-__all__ = ["temporary", "current", "install"]
+__all__ = ["temporary", "current", "install", "fsync"]
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -129,29 +124,28 @@ def _link_or_copy(src, dst) -> None:
         shutil.copy2(src, dst)
 
 
+def fsync(path: Path) -> None:
+    """Flush the file or directory `path` to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _sync(new: Path) -> None:
     """Flush the new files to disk before the swap makes them the checkpoint (power loss)."""
     for path in new.iterdir():
         if path.is_file() and not path.is_symlink():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync(path)
     _sync_dir(new)
 
 
 def _sync_dir(path: Path) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        fsync(path)
     except OSError:
         pass  # some file systems cannot fsync a directory
-    finally:
-        os.close(fd)
 
 
 @functools.cache

@@ -52,10 +52,6 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _mesh(stage: Stage) -> dict:
-    return {"dp": stage.mesh.dp, "pp": stage.mesh.pp, "cp": stage.mesh.cp, "tp": stage.mesh.tp}
-
-
 def save_training_state(
     directory: str | Path,
     stage: Stage,
@@ -69,13 +65,10 @@ def save_training_state(
 ) -> Path:
     """Write a complete, resumable checkpoint of this training run under `directory`.
 
-    Collective: every rank calls it with its own stage and optimizer. Each rank writes its
-    own boxes of the model's tensors and of the optimizer state (AdamW moments are boxed
-    like their parameters; replicated tensors are written once), with
-    `torch.distributed.checkpoint`; rank 0 adds the scheduler, `extra`, each rank's RNG
-    state, the model config and `tokenizer`, and then, only once every rank has finished,
-    points `directory/latest` at the new `step-N`. Older checkpoints beyond `keep` are
-    then deleted.
+    Collective. Each rank writes its boxes of the model's tensors and of the optimizer state
+    (moments boxed like their parameters; replicated boxes once) and its RNG state; rank 0
+    adds the scheduler, `extra`, the config and `tokenizer`, and only once every rank has
+    finished points `directory/latest` at the new `step-N`, then deletes those beyond `keep`.
 
     Args:
         directory: the run's checkpoint directory, visible to every rank.
@@ -134,8 +127,7 @@ def save_training_state(
 
 def _save_problems(directory: Path, stage: Stage, optimizer, scheduler, extra, step, keep
                    ) -> tuple[list[str], Any, dict, dict]:
-    """This rank's problems with the arguments and the state to save, the step named, and the boxes of the
-    model's tensors and of the optimizer state."""
+    """This rank's problems with the arguments and state, the step, and the model's and optimizer's boxes."""
     problems, boxes, moments = [], {}, {}
     try:
         latest = latest_checkpoint(directory)
@@ -169,7 +161,8 @@ def _state(stage: Stage, optimizer, scheduler, extra, step: int, boxes: dict, mo
         state["optim_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
         state["extra"] = extra
-        state["run"] = {"mesh": _mesh(stage), "world_size": dist.get_world_size(), "step": step,
+        mesh = stage.mesh
+        state["run"] = {"mesh": {"dp": mesh.dp, "pp": mesh.pp, "cp": mesh.cp, "tp": mesh.tp}, "world_size": dist.get_world_size(), "step": step,
                         "plan": str(stage.resolved.plan.source)}
     return state
 
@@ -189,9 +182,14 @@ def _write(state: dict, path: Path) -> tuple[str | None, bool]:
 
 
 def _finish(stage: Stage, directory: Path, path: Path, step: int, keep: int | None, tokenizer: Any) -> str | None:
-    """Rank 0, once every rank wrote its tensors: the config and tokenizer, `latest`, pruning; the error, if any."""
+    """Rank 0, once every rank wrote its tensors: the mark, config and tokenizer, `latest`, pruning; the error."""
     try:
-        _write_files(stage, path, tokenizer)
+        write_mark(path, stage.model)
+        config = getattr(stage.model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
         point_latest(directory, path)
     except OSError as exc:
         return f"rank 0: {type(exc).__name__}: {exc}"
@@ -211,15 +209,6 @@ def _after_failure(directory: Path, path: Path) -> str:
             + (f"; {format_bytes(free)} free on its file system now" if free is not None else ""))
 
 
-def _write_files(stage: Stage, path: Path, tokenizer: Any) -> None:
-    write_mark(path, stage.model)
-    config = getattr(stage.model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config.save_pretrained(path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-
-
 def load_training_state(
     directory: str | Path,
     stage: Stage,
@@ -231,11 +220,10 @@ def load_training_state(
 ) -> Any:
     """Restore a checkpoint of `save_training_state` into this rank's stage and optimizer; returns `extra`.
 
-    Collective. The stage may come from another plan than the one that saved (another tp,
-    pp or dp): each rank reads its boxes out of the boxes the saving ranks wrote. The
-    optimizer must be a fresh one of the same kind and parameter groups over
-    `stage.parameters()`; its state and hyperparameters are replaced. RNG states are
-    restored when the world size is unchanged.
+    Collective. The stage may come from another plan (tp, pp or dp) than the one that saved:
+    each rank reads its boxes out of those the saving ranks wrote. The optimizer must be a
+    fresh one with the same parameter groups over `stage.parameters()`; its state and
+    hyperparameters are replaced. RNG states are restored when the world size is unchanged.
 
     Args:
         directory: the run's checkpoint directory.
