@@ -52,11 +52,10 @@ def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None) -> Path:
     """Write the model of a training checkpoint as a plain Hugging Face checkpoint, with its tokenizer.
 
-    Runs in one process (no collective: call it on one rank only under torchrun): the whole model is built on the
-    CPU from the checkpoint's `config.json`, every tensor is read whole from the boxes the
-    training ranks wrote (whatever their plan), and `save_pretrained` writes it. The
-    result loads with `AutoModelForCausalLM.from_pretrained(out_dir)` (and
-    `AutoTokenizer`, when the run saved one).
+    No collective (under torchrun, call it on one rank): the whole model is built on the CPU from
+    the checkpoint's `config.json`, every tensor read whole from the boxes the training ranks wrote
+    (whatever their plan), and `save_pretrained` writes it: `AutoModelForCausalLM.from_pretrained(out_dir)`
+    (and `AutoTokenizer`, when the run saved one) loads it.
 
     Args:
         checkpoint: a run's checkpoint directory (its latest step) or one `step-N` directory.

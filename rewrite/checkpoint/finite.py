@@ -19,10 +19,7 @@ class NonFiniteState(InputError):
 
 
 def nonfinite_problems(stage: Stage, optimizer: torch.optim.Optimizer) -> list[str]:
-    """This rank's parameters and optimizer-state tensors holding nan or inf, as one problem (or none).
-
-    Local: no collective. A caller shares it with its other problems before writing anything.
-    """
+    """This rank's parameters and optimizer-state tensors holding nan or inf, as one problem (or none); local."""
     bad = [name for name, p in stage.model.named_parameters() if not _finite(p)]
     names = {id(p): name for name, p in stage.model.named_parameters()}
     for param, state in optimizer.state.items():

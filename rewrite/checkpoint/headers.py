@@ -80,11 +80,8 @@ def read_headers(directory: Path, files) -> dict[str, dict]:
 
 
 def save_id_problems(directory: Path, headers: dict[str, dict], index_id: str | None) -> list[str]:
-    """A problem when the files were not all written by one save.
-
-    Every shard must carry the same save id, and the index's when it has one; files
-    written by tools without ids (transformers) carry none, which is fine when none does.
-    """
+    """A problem when the files were not all written by one save: every shard must carry the same save id,
+    and the index's when it has one; files written without ids (transformers) are fine when none has one."""
     ids = {file: (h.get("__metadata__") or {}).get(SAVE_ID) for file, h in headers.items()}
     if index_id is not None:
         ids[INDEX] = index_id
@@ -97,18 +94,17 @@ def save_id_problems(directory: Path, headers: dict[str, dict], index_id: str | 
     return [
         f"{directory}: files from different saves: {', '.join(odd)}, but {', '.join(same)} "
         f"{'has' if len(same) == 1 else 'have'} {'no save id' if ref is None else f'save id {ref}'}; "
-        f"a shard was copied in from another "
-        f"checkpoint: copy one save's whole directory, or save again"
+        "a shard was copied in from another checkpoint: copy one save's whole directory, or save again"
     ]
 
 
 def load_dtype(headers: dict[str, dict], keys: dict[str, str], config, dtype: torch.dtype | None):
-    """The dtype every floating tensor is cast to on load (None: keep the stored dtype), and a
-    note naming the tensors stored in another dtype (None when there are none).
+    """The dtype every floating tensor is cast to on load (None: keep the stored dtype), and a note naming
+    the tensors stored in another dtype (None when there are none).
 
-    `keys`: checkpoint tensor name -> file, for the tensors the model reads. A `dtype`
-    asked for is used as it is; else one stored floating dtype is kept, and several are
-    cast to the config's `dtype` (`torch_dtype`), else to the one holding most elements.
+    `keys`: checkpoint tensor name -> file, for the tensors the model reads. A `dtype` asked for is used;
+    else one stored floating dtype is kept, several are cast to the config's `dtype` (`torch_dtype`), else
+    to the one holding most elements.
     """
     if dtype is not None:
         return dtype, None
@@ -127,16 +123,13 @@ def load_dtype(headers: dict[str, dict], keys: dict[str, str], config, dtype: to
 def model_dtype(headers: dict[str, dict], keys: dict[str, str], dtype: torch.dtype | None) -> torch.dtype | None:
     """The one floating dtype the model holds once loaded: `dtype` from `load_dtype`, else the
     one stored (None when the checkpoint stores no floating tensor)."""
-    if dtype is not None:
-        return dtype
-    _, sizes = _stored_floats(headers, keys)
-    return next(iter(sizes), None)
+    return dtype if dtype is not None else next(iter(_stored_floats(headers, keys)[1]), None)
 
 
 def _stored_floats(headers: dict[str, dict], keys: dict[str, str]) -> tuple[dict[str, torch.dtype], Counter]:
     """Checkpoint tensor name -> its stored floating dtype; elements stored in each floating dtype."""
     stored: dict[str, torch.dtype] = {}
-    sizes: Counter = Counter()
+    sizes = Counter()
     for key, file in keys.items():
         info = headers.get(file, {}).get(key)
         kind = _FLOATS.get(info.get("dtype")) if isinstance(info, dict) else None

@@ -1,6 +1,4 @@
-"""The layout save and load share: file names, and which rank holds which slice of
-which checkpoint tensor.
-"""
+"""The layout save and load share: file names, and which rank holds which slice of which checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -86,13 +84,5 @@ def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank
 
 def written_by_stage(entries_per_stage: list[list[Entry]]) -> list[list[Entry]]:
     """Per stage, the entries it writes: each checkpoint tensor once, by the first stage holding it."""
-    seen: set[str] = set()
-    out = []
-    for entries in entries_per_stage:
-        mine = []
-        for entry in entries:
-            if entry.canonical not in seen:
-                seen.add(entry.canonical)
-                mine.append(entry)
-        out.append(mine)
-    return out
+    seen: set[str] = set()  # `not seen.add(...)`: always true, marks the tensor written
+    return [[e for e in entries if e.canonical not in seen and not seen.add(e.canonical)] for entries in entries_per_stage]

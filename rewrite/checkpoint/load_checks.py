@@ -27,22 +27,21 @@ __all__ = ["ReadPlan", "plan_read"]
 
 @dataclass
 class ReadPlan:
-    """What a rank reads of a checkpoint before loading it: its problems, the files holding each of its
-    tensors, its entries, the meta model, the generation config, a note on a dtype cast, the dtypes."""
+    """What a rank reads of a checkpoint before loading it."""
 
     problems: list[str] = field(default_factory=list)
-    sources: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)  # entry name -> where it is stored
     entries: list[Entry] = field(default_factory=list)
     meta: nn.Module | None = None
-    generation: object = None
-    note: str | None = None
-    floats: torch.dtype | None = None
-    dtype: torch.dtype | None = None
+    generation: object = None  # the GenerationConfig, if stored
+    note: str | None = None  # names the tensors a dtype cast changes
+    floats: torch.dtype | None = None  # the one floating dtype of the loaded model
+    dtype: torch.dtype | None = None  # cast to on load; None keeps the stored one
 
 
 def plan_read(read: ReadPlan, directory: Path, plan: ParallelPlan, dtype: torch.dtype | None) -> None:
-    """Read the configs, bind the plan to a meta model and check every file and tensor this rank needs, into
-    `read` as it goes (what was found before an exception is kept)."""
+    """Fill `read` as it goes (what was found before an exception is kept): the configs, the plan bound to a
+    meta model, and every file and tensor this rank needs checked."""
     at = plan.mesh.shape.coords(dist.get_rank())
     directory = swap.current(directory)  # the old checkpoint, if a save was killed mid-swap
     config, read.generation = _read_configs(directory)

@@ -1,9 +1,8 @@
 """Which model a training state was written for: its class and its configuration, in `model.json`.
 
-A state of the same shapes loads into any model whose tensors have its names: a LLaMA's state into
-a Mistral, one of rope_theta 10,000 into one of 500,000. Nothing but this mark tells them apart, so
-`load_training_state` compares it with the model it loads into and refuses another, naming both.
-States written before the mark existed carry none and load as they did.
+A state of the same shapes loads into any model with its tensor names (a LLaMA's into a Mistral,
+rope_theta 10,000 into 500,000): only this mark tells them apart, so `load_training_state` refuses
+another model, naming both. A state without the mark loads unchecked.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ _WRAPPERS = ("torch.distributed.", "rewrite.")  # where the classes put over a m
 def model_mark(model: nn.Module) -> dict[str, Any]:
     """The model's class, its config's `model_type` and the config's entries that fix what it computes
     (None for a model without a Hugging Face config)."""
-    config = getattr(model, "config", None)
-    entries = None
+    config, entries = getattr(model, "config", None), None
     if config is not None and hasattr(config, "to_dict"):
         entries = {k: v for k, v in config.to_dict().items() if k not in _RUNTIME and not k.startswith("_")}
         entries = json.loads(json.dumps(entries, default=str))  # as the file holds it: tuples as lists
@@ -48,9 +46,8 @@ def write_mark(path: Path, model: nn.Module) -> None:
 
 
 def model_change(path: Path, model: nn.Module) -> str | None:
-    """How the model `path`'s state was written for differs from `model` ('LlamaForCausalLM (llama)
-    -> MistralForCausalLM (mistral)', or the config entries that differ), None when it is the same
-    model or the state carries no mark."""
+    """How the model `path`'s state was written for differs from `model` ('LlamaForCausalLM (llama) ->
+    MistralForCausalLM (mistral)', or the differing config entries); None when the same, or unmarked."""
     file = path / MARK_FILE
     if not file.is_file():
         return None
@@ -71,5 +68,4 @@ def model_change(path: Path, model: nn.Module) -> str | None:
 
 
 def _name(mark: dict) -> str:
-    kind = mark.get("model_type")
-    return f"{mark.get('class')}" + (f" ({kind})" if kind else "")
+    return f"{mark.get('class')}" + (f" ({kind})" if (kind := mark.get("model_type")) else "")

@@ -1,12 +1,10 @@
 """Each rank's part of a training checkpoint as boxes of whole tensors, for torch.distributed.checkpoint.
 
-A `Piece` is the box this rank holds of one whole (unsharded) tensor: its local data, the
-whole tensor's size and the box's offsets. Tensor-parallel slices, FSDP2's row shards of
-them, and pipeline stages all come down to boxes, so DCP writes each rank's own boxes
-(replicated ones once) and, on load, reads any box from whatever boxes another plan wrote:
-that is the resharding between plans. The planners below are DCP's documented extension
-point (`DefaultSavePlanner` / `DefaultLoadPlanner`) taught about pieces; everything else
-(files, metadata, deduplication, the overlap reads) is DCP's own.
+Tensor-parallel slices, FSDP2's row shards of them and pipeline stages all come down to boxes,
+so DCP writes each rank's own boxes (replicated ones once) and, on load, reads any box from
+whatever boxes another plan wrote: that is the resharding between plans. The planners are DCP's
+documented extension point taught about pieces; files, metadata, deduplication and the overlap
+reads are DCP's own. Optimizer moments are boxed like their parameters, so they reshard with them.
 """
 
 from __future__ import annotations
@@ -21,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -37,16 +36,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..pipeline.stage import Stage
 from ..errors import CheckpointError, InputError
 
-__all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like"]
+__all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like", "optimizer_pieces",
+           "fresh_optimizer_pieces", "fit_problems"]
 
 
 @dataclass(frozen=True)
 class Piece:
-    """The box `tensor` of a whole tensor of size `size`, starting at `offsets`.
+    """The box `tensor` this rank holds of a whole tensor of size `size`, starting at `offsets`.
 
-    A packed layer's rows (a fused gate_up_proj keeps its slice of each part) are several
-    boxes along `dim` (0; an experts tensor's features: 1 or 2): `rows` lists each one's (first
-    local index, length, whole-tensor index) along it.
+    A packed layer's rows (a fused gate_up_proj keeps its slice of each part) are several boxes
+    along `dim` (0; an experts tensor's features: 1 or 2), one per `rows` entry.
     """
 
     tensor: torch.Tensor  # this rank's data (a view into the live tensor: loads write through it)
@@ -83,9 +82,9 @@ def piece_like(value: torch.Tensor, box: Piece) -> Piece:
 def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot: int, parts: int = 1) -> Piece:
     """Where this rank's `tensor` sits in the whole: tp slice `slot` of `slices` along `tp_dim`, then FSDP2's rows.
 
-    `slices` is tp, or tp / replicas for a k/v projection past its kv heads (`slot` = tp_rank //
-    replicas): the replicas then hold the same box, which DCP's deduplication writes once.
-    `parts` > 1 (along `tp_dim`): the tp slice is that many slices, one of each equal part of the whole.
+    `slices` is tp, or tp / replicas past the kv heads (`slot` = tp_rank // replicas): the replicas
+    hold the same box, written once by DCP's deduplication. `parts` > 1: the tp slice is one slice of
+    each of that many equal parts of the whole.
     """
     shape = list(tensor.shape)  # a DTensor's shape: its whole tp slice
     size, start, extent = list(shape), [0] * len(shape), list(shape)
@@ -141,6 +140,63 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def optimizer_pieces(stage: Stage, optimizer: torch.optim.Optimizer, boxes: dict[str, Piece]) -> tuple[dict, list[str]]:
+    """Each parameter's optimizer state (moments in the parameter's box; 0-d values whole), under every name."""
+    names, out, problems = parameter_names(stage.model), {}, []
+    for param, state in optimizer.state.items():
+        for name in names.get(id(param), []):
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape):
+                    out[f"optim/{name}/{key}"] = piece_like(value, boxes[name])
+                elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                    out[f"optim/{name}/{key}"] = Piece(value.detach(), torch.Size(), torch.Size())
+                else:
+                    problems.append(f"optimizer state {key!r} of {name} ({type(value).__name__}) is neither "
+                                    "shaped like its parameter nor a scalar; it cannot be resharded")
+    return out, problems
+
+
+def fresh_optimizer_pieces(stage: Stage, optimizer, model_state: dict, stored: dict) -> tuple[dict, list]:
+    """Zeroed optimizer state for every parameter the checkpoint has state for, boxed to be read into."""
+    if optimizer.state:
+        raise CheckpointError("the optimizer already has state; load into a fresh optimizer (before its first step)")
+    names, pieces, fresh = parameter_names(stage.model), {}, []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name in names.get(id(param), []):
+                prefix = f"optim/{name}/"
+                if not (keys := [k for k in stored if k.startswith(prefix)]):
+                    continue
+                values = {}
+                for key in keys:
+                    if not isinstance(md := stored[key], TensorStorageMetadata):
+                        raise CheckpointError(f"{key} is not a tensor in the checkpoint")
+                    if len(md.size) == 0:
+                        values[key[len(prefix):]] = value = torch.zeros((), dtype=md.properties.dtype)
+                        pieces[key] = Piece(value, torch.Size(), torch.Size())
+                    else:
+                        values[key[len(prefix):]] = value = torch.zeros_like(param, dtype=md.properties.dtype)
+                        pieces[key] = piece_like(value, model_state[f"model/{name}"])
+                fresh.append((param, values))
+                break  # a tied parameter's state is read once, under its first name
+    return pieces, fresh
+
+
+def fit_problems(state: dict, stored: dict) -> list[str]:
+    """Tensors of `state` the checkpoint lacks, or holds with another whole shape (another model)."""
+    missing = [k for k in state if isinstance(state[k], Piece) and k not in stored]
+    shapes = [f"{k}: {list(stored[k].size)} in the checkpoint, {list(v.size)} here" for k, v in state.items()
+              if isinstance(v, Piece) and k in stored and tuple(getattr(stored[k], "size", ())) != tuple(v.size)]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensors this model has are not in the checkpoint, e.g. {missing[:3]}; "
+                        "was it written for another model?")
+    if shapes:
+        problems.append(f"{len(shapes)} tensors have other whole shapes than the checkpoint's, e.g. {shapes[:3]}; "
+                        "was it written for another model config?")
+    return problems
+
+
 def own_cpu(t: torch.Tensor) -> torch.Tensor:
     """`t` contiguous on the CPU, sharing storage with nothing (a view would be saved with its whole storage)."""
     t = t.detach().to("cpu").contiguous()
@@ -148,8 +204,7 @@ def own_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def plain_data_problems(objects: dict[str, Any]) -> list[str]:
-    """The objects (by name) a checkpoint could not load back as plain data (`weights_only`): dicts,
-    lists, tuples, numbers, strings, None, tensors. Checked before anything is written."""
+    """The objects (by name) a checkpoint could not load back as plain data (`weights_only`)."""
     problems = []
     for name, value in objects.items():
         buffer = io.BytesIO()
@@ -191,11 +246,9 @@ class PieceSavePlanner(DefaultSavePlanner):
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):
-    """Reads into each `Piece` the parts of its box that the checkpoint's boxes hold; objects whole,
-    as plain data (`weights_only`): an object that would run code is refused, naming `source`.
-
-    The caller checks beforehand (on every rank, before any collective) that every key is
-    in the checkpoint with the same whole size.
+    """Reads into each `Piece` the parts of its box that the checkpoint's boxes hold; objects whole, as
+    plain data (`weights_only`): one that would run code is refused, naming `source`. The caller checks
+    beforehand, on every rank, that every key is in the checkpoint with the same whole size.
     """
 
     def __init__(self, source: str | Path = "the checkpoint") -> None:
@@ -207,16 +260,13 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
-        items = []
-        stored = self.metadata.state_dict_metadata
+        items, zero = [], torch.Size((0,))
         for key, value in self.state_dict.items():
             if isinstance(value, Piece):
-                chunks = [c for c in value.chunks if math.prod(c.sizes)]
-                if chunks:
-                    items += create_read_items_for_chunk_list(key, stored[key], chunks)
+                if chunks := [c for c in value.chunks if math.prod(c.sizes)]:
+                    items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
             else:
                 index = MetadataIndex(key)
-                zero = torch.Size((0,))
                 items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=zero,
                                       storage_index=index, storage_offsets=zero, lengths=zero))
         return LoadPlan(items)

@@ -1,11 +1,10 @@
 """Reading a training checkpoint runs no code from it.
 
-torch.distributed.checkpoint reads its `.metadata` file with `pickle.load`, which calls whatever
-the file names: a checkpoint from elsewhere could run anything on `--resume`. `SafeReader` reads
-it through an unpickler that admits only what DCP's own metadata is made of (its dataclasses,
-torch sizes, dtypes and layouts, paths) and refuses anything else, naming the file. The tensors
-are read by torch with `weights_only=True`; our own objects (scheduler, step, RNG states) are
-plain data, read the same way (`pieces.PieceLoadPlanner`).
+torch.distributed.checkpoint reads its `.metadata` with `pickle.load`, which calls whatever the
+file names: a checkpoint from elsewhere could run anything on `--resume`. `SafeReader` unpickles
+it admitting only what DCP's metadata is made of (its dataclasses, torch sizes, dtypes, layouts,
+paths), refusing anything else; tensors and our own objects are read with `weights_only=True`
+(`pieces.PieceLoadPlanner`).
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CheckpointError
@@ -76,11 +74,7 @@ def read_metadata(path: str | Path) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """torch's `FileSystemReader`, with the metadata read by `read_metadata` (no code run).
-
-    Example:
-        >>> dcp.load(state, storage_reader=SafeReader(path), planner=PieceLoadPlanner())
-    """
+    """torch's `FileSystemReader`, with the metadata read by `read_metadata` (no code run)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -94,8 +88,8 @@ class SafeReader(FileSystemReader):
 def load_pieces(state: dict, path: Path, *, no_dist: bool = False) -> None:
     """`dcp.load` of `state` (pieces and objects) from the checkpoint `path`, running no code of it.
 
-    Collective unless `no_dist`. A refusal on any rank (an object that is not plain data) is raised
-    on every rank as that `CheckpointError`, not as DCP's report of every rank's traceback.
+    Collective unless `no_dist`. A refusal on any rank is raised on every rank as that `CheckpointError`,
+    not as DCP's report of every rank's traceback.
     """
     try:
         dcp.load(state, storage_reader=SafeReader(path), planner=PieceLoadPlanner(path), no_dist=no_dist)

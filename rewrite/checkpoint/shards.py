@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..pipeline.stage import Stage
 from .disk_layout import Stacked
 from .layout import Entry
+from .pieces import parameter_names
 
 __all__ = ["Source", "read_slice", "reading", "file_order", "fill_dp_shards", "unstored_modules", "rebuild_unstored"]
 
@@ -62,9 +63,7 @@ def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, S
     """
     model = stage.model
     unstored = unstored_modules(model, by_name)  # before to_empty gives their meta buffers storage (uninitialised)
-    paths: dict[int, list[str]] = {}  # id(parameter) -> its paths (a tied weight has several)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        paths.setdefault(id(param), []).append(name)
+    paths = parameter_names(model)  # a tied weight has several
     tied = [paths[id(p)][0] for p in stage.tied]
     model.to_empty(device=device)
     for first, *others in (p for p in paths.values() if len(p) > 1):  # to_empty gives each module its own copy

@@ -1,9 +1,6 @@
 """Will a training checkpoint fit? Its size, counted before anything is written, against the free
-space of each file system the ranks write to.
-
-Each rank writes its own boxes of the tensors into the same directory; replicated boxes are
-written once (DCP keeps one copy). So the bytes a file system receives are the distinct boxes of
-the ranks that see it, counted once, plus a margin for metadata and small objects.
+space of each file system the ranks write to: the distinct boxes of the ranks that see it (DCP
+writes a replicated box once), plus a margin for metadata and small objects.
 """
 
 from __future__ import annotations
@@ -38,13 +35,9 @@ def space_view(directory: Path, state: dict) -> SpaceView:
     existing = directory
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent  # the directory is made by the save: its file system is its parent's
-    usage = shutil.disk_usage(existing)
-    boxes = set()
-    for key, value in state.items():
-        if isinstance(value, Piece):
-            for tensor, offsets in value.boxes():
-                boxes.add((key, tuple(offsets), tensor.numel() * tensor.element_size()))
-    return SpaceView((socket.gethostname(), os.stat(existing).st_dev), usage.free, frozenset(boxes))
+    boxes = frozenset((key, tuple(offsets), tensor.nbytes) for key, value in state.items() if isinstance(value, Piece)
+                      for tensor, offsets in value.boxes())
+    return SpaceView((socket.gethostname(), os.stat(existing).st_dev), shutil.disk_usage(existing).free, boxes)
 
 
 def space_needs(views: list[SpaceView]) -> dict[tuple[str, int], tuple[int, int]]:

@@ -26,10 +26,9 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ..agreement import agree, raise_problems, share
 from ..pipeline.stage import Stage
-from .optimizer_state import fit_problems, fresh_optimizer_pieces, optimizer_pieces
 from .finite import NonFiniteState, nonfinite_problems
 from .model_mark import model_change, write_mark
-from .pieces import PieceSavePlanner, model_pieces, plain_data_problems
+from .pieces import PieceSavePlanner, fit_problems, fresh_optimizer_pieces, model_pieces, optimizer_pieces, plain_data_problems
 from .safe_reader import load_pieces, read_metadata
 from .state_dirs import LATEST, latest_checkpoint, point_latest, prune, saved_steps, step_dir
 from ..errors import CheckpointError, CheckpointWriteError
