@@ -22,7 +22,7 @@ from torch import nn
 from ..models.names import canonical_names
 from .layout import meta_model
 
-__all__ = ["Stacked", "stored_names", "stored_keys", "on_disk"]
+__all__ = ["Stacked", "Source", "file_order", "stored_names", "stored_keys", "on_disk"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,14 @@ class Stacked:
                 return [f"{name}: expert {row}'s pieces {[list(s) for s in got]} do not make a row of "
                         f"{list(full_shape[1:])} (config.json); the config and the weights do not belong together"]
         return []
+
+
+Source = tuple[Path, str] | Stacked  # (safetensors file, tensor name in it), or pieces per expert
+
+
+def file_order(source: Source) -> tuple[Path, str]:
+    """Where `source` is read from first: reads sorted by it go through the files in order."""
+    return source.first if isinstance(source, Stacked) else source
 
 
 def _mapping(model: nn.Module, *, legacy: bool):

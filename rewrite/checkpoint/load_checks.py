@@ -17,10 +17,9 @@ from ..errors import CheckpointError
 from ..plan.ranks import expert_place
 from ..plan.schema import ParallelPlan, PlanError
 from . import swap
-from .disk_layout import Stacked, stored_keys, stored_names
+from .disk_layout import Source, Stacked, stored_keys, stored_names
 from .headers import load_dtype, model_dtype, model_keys, read_headers, save_id_problems, weight_map_of
 from .layout import INDEX, Entry, meta_model, stage_entries
-from .shards import Source
 
 __all__ = ["ReadPlan", "plan_read"]
 
