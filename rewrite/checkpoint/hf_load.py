@@ -23,21 +23,15 @@ from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan
 from ..rewriter import apply_plan
 from .disk_layout import Source, Stacked, file_order
+from .headers import ReadPlan, plan_read
 from .layout import Entry
-from .load_checks import ReadPlan, plan_read
 from .pieces import parameter_names
 from ..errors import CheckpointError
 
 __all__ = ["from_pretrained"]
 
-def from_pretrained(
-    directory: str | Path,
-    plan: ParallelPlan | str | Path | dict,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    compute_dtype: torch.dtype | None = None,
-) -> Stage:
+def from_pretrained(directory: str | Path, plan: ParallelPlan | str | Path | dict, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None) -> Stage:
     """Build a Hugging Face checkpoint's model already rewritten by `plan`, this rank's part only.
 
     Collective: every rank calls it with the same arguments. The model is built and the
@@ -134,9 +128,8 @@ def _owned(view: torch.Tensor, device, dtype) -> torch.Tensor:
     return out
 
 
-def _materialise(
-    model: nn.Module, by_name: dict[str, Entry], sources: dict[str, Source], device, dtype, *, only_tied: bool
-) -> list[str]:
+def _materialise(model: nn.Module, by_name: dict[str, Entry], sources: dict[str, Source], device, dtype, *,
+                 only_tied: bool) -> list[str]:
     """Replace `model`'s meta tensors that this rank stores by their data (or slice), in file order."""
     slots: dict[int, list] = {}  # id(meta tensor) -> its [(module, kind, leaf, name)]; tied ones share
     for mod_name, module in model.named_modules(remove_duplicate=False):

@@ -26,10 +26,9 @@ from ..plan.schema import ParallelPlan
 from . import swap
 from ..plan.ranks import Coords, Shape, expert_place
 from .disk_layout import on_disk
-from .layout import INDEX, SAVE_ID, Entry, shard_file
+from .layout import INDEX, SAVE_ID, Entry, save_problems, shard_file
 from .model_mark import model_class
 from .pieces import own_cpu
-from .save_checks import save_problems
 
 __all__ = ["save_pretrained"]
 

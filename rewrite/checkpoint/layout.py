@@ -1,4 +1,7 @@
-"""The layout save and load share: file names, and which rank holds which slice of which checkpoint tensor."""
+"""The layout save and load share: file names, and which rank holds which slice of which checkpoint
+tensor; and what `save_pretrained` checks on each rank before anything is written: the model holds the
+tensors, parallel layers and data-parallel split the plan gives this rank (`save_problems`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,18 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from ..binding.resolve import ResolvedPlan, resolve
+from ..expert_parallel.tensor import ExpertTensorParallelMixin
+from ..models.experts import num_experts
 from ..models.names import canonical_names
-from ..binding.resolve import ResolvedPlan
+from ..pipeline.stage import Stage
+from ..plan.ranks import expert_place
+from ..plan.schema import ParallelPlan, PlanError
+from ..tensor_parallel.head_params import split_parameters
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.vocab import VocabParallelEmbedding
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -86,3 +98,102 @@ def written_by_stage(entries_per_stage: list[list[Entry]]) -> list[list[Entry]]:
     """Per stage, the entries it writes: each checkpoint tensor once, by the first stage holding it."""
     seen: set[str] = set()  # `not seen.add(...)`: always true, marks the tensor written
     return [[e for e in entries if e.canonical not in seen and not seen.add(e.canonical)] for entries in entries_per_stage]
+
+
+def _summary(head: str, items: list[str], shown: int = 3) -> list[str]:
+    """One problem for many alike: the count and the first few."""
+    if not items:
+        return []
+    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
+    return [head.format(n=len(items)) + " " + "; ".join(items[:shown]) + more]
+
+
+def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
+    """Why the module holding `entry` is not the parallel layer the plan says, or None."""
+    if entry.dim is None:
+        return None
+    owner = model.get_submodule(entry.name.rpartition(".")[0])
+    if entry.over == "ep":
+        shard = getattr(owner, "expert_shard", None)
+        if shard is None:
+            return f"{entry.name}: the plan splits its experts over ep, the model holds a {type(owner).__name__} whole"
+        if shard.first != entry.start:
+            return f"{entry.name}: the module holds experts from {shard.first}, the plan gives this rank {entry.start}"
+        return None
+    if isinstance(owner, ExpertTensorParallelMixin):
+        return None  # each expert's slices: the module's tensors are this tp rank's (`split_experts_over_tp`)
+    if entry.name.rpartition(".")[2] in split_parameters(owner):
+        return None  # a bare per-head parameter, this tp rank's heads' values (`split_head_parameter`)
+    if num_experts(owner) is not None:
+        return f"{entry.name}: the plan splits each expert over tp, the model holds a {type(owner).__name__} whole"
+    classes = (ColumnParallelLinear, VocabParallelEmbedding) if entry.dim == 0 else (RowParallelLinear,)
+    if not isinstance(owner, classes):
+        wanted = " or ".join(c.__name__ for c in classes)
+        return f"{entry.name}: the plan shards it as {wanted}, the model holds {type(owner).__name__}"
+    if owner.tp_rank != tp_rank:
+        return f"{entry.name}: the layer is tp rank {owner.tp_rank}, this rank is tp rank {tp_rank} of the plan"
+    replicas = getattr(owner, "replicas", 1)
+    if replicas != entry.replicas:
+        return f"{entry.name}: the layer's slice is held by {replicas} tp ranks, the plan's by {entry.replicas}"
+    return None
+
+
+def save_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stage | None) -> tuple[list[str], list[Entry]]:
+    """Check this rank's model against the plan; returns (problems, the entries this rank writes).
+
+    A stage rewritten with this very plan holds its binding; any other plan is bound afresh to a
+    meta copy of the model, so a plan that does not match the model is found either way.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return [f"{type(model).__name__} has no .config: only Hugging Face models can be saved"], []
+    meta = meta_model(config)
+    if stage is not None and stage.resolved.plan.model_dump() == plan.model_dump():
+        resolved = stage.resolved
+    else:
+        try:
+            resolved = resolve(plan, meta)
+        except PlanError as exc:
+            return [f"the model's config does not fit the plan: {exc}"], []
+    dp, pp, cp, at = plan.mesh.dp, plan.mesh.pp, plan.mesh.cp, plan.mesh.shape.coords(rank)
+    pp_rank, tp_rank = at.pp, at.tp
+    mine = stage_entries(meta, resolved, pp_rank, tp_rank, expert_place(plan.mesh.shape, at)[0])
+    by_expert = {e.name for e in mine if e.over == "ep"}  # whole on each rank of their group: never dp-sharded
+    have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
+    want = {e.name: e.local_shape for e in mine}
+    where = (f"dp_rank {at.dp}, " if dp > 1 else "") + f"pp_rank {pp_rank}, tp_rank {tp_rank}"
+    problems = _summary(
+        f"{where}: {{n}} tensors have other shapes than the plan gives this rank, e.g.",
+        [f"{n}: {list(have[n])} here, {list(s)} in the plan" for n, s in want.items() if n in have and have[n] != s],
+    )
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    if missing or extra:
+        problems.append(
+            f"{where}: should hold {len(want)} tensors but holds {len(have)}: missing {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}"
+        )
+    if not problems:
+        problems = _summary(f"{where}: {{n}} layers are not what the plan makes of them:",
+                            [p for e in mine if (p := _expected_layer(model, e, tp_rank))])
+    replicas = dp * cp  # the ranks holding the same parameters: FSDP2 spreads them over all of them
+    split = f"not split over its {replicas} data-parallel ranks" if replicas > 1 else "split over data-parallel ranks"
+    ddp = replicas > 1 and plan.data_parallel.sharding == "replicate"  # torch's DDP keeps plain parameters
+    problems += _summary(
+        f"{where}: the plan has mesh.dp={dp}" + (f" x cp={cp}" if cp > 1 else "") + f", but {{n}} parameters are {split}, e.g.",
+        [f"{n}: {_dp_text(p)}" for n, p in model.named_parameters()
+         if _dp_size(p) != replicas and not (ddp and not isinstance(p, DTensor)) and n not in by_expert],
+    )
+    if problems:
+        problems[-1] += "; pass the plan the model was rewritten with"
+    every = [stage_entries(meta, resolved, s, 0) for s in range(pp)]
+    written = {e.name for e in written_by_stage(every)[pp_rank]}
+    return problems, [e for e in mine if e.name in written and e.name in have]
+
+
+def _dp_size(param: torch.Tensor) -> int:
+    """Over how many data-parallel ranks FSDP2 (or its replicate) spread `param`: 1 for a plain tensor."""
+    return param.device_mesh.size() if isinstance(param, DTensor) else 1
+
+
+def _dp_text(param: torch.Tensor) -> str:
+    return f"a DTensor over {_dp_size(param)} ranks" if isinstance(param, DTensor) else "a plain tensor"

@@ -6,9 +6,8 @@
       step-00000050/      config.json (+ tokenizer) so that `export` needs nothing else, and
                           model.json: the model the state was written for (`model_mark`)
 
-Tensors are stored as whole (unsharded) tensors cut into the boxes each rank held (see
-`pieces`), so a checkpoint written under one plan loads under any other plan of the same
-model: tp, pp and dp may all change. A save killed half-way leaves `latest` naming the
+Tensors are stored as whole tensors cut into the boxes each rank held (`pieces`), so a checkpoint
+loads under any other plan of the same model. A save killed half-way leaves `latest` naming the
 previous checkpoint; the next save of that step starts over.
 """
 
@@ -37,6 +36,7 @@ from .space import space_needs, space_problems, space_view
 
 __all__ = ["save_training_state", "load_training_state", "latest_checkpoint", "saved_steps", "step_dir", "LATEST"]
 
+
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -51,17 +51,9 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_training_state(
-    directory: str | Path,
-    stage: Stage,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any = None,
-    extra: dict | None = None,
-    *,
-    step: int | None = None,
-    keep: int | None = None,
-    tokenizer: Any = None,
-) -> Path:
+def save_training_state(directory: str | Path, stage: Stage, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                        extra: dict | None = None, *, step: int | None = None, keep: int | None = None,
+                        tokenizer: Any = None) -> Path:
     """Write a complete, resumable checkpoint of this training run under `directory`.
 
     Collective. Each rank writes its boxes of the model's tensors and of the optimizer state
@@ -208,15 +200,8 @@ def _after_failure(directory: Path, path: Path) -> str:
             + (f"; {format_bytes(free)} free on its file system now" if free is not None else ""))
 
 
-def load_training_state(
-    directory: str | Path,
-    stage: Stage,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any = None,
-    *,
-    step: int | None = None,
-    allow_other_model: bool = False,
-) -> Any:
+def load_training_state(directory: str | Path, stage: Stage, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                        *, step: int | None = None, allow_other_model: bool = False) -> Any:
     """Restore a checkpoint of `save_training_state` into this rank's stage and optimizer; returns `extra`.
 
     Collective. The stage may come from another plan (tp, pp or dp) than the one that saved:
