@@ -32,20 +32,10 @@ class Stacked:
 
     pieces: tuple[tuple[tuple[Path, str], ...], ...]  # [expert][projection]
 
-    @property
-    def first(self) -> tuple[Path, str]:
-        return self.pieces[0][0]
-
-    def rows(self, entry) -> list[int]:
-        """The experts (rows of dim 0) `entry` holds: all of them, or its slices' (`layout.Entry`)."""
-        if entry.dim != 0:
-            return list(range(len(self.pieces)))
-        return [row for s in entry.slices() for row in range(s.start, s.stop)]
-
     def read(self, entry) -> torch.Tensor:
-        """This rank's rows, each read from its own pieces only (each file opened once); split along another
-        dim (each expert over tp), this rank's slices of each row."""
-        rows = self.rows(entry)
+        """This rank's rows (experts: all, or its slices' along dim 0; `layout.Entry`), each read from its own
+        pieces only (each file opened once); split along another dim (each expert over tp), its slices of each."""
+        rows = range(len(self.pieces)) if entry.dim != 0 else [r for s in entry.slices() for r in range(s.start, s.stop)]
         by_file: dict[Path, list[str]] = {}
         for row in rows:
             for path, key in self.pieces[row]:
@@ -64,8 +54,8 @@ class Stacked:
         dim = entry.dim - 1
         return torch.cat([row.narrow(dim, s.start, s.stop - s.start) for s in entry.slices()], dim=dim)
 
-    def problems(self, name: str, full_shape: tuple[int, ...], dim: int | None) -> list[str]:
-        """What keeps this rank from reading model tensor `name` (`full_shape`, split along `dim`) from the pieces."""
+    def problems(self, name: str, full_shape: tuple[int, ...]) -> list[str]:
+        """What keeps this rank from reading model tensor `name` (`full_shape`) from the pieces."""
         if len(self.pieces) != full_shape[0]:
             return [f"{name}: the checkpoint stores {len(self.pieces)} experts, config.json implies {full_shape[0]}; "
                     "the config and the weights do not belong together"]
@@ -94,7 +84,7 @@ Source = tuple[Path, str] | Stacked  # (safetensors file, tensor name in it), or
 
 def file_order(source: Source) -> tuple[Path, str]:
     """Where `source` is read from first: reads sorted by it go through the files in order."""
-    return source.first if isinstance(source, Stacked) else source
+    return source.pieces[0][0] if isinstance(source, Stacked) else source
 
 
 def _mapping(model: nn.Module, *, legacy: bool):

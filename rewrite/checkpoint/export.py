@@ -37,13 +37,9 @@ def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
     else:
         found = latest_checkpoint(checkpoint)
         if found is None:
-            raise CheckpointError(
-                f"{checkpoint} holds no training checkpoint (neither a `latest` file nor a .metadata file); "
-                "pass the checkpoint directory of a run that saved one"
-            )
+            raise CheckpointError(f"{checkpoint} holds no training checkpoint (neither a `latest` file nor a "
+                                  ".metadata file); pass the checkpoint directory of a run that saved one")
         path = found[1]
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a complete training checkpoint (no .metadata file)")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path} has no config.json: it was saved from a model without a Hugging Face config")
     return path

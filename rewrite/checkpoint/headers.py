@@ -225,7 +225,7 @@ def _check_sources(directory: Path, weight_map: dict[str, str], entries: list[En
                 continue  # stored in a layout not read: reported by stored_names
             key = stored.get(e.name, stored.get(e.canonical))
             if isinstance(key, Stacked):
-                found = key.problems(e.name, e.full_shape, e.dim)
+                found = key.problems(e.name, e.full_shape)
                 problems += found
                 if not found:
                     sources[e.name] = key

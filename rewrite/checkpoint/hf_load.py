@@ -34,21 +34,17 @@ def from_pretrained(directory: str | Path, plan: ParallelPlan | str | Path | dic
                     dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None) -> Stage:
     """Build a Hugging Face checkpoint's model already rewritten by `plan`, this rank's part only.
 
-    Collective: every rank calls it with the same arguments. The model is built and the
-    plan applied on the meta device; each rank reads only its stage's tensors and its
-    tp slices (`get_slice`), under dp > 1 only its FSDP2 shard of each (DTensor's own
-    split). Rotary frequencies are recomputed from the config; tensors in transformers'
-    on-disk layout are read through the family's conversion mapping (`disk_layout`).
-    Every rank reads every shard's header, so all decide alike: shards of different saves
-    are refused; with `dtype=None` one stored floating dtype is kept, several are cast
-    whole to the config's `dtype` (else the one holding most elements), rank 0 warning.
-    A `directory` missing because a save was killed mid-swap is read from the old
-    checkpoint beside it (`swap`). See docs/checkpoints.md.
+    Collective: every rank calls it with the same arguments. The model is built and the plan
+    applied on the meta device; each rank reads only its stage's tensors and tp slices
+    (`get_slice`), under dp > 1 only its FSDP2 shard of each. Rotary frequencies are recomputed;
+    transformers' on-disk layout is read through the family's conversion mapping (`disk_layout`).
+    Shards of different saves are refused; with `dtype=None` one stored floating dtype is kept,
+    several are cast whole to the config's `dtype` (else the one holding most elements), rank 0
+    warning. A save killed mid-swap is read from the old checkpoint beside it (docs/checkpoints.md).
 
     Args:
-        directory: a checkpoint directory (`config.json` plus `model.safetensors` or
-            `model.safetensors.index.json` and its shards), e.g. from `save_pretrained`
-            or `transformers`' own `save_pretrained`.
+        directory: `config.json` plus `model.safetensors` or `model.safetensors.index.json` and its
+            shards, from `save_pretrained` or transformers' own.
         plan: a `ParallelPlan`, or a path / dict for `load_plan`.
         device: where this rank's tensors go.
         dtype: cast floating tensors to it; None keeps the stored dtype when there is one.
@@ -59,10 +55,9 @@ def from_pretrained(directory: str | Path, plan: ParallelPlan | str | Path | dic
         This rank's `Stage`, as `apply_plan` returns it.
 
     Raises:
-        ValueError: on every rank, before any tensor is read, when the config does not
-            fit the plan, the world size is not dp * pp * cp * tp, or a file or tensor this rank
-            needs is missing, unreadable or of the wrong shape, or shards come from
-            different saves (each named).
+        ValueError: on every rank, before any tensor is read, when the config does not fit the
+            plan, the world size is not dp * pp * cp * tp, or a file or tensor this rank needs is
+            missing, unreadable or misshapen, or shards come from different saves (each named).
 
     Example:
         >>> dist.init_process_group("gloo")                  # under torchrun, 4 processes

@@ -35,18 +35,14 @@ __all__ = ["save_pretrained"]
 def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | dict, directory: str | Path) -> Path:
     """Write this rank's part of a rewritten model into one Hugging Face checkpoint directory.
 
-    Collective: every rank calls it with its rewritten model (or `Stage`) and the plan it was
-    rewritten with. Under dp > 1 every replica gathers its FSDP2 shards (`DTensor.full_tensor`,
-    in the same order) and replica 0 alone writes, so the checkpoint is the same whatever the
-    mesh. Each stage's tp_rank 0 gathers the stage's tp shards and writes
-    `model-0000{s+1}-of-0000{pp}.safetensors` (`model.safetensors` when pp == 1); rank 0 writes
-    `config.json` and the index. Tied embeddings are written once; tensors go in the family's
-    on-disk layout when `from_pretrained` reads it back (`disk_layout.on_disk`). Every shard and
-    the index carry this save's id (`rewrite_save_id`): `from_pretrained` refuses mixed saves.
-
-    All or nothing, even if killed at any instant: the new checkpoint is written to a sibling
-    `.<name>.tmp-<save id>`, the old one's other files (a tokenizer) are hard-linked into it,
-    and once every rank succeeded it is swapped with `directory` in one step (see `swap`).
+    Collective. Under dp > 1 every replica gathers its FSDP2 shards (`full_tensor`, in the same
+    order) and replica 0 alone writes, so the checkpoint is the same whatever the mesh. Each
+    stage's tp_rank 0 gathers its tp shards and writes `model-0000{s+1}-of-0000{pp}.safetensors`
+    (`model.safetensors` when pp == 1), in the family's on-disk layout when `from_pretrained` reads
+    it back; rank 0 writes `config.json` and the index. Tied embeddings are written once. Every
+    shard and the index carry the save's id (`rewrite_save_id`), so mixed saves are refused on load.
+    All or nothing, even if killed at any instant: written beside `directory`, then swapped in
+    one step once every rank succeeded (`swap`, docs/checkpoints.md).
 
     Args:
         model: this rank's rewritten model, or the `Stage` `apply_plan` returned.
@@ -57,10 +53,10 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
         The checkpoint directory.
 
     Raises:
-        ValueError: on every rank, before anything is written, when any rank's model
-            does not match the plan. RuntimeError: on every rank when writing or the
-            swap failed on some rank; `directory` then holds the old checkpoint (or the
-            new one, complete, when only what follows the swap failed).
+        ValueError: on every rank, before anything is written, when any rank's model does not
+            match the plan. RuntimeError: on every rank when writing or the swap failed on some
+            rank; `directory` then holds the old checkpoint (or the new one, complete, when only
+            what follows the swap failed).
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-tp2-pp2.yaml")
@@ -110,10 +106,8 @@ def _save_problems(model, plan: ParallelPlan, stage: Stage | None, directory: Pa
 
 def _write_stage(model: nn.Module, stage: Stage | None, entries: list[Entry], at: Coords, shape: Shape, tmp: Path,
                  save_id: str) -> tuple[str | None, dict[str, int]]:
-    """Gather this rank's entries and, on a stage's writing rank, write its safetensors file into `tmp`.
-
-    Collective over the dp, tp and ep groups. Returns (this rank's error or None, bytes per tensor written).
-    """
+    """Gather this rank's entries (collective over dp, tp and ep) and, on a stage's writing rank, write its
+    safetensors file into `tmp`; (this rank's error or None, bytes per tensor written)."""
     pp_rank, head = at.pp, shape.rank(Coords(pp=at.pp))  # the stage's first rank (dp 0, cp 0, tp 0) gathers
     first = at.dp == 0 and at.cp == 0  # the copy that writes: replica 0, cp rank 0
     local = model.state_dict()  # FSDP2 registers its sharded parameters first: DTensors under dp
@@ -143,10 +137,8 @@ def _write_stage(model: nn.Module, stage: Stage | None, entries: list[Entry], at
 
 def _put_in_place(model: nn.Module, shape: Shape, tmp: Path, directory: Path, save_id: str, error: str | None,
                   sizes: dict[str, int]) -> list[str]:
-    """Every rank's outcome shared; when all wrote, rank 0 adds config and index and swaps `tmp` in.
-
-    Collective. Returns the errors, the same on every rank (none: the checkpoint is in place).
-    """
+    """Collective: every rank's outcome shared; when all wrote, rank 0 adds config and index and swaps
+    `tmp` in. The errors, the same on every rank (none: the checkpoint is in place)."""
     rank = dist.get_rank()
     results = share((error, sizes))
     errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(results) if e]
