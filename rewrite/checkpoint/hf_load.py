@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Container
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ def from_pretrained(directory: str | Path, plan: ParallelPlan | str | Path | dic
         warnings.warn(f"{what}: {read.note}", stacklevel=2)
     if read.floats is not None:  # FSDP2 units keep the dtype their parameters had when made
         read.meta.to(read.floats)
-    stage, problems = _load_stage(read.meta, plan, read, device, compute_dtype, what)
+    stage, problems = _load_stage(plan, read, device, compute_dtype, what)
     apply_param_splits(stage)  # the tensors read (or given storage) in place of the meta ones carry theirs too
     left = [n for n, t in [*stage.model.named_parameters(), *stage.model.named_buffers()] if t.is_meta]
     if left:
@@ -93,10 +94,10 @@ def from_pretrained(directory: str | Path, plan: ParallelPlan | str | Path | dic
     return stage
 
 
-def _load_stage(meta: nn.Module, plan: ParallelPlan, read: ReadPlan, device, compute_dtype: torch.dtype | None,
-                what: str) -> tuple[Stage, list[str]]:
+def _load_stage(plan: ParallelPlan, read: ReadPlan, device, compute_dtype: torch.dtype | None, what: str
+                ) -> tuple[Stage, list[str]]:
     """The plan applied to the meta model and this rank's tensors read into it; and the problems found."""
-    by_name, sources, dtype = {e.name: e for e in read.entries}, read.sources, read.dtype
+    meta, by_name, sources, dtype = read.meta, {e.name: e for e in read.entries}, read.sources, read.dtype
     if plan.mesh.dp * plan.mesh.cp > 1:
         # All meta, tied weights too: both ends of a tied pair read it from the checkpoint.
         stage = apply_plan(meta, plan, compute_dtype=compute_dtype)
@@ -138,24 +139,31 @@ def _materialise(model: nn.Module, by_name: dict[str, Entry], sources: dict[str,
              if any(s[3] in by_name for s in v)}
     if only_tied:
         slots = {k: v for k, v in slots.items() if len(v) > 1 and by_name[v[0][3]].dim is None}
-    problems = []
-    for group in sorted(slots.values(), key=lambda g: file_order(sources[g[0][3]])):
-        module, kind, leaf, name, old = group[0]
-        (path, key), entry = file_order(sources[name]), by_name[name]
-        try:
-            with reading(sources[name], entry) as data:
-                if tuple(data.shape) != tuple(old.shape):
-                    problems.append(
-                        f"{name}: read {list(data.shape)} from {path}, the rewritten model holds {list(old.shape)}"
-                    )
-                    continue
-                data = _owned(data, device, dtype if dtype is not None and data.is_floating_point() else None)
-        except Exception as exc:  # SafetensorError or OSError: the file changed since it was checked
-            problems.append(f"{path}: reading {key!r} failed: {exc}")
-            continue
-        new = nn.Parameter(data, requires_grad=old.requires_grad) if kind == "_parameters" else data
+
+    def put(name: str, group: list, data: torch.Tensor, path: Path) -> str | None:
+        old = group[0][4]
+        if tuple(data.shape) != tuple(old.shape):
+            return f"{name}: read {list(data.shape)} from {path}, the rewritten model holds {list(old.shape)}"
+        data = _owned(data, device, dtype if dtype is not None and data.is_floating_point() else None)
+        new = nn.Parameter(data, requires_grad=old.requires_grad) if group[0][1] == "_parameters" else data
         for module, kind, leaf, _, _ in group:
             getattr(module, kind)[leaf] = new
+
+    return _read_each([(group[0][3], group) for group in slots.values()], by_name, sources, put)
+
+
+def _read_each(reads: list[tuple[str, Any]], by_name: dict[str, Entry], sources: dict[str, Source], put) -> list[str]:
+    """This rank's slice of each (name, target) read, in file order, and handed to `put(name, target, data, path)`,
+    which returns a problem or None; the problems, a failed read's too."""
+    problems = []
+    for name, target in sorted(reads, key=lambda r: (file_order(sources[r[0]]), r[0])):
+        path, key = file_order(sources[name])
+        try:
+            with reading(sources[name], by_name[name]) as data:  # this rank's tp (or ep) slice
+                if (problem := put(name, target, data, path)) is not None:
+                    problems.append(problem)
+        except Exception as exc:  # SafetensorError or OSError: the file changed since it was checked
+            problems.append(f"{path}: reading {key!r} failed: {exc}")
     return problems
 
 
@@ -201,26 +209,22 @@ def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, S
     reads, left = [], []
     for group in slots.values():
         if held := next(((n, t) for n, t in group if n in by_name), None):
-            reads.append((sources[held[0]], *held))
+            reads.append(held)
         elif not any(n.startswith(m + ".") for n, _ in group for m in unstored):
             left.append(group[0][0])
-    problems = []
-    for source, name, target in sorted(reads, key=lambda r: (file_order(r[0]), r[1])):  # file order
-        path, key = file_order(source)
-        try:
-            with reading(source, by_name[name]) as data:  # this rank's tp (or ep) slice
-                mine, local = data, target
-                if isinstance(target, DTensor):
-                    mine = distribute_tensor(data, target.device_mesh, target.placements, src_data_rank=None)
-                    mine, local = mine.to_local(), target.to_local()  # this dp rank's rows of the slice
-                if tuple(mine.shape) != tuple(local.shape):
-                    problems.append(f"{name}: this rank's share of the {list(data.shape)} read from {path} is "
-                                    f"{list(mine.shape)}, the rewritten model holds {list(local.shape)}")
-                    continue
-                with torch.no_grad():
-                    local.copy_(mine)  # casts to the model's dtype
-        except Exception as exc:  # SafetensorError or OSError: the file changed since it was checked
-            problems.append(f"{path}: reading {key!r} failed: {exc}")
+
+    def put(name: str, target: torch.Tensor, data: torch.Tensor, path: Path) -> str | None:
+        mine, local = data, target
+        if isinstance(target, DTensor):
+            mine = distribute_tensor(data, target.device_mesh, target.placements, src_data_rank=None)
+            mine, local = mine.to_local(), target.to_local()  # this dp rank's rows of the slice
+        if tuple(mine.shape) != tuple(local.shape):
+            return (f"{name}: this rank's share of the {list(data.shape)} read from {path} is "
+                    f"{list(mine.shape)}, the rewritten model holds {list(local.shape)}")
+        with torch.no_grad():
+            local.copy_(mine)  # casts to the model's dtype
+
+    problems = _read_each(reads, by_name, sources, put)
     if left:
         problems.append(f"tensors the checkpoint does not hold: {left[:5]}; the checkpoint does not cover this model")
     return problems + rebuild_unstored(stage, unstored, device)

@@ -145,16 +145,15 @@ def _save_problems(directory: Path, stage: Stage, optimizer, scheduler, extra, s
 
 def _state(stage: Stage, optimizer, scheduler, extra, step: int, boxes: dict, moments: dict) -> dict[str, Any]:
     """What this rank hands DCP: its boxes, moments and RNG state; rank 0 also the run's own state."""
-    state: dict[str, Any] = {f"model/{name}": box for name, box in boxes.items()}
-    state.update(moments)
-    state[f"rng/{dist.get_rank()}"] = _rng_state()
+    state: dict[str, Any] = {**{f"model/{name}": box for name, box in boxes.items()}, **moments,
+                             f"rng/{dist.get_rank()}": _rng_state()}
     if dist.get_rank() == 0:
         state["optim_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
         state["extra"] = extra
         mesh = stage.mesh
-        state["run"] = {"mesh": {"dp": mesh.dp, "pp": mesh.pp, "cp": mesh.cp, "tp": mesh.tp}, "world_size": dist.get_world_size(), "step": step,
-                        "plan": str(stage.resolved.plan.source)}
+        state["run"] = {"mesh": {"dp": mesh.dp, "pp": mesh.pp, "cp": mesh.cp, "tp": mesh.tp},
+                        "world_size": dist.get_world_size(), "step": step, "plan": str(stage.resolved.plan.source)}
     return state
 
 
