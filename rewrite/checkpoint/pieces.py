@@ -113,12 +113,8 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot:
     length, whole = shape[d] // parts, size[d] // parts
     lo = start[d] - slot * shape[d]
     hi = lo + extent[d]
-    rows = tuple(
-        (a - lo, b - a, p * whole + slot * length + a - p * length)
-        for p in range(parts)
-        for a, b in [(max(lo, p * length), min(hi, (p + 1) * length))]
-        if b > a
-    )
+    rows = tuple((a - lo, b - a, p * whole + slot * length + a - p * length) for p in range(parts)
+                 for a, b in [(max(lo, p * length), min(hi, (p + 1) * length))] if b > a)
     return Piece(local, torch.Size(size), torch.Size(start), rows or ((0, 0, start[d]),), d)
 
 

@@ -26,8 +26,7 @@ def saved_steps(directory: str | Path) -> list[int]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(STEP_DIR.match(p.name), p) for p in directory.iterdir()]
-    return sorted(int(m[1]) for m, p in found if m and (p / ".metadata").is_file())
+    return sorted(int(m[1]) for p in directory.iterdir() if (m := STEP_DIR.match(p.name)) and (p / ".metadata").is_file())
 
 
 def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
