@@ -66,9 +66,8 @@ def save_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
         stage: this rank's stage (`apply_plan` / `from_pretrained`).
         optimizer: its optimizer, over `stage.parameters()`.
         scheduler: an LR scheduler (anything with `state_dict`), or None.
-        extra: the caller's own state (step, data position, ...): plain data (dicts, lists,
-            numbers, strings, None, tensors), the same on every rank; `load_training_state`
-            returns it. Anything else is refused: a checkpoint is read without running code.
+        extra: the caller's own state (step, data position, ...), the same on every rank, returned by
+            `load_training_state`: plain data only (dicts, lists, numbers, strings, None, tensors).
         step: names the checkpoint `step-N`; default `extra["step"]`, else one past the latest.
         keep: keep only this many newest checkpoints (None: keep all).
         tokenizer: saved beside the weights (`save_pretrained`), so that `export` finds it.
@@ -77,13 +76,12 @@ def save_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
         The new checkpoint's path, `directory/step-N`.
 
     Raises:
-        InputError (a ValueError): on every rank, before anything is written: a bad `step` or
-            `keep`, the step already being the latest checkpoint, optimizer state that cannot be
-            boxed; `NonFiniteState` (an InputError) when parameters or optimizer state hold nan
-            or inf: a diverged run's state never replaces a good one.
+        InputError (a ValueError): on every rank, before anything is written: a bad `step` or `keep`,
+            the step already the latest, optimizer state that cannot be boxed, `extra` not plain data;
+            `NonFiniteState` (an InputError) when parameters or optimizer state hold nan or inf.
         CheckpointWriteError (an OSError): on every rank: the checkpoint would not fit in the free
-            space of its file system (counted before anything is written), or writing it failed
-            (a full disk, an I/O error); what was written of it is removed, `latest` is untouched.
+            space of its file system (counted first), or writing it failed (a full disk, an I/O error);
+            what was written of it is removed, `latest` is untouched.
 
     Example:
         >>> rewrite.save_training_state("ckpt", stage, optimizer, scheduler, extra={"step": 50})
@@ -216,11 +214,10 @@ def load_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
             same shapes on purpose (a transplant); by default that is refused.
 
     Raises:
-        CheckpointError (a ValueError): on every rank, and nothing of the checkpoint is run: a
-            `.metadata` or an object in it that would run code (altered, or not written by
-            rewrite). On every rank, before any tensor is read: no checkpoint, or one that
-            does not fit this model (missing tensors, other whole shapes: another model), or
-            one written for another model class or configuration (`allow_other_model`).
+        CheckpointError (a ValueError): on every rank, nothing of the checkpoint run: a `.metadata` or
+            an object in it that would run code. Before any tensor is read: no checkpoint, or one that
+            does not fit this model (missing tensors, other whole shapes) or was written for another
+            model class or configuration (`allow_other_model`).
 
     Example:
         >>> extra = rewrite.load_training_state("ckpt", stage, optimizer, scheduler)
