@@ -43,9 +43,8 @@ def weight_map_of(directory: Path) -> tuple[dict[str, str], str | None]:
             data = json.loads(index.read_text())
             weight_map, save_id = data["weight_map"], (data.get("metadata") or {}).get(SAVE_ID)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(
-                f"{index}: not a safetensors index ({type(exc).__name__}: {exc}); re-save the checkpoint"
-            ) from None
+            raise CheckpointError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc}); "
+                                  "re-save the checkpoint") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: 'weight_map' is not a mapping of tensor names to files; re-save the checkpoint")
         return weight_map, save_id
@@ -61,13 +60,9 @@ def weight_map_of(directory: Path) -> tuple[dict[str, str], str | None]:
 
 def model_keys(meta: nn.Module, weight_map: dict[str, str]) -> dict[str, str]:
     """Checkpoint tensor name -> file, for every tensor the whole model reads (any stage)."""
-    canonical, keys = canonical_names(meta), {}
-    for name in meta.state_dict(keep_vars=True):
-        key = canonical.get(name, name)
-        key = key if key in weight_map else name
-        if key in weight_map:
-            keys[key] = weight_map[key]
-    return keys
+    canonical = canonical_names(meta)
+    keys = [k if (k := canonical.get(name, name)) in weight_map else name for name in meta.state_dict(keep_vars=True)]
+    return {key: weight_map[key] for key in keys if key in weight_map}
 
 
 def read_headers(directory: Path, files) -> dict[str, dict]:

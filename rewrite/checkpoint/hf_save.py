@@ -83,18 +83,17 @@ def save_pretrained(model: nn.Module | Stage, plan: ParallelPlan | str | Path | 
 def _save_problems(model, plan: ParallelPlan, stage: Stage | None, directory: Path, rank: int
                    ) -> tuple[list[str], list[Entry]]:
     """This rank's problems with the model, the plan and the directory, and the entries it writes."""
+    problems, entries = [], []
     if not isinstance(model, nn.Module):
-        problems, entries = [f"save_pretrained needs a model or Stage, got {type(model).__name__}"], []
+        problems.append(f"save_pretrained needs a model or Stage, got {type(model).__name__}")
     elif stage is not None and stage.mesh.shape != plan.mesh.shape:
-        problems, entries = [
-            f"the stage was built with mesh {stage.mesh.shape.text()}, the plan says {plan.mesh.shape_text()}; "
-            "pass the plan the model was rewritten with"
-        ], []
+        problems.append(f"the stage was built with mesh {stage.mesh.shape.text()}, the plan says "
+                        f"{plan.mesh.shape_text()}; pass the plan the model was rewritten with")
     else:
         try:
             problems, entries = save_problems(model, plan, rank, stage)
         except Exception as exc:  # a rank that raised alone would leave the others waiting
-            problems, entries = [f"checking the model against the plan: {type(exc).__name__}: {exc}"], []
+            problems.append(f"checking the model against the plan: {type(exc).__name__}: {exc}")
     if directory.exists() and not directory.is_dir():
         problems.append(f"{directory} exists and is not a directory; pass a directory path")
     try:

@@ -94,12 +94,6 @@ def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank
     return entries
 
 
-def written_by_stage(entries_per_stage: list[list[Entry]]) -> list[list[Entry]]:
-    """Per stage, the entries it writes: each checkpoint tensor once, by the first stage holding it."""
-    seen: set[str] = set()  # `not seen.add(...)`: always true, marks the tensor written
-    return [[e for e in entries if e.canonical not in seen and not seen.add(e.canonical)] for entries in entries_per_stage]
-
-
 def _summary(head: str, items: list[str], shown: int = 3) -> list[str]:
     """One problem for many alike: the count and the first few."""
     if not items:
@@ -155,7 +149,7 @@ def save_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stage 
             resolved = resolve(plan, meta)
         except PlanError as exc:
             return [f"the model's config does not fit the plan: {exc}"], []
-    dp, pp, cp, at = plan.mesh.dp, plan.mesh.pp, plan.mesh.cp, plan.mesh.shape.coords(rank)
+    dp, cp, at = plan.mesh.dp, plan.mesh.cp, plan.mesh.shape.coords(rank)
     pp_rank, tp_rank = at.pp, at.tp
     mine = stage_entries(meta, resolved, pp_rank, tp_rank, expert_place(plan.mesh.shape, at)[0])
     by_expert = {e.name for e in mine if e.over == "ep"}  # whole on each rank of their group: never dp-sharded
@@ -185,9 +179,9 @@ def save_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stage 
     )
     if problems:
         problems[-1] += "; pass the plan the model was rewritten with"
-    every = [stage_entries(meta, resolved, s, 0) for s in range(pp)]
-    written = {e.name for e in written_by_stage(every)[pp_rank]}
-    return problems, [e for e in mine if e.name in written and e.name in have]
+    # Each checkpoint tensor is written once, by the first stage holding it (`not seen.add`: always true).
+    seen = {e.canonical for s in range(pp_rank) for e in stage_entries(meta, resolved, s, 0)}
+    return problems, [e for e in mine if e.canonical not in seen and not seen.add(e.canonical) and e.name in have]
 
 
 def _dp_size(param: torch.Tensor) -> int:
