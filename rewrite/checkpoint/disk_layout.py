@@ -141,8 +141,7 @@ def stored_names(model: nn.Module, weight_map: dict[str, str], directory: Path) 
         if pattern is None:
             found[name] = key
             continue
-        renamed = rename_source_key(key, renamings, [])[0]
-        expert = _expert(pattern, renamed)
+        expert = _expert(pattern, rename_source_key(key, renamings, [])[0])  # matched on the renamed key
         made_by[name] = by_pattern[pattern]
         parts.setdefault(name, {}).setdefault(-1 if expert is None else expert, {})[pattern] = key
     problems, unread = [], {}

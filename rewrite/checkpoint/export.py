@@ -79,10 +79,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     missing = [k for k in state if k not in stored]
     shapes = [k for k in state if k in stored and tuple(stored[k].size) != tuple(state[k].size)]
     if missing or shapes:
-        raise CheckpointError(
-            f"{path} does not hold the model of its config.json: {len(missing)} tensors missing "
-            f"{missing[:3]}, {len(shapes)} of another shape {shapes[:3]}"
-        )
+        raise CheckpointError(f"{path} does not hold the model of its config.json: {len(missing)} tensors missing "
+                              f"{missing[:3]}, {len(shapes)} of another shape {shapes[:3]}")
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the point here
         warnings.simplefilter("ignore", UserWarning)
         load_pieces(state, path, no_dist=True)

@@ -162,10 +162,8 @@ def save_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stage 
     )
     missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     if missing or extra:
-        problems.append(
-            f"{where}: should hold {len(want)} tensors but holds {len(have)}: missing {missing[:3]}"
-            f"{' ...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}"
-        )
+        problems.append(f"{where}: should hold {len(want)} tensors but holds {len(have)}: missing {missing[:3]}"
+                        f"{' ...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{' ...' if len(extra) > 3 else ''}")
     if not problems:
         problems = _summary(f"{where}: {{n}} layers are not what the plan makes of them:",
                             [p for e in mine if (p := _expected_layer(model, e, tp_rank))])

@@ -43,10 +43,9 @@ def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
     match = STEP_DIR.match(name)
     path = directory / name
     if match is None or not (path / ".metadata").is_file():
-        raise CheckpointError(
-            f"{directory / LATEST} names {name!r}, which is not a complete checkpoint in {directory}; "
-            "point it at a step-* directory holding a .metadata file, or delete it to start over"
-        )
+        raise CheckpointError(f"{directory / LATEST} names {name!r}, which is not a complete checkpoint in "
+                              f"{directory}; point it at a step-* directory holding a .metadata file, or delete it "
+                              "to start over")
     return int(match[1]), path
 
 

@@ -56,8 +56,8 @@ def _siblings(target: Path, kind: str) -> list[Path]:
 
 
 def current(directory: Path) -> Path:
-    """The directory holding the checkpoint now: `directory`, or, when a save was killed
-    between moving it aside and moving the new one in, the complete old one beside it.
+    """The directory holding the checkpoint now: `directory`, or, when a save was killed between moving
+    it aside and moving the new one in, the complete old one beside it.
 
     Raises:
         ValueError: `directory` is missing and more than one old checkpoint is beside it.
@@ -67,11 +67,9 @@ def current(directory: Path) -> Path:
         return Path(directory)
     olds = _siblings(target, "old")
     if len(olds) > 1:
-        raise CheckpointError(
-            f"{directory} is missing and {len(olds)} saves were interrupted while replacing it: "
-            f"{', '.join(p.name for p in olds)} each hold a complete older checkpoint; "
-            f"rename the one to use to {target.name}"
-        )
+        raise CheckpointError(f"{directory} is missing and {len(olds)} saves were interrupted while replacing it: "
+                              f"{', '.join(p.name for p in olds)} each hold a complete older checkpoint; "
+                              f"rename the one to use to {target.name}")
     return olds[0] if olds else Path(directory)
 
 

@@ -250,10 +250,8 @@ def load_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
     load_pieces(state, path)
     groups = state["optim_groups"]
     if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"{path}: the optimizer had {len(groups)} parameter groups, this one has "
-            f"{len(optimizer.param_groups)}; build it with the same groups as the run that saved"
-        )
+        raise CheckpointError(f"{path}: the optimizer had {len(groups)} parameter groups, this one has "
+                              f"{len(optimizer.param_groups)}; build it with the same groups as the run that saved")
     for group, saved in zip(optimizer.param_groups, groups):
         group.update(saved)
     for param, values in fresh:
