@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Action", "Table", "KINDS", "placement", "needs", "done_key", "ends_pair"]
+__all__ = ["Action", "Table", "KINDS", "placement", "needs"]
 
 KINDS = {
     "F": "forward",
@@ -52,27 +52,13 @@ def placement(schedule: str, pp: int, k: int = 1) -> tuple[int, ...]:
     return tuple(s % pp for s in range(pp * k))
 
 
-def done_key(action: Action) -> Action:
-    """What an action's end makes available, as `needs` names it: an `I` hands on the input
-    gradient as a `B` does, so both count as the backward `B` of their (mb, stage)."""
-    return Action("B", action.mb, action.stage) if action.kind == "I" else action
-
-
-def needs(action: Action, num_stages: int) -> Action:
-    """What this action waits for (a `done_key`): a forward for the previous stage's forward,
-    a backward (B or I) for the next stage's backward (the last stage's for its own
-    forward), a W for its I.
-
-    A first-stage forward waits for nothing and gets itself back.
-    """
-    mb, s = action.mb, action.stage
-    if action.kind == "F":
-        return Action("F", mb, s - 1) if s > 0 else action
-    if action.kind == "W":
-        return Action("B", mb, s)
-    return Action("B", mb, s + 1) if s < num_stages - 1 else Action("F", mb, s)
-
-
-def ends_pair(action: Action) -> bool:
-    """Whether the (mb, stage) pair's activations may go after this action: its B, or the W after its I."""
-    return action.kind in ("B", "W")
+def needs(kind: str, mb: int, s: int, num_stages: int) -> tuple[str, int, int] | None:
+    """What action `kind` of (mb, stage s) waits for, as a `(kind, mb, stage)` key (tuples hash in C):
+    a forward the previous stage's forward, a backward (B or I) the next stage's backward (the last
+    stage's its own forward), a W its I. An I ends as a `B` key: it hands on the input gradient as
+    a B does. None for a first-stage forward."""
+    if kind == "F":
+        return ("F", mb, s - 1) if s > 0 else None
+    if kind == "W":
+        return ("B", mb, s)
+    return ("B", mb, s + 1) if s < num_stages - 1 else ("F", mb, s)

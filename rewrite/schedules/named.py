@@ -11,7 +11,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 
-from .actions import Action, Table, placement
+from .actions import Action, Table, needs, placement
 
 __all__ = ["SCHEDULES", "SCHEDULE_NAMES", "STAGES_PER_RANK", "stages_needed"]
 
@@ -115,26 +115,17 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
     where = {(f.mb, f.stage): (r, i) for r in range(pp) for i, f in enumerate(rank_forwards[r])}
     startable = [[i for i, f in enumerate(rank_forwards[r]) if f.stage == 0] for r in range(pp)]
     left = 3 * microbatches * num_stages
-
-    def awaited(mb: int, stage: int) -> tuple[str, int, int]:  # what the I of (mb, stage) waits for
-        return ("B", mb, stage + 1) if stage < num_stages - 1 else ("F", mb, stage)
-
     while left:
         ran = []
         for r in range(pp):
-            forward = None
-            if not ready_b[r] and live[r] < limit[r] and startable[r]:  # the first in the rank's order
-                forward = rank_forwards[r][startable[r][0]]
             if ready_b[r]:
                 mb, stage = heapq.heappop(ready_b[r])
-                stage = -stage
-                waiting_b[r].discard((mb, stage))
-                action = Action("I", mb, stage)
-                pending_w[r].append(Action("W", mb, stage))
-            elif forward is not None:
-                action = forward
-                heapq.heappop(startable[r])
-                waiting_b[r].add((forward.mb, forward.stage))
+                waiting_b[r].discard((mb, -stage))
+                action = Action("I", mb, -stage)
+                pending_w[r].append(Action("W", mb, -stage))
+            elif live[r] < limit[r] and startable[r]:  # the first in the rank's order
+                action = rank_forwards[r][heapq.heappop(startable[r])]
+                waiting_b[r].add((action.mb, action.stage))
                 live[r] += 1
             elif pending_w[r]:
                 action = pending_w[r].popleft()
@@ -151,7 +142,7 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
             key = ("B" if a.kind == "I" else "F", a.mb, a.stage)
             done.add(key)
             if a.kind == "F":  # this I, once its forward ran, may already have what it waits for
-                if awaited(a.mb, a.stage) in done:
+                if needs("I", a.mb, a.stage, num_stages) in done:
                     heapq.heappush(ready_b[stage_rank[a.stage]], (a.mb, -a.stage))
                 if a.stage + 1 < num_stages:  # and the next stage's forward of this microbatch can start
                     nr, i = where[a.mb, a.stage + 1]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from collections import namedtuple
+
 from .actions import Action, Table, needs
 
 __all__ = ["simulate", "bubble", "layout"]
@@ -73,12 +75,8 @@ def simulate(
     return dict(zip(run.actions, zip(starts, ends))), list(run.stuck)
 
 
-class _Run:
-    """A table's actions in the order they can run, what each waits for, and where it gets stuck."""
-
-    def __init__(self, actions, ranks, provider, crossing, stuck) -> None:
-        self.actions, self.ranks, self.provider, self.crossing, self.stuck = actions, ranks, provider, crossing, stuck
-
+# A table's actions in the order they can run, what each waits for, and where it gets stuck.
+_Run = namedtuple("_Run", "actions ranks provider crossing stuck")
 
 _RUNS: dict[tuple, tuple] = {}  # (id(table), stage_rank) -> (table, its _Run): a search times the same tables often
 
@@ -92,10 +90,12 @@ def _order(table: Table, stage_rank: tuple[int, ...]) -> _Run:
     if held is not None and held[0] is table:
         return held[1]
     _, at = layout(table, stage_rank)
-    last, pp = len(stage_rank), len(table)
-    steps = _steps(table, last)
+    pp = len(table)
+    # Per rank, per action: (action, what it waits for, what its end provides), as `needs` keys.
+    steps = [[(a, needs(a.kind, a.mb, a.stage, len(stage_rank)), ("B" if a.kind == "I" else a.kind, a.mb, a.stage))
+              for a in row] for row in table]
     actions, ranks, provider, crossing = [], [], [], []
-    ended: dict[tuple, int] = {}  # by `done_key`: an I ends a backward as a B does
+    ended: dict[tuple, int] = {}  # an I ends a backward as a B does
     position = [0] * pp
     stuck: list[str] = []
     while any(position[r] < len(table[r]) for r in range(pp)):
@@ -114,9 +114,8 @@ def _order(table: Table, stage_rank: tuple[int, ...]) -> _Run:
                 position[r], moved = position[r] + 1, True
         if not moved:
             stuck = [
-                f"rank {r}, cell {position[r]} ({table[r][position[r]].cell(at)}) waits forever for "
-                f"{needs(table[r][position[r]], last)} of stage {needs(table[r][position[r]], last).stage}"
-                for r in range(pp) if position[r] < len(table[r])
+                f"rank {r}, cell {position[r]} ({action.cell(at)}) waits forever for {need[0]}{need[1]} of stage {need[2]}"
+                for r in range(pp) if position[r] < len(table[r]) for action, need, _ in [steps[r][position[r]]]
             ]
             break
     run = _Run(actions, ranks, provider, crossing, tuple(stuck))
@@ -132,22 +131,3 @@ def bubble(table: Table, times: dict[Action, tuple[float, float]]) -> float:
     busy = sum(end - start for start, end in times.values())
     return 1 - busy / (len(table) * span) if span else 0.0
 
-
-def _steps(table: Table, num_stages: int) -> list[list[tuple]]:
-    """Per rank, per action: (action, what it waits for as a `(kind, mb, stage)` key or None, what its end
-    provides). The keys are `actions.needs` and `done_key` written as tuples, which hash in C."""
-    last = num_stages - 1
-    steps = []
-    for row in table:
-        out = []
-        for a in row:
-            kind, mb, s = a.kind, a.mb, a.stage
-            if kind == "F":
-                need = ("F", mb, s - 1) if s > 0 else None
-            elif kind == "W":
-                need = ("B", mb, s)
-            else:  # B or I: the next stage's backward, or on the last stage its own forward
-                need = ("B", mb, s + 1) if s < last else ("F", mb, s)
-            out.append((a, need, ("B", mb, s) if kind == "I" else (kind, mb, s)))
-        steps.append(out)
-    return steps

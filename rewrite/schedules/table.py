@@ -15,9 +15,6 @@ each, a B or an I, after its F; an I's W after the I. Then it simulates the tabl
 forward runs after the previous stage's forward, a backward after the next stage's
 backward, and no rank may wait forever. Transfers need no matching order: the runtime
 receives in the order the sender sends, so a table that does not deadlock on paper runs.
-
-Older tables wrote the input-only backward as `B` with a `W` of the same microbatch and
-stage in the row; `parse_row` reads such a `B` as the `I` it is, so they run unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import re
 import reprlib
 from collections.abc import Sequence
 
-from .actions import Action, Table, ends_pair, placement
+from .actions import Action, Table, placement
 from .named import SCHEDULE_NAMES, SCHEDULES, STAGES_PER_RANK, stages_needed
 from .simulate import layout, simulate
 
@@ -232,7 +229,7 @@ def alive_counts(row: tuple[Action, ...]) -> tuple[tuple[tuple[int, int], ...], 
             live[action.stage] = live.get(action.stage, 0) + 1
             if i + 1 == len(row) or row[i + 1].kind != "F":
                 found.add(tuple(sorted(live.items())))
-        elif ends_pair(action):
+        elif action.kind in ("B", "W"):  # the pair's activations go: its B, or the W after its I
             live[action.stage] -= 1
     counts = tuple(found)
     if len(_ALIVE) > 4096:
