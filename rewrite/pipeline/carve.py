@@ -25,7 +25,7 @@ from ..tensor_parallel.sequence_model import sequence_state
 from .loss import LogitShard
 from .stage import ForwardFn
 
-__all__ = ["Carved", "carve_stage", "carve_unused", "build_stage_module"]
+__all__ = ["Carved", "carve_stage", "carve_unused"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ def carve_stage(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
     traced = fx_graph.trace(model, leaf_types=(ColumnParallelLinear, RowParallelLinear))
     graphs = {s: fx_graph.stage_graph(traced, list(resolved.cut_points), s) for s in ids}
     carve_unused(model, set().union(*(fx_graph.used_targets(g) for g in graphs.values())))
-    modules = {s: build_stage_module(model, g) for s, g in graphs.items()}
+    # GraphModules over the model's own submodules, at their original paths.
+    modules = {s: fx.GraphModule(model, g, class_name=f"{type(model).__name__}Stage") for s, g in graphs.items()}
     # One stage: its GraphModule holds exactly this rank's parameters; several: the carved model does.
     module = modules[ids[0]] if len(ids) == 1 else model
     return Carved(model=model, module=module, forward_fns=modules)
@@ -145,8 +146,3 @@ def carve_unused(model: nn.Module, keep: set[str]) -> None:
                 walk(child, join(path, name))
 
     walk(model, "")
-
-
-def build_stage_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """A GraphModule over `model`'s own submodules at their original paths."""
-    return fx.GraphModule(model, graph, class_name=f"{type(model).__name__}Stage")

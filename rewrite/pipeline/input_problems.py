@@ -48,10 +48,6 @@ def _names(what: str, indices: list[int], shown: int = 3) -> str:
     return names + (f" and {len(indices) - shown} more" if len(indices) > shown else "")
 
 
-def _is_integer(x: torch.Tensor) -> bool:
-    return integer_dtype(x.dtype)
-
-
 def _first_outside(x: torch.Tensor, low: int, high: int | None, *, allow: int | None = None) -> str | None:
     """'id 300 at (0, 5)' for the first value outside [low, high) (and not `allow`), else None."""
     bad = x < low if high is None else (x < low) | (x >= high)
@@ -78,7 +74,7 @@ def local_problems(stage: Stage, inputs, targets, default_loss: bool, count_toke
     inputs = [ids_of(x) for x in inputs]
     if stage.takes_token_ids:
         vocab = stage.vocab_size
-        not_ids = [i for i, x in enumerate(inputs) if x.dim() != 2 or not _is_integer(x)]
+        not_ids = [i for i, x in enumerate(inputs) if x.dim() != 2 or not integer_dtype(x.dtype)]
         if not_ids:
             kinds = ", ".join(dict.fromkeys(_kind(inputs[i]) for i in not_ids))
             problems.append(f"{_names('inputs', not_ids)} must be integer token ids [mb, seq], got {kinds}")
@@ -121,7 +117,7 @@ def _position_problems(stage: Stage, inputs) -> list[str]:
                             "'input_ids' and 'position_ids'")
             continue
         ids, pos = x["input_ids"], x["position_ids"]
-        if pos.shape != ids.shape or not _is_integer(pos):
+        if pos.shape != ids.shape or not integer_dtype(pos.dtype):
             problems.append(f"inputs[{i}]['position_ids'] is {_kind(pos)} but its input_ids are {_kind(ids)}: "
                             "one integer position per token")
         elif bad := _first_outside(pos, 0, None):
@@ -135,7 +131,7 @@ def _target_problems(stage: Stage, inputs, targets) -> list[str]:
     problems, classes = [], stage.num_classes
     span = f"[0, {classes})" if classes else "[0, classes)"
     for i, t in enumerate(targets):
-        if not isinstance(t, torch.Tensor) or not _is_integer(t):
+        if not isinstance(t, torch.Tensor) or not integer_dtype(t.dtype):
             got = _kind(t) if isinstance(t, torch.Tensor) else type(t).__name__
             problems.append(f"targets[{i}] must hold integer class ids in {span} or {IGNORE_INDEX}, got {got}")
         elif stage.takes_token_ids and t.shape != inputs[i].shape:

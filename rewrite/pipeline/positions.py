@@ -18,7 +18,7 @@ import torch
 
 from ..models.oracle import packing_problem
 
-__all__ = ["KEYS", "ids_of", "positions_of", "on_device", "document_ends", "positions_mark", "packing_of"]
+__all__ = ["KEYS", "ids_of", "positions_of", "document_ends", "positions_mark", "packing_of"]
 
 KEYS = ("input_ids", "position_ids")
 
@@ -31,13 +31,6 @@ def ids_of(x):
 def positions_of(x) -> torch.Tensor | None:
     """The microbatch's `position_ids`, or None: positions 0 .. seq - 1 in every row."""
     return x["position_ids"] if isinstance(x, Mapping) else None
-
-
-def on_device(x, device: torch.device, *, non_blocking: bool = False):
-    """The microbatch with its tensors on `device` (a dict stays a dict)."""
-    if isinstance(x, Mapping):
-        return {k: v.to(device, non_blocking=non_blocking) for k, v in x.items()}
-    return x.to(device, non_blocking=non_blocking)
 
 
 def document_ends(position_ids: torch.Tensor) -> torch.Tensor:

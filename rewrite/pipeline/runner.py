@@ -21,10 +21,10 @@ from ..errors import InputError
 from ..lent import lend
 from ..schedules import placement, plan_table, schedule_rules, table_problems
 from .inputs import check_step_inputs
-from .loss import causal_lm_loss, loss_for, sums_tokens
+from .loss import LossFn, causal_lm_loss, loss_for, sums_tokens
 from ..tensor_parallel.loss import IGNORE_INDEX
 from .stage import Stage
-from .step_state import LossFn, StepState
+from .step_state import StepState
 
 __all__ = ["run_schedule", "causal_lm_loss"]
 
@@ -81,7 +81,13 @@ def run_schedule(
             "with @rewrite.returns_token_sums, or pass loss_fn=None (the default cross-entropy)"
         )
     with doing("the step's input checks (an all-reduce over every rank)"):
-        tokens = _trained_tokens(stage, inputs, targets, loss_fn, "run_schedule")
+        # The global batch's trained tokens, which a token-weighted loss divides by (else None).
+        tokens = check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None, count_tokens=sums_tokens(loss_fn))
+    if sums_tokens(loss_fn) and tokens == 0:  # every rank holds the same count: refused alike
+        raise InputError(
+            f"run_schedule: the global batch trains no token (every target is {IGNORE_INDEX} on every replica), so a "
+            "token-weighted loss has nothing to divide by; leave such a batch out, or check how its labels are masked"
+        )
     pipeline, pp, m = stage.resolved.plan.pipeline, stage.mesh.pp, len(inputs)
     k = pipeline.virtual_stages
     # The same on every rank: the microbatch count was agreed on above.
@@ -94,19 +100,6 @@ def run_schedule(
         raise InputError(f"run_schedule: {m} microbatches: " + "; ".join(problems))
     rows = None if pipeline.table is None else tuple(pipeline.table)
     return _run(stage, _table(pipeline.schedule, rows, pp, k, m), inputs, targets, loss_fn, tokens)
-
-
-def _trained_tokens(stage: Stage, inputs, targets, loss_fn: LossFn | None, what: str) -> int | None:
-    """Check the step's arguments on every rank (raising alike) and return the global batch's trained
-    tokens, which a token-weighted loss divides by (None for a loss averaged per microbatch)."""
-    counting = sums_tokens(loss_fn)
-    tokens = check_step_inputs(stage, inputs, targets, default_loss=loss_fn is None, count_tokens=counting, what=what)
-    if counting and tokens == 0:  # every rank holds the same count: refused alike
-        raise InputError(
-            f"{what}: the global batch trains no token (every target is {IGNORE_INDEX} on every replica), so a "
-            "token-weighted loss has nothing to divide by; leave such a batch out, or check how its labels are masked"
-        )
-    return tokens
 
 
 @lru_cache(maxsize=64)
@@ -143,17 +136,12 @@ def _run(stage: Stage, table, inputs, targets, loss_fn: LossFn | None, tokens: i
     for finisher in finishers:
         with doing(finisher.doing):
             finisher.finish()
-    with doing("the step loss's all-reduce over every rank"):
-        return _step_loss(stage, [step.losses[i] for i in sorted(step.losses)], stage.device)
-
-
-def _step_loss(stage: Stage, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The step's loss on every rank: the shares of the last stage's first tp rank of every replica and
-    cp rank, added up."""
-    mesh = stage.mesh
-    total = torch.zeros((), device=device, dtype=torch.float32)
+    # The step's loss on every rank: the shares of the last stage's first tp rank of every replica and cp rank.
+    losses, mesh = [step.losses[i] for i in sorted(step.losses)], stage.mesh
+    total = torch.zeros((), device=stage.device, dtype=torch.float32)
     if mesh.rank == mesh.rank_at(pp=stage.stage_rank[-1], tp=0) and losses:  # one contribution per replica, cp rank
-        total += torch.stack([l.detach() for l in losses]).sum().to(device=device, dtype=torch.float32)
-    dist.all_reduce(total)  # one collective on the whole world, every replica at once
+        total += torch.stack([l.detach() for l in losses]).sum().to(device=stage.device, dtype=torch.float32)
+    with doing("the step loss's all-reduce over every rank"):
+        dist.all_reduce(total)  # one collective on the whole world, every replica at once
     lend(total)  # callers keep the loss: hand them a copy
     return total.clone()

@@ -5,7 +5,6 @@ an action and the next (F to B, I to W), the losses, the transfers in flight, an
 from __future__ import annotations
 
 from contextlib import nullcontext
-from collections.abc import Callable
 
 import torch
 
@@ -15,14 +14,13 @@ from ..schedules import Action
 from . import p2p
 from .backward import Deferred, backward_input, backward_weight
 from .clock import StepClock
-from .inbox import Inbox, messages_between
+from .loss import LossFn
+from .p2p import Inbox, messages_between
 from .positions import ids_of, positions_of
 from .router_sums import RouterSums
 from .stage import Stage
 
-__all__ = ["StepState", "LossFn", "on_device"]
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+__all__ = ["StepState", "on_device"]
 
 _EVENT = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
 
