@@ -1,7 +1,10 @@
-"""A replica's microbatches from a global batch of token ids, with next-token targets.
+"""Microbatches: a tensor of token ids `[mb, seq]`, or a dict with `input_ids` and `position_ids` of that
+shape; and a replica's microbatches cut from a global batch, with next-token targets.
 
-Token ids alone, or with each token's position in its document (packed documents) and the
-labels to predict (a chat's assistant turns, -100 elsewhere).
+Positions restart at 0 where a document starts, so documents packed into one row attend only to
+themselves (the model's mask builders read the restarts, as Hugging Face models do under
+`DataCollatorWithFlattening`). Every rank holds the same microbatches, so every stage reads a
+microbatch's positions from its own copy: nothing but hidden states crosses a stage boundary.
 
 Each data-parallel replica passes its own rows of the global batch: replica d of dp
 takes rows `[d * b / dp, (d + 1) * b / dp)`, so the replicas cover the batch once.
@@ -9,13 +12,65 @@ takes rows `[d * b / dp, (d + 1) * b / dp)`, so the replicas cover the batch onc
 
 from __future__ import annotations
 
+import hashlib
+import weakref
+from collections.abc import Mapping, Sequence
+
 import torch
 
-from ..tensor_parallel.loss import IGNORE_INDEX
 from ..errors import InputError
-from .positions import document_ends
+from ..models.oracle import packing_problem
+from ..tensor_parallel.loss import IGNORE_INDEX
 
-__all__ = ["microbatches"]
+__all__ = ["microbatches", "KEYS", "ids_of", "positions_of", "document_ends", "positions_mark", "packing_of", "integer_dtype"]
+
+KEYS = ("input_ids", "position_ids")
+
+
+def ids_of(x):
+    """The token ids of a microbatch (the tensor itself when it carries no positions)."""
+    return x["input_ids"] if isinstance(x, Mapping) else x
+
+
+def positions_of(x) -> torch.Tensor | None:
+    """The microbatch's `position_ids`, or None: positions 0 .. seq - 1 in every row."""
+    return x["position_ids"] if isinstance(x, Mapping) else None
+
+
+def document_ends(position_ids: torch.Tensor) -> torch.Tensor:
+    """`[b, s]` bool: the token is its document's last in the row (the next token starts
+    another document, or the row ends): it has no next token to predict."""
+    ends = torch.ones_like(position_ids, dtype=torch.bool)
+    ends[:, :-1] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return ends
+
+
+def positions_mark(inputs) -> int:
+    """A digest of the microbatches' position_ids values (0 when none carries them; tensors on a
+    device are not read, to spare a synchronisation: their positions go unchecked across ranks)."""
+    if not isinstance(inputs, Sequence):
+        return 0
+    digest, seen = hashlib.blake2b(digest_size=8), False
+    for i, x in enumerate(inputs):
+        pos = x.get("position_ids") if isinstance(x, dict) else None
+        if isinstance(pos, torch.Tensor) and pos.device.type == "cpu":
+            digest.update(f"{i}:{tuple(pos.shape)}:{pos.dtype}".encode())
+            digest.update(pos.detach().contiguous().numpy().tobytes())
+            seen = True
+    return int.from_bytes(digest.digest(), "little") >> 2 if seen else 0
+
+
+_PACKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> packing_problem(model), once
+
+
+def packing_of(stage) -> str | None:
+    """Why the stage's model cannot take packed documents (`models.oracle.packing_problem`, found
+    once per model), or None."""
+    if not stage.takes_token_ids:
+        return None  # refused as a traced model's dicts
+    if stage.model not in _PACKING:
+        _PACKING[stage.model] = packing_problem(stage.model)
+    return _PACKING[stage.model]
 
 
 def _multiples(step: int, near: int) -> str:
@@ -98,8 +153,12 @@ def microbatches(
     return inputs, list(targets.chunk(n))
 
 
+def integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _integers(name: str, x) -> None:
-    if not isinstance(x, torch.Tensor) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+    if not isinstance(x, torch.Tensor) or not integer_dtype(x.dtype):
         found = type(x).__name__ if not isinstance(x, torch.Tensor) else f"a {x.dtype} tensor"
         what = "token ids" if name == "ids" else name
         raise TypeError(f"microbatches: {name} must be a tensor of integer {what}, got {found}")

@@ -24,35 +24,27 @@ _EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_no
 def clip_grad_norm_(stage: Stage, max_norm: float | None, *, norm_type: float = 2.0) -> torch.Tensor:
     """Measure the gradient norm of the whole model and clip this rank's gradients to it, in place.
 
-    Each gradient element of the unsharded model is counted once, wherever it lives: each
-    parameter carries whether this rank's copy is the one that counts (its `ParamSplit`,
-    attached by `apply_plan`, read with `binding.shard_layout.split_of`), decided so:
+    Each gradient element of the unsharded model counts once, wherever it lives: each parameter's
+    `ParamSplit` (attached by `apply_plan`, read with `binding.shard_layout.split_of`) says
+    whether this rank's copy is the one that counts:
 
     - tensor parallel: a split weight `W = [W_1; ...; W_tp]` contributes `sum_i ||W_i||^2`,
-      one slice per tp rank; a weight whole on every tp rank (norms, row biases; their
-      gradients are equal across tp) only from tp_rank 0. A k/v projection past its kv
-      heads is split `tp / r` ways, each slice held by `r` neighbouring tp ranks (gradients
-      already summed over them): it counts on the first of each, `tp_rank % r == 0`.
-    - pipeline: each rank holds its own stages' parameters; a tied embedding held by the
-      first and the last pipeline rank (`stage.tied`, gradients already summed) counts
-      once, on the first.
-    - data parallel: a gradient sharded over dp (FSDP2 DTensors) contributes every shard;
-      one replicated over dp (`sharding: replicate`, already averaged: a DTensor, or a
-      plain tensor under DDP) only once, on dp_rank 0. The cp ranks of a stage hold the same
-      parameters as replicas do (FSDP2 shards them over dp x cp): counted alike.
+      one slice per tp rank; a weight whole on every tp rank (equal gradients) only from
+      tp_rank 0; a k/v projection past its kv heads, split `tp / r` ways and each slice held
+      by `r` neighbouring tp ranks, on `tp_rank % r == 0`.
+    - pipeline: a rank's own stages; a tied embedding (`stage.tied`) once, on the first stage.
+    - data parallel: a gradient sharded over dp (FSDP2) contributes every shard; one replicated
+      over dp (a DTensor, or a plain tensor under DDP) only on dp_rank 0. cp ranks count as replicas.
     - experts split over tp (`expert_tensor_parallel`): every tensor a slice on each tp rank.
-    - expert parallel: an ep group (ep of a stage's dp x tp ranks) holds every expert once,
-      one block a rank; the same block on the other ep groups of the stage and on the other
-      cp ranks (`mesh.expert_copy`, `cp_rank`) counts once, on copy 0 at cp_rank 0.
+    - expert parallel: each expert block once, on copy 0 (`mesh.expert_copy`) at cp_rank 0.
 
-    With norm_type 2 the total is `sqrt(sum of squares)` over every rank, with inf
-    `max |g|`: one all-reduce of one float32 tensor on the default group. When
-    `max_norm / (total + 1e-6) < 1`, every local gradient (replicas included) is scaled
-    by it, so all copies of a gradient stay equal. A non-finite total is returned as is
-    (and then scales the gradients to 0 or NaN), as torch does by default.
+    The total is `sqrt(sum of squares)` over every rank (norm_type 2) or `max |g|` (inf): one
+    all-reduce of one float32 tensor on the default group. When `max_norm / (total + 1e-6) < 1`,
+    every local gradient (replicas included) is scaled by it, so all copies stay equal. A
+    non-finite total is returned as is (scaling the gradients to 0 or NaN), as torch does.
 
-    Collective: every rank of the default group calls it after the step's backward
-    (`run_schedule`) and before the optimizer step. Parameters without a gradient are skipped.
+    Collective: every rank calls it after `run_schedule`, before the optimizer step. Parameters
+    without a gradient are skipped.
 
     Args:
         stage: this rank's `Stage`, from `apply_plan`.

@@ -10,14 +10,10 @@ import torch
 
 from ..plan.ranks import length_problem
 from ..tensor_parallel.loss import IGNORE_INDEX
-from .positions import KEYS, ids_of, packing_of
+from .batches import KEYS, ids_of, integer_dtype, packing_of
 from .stage import Stage
 
-__all__ = ["local_problems", "describe_inputs", "integer_dtype"]
-
-
-def integer_dtype(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+__all__ = ["local_problems", "describe_inputs"]
 
 
 def _is_tensor_list(values) -> bool:

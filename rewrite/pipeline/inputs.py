@@ -1,15 +1,12 @@
 """A step's microbatches, checked on every rank; ranks agree on them in one small collective.
 
-Each rank checks what it can see: the structure of its arguments (a list of tensors, their
-shapes and dtypes; worked out once per structure) and their values (token ids inside the
-vocabulary, targets a cross-entropy accepts; every step, in one read of a few integers for
-all microbatches). Then one all-reduce of a few integers on the mesh's host group carries a
-fingerprint of every rank's view (count, shapes, dtypes), whether it found a problem, and each
-replica's trained tokens (targets other than -100), which a token-weighted loss divides by: a
-steady step makes no other collective here, and no device read when its microbatches are
+Each rank checks the structure of its arguments (shapes and dtypes; once per structure) and their
+values (ids inside the vocabulary, targets a cross-entropy accepts; one read of a few integers per
+step). One all-reduce of a few integers on the mesh's host group then carries a fingerprint of every
+rank's view, whether it found a problem, and each replica's trained tokens (targets other than
+-100): a steady step makes no other collective here, and no device read when its microbatches are
 on the host. Only when some rank found a problem, or views differ, do the ranks share their
-findings (`agree`) and raise the same InputError on every rank, naming the rank and the
-tensor, before any tensor is sent.
+findings (`agree`) and raise the same InputError on every rank, before any tensor is sent.
 """
 
 from __future__ import annotations
@@ -25,10 +22,10 @@ from ..agreement import agree, describe_ranks, ranks_by_value
 from ..plan.ranks import length_problem
 from ..lent import lend
 from ..tensor_parallel.loss import IGNORE_INDEX
-from .positions import KEYS, ids_of, packing_of, positions_mark, positions_of
+from .batches import KEYS, ids_of, integer_dtype, packing_of, positions_mark, positions_of
 from .stage import Stage
 from ..errors import InputError
-from .input_problems import describe_inputs, integer_dtype, local_problems
+from .input_problems import describe_inputs, local_problems
 
 __all__ = ["check_step_inputs"]
 
@@ -40,13 +37,9 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
     Collective: every rank calls it before its step's first transfer.
 
     Args:
-        stage: this rank's `Stage`.
-        inputs: this rank's list of model inputs, one per microbatch.
-        targets: this rank's targets (read on the last stage).
-        default_loss: targets go to the default cross-entropy, so they must be class
-            ids in `[0, classes)` or -100.
-        count_tokens: count the targets other than -100 of the global batch (every replica's
-            last stage's), for a loss normalised by them.
+        stage, inputs, targets: as `run_schedule` takes them (targets read on the last stage).
+        default_loss: targets go to the default cross-entropy: class ids in `[0, classes)` or -100.
+        count_tokens: count the global batch's targets other than -100, for a loss normalised by them.
         what: the caller's name, for the message.
 
     Returns:
@@ -130,8 +123,8 @@ def _fingerprint(view: str) -> int:
 
 
 def _facts(stage: Stage, packed: bool) -> tuple:
-    """What the structure rules read of the stage (hashable: part of a cache key); with packed
-    microbatches, why the model cannot take them (None when it can)."""
+    """What the structure rules read of the stage (a cache key); with packed microbatches, why the model
+    cannot take them (None when it can)."""
     return stage.takes_token_ids, stage.is_last, stage.num_classes, packing_of(stage) if packed else None, stage.mesh.cp
 
 
@@ -184,12 +177,9 @@ def _structure_fails(facts: tuple, inputs: tuple | str, targets: tuple | str, de
 
 
 def _values_fit(stage: Stage, inputs, targets, default_loss: bool, count_tokens: bool) -> tuple[bool, int | None]:
-    """Token ids inside the vocabulary, targets in [0, classes) or -100, read in one go for every microbatch,
-    with the last stage's count of targets other than -100 (None elsewhere, or when not `count_tokens`).
-
-    Called once the structure is known good. Tensors on the host cost no device read; tensors
-    already on a device cost one read of a few integers per step.
-    """
+    """Token ids inside the vocabulary, targets in [0, classes) or -100, read in one go for every microbatch
+    once the structure is known good, with the last stage's count of targets other than -100 (None
+    elsewhere, or when not `count_tokens`)."""
     spans = []  # (a tensor, the highest value it may hold; its lowest is 0)
     if stage.takes_token_ids and stage.is_first:
         spans += [(ids_of(x), stage.vocab_size - 1) for x in inputs]

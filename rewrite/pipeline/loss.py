@@ -1,10 +1,5 @@
 """The loss the runner computes on the last stage, with or without vocabulary shards.
 
-The default loss is token-weighted: each microbatch's summed cross-entropy over the number of
-trained tokens (targets other than -100) in the whole global batch, so the split of that batch
-into microbatches, replicas and cp shards never changes what is trained. A user loss keeps the
-mean of its per-microbatch values unless declared with `returns_token_sums`.
-
 With `loss_parallel`, the last stage ends with this rank's `[..., vocab / tp]` slice of
 the logits. The default loss is then the vocabulary-parallel cross-entropy; a user
 loss declared with `takes_logit_shards` receives the slice and a `LogitShard`; any
@@ -40,11 +35,8 @@ class LogitShard:
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy over the vocabulary, targets already aligned, -100 ignored: the "mean" over the
-    counted tokens, or their "sum".
-
-    Computed in float32 whatever the logits' dtype.
-    """
+    """Cross-entropy over the vocabulary in float32, targets already aligned, -100 ignored: the "mean"
+    over the counted tokens, or their "sum"."""
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction=reduction)
 
@@ -69,12 +61,9 @@ def takes_logit_shards(loss_fn: LossFn) -> LossFn:
 def returns_token_sums(loss_fn: LossFn) -> LossFn:
     """Declare that `loss_fn(output, targets)` returns the sum of its tokens' losses, not their mean.
 
-    The runner then divides each microbatch's sum by the number of targets other than -100
-    in the whole global batch (every microbatch, replica and cp shard), as it does for the
-    default cross-entropy: the step's loss and gradients are the same under every plan.
-    Such a loss also runs under context parallelism, on each rank's part of the sequence.
-    An undeclared loss keeps its meaning: each microbatch's value over the number of
-    microbatches, averaged over the replicas.
+    The runner then divides each microbatch's sum by the global batch's targets other than -100,
+    as for the default cross-entropy (see `run_schedule`); such a loss also runs under context
+    parallelism, on each rank's part of the sequence.
 
     Example:
         >>> @rewrite.returns_token_sums

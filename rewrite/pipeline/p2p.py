@@ -26,18 +26,8 @@ from ..schedules import Action
 
 __all__ = ["send", "recv", "send_header", "decode_header", "HEADER_SHAPE", "Inbox", "messages_between"]
 
-_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool]
 _MAX_DIMS = 8
 HEADER_SHAPE = (2 + _MAX_DIMS,)  # ndim, dtype code, then the sizes, padded with -1
 
@@ -47,9 +37,7 @@ def send(tensor: torch.Tensor, dst: int) -> list[dist.Work]:
     return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, dst)])
 
 
-def recv(
-    src: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, list[dist.Work]]:
+def recv(src: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[dist.Work]]:
     """Start receiving a tensor from global rank `src` into a new buffer."""
     buffer = torch.empty(shape, dtype=dtype, device=device)
     return buffer, dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, src)])
@@ -69,12 +57,11 @@ def send_header(tensor: torch.Tensor, dst: int) -> tuple[list[dist.Work], torch.
 
 def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     """(shape, dtype) from a header received into a `HEADER_SHAPE` int64 buffer."""
-    values = header.tolist()
-    ndim, code = values[0], values[1]
-    return tuple(values[2 : 2 + ndim]), _DTYPES[code]
+    ndim, code, *sizes = header.tolist()
+    return tuple(sizes[:ndim]), _DTYPES[code]
 
 
-Key = tuple[str, int, int]
+Key = tuple[str, int, int]  # (kind, mb, stage)
 
 
 def messages_between(row: Sequence[Action], stage_rank: Sequence[int], src: int, dst: int,
@@ -131,21 +118,17 @@ class Inbox:
 
     def take(self, key: Key) -> torch.Tensor:
         """Wait for the tensor `key` names and post the next receive."""
-        kind, mb, stage = key
+        (kind, mb, stage), i = key, self.index[key]
         with doing(f"recv {kind}{mb} for stage {stage} from rank {self.src}", peer=self.src):
-            return self._take(key)
-
-    def _take(self, key: Key) -> torch.Tensor:
-        i = self.index[key]
-        while self.frontier <= i:
-            if not self._post() and not self._resolve_header():
-                raise RuntimeError(f"cannot post the receive of {key} from rank {self.src}: its shape is unknown")
-        if self.posted[i][0] == "header":
-            self._resolve_header()  # at most one header is posted at a time: this one
-        _, buffer, works = self.posted.pop(i)
-        _wait(works)
-        self._post()
-        return buffer
+            while self.frontier <= i:
+                if not self._post() and not self._resolve_header():
+                    raise RuntimeError(f"cannot post the receive of {key} from rank {self.src}: its shape is unknown")
+            if self.posted[i][0] == "header":
+                self._resolve_header()  # at most one header is posted at a time: this one
+            _, buffer, works = self.posted.pop(i)
+            _wait(works)
+            self._post()
+            return buffer
 
 
 def _wait(works: list) -> None:

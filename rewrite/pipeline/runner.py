@@ -1,11 +1,6 @@
-"""The pipeline runner: one rank's row of a schedule table, executed.
-
-A schedule is data (`rewrite.schedules`): per rank, the forwards (F), whole backwards
-(B), input-only backwards (I) and weight-gradient passes (W) of its stages, in order. The runner checks the
-whole table on paper, then runs this rank's row: it receives what each action
-needs (from a peer rank, or from its own previous stage), computes, hands the
-result on, scales the loss, accumulates gradients and records a timeline. It knows
-nothing of LLaMA or plans.
+"""The pipeline runner: one rank's row of a schedule table (`rewrite.schedules`), checked on paper,
+then executed: each action's inputs received, computed, handed on; the loss scaled, the gradients
+accumulated and finished, a timeline recorded.
 """
 
 from __future__ import annotations
@@ -37,37 +32,33 @@ def run_schedule(
 ) -> torch.Tensor:
     """One training step under the plan's `pipeline.schedule`; gradients accumulate in `.grad`.
 
-    Named schedules run the microbatch counts their rules allow (see `rewrite show
-    PLAN --schedule`); a custom table runs exactly the plan's `pipeline.microbatches`.
+    Named schedules run the microbatch counts their rules allow (`rewrite show PLAN --schedule`);
+    a custom table runs exactly the plan's `pipeline.microbatches`.
 
     Args:
         stage: this rank's `Stage` from `apply_plan`.
-        inputs: one per microbatch: a tensor of token ids `[mb, seq]`, or a dict of
-            `input_ids` and `position_ids` (packed documents: positions restart at 0 where a
-            document starts, and documents attend only within themselves). Pass the same list
-            on every rank: the first stage feeds it to the model, later stages read its length,
-            shapes and positions.
+        inputs: one per microbatch: token ids `[mb, seq]`, or a dict of `input_ids` and
+            `position_ids` (packed documents). The same list on every rank: the first stage feeds
+            it to the model, later stages read its length, shapes and positions.
         targets: one tensor per microbatch, aligned with the model output; needed on
             the last stage (may be None elsewhere).
-        loss_fn: `loss_fn(output, target)`; default: cross-entropy over the last
-            dimension with ignore_index=-100, token-weighted: the sum over every
-            microbatch's trained tokens (targets other than -100) over their number in
-            the whole global batch (every microbatch, replica and cp shard), so the step's
-            loss and gradients are the same under every plan. A loss_fn declared with
-            `rewrite.returns_token_sums` is divided alike; any other keeps its meaning:
-            each microbatch's value over the number of microbatches, averaged over the
-            replicas. Under `loss_parallel` the default works on vocabulary shards; a
-            loss_fn gets full logits unless declared with `rewrite.takes_logit_shards`.
+        loss_fn: `loss_fn(output, target)`; default: cross-entropy over the last dimension,
+            token-weighted: the sum over every microbatch's trained tokens (targets other than
+            -100) over their number in the whole global batch (every microbatch, replica and cp
+            shard), so the step's loss and gradients are the same under every plan. A loss_fn
+            declared with `rewrite.returns_token_sums` is divided alike; any other: each
+            microbatch's value over the number of microbatches, averaged over the replicas.
+            Under `loss_parallel` a loss_fn gets full logits unless declared with
+            `rewrite.takes_logit_shards`.
 
     Returns:
         The step loss (float32 scalar), the same on every rank.
 
     Raises:
         InputError (a ValueError): the same on every rank, before any transfer, if any rank's
-            arguments are bad (token ids outside the vocabulary, targets the default loss
-            cannot take, a microbatch count the schedule cannot run, a global batch with no
-            trained token for a token-weighted loss, ...) or ranks were given different
-            microbatches (count, shapes, dtypes).
+            arguments are bad (ids outside the vocabulary, targets the default loss cannot take,
+            a microbatch count the schedule cannot run, no trained token for a token-weighted
+            loss, ...) or ranks were given different microbatches (count, shapes, dtypes).
 
     Example:
         >>> stage = apply_plan(model, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b"}})
@@ -89,8 +80,7 @@ def run_schedule(
             "token-weighted loss has nothing to divide by; leave such a batch out, or check how its labels are masked"
         )
     pipeline, pp, m = stage.resolved.plan.pipeline, stage.mesh.pp, len(inputs)
-    k = pipeline.virtual_stages
-    # The same on every rank: the microbatch count was agreed on above.
+    k = pipeline.virtual_stages  # the same on every rank: the microbatch count was agreed on above
     if pipeline.schedule == "custom" and m != pipeline.microbatches:
         raise InputError(
             f"run_schedule: the plan's custom table runs {pipeline.microbatches} microbatches, "

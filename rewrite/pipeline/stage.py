@@ -1,9 +1,5 @@
-"""Stage: one rank's callable piece of a rewritten model.
-
-A rank holds one pipeline stage, or several with `pipeline.virtual_stages` (stage
-ids are global: 0 .. pp * virtual_stages - 1). The `Stage` knows where it sits in
-the mesh, what each of its stages receives and sends per microbatch, which
-parameters it shares with another rank, and keeps the timeline of the last step.
+"""Stage: one rank's callable piece of a rewritten model: one pipeline stage, or several with
+`pipeline.virtual_stages` (stage ids are global: 0 .. pp * virtual_stages - 1).
 """
 
 from __future__ import annotations
@@ -33,38 +29,29 @@ class Stage:
     """This rank's stage(s) of a model rewritten by `apply_plan`.
 
     Attributes:
-        model: the user's model, rewritten in place: on this rank it holds only
-            the modules of this rank's stages, at their original paths.
-        module: holds this rank's parameters (the model itself, or an fx
-            GraphModule over its submodules); `stage.parameters()` are this rank's
-            trainable parameters.
+        model: the user's model, rewritten in place: on this rank only this rank's stages'
+            modules, at their original paths.
+        module: holds this rank's parameters (the model, or an fx GraphModule over its submodules).
         resolved: the plan bound to the model.
         mesh: this rank's coordinates and process groups.
         forward_fns: stage id -> what runs that stage on one microbatch.
-        tied: parameters this rank shares with another rank (tied embeddings),
-            whose gradients the runner sums over `mesh.tied_group`.
+        tied: parameters shared with another rank (tied embeddings), gradients summed over
+            `mesh.tied_group`.
         clock: the last step's action times on this rank (`timeline` reads them), or None.
-        grad_finish: what completes the step's gradients on this rank, in the order the runner
-            finishes them (`rewrite.grad_finish`): the data-parallel reduce (FSDP2, replicate
-            or DDP: averaged over the replicas), the experts' sum over the ranks holding them,
-            the sum of the partial gradients each tp rank holds (norms under sequence
-            parallelism, per-head norms, k/v projections replicated past the kv heads:
-            `tensor_parallel.partial_grads.StepSums`), the tied weights' sum between the first and
-            last stage (`pipeline.tied.TiedSums`); only those this rank needs.
-        recomputed: this rank's modules whose activations are recomputed in the
-            backward (`activation_checkpointing`); their weight gradients come with the I, W is empty.
-        logit_shard: the last stage's vocabulary slice of the logits (`loss_parallel`);
-            None when the last stage's output is the full logits, or on other ranks.
-        precision: how the runner computes in a lower dtype than the parameters'
-            (`apply_plan(..., compute_dtype=)`: FSDP2's mixed precision or autocast); None
-            computes in the parameters' dtype.
-        router_loss: a mixture of experts' auxiliary load-balancing loss, which the runner
-            adds to each microbatch's loss as the model's own forward would
-            (`config.output_router_logits`); None when the model adds none.
+        grad_finish: what completes the step's gradients on this rank, in the runner's order
+            (`rewrite.grad_finish`): the data-parallel reduce (FSDP2, replicate or DDP), the
+            experts' sum, the tp ranks' partial gradients (`tensor_parallel.partial_grads.StepSums`),
+            the tied weights' sum (`pipeline.tied.TiedSums`); only those this rank needs.
+        recomputed: modules recomputed in the backward (`activation_checkpointing`); their
+            weight gradients come with the I, W is empty.
+        logit_shard: the last stage's vocabulary slice of the logits (`loss_parallel`), else None.
+        precision: computing in a lower dtype than the parameters' (`apply_plan(..., compute_dtype=)`:
+            FSDP2's mixed precision or autocast); None computes in the parameters' dtype.
+        router_loss: a mixture of experts' auxiliary loss, added to each microbatch's loss as the
+            model's own forward would (`config.output_router_logits`); None when the model adds none.
 
-    `apply_plan` builds it once, every field given. Not frozen: the runner replaces
-    `clock` each step, and loading a checkpoint re-points `tied` at the tensors it
-    gave storage to (the meta parameters carving saw are gone).
+    Not frozen: the runner replaces `clock` each step, and loading a checkpoint re-points `tied`
+    at the tensors it gave storage to (the meta parameters carving saw are gone).
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-pp2.yaml")
@@ -86,25 +73,22 @@ class Stage:
     router_loss: RouterLoss | None = None
 
     def __call__(self, x, *, seq_len: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this rank's stage on one microbatch: model input on the first stage (token ids, or a
-        dict of `input_ids` and `position_ids`), else hidden states."""
+        """Run this rank's only stage on one microbatch (see `run`)."""
         if len(self.forward_fns) != 1:
-            raise TypeError(
-                f"this rank holds stages {list(self.stage_ids)}: run one with stage.run(stage_id, x)"
-            )
+            raise TypeError(f"this rank holds stages {list(self.stage_ids)}: run one with stage.run(stage_id, x)")
         return self.run(self.stage_ids[0], x, seq_len=seq_len, position_ids=position_ids)
 
     def run(self, stage_id: int, x, *, seq_len: int | None = None, position_ids: torch.Tensor | None = None,
             sequence_shard=None) -> torch.Tensor:
         """Run stage `stage_id` (one this rank holds) on one microbatch.
 
-        `x`: the model input on the first stage (token ids `[mb, seq]`, or a dict of `input_ids`
-        and `position_ids`), hidden states on the others. `seq_len`: the microbatch's whole
-        sequence length, needed by a stage that receives sequence shards (`sequence_parallel`,
-        any stage but the first). `position_ids` `[mb, seq]`: the microbatch's positions, which
-        every stage of a packed microbatch needs (the first reads them from a dict `x` too).
-        `sequence_shard`: under context parallelism, which tokens this rank holds
-        (`context_parallel.SequenceShard`); `x` and `position_ids` are then this rank's tokens'.
+        Args:
+            x: the model input on the first stage (token ids `[mb, seq]`, or a dict of `input_ids`
+                and `position_ids`), hidden states on the others.
+            seq_len: the whole sequence length, needed past the first stage under `sequence_parallel`.
+            position_ids: `[mb, seq]`, needed by every stage of a packed microbatch.
+            sequence_shard: under context parallelism, which tokens this rank holds
+                (`context_parallel.SequenceShard`); `x` and `position_ids` are then those tokens'.
         """
         if stage_id not in self.forward_fns:
             raise ValueError(f"stage {stage_id} is not on this rank; it holds stages {list(self.stage_ids)}")
@@ -210,16 +194,9 @@ class Stage:
         return self.model.config.vocab_size if bb is not None and bb.has_head else None
 
     def boundary_shapes(self, input_shape: tuple[int, ...], stage_id: int | None = None) -> dict[str, tuple[int, ...] | None]:
-        """Shapes a microbatch has entering and leaving a stage of this rank.
-
-        Args:
-            input_shape: the model input's shape for one microbatch, e.g. `(mb, seq)`.
-            stage_id: which stage; default this rank's only one.
-
-        Returns:
-            `{"input": ..., "output": ...}`; None where only running the stage tells
-            (traced models: their stages announce shapes on the wire instead).
-        """
+        """`{"input": ..., "output": ...}`: a microbatch's shapes entering and leaving stage `stage_id`
+        (default this rank's only one), from the model input's `input_shape` (e.g. `(mb, seq)`); None
+        where only running the stage tells (traced models announce shapes on the wire instead)."""
         s = self.stage_ids[0] if stage_id is None else stage_id
         first, last = s == 0, s == self.num_stages - 1
         bb = self.resolved.backbone
@@ -232,15 +209,10 @@ class Stage:
             hidden = (*input_shape[:-1], -(-seq // tp), config.hidden_size)
         vocab = config.vocab_size // tp if self.logit_shard is not None else config.vocab_size
         out = (*input_shape[:-1], seq, vocab) if bb.has_head else hidden
-        return {
-            "input": tuple(input_shape) if first else hidden,
-            "output": out if last else hidden,
-        }
+        return {"input": tuple(input_shape) if first else hidden, "output": out if last else hidden}
 
     def __repr__(self) -> str:
         mods = list(self.resolved.rank_modules(self.pp_rank))
         held = f"stages {list(self.stage_ids)}" if len(self.stage_ids) > 1 else f"{self.stage_ids[0]}"
-        return (
-            f"Stage({held}/{self.num_stages}, tp_rank={self.mesh.tp_rank}/{self.mesh.tp}, "
-            f"rank={self.mesh.rank}, modules={mods})"
-        )
+        return (f"Stage({held}/{self.num_stages}, tp_rank={self.mesh.tp_rank}/{self.mesh.tp}, "
+                f"rank={self.mesh.rank}, modules={mods})")

@@ -1,26 +1,64 @@
 """One step's state on a rank while the runner executes its row: the stage inputs and outputs held between
 an action and the next (F to B, I to W), the losses, the transfers in flight, and what each action does.
+
+Zero-bubble schedules split a stage's backward: I computes the gradient of the stage input only,
+which the previous stage is waiting for; W the parameters' gradients, which nobody waits for, so a
+schedule can put it in what would otherwise be a bubble. torch.distributed.pipelining already splits
+the autograd graph this way (it keeps the gradients at the nodes where the weight paths leave the
+input path, and W resumes from them): `backward_input` / `backward_weight` adapt its two functions
+(private to torch: `torch_internals`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..context_parallel.microbatch import sequence_part
 from ..doing import doing
 from ..schedules import Action
+from ..torch_internals import backward_input as _input_half, backward_weight as _weight_half
 from . import p2p
-from .backward import Deferred, backward_input, backward_weight
 from .clock import StepClock
 from .loss import LossFn
 from .p2p import Inbox, messages_between
-from .positions import ids_of, positions_of
+from .batches import ids_of, positions_of
 from .router_sums import RouterSums
 from .stage import Stage
 
 __all__ = ["StepState", "on_device"]
+
+
+@dataclass
+class Deferred:
+    """What W needs: the saved split of one microbatch's backward on one stage."""
+
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    whole: tuple[list, list | None] | None = None  # (outputs, their gradients): W runs it all
+
+
+def backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, x: torch.Tensor,
+                   params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor | None, Deferred]:
+    """Gradient of `x` from the stage's outputs `outs` (losses when `grads` is None; a middle stage's
+    activation, and its routers' loss beside it under a mixture of experts). When `x` takes no gradient
+    (token ids on the first stage) nothing runs now, None is returned and W runs the whole backward."""
+    if not (x.is_floating_point() and x.requires_grad):
+        return None, Deferred(whole=(outs, grads))
+    (dx,), groups = _input_half(list(outs), grads, [x], iter(params))
+    return dx, Deferred(groups=groups)
+
+
+def backward_weight(deferred: Deferred, params: Sequence[torch.nn.Parameter]) -> None:
+    """Accumulate the parameters' gradients into `.grad`, completing `backward_input`."""
+    if deferred.whole is not None:
+        torch.autograd.backward(*deferred.whole)
+    elif deferred.groups:
+        _weight_half(iter(params), deferred.groups)
+
 
 _EVENT = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
 
@@ -37,19 +75,17 @@ class StepState:
         # The replicas' gradients are averaged over dp x cp (FSDP2, DDP): each backward is scaled by
         # that count, so the averaged gradients are those of the step's loss.
         self.replicas = self.mesh.dp * self.mesh.cp
-        self.precision = stage.precision
+        self.precision, mesh = stage.precision, stage.mesh
         self.inputs = on_device(inputs, self.device) if stage.is_first else inputs
         # Every stage of a packed microbatch needs its positions: read from this rank's copy.
         self.positions = on_device([positions_of(x) for x in self.inputs], self.device)
         self.parts = None  # under context parallelism: this rank's tokens of each microbatch
-        mesh = stage.mesh
         if mesh.cp > 1:
             self.parts = [sequence_part(ids_of(x), positions_of(x), targets[i] if stage.is_last else None,
                                         group=mesh.cp_group, cp=mesh.cp, rank=mesh.cp_rank, device=self.device)
                           for i, x in enumerate(inputs)]
         self.targets = on_device(targets, self.device) if stage.is_last else targets
-        self.place, self.last = stage.stage_rank, stage.num_stages - 1
-        me = stage.pp_rank
+        self.place, self.last, me = stage.stage_rank, stage.num_stages - 1, stage.pp_rank
         # I is input-only and W the rest, unless this rank recomputes activations: a split
         # backward would recompute once per weight group, so I runs it whole and W is empty.
         self.split = set() if stage.recomputed else {(a.mb, a.stage) for a in table[me] if a.kind == "I"}
@@ -61,11 +97,9 @@ class StepState:
         self.clock = stage.clock = StepClock(self.device)
         self.routers = None if stage.router_loss is None else RouterSums(stage.router_loss, self.m, mesh.cp, self.device)
         self.inboxes = {}
-        for peer in range(self.mesh.pp):
-            order = messages_between(table[peer], self.place, peer, me, sums=self.routers is not None) if peer != me else []
-            if order:
-                src = self.mesh.rank_at(pp=peer)
-                self.inboxes[peer] = Inbox(src, order, self._shape_of, self.device)
+        for peer in range(mesh.pp):
+            if order := messages_between(table[peer], self.place, peer, me, sums=self.routers is not None):
+                self.inboxes[peer] = Inbox(mesh.rank_at(pp=peer), order, self._shape_of, self.device)
 
     def _params(self) -> list:
         # Asked at each B and W: a data-parallel unit swaps in its gathered parameters, the

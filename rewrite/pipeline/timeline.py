@@ -1,16 +1,10 @@
-"""The pipeline timeline: gather every rank's `Stage.timeline`, draw it as a Gantt chart.
-
-One row per rank, one bar per action, labelled with its microbatch index: forward
-(blue), whole backward (orange), input-gradient backward I (light orange) and
-weight-gradient W (green) when a schedule splits the backward.
-"""
+"""The pipeline timeline: gather every rank's `Stage.timeline`, draw it as a Gantt chart."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-
 
 from .stage import Stage, TimelineEvent
 from ..agreement import share
@@ -21,12 +15,8 @@ __all__ = ["gather_timeline", "plot_timeline", "events_to_dicts"]
 
 # TimelineEvent.kind -> bar colour, and the legend's words for it.
 COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "backward-input": "#F2B880", "backward-weight": "#55A868"}
-LABELS = {
-    "forward": "forward (F)",
-    "backward": "backward (B)",
-    "backward-input": "backward, input grad (I)",
-    "backward-weight": "backward, weight grad (W)",
-}
+LABELS = {"forward": "forward (F)", "backward": "backward (B)", "backward-input": "backward, input grad (I)",
+          "backward-weight": "backward, weight grad (W)"}
 
 
 def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
@@ -43,8 +33,7 @@ def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
         >>> if dist.get_rank() == 0: plot_timeline(events).savefig("timeline.png")
     """
     mine = [tuple(asdict(e).values()) for e in stage.timeline]  # plain tuples pickle anywhere
-    every = share(mine, group=group)
-    events = [TimelineEvent(*e) for rank_events in every for e in rank_events]
+    events = [TimelineEvent(*e) for rank_events in share(mine, group=group) for e in rank_events]
     return sorted(events, key=lambda e: (e.rank, e.start))
 
 
@@ -53,16 +42,10 @@ def events_to_dicts(events: Sequence[TimelineEvent]) -> list[dict]:
     return [asdict(e) for e in events]
 
 
-def plot_timeline(
-    events: Sequence[TimelineEvent],
-    *,
-    tp: int | None = None,
-    cp: int | None = None,
-    title: str | None = None,
-    ax=None,
-    path: str | Path | None = None,
-):
-    """A Gantt chart per rank: a bar per forward, backward (B) and weight gradient (W), microbatch index on each.
+def plot_timeline(events: Sequence[TimelineEvent], *, tp: int | None = None, cp: int | None = None,
+                  title: str | None = None, ax=None, path: str | Path | None = None):
+    """A Gantt chart, a row per rank: a bar per action (F blue, B orange, I light orange, W green),
+    its microbatch index on each.
 
     Args:
         events: from `gather_timeline` (or any ranks' `stage.timeline`, concatenated).
@@ -85,8 +68,7 @@ def plot_timeline(
         raise ValueError("no timeline events to plot: run a step with rewrite.run_schedule(stage, ...) first")
     ranks = sorted({e.rank for e in events})
     t0 = min(e.start for e in events)
-    t1 = max(e.end for e in events)
-    span = max(t1 - t0, 1e-9)
+    span = max(max(e.end for e in events) - t0, 1e-9)
     if ax is None:
         fig = Figure(figsize=(10, 1.0 + 0.6 * len(ranks)), layout="constrained")
         ax = fig.add_subplot()
@@ -94,8 +76,7 @@ def plot_timeline(
         fig = ax.figure
     row = {rank: i for i, rank in enumerate(ranks)}
     for e in events:
-        left, width = e.start - t0, max(e.end - e.start, span * 1e-3)
-        y = row[e.rank]
+        left, width, y = e.start - t0, max(e.end - e.start, span * 1e-3), row[e.rank]
         ax.barh(y, width, left=left, height=0.7, color=COLORS.get(e.kind, "gray"), edgecolor="white", linewidth=0.5)
         if width > span * 0.012:  # label only bars wide enough to hold a digit
             ax.text(left + width / 2, y, str(e.mb_idx), ha="center", va="center", fontsize=8, color="white")
@@ -112,8 +93,7 @@ def plot_timeline(
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlim(0, span * 1.01)
     ax.set_xlabel("seconds since the step's first forward")
-    microbatches = len({e.mb_idx for e in events})
-    ax.set_title(title or f"Pipeline timeline: {microbatches} microbatches (numbers on bars), {len(ranks)} ranks")
+    ax.set_title(title or f"Pipeline timeline: {len({e.mb_idx for e in events})} microbatches (numbers on bars), {len(ranks)} ranks")
     kinds = [k for k in COLORS if any(e.kind == k for e in events)] + sorted({e.kind for e in events} - set(COLORS))
     handles = [Patch(color=COLORS.get(k, "gray"), label=LABELS.get(k, k)) for k in kinds]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

@@ -1,8 +1,5 @@
-"""The named pipeline schedules: pure functions `(pp, k, microbatches) -> table`.
-
-A table has one row per pp rank: the actions that rank runs, in order. Stages are
-global, 0 .. pp * k - 1, and `placement` says which rank holds each; `table` reads,
-checks and simulates tables.
+"""The named pipeline schedules: pure functions `(pp, k, microbatches) -> table`, one row per pp rank
+(the actions it runs, in order) over global stages 0 .. pp * k - 1 placed by `placement`.
 """
 
 from __future__ import annotations
@@ -22,10 +19,7 @@ def afab(pp: int, k: int, microbatches: int) -> Table:
         rank 0: F0 F1 B0 B1    (pp 2, 2 microbatches)
         rank 1: F0 F1 B0 B1
     """
-    return tuple(
-        tuple(Action("F", i, s) for i in range(microbatches)) + tuple(Action("B", i, s) for i in range(microbatches))
-        for s in range(pp)
-    )
+    return tuple(tuple(Action(kind, i, s) for kind in "FB" for i in range(microbatches)) for s in range(pp))
 
 
 def one_f_one_b(pp: int, k: int, microbatches: int) -> Table:
@@ -48,8 +42,7 @@ def one_f_one_b(pp: int, k: int, microbatches: int) -> Table:
 
 
 def _groups(pp: int, microbatches: int) -> list[range]:
-    # Groups of pp microbatches; when pp does not divide them, as even as can be, each
-    # of pp to 2pp - 1 (one group when there are fewer than pp).
+    # Groups of pp microbatches, as even as can be: pp to 2pp - 1 each (one group when fewer than pp).
     count = max(microbatches // pp, 1)
     bounds = [microbatches * g // count for g in range(count + 1)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
@@ -61,7 +54,7 @@ def _warmup(pp: int, k: int, microbatches: int, rank: int) -> int:
 
 
 def _looped_forwards(pp: int, k: int, microbatches: int, rank: int) -> list[Action]:
-    """Rank `rank`'s forwards in interleaved order: per group of pp microbatches, stage chunk by chunk."""
+    """Rank `rank`'s forwards in interleaved order: per group of microbatches, stage chunk by chunk."""
     return [Action("F", i, c * pp + rank) for g in _groups(pp, microbatches) for c in range(k) for i in g]
 
 
@@ -70,11 +63,10 @@ def interleaved_1f1b(pp: int, k: int, microbatches: int) -> Table:
 
     Forwards go through the microbatches in groups of pp, stage chunk by chunk; backwards
     alike with the chunks reversed. Rank r runs `2 (pp - r - 1) + (k - 1) pp` warm-up
-    forwards (fewer when there are fewer), then a forward and a backward in turn, then the
-    remaining backwards. When pp does not divide the microbatches, the groups are as even
-    as can be (pp to 2pp - 1 each; one group when fewer than pp) and the warm-up counts the
-    largest group instead of pp: a short last group would deadlock. The bubble shrinks
-    about k times against 1F1B's, for k times the transfers and more warm-up memory.
+    forwards (at most all), then a forward and a backward in turn, then the remaining
+    backwards. When pp does not divide the microbatches the warm-up counts the largest group
+    (`_groups`) instead of pp: a short last group would deadlock. The bubble shrinks about k
+    times against 1F1B's, for k times the transfers and more warm-up memory.
 
         rank 0: F0@0 F1@0 F0@2 F1@2 B0@2 B1@2 B0@0 B1@0    (pp 2, k 2, 2 microbatches)
         rank 1: F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 B0@1 B1@1
@@ -82,9 +74,7 @@ def interleaved_1f1b(pp: int, k: int, microbatches: int) -> Table:
     rows = []
     for r in range(pp):
         forwards = _looped_forwards(pp, k, microbatches, r)
-        backwards = [
-            Action("B", i, c * pp + r) for g in _groups(pp, microbatches) for c in reversed(range(k)) for i in g
-        ]
+        backwards = [Action("B", i, c * pp + r) for g in _groups(pp, microbatches) for c in reversed(range(k)) for i in g]
         warmup = min(_warmup(pp, k, microbatches, r), len(forwards))
         row = forwards[:warmup]
         for j, forward in enumerate(forwards[warmup:]):
@@ -168,13 +158,9 @@ def zero_bubble(pp: int, k: int, microbatches: int) -> Table:
         rank 0: F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3    (pp 2, k 1, 4 microbatches)
         rank 1: F0 I0 W0 F1 I1 W1 F2 I2 W2 F3 I3 W3
     """
-    stage_rank = placement("zero-bubble", pp, k)
-    if k == 1:
-        limit = [pp - r for r in range(pp)]
-    else:
-        limit = [_warmup(pp, k, microbatches, r) + 1 for r in range(pp)]
+    limit = [pp - r if k == 1 else _warmup(pp, k, microbatches, r) + 1 for r in range(pp)]
     forwards = [_looped_forwards(pp, k, microbatches, r) for r in range(pp)]
-    return _greedy(stage_rank, microbatches, limit, forwards)
+    return _greedy(placement("zero-bubble", pp, k), microbatches, limit, forwards)
 
 
 def zbv(pp: int, k: int, microbatches: int) -> Table:
