@@ -14,7 +14,7 @@ from ..mesh import Mesh
 from ..binding.resolve import ResolvedPlan
 from ..expert_parallel.aux_loss import RouterLoss
 from ..grad_finish import GradFinish
-from .clock import StepClock, TimelineEvent
+from .timeline import StepClock, TimelineEvent
 from .loss import LogitShard
 from .precision import Precision
 

@@ -23,7 +23,7 @@ from ..doing import doing
 from ..schedules import Action
 from ..torch_internals import backward_input as _input_half, backward_weight as _weight_half
 from . import p2p
-from .clock import StepClock
+from .timeline import StepClock
 from .loss import LossFn
 from .p2p import Inbox, messages_between
 from .batches import ids_of, positions_of

@@ -10,7 +10,7 @@ from rewrite import Stage, resolve
 from rewrite.mesh import Mesh
 from rewrite.pipeline import inputs as checks
 from rewrite.pipeline.input_problems import local_problems
-from rewrite.pipeline.clock import StepClock, TimelineEvent
+from rewrite.pipeline.timeline import StepClock, TimelineEvent
 from rewrite.run.presets import build_model
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rewrite.pipeline.clock import TimelineEvent
+from rewrite.pipeline.timeline import TimelineEvent
 from rewrite.pipeline.timeline import plot_timeline
 
 
