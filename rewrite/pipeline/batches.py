@@ -64,8 +64,7 @@ _PACKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> pa
 
 
 def packing_of(stage) -> str | None:
-    """Why the stage's model cannot take packed documents (`models.oracle.packing_problem`, found
-    once per model), or None."""
+    """Why the stage's model cannot take packed documents (`models.oracle.packing_problem`), or None."""
     if not stage.takes_token_ids:
         return None  # refused as a traced model's dicts
     if stage.model not in _PACKING:
@@ -79,20 +78,16 @@ def _multiples(step: int, near: int) -> str:
     return f"{below} or {above}" if below > 0 else f"{above}"
 
 
-def microbatches(
-    ids: torch.Tensor, n: int, *, dp_rank: int = 0, dp: int = 1,
-    position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-) -> tuple[list, list[torch.Tensor]]:
+def microbatches(ids: torch.Tensor, n: int, *, dp_rank: int = 0, dp: int = 1, position_ids: torch.Tensor | None = None,
+                 labels: torch.Tensor | None = None) -> tuple[list, list[torch.Tensor]]:
     """This replica's share of a global batch, cut into `n` microbatches of inputs and targets.
 
     Args:
         ids: token ids of the global batch, `[batch, seq]`, the same on every rank.
         n: microbatches per step (the plan's `pipeline.microbatches`).
-        dp_rank: this rank's replica (`stage.dp_rank`).
-        dp: the number of replicas (`stage.dp`).
-        position_ids: `[batch, seq]`, each token's position in its document: documents packed
-            into a row restart at 0 and attend only within themselves. Default: one sequence a
-            row (0 .. seq - 1).
+        dp_rank, dp: this rank's replica and the number of replicas (`stage.dp_rank`, `stage.dp`).
+        position_ids: `[batch, seq]`, each token's position in its document (packed documents).
+            Default: one sequence a row (0 .. seq - 1).
         labels: `[batch, seq]`, the tokens to predict, aligned with `ids` (Hugging Face's
             convention: -100 where no loss is counted, e.g. a chat's prompt). Default: `ids`.
 

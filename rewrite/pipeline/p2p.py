@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..doing import doing
 from ..schedules import Action
 
-__all__ = ["send", "recv", "send_header", "decode_header", "HEADER_SHAPE", "Inbox", "messages_between"]
+__all__ = ["send", "recv", "wait", "send_header", "decode_header", "HEADER_SHAPE", "Inbox", "messages_between"]
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool]
@@ -110,7 +110,7 @@ class Inbox:
     def _resolve_header(self) -> bool:
         for i, entry in self.posted.items():
             if entry[0] == "header":
-                _wait(entry[2])
+                wait(entry[2])
                 shape, dtype = decode_header(entry[1])
                 self.posted[i] = ["data", *recv(self.src, shape, dtype, self.device)]
                 return True
@@ -126,11 +126,12 @@ class Inbox:
             if self.posted[i][0] == "header":
                 self._resolve_header()  # at most one header is posted at a time: this one
             _, buffer, works = self.posted.pop(i)
-            _wait(works)
+            wait(works)
             self._post()
             return buffer
 
 
-def _wait(works: list) -> None:
+def wait(works: list) -> None:
+    """Wait for every work of a transfer."""
     for work in works:
         work.wait()

@@ -113,13 +113,10 @@ class StepState:
         kind, mb, s = key
         if kind in ("f", "b"):
             return self.routers.shape
-        if kind == "F":
-            shape = self._shapes(mb, s)["input"]
-            return None if shape is None else (shape, self.dtype)
-        if (mb, s) in self.held:  # the forward ran: its output says
+        if kind == "B" and (mb, s) in self.held:  # the forward ran: its output says
             y = self.held[mb, s][1]
             return tuple(y.shape), y.dtype
-        shape = self._shapes(mb, s)["output"]
+        shape = self._shapes(mb, s)["input" if kind == "F" else "output"]
         return None if shape is None else (shape, self.dtype)
 
     def run(self, action: Action) -> None:
@@ -226,8 +223,7 @@ class StepState:
     def finish(self) -> None:
         for works, _, dst in self.sends:
             with doing(f"the step's last sends, to rank {dst}", peer=dst):
-                for work in works:
-                    work.wait()
+                p2p.wait(works)
         self.sends = []
 
 

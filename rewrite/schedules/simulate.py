@@ -6,9 +6,8 @@ prints, and what the step-time model (`rewrite.estimate.step_time`) times a plan
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-
 from collections import namedtuple
+from collections.abc import Callable, Mapping, Sequence
 
 from .actions import Action, Table, needs
 
@@ -24,12 +23,10 @@ def layout(table: Table, stage_rank: Sequence[int] | None) -> tuple[tuple[int, .
     return stage_rank, any(stage_rank.count(r) > 1 for r in set(stage_rank))
 
 
-def simulate(
-    table: Table,
-    stage_rank: Sequence[int] | None = None,
-    cost: Mapping[str, float] | Mapping[tuple[str, int], float] | Callable[[Action], float] | None = None,
-    delay: Mapping[tuple[int, int], float] | Callable[[Action, Action], float] | None = None,
-) -> tuple[dict[Action, tuple[float, float]], list[str]]:
+def simulate(table: Table, stage_rank: Sequence[int] | None = None,
+             cost: Mapping[str, float] | Mapping[tuple[str, int], float] | Callable[[Action], float] | None = None,
+             delay: Mapping[tuple[int, int], float] | Callable[[Action, Action], float] | None = None,
+             ) -> tuple[dict[Action, tuple[float, float]], list[str]]:
     """Run the table on paper: each action's (start, end).
 
     Ranks run their rows in order; an action starts when its rank is free and what it
