@@ -30,8 +30,7 @@ from .input_problems import describe_inputs, local_problems
 __all__ = ["check_step_inputs"]
 
 
-def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, count_tokens: bool = False,
-                      what: str = "run_schedule") -> int | None:
+def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, count_tokens: bool = False) -> int | None:
     """Raise the same ValueError on every rank if any rank's microbatches are bad or ranks' differ.
 
     Collective: every rank calls it before its step's first transfer.
@@ -40,21 +39,19 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
         stage, inputs, targets: as `run_schedule` takes them (targets read on the last stage).
         default_loss: targets go to the default cross-entropy: class ids in `[0, classes)` or -100.
         count_tokens: count the global batch's targets other than -100, for a loss normalised by them.
-        what: the caller's name, for the message.
 
     Returns:
         The global batch's trained tokens when `count_tokens`, else None; the same on every rank.
     """
-    view, found, counted = describe_inputs(inputs), True, None
-    replica, replicas = (stage.mesh.dp_rank, stage.mesh.dp) if isinstance(stage, Stage) else (0, 1)
-    positions = positions_mark(inputs)
+    view, found, counted, positions = describe_inputs(inputs), True, None, positions_mark(inputs)
+    what, replica, replicas, group = "run_schedule", 0, 1, None
     if isinstance(stage, Stage):
+        replica, replicas, group = stage.mesh.dp_rank, stage.mesh.dp, stage.mesh.host_group
         found = _structure_fails(_facts(stage, _packed(inputs)), _layout(inputs), _layout(targets), default_loss,
                                  count_tokens)
         if not found:
             fits, counted = _values_fit(stage, inputs, targets, default_loss, count_tokens)
             found = not fits
-    group = stage.mesh.host_group if isinstance(stage, Stage) else None
     flagged, total = _verdict(group, view, found, positions, counted, replica, replicas)
     if not flagged:
         return total if count_tokens else None
@@ -71,7 +68,7 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
                if stage.mesh.dp > 1 else "")
         )
     for d in range(replicas):
-        of_replica = " (replica {d})".format(d=d) if replicas > 1 else ""
+        of_replica = f" (replica {d})" if replicas > 1 else ""
         marks = ranks_by_value([p for v, r, p, _ in views if r == d])
         if len(marks) > 1:
             ranks = [i for i, (_, r, _, _) in enumerate(views) if r == d]
