@@ -45,7 +45,7 @@ def _names(what: str, indices: list[int], shown: int = 3) -> str:
 
 
 def _first_outside(x: torch.Tensor, low: int, high: int | None, *, allow: int | None = None) -> str | None:
-    """'id 300 at (0, 5)' for the first value outside [low, high) (and not `allow`), else None."""
+    """'300 at (0, 5)' for the first value outside [low, high) (and not `allow`), else None."""
     bad = x < low if high is None else (x < low) | (x >= high)
     if allow is not None:
         bad &= x != allow
@@ -64,8 +64,7 @@ def local_problems(stage: Stage, inputs, targets, default_loss: bool, count_toke
                 "cut a [batch, seq] batch of token ids with `inputs, targets = rewrite.microbatches(ids, "
                 "stage.resolved.plan.pipeline.microbatches, dp_rank=stage.dp_rank, dp=stage.dp)` "
                 "(packed documents: add position_ids=, and each microbatch is a dict of input_ids and position_ids)"]
-    problems = _position_problems(stage, inputs)
-    if problems:
+    if problems := _position_problems(stage, inputs):
         return problems
     inputs = [ids_of(x) for x in inputs]
     if stage.takes_token_ids:

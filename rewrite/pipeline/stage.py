@@ -92,7 +92,6 @@ class Stage:
         """
         if stage_id not in self.forward_fns:
             raise ValueError(f"stage {stage_id} is not on this rank; it holds stages {list(self.stage_ids)}")
-        fn = self.forward_fns[stage_id]
         if isinstance(x, dict):
             position_ids = x.get("position_ids", position_ids)
             x = x["input_ids"]
@@ -101,7 +100,7 @@ class Stage:
         if "position_ids" in kwargs and not self.takes_token_ids:
             raise TypeError("position_ids need a Hugging Face decoder model run by the module walker; "
                             "a traced stage takes its inputs as its forward does")
-        out = fn(x, **kwargs)
+        out = self.forward_fns[stage_id](x, **kwargs)
         # A whole Hugging Face model run as one traced stage returns its ModelOutput: the runner takes its logits.
         return out if isinstance(out, torch.Tensor) or not hasattr(out, "logits") else out.logits
 
@@ -172,10 +171,7 @@ class Stage:
         residual stream in it; the runner casts a stage output to it before sending)."""
         if self.precision is not None and self.precision.by == "fsdp":
             return self.precision.dtype
-        for param in self.module.parameters():
-            if param.is_floating_point():
-                return param.dtype
-        return torch.get_default_dtype()
+        return next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
     @property
     def takes_token_ids(self) -> bool:

@@ -30,15 +30,17 @@ def one_f_one_b(pp: int, k: int, microbatches: int) -> Table:
         rank 0: F0 F1 B0 F2 B1 B2    (pp 2, 3 microbatches)
         rank 1: F0 B0 F1 B1 F2 B2
     """
-    rows = []
-    for s in range(pp):
-        warmup = min(pp - s - 1, microbatches)
-        row = [Action("F", i, s) for i in range(warmup)]
-        for i in range(microbatches - warmup):
-            row += [Action("F", warmup + i, s), Action("B", i, s)]
-        row += [Action("B", i, s) for i in range(microbatches - warmup, microbatches)]
-        rows.append(tuple(row))
-    return tuple(rows)
+    return tuple(_steady([Action("F", i, s) for i in range(microbatches)],
+                         [Action("B", i, s) for i in range(microbatches)], pp - s - 1) for s in range(pp))
+
+
+def _steady(forwards: list[Action], backwards: list[Action], warmup: int) -> tuple[Action, ...]:
+    """`warmup` forwards (at most all), then a forward and a backward in turn, then the remaining backwards."""
+    warmup = min(warmup, len(forwards))
+    row = forwards[:warmup]
+    for forward, backward in zip(forwards[warmup:], backwards):
+        row += [forward, backward]
+    return tuple(row + backwards[len(forwards) - warmup :])
 
 
 def _groups(pp: int, microbatches: int) -> list[range]:
@@ -71,17 +73,12 @@ def interleaved_1f1b(pp: int, k: int, microbatches: int) -> Table:
         rank 0: F0@0 F1@0 F0@2 F1@2 B0@2 B1@2 B0@0 B1@0    (pp 2, k 2, 2 microbatches)
         rank 1: F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 B0@1 B1@1
     """
-    rows = []
-    for r in range(pp):
-        forwards = _looped_forwards(pp, k, microbatches, r)
-        backwards = [Action("B", i, c * pp + r) for g in _groups(pp, microbatches) for c in reversed(range(k)) for i in g]
-        warmup = min(_warmup(pp, k, microbatches, r), len(forwards))
-        row = forwards[:warmup]
-        for j, forward in enumerate(forwards[warmup:]):
-            row += [forward, backwards[j]]
-        row += backwards[len(forwards) - warmup :]
-        rows.append(tuple(row))
-    return tuple(rows)
+    return tuple(
+        _steady(_looped_forwards(pp, k, microbatches, r),
+                [Action("B", i, c * pp + r) for g in _groups(pp, microbatches) for c in reversed(range(k)) for i in g],
+                _warmup(pp, k, microbatches, r))
+        for r in range(pp)
+    )
 
 
 def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], rank_forwards: list[list[Action]]) -> Table:
