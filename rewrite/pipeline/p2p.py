@@ -111,8 +111,7 @@ class Inbox:
         for i, entry in self.posted.items():
             if entry[0] == "header":
                 wait(entry[2])
-                shape, dtype = decode_header(entry[1])
-                self.posted[i] = ["data", *recv(self.src, shape, dtype, self.device)]
+                self.posted[i] = ["data", *recv(self.src, *decode_header(entry[1]), self.device)]
                 return True
         return False
 

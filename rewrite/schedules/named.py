@@ -126,18 +126,16 @@ def _greedy(stage_rank: tuple[int, ...], microbatches: int, limit: list[int], ra
         for a in ran:
             if a.kind == "W":
                 continue
-            key = ("B" if a.kind == "I" else "F", a.mb, a.stage)
-            done.add(key)
+            done.add(("B" if a.kind == "I" else "F", a.mb, a.stage))
             if a.kind == "F":  # this I, once its forward ran, may already have what it waits for
                 if needs("I", a.mb, a.stage, num_stages) in done:
                     heapq.heappush(ready_b[stage_rank[a.stage]], (a.mb, -a.stage))
                 if a.stage + 1 < num_stages:  # and the next stage's forward of this microbatch can start
                     nr, i = where[a.mb, a.stage + 1]
                     heapq.heappush(startable[nr], i)
-            if a.kind == "I" and a.stage > 0:  # the previous stage's I of this microbatch waited for this one
-                target = (a.mb, a.stage - 1)
-                if target in waiting_b[stage_rank[target[1]]]:
-                    heapq.heappush(ready_b[stage_rank[target[1]]], (a.mb, -target[1]))
+            # The previous stage's I of this microbatch waited for this one.
+            if a.kind == "I" and a.stage > 0 and (a.mb, a.stage - 1) in waiting_b[stage_rank[a.stage - 1]]:
+                heapq.heappush(ready_b[stage_rank[a.stage - 1]], (a.mb, 1 - a.stage))
         left -= len(ran)
     return tuple(tuple(row) for row in rows)
 

@@ -60,27 +60,19 @@ def schedule_rules(name: str, pp: int, k: int, microbatches: int) -> list[str]:
     if name not in SCHEDULE_NAMES:
         return [f"pipeline.schedule {_short(name)} is unknown; use one of {', '.join(SCHEDULE_NAMES)}"]
     if pp < 1 or k < 1 or microbatches < 1:
-        return [
-            f"pipeline.schedule {name!r} needs pp, virtual_stages and microbatches >= 1 "
-            f"(found {pp}, {k}, {microbatches}); give each at least 1"
-        ]
+        return [f"pipeline.schedule {name!r} needs pp, virtual_stages and microbatches >= 1 "
+                f"(found {pp}, {k}, {microbatches}); give each at least 1"]
     low, high = STAGES_PER_RANK[name]
     if low <= k and (high is None or k <= high):
         return []
     if name in ("afab", "1f1b"):
-        return [
-            f"pipeline.schedule {name!r} runs one stage per rank: it needs virtual_stages{stages_needed(name)} "
-            f"(found {k}); set virtual_stages: 1, or use 'interleaved-1f1b' or 'zero-bubble' for {k} stages per rank"
-        ]
+        return [f"pipeline.schedule {name!r} runs one stage per rank: it needs virtual_stages{stages_needed(name)} "
+                f"(found {k}); set virtual_stages: 1, or use 'interleaved-1f1b' or 'zero-bubble' for {k} stages per rank"]
     if name == "zbv":
-        return [
-            f"pipeline.schedule 'zbv' needs virtual_stages{stages_needed(name)}, exactly (found {k}): its V puts "
-            f"stages r and 2pp - 1 - r on rank r; set virtual_stages: 2, or use 'zero-bubble' for {k} stage(s) per rank"
-        ]
-    return [
-        f"pipeline.schedule {name!r} needs virtual_stages{stages_needed(name)} (found {k}); "
-        f"set virtual_stages: {low}, or use '1f1b'"
-    ]
+        return [f"pipeline.schedule 'zbv' needs virtual_stages{stages_needed(name)}, exactly (found {k}): its V puts "
+                f"stages r and 2pp - 1 - r on rank r; set virtual_stages: 2, or use 'zero-bubble' for {k} stage(s) per rank"]
+    return [f"pipeline.schedule {name!r} needs virtual_stages{stages_needed(name)} (found {k}); "
+            f"set virtual_stages: {low}, or use '1f1b'"]
 
 
 @functools.lru_cache(maxsize=512)  # pure, and its tables are tuples: a plan search builds the same ones often
