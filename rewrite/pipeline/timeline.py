@@ -38,14 +38,7 @@ class TimelineEvent:
 
 
 class StepClock:
-    """One step's action times on this rank: `mark()` before and after, `add` the action, `events()` to read.
-
-    Example:
-        >>> clock = StepClock(torch.device("cpu"))
-        >>> start = clock.mark(); ...; clock.add(0, 0, 0, "forward", start, clock.mark())
-        >>> [e.kind for e in clock.events()]
-        ['forward']
-    """
+    """One step's action times on this rank: `mark()` before and after, `add` the action, `events()` to read."""
 
     def __init__(self, device: torch.device) -> None:
         self.on_gpu = device.type == "cuda"
