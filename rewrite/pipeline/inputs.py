@@ -86,6 +86,10 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
                 f"numbers of trained tokens (other than {IGNORE_INDEX}: {seen}); each of them computes the loss "
                 "of the same rows, so pass the same targets on every rank" + (" of a replica" if replicas > 1 else "")
             )
+    # Every rank is here alike (the verdict and the views are the group's): the quick checks flagged what the
+    # full ones do not find. Training on would divide the loss by a count nobody agreed on.
+    raise RuntimeError(f"{what}: the step's input checks disagree with each other ({view}); this is a bug in "
+                       "rewrite: please report it with the microbatches' shapes and dtypes")
 
 
 def _verdict(group, view: str, found: bool, positions: int, counted: int | None, replica: int,

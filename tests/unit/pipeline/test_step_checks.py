@@ -12,6 +12,7 @@ from rewrite.pipeline import inputs as checks
 from rewrite.pipeline.input_problems import local_problems
 from rewrite.pipeline.timeline import StepClock, TimelineEvent
 from rewrite.run.presets import build_model
+from tests.multiproc import run
 
 
 def _stage(first: bool, last: bool) -> Stage:
@@ -72,3 +73,23 @@ def test_the_host_clock_times_actions_in_wall_clock_seconds():
     (event,) = clock.events()
     assert isinstance(event, TimelineEvent) and (event.rank, event.stage_idx, event.mb_idx, event.kind) == (3, 1, 2, "forward")
     assert 0 <= event.end - event.start < 1 and clock.events() is clock.events()  # read once, kept
+
+
+def _disagreeing_checks(rank: int, world: int) -> str:
+    inputs, targets = _cases()
+    stage = _stage(True, True)
+    counted = checks.check_step_inputs(stage, inputs["ids"], targets["ids"], default_loss=True, count_tokens=True)
+    assert counted == 32, counted
+    checks._verdict = lambda *args: (True, 32)  # as if the quick checks flagged what the full ones pass
+    try:
+        checks.check_step_inputs(stage, inputs["ids"], targets["ids"], default_loss=True, count_tokens=True)
+    except RuntimeError as error:
+        return str(error)
+    return "trained on"
+
+
+def test_checks_that_disagree_stop_the_step_instead_of_training_on():
+    """Were the quick checks ever to flag inputs the full ones pass, the step stops (a bug, said as one):
+    it never trains on with no agreed token count."""
+    said = run(_disagreeing_checks, 1)[0]
+    assert "the step's input checks disagree with each other" in said and "a bug in rewrite" in said, said
