@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ..agreement import agree, raise_problems, share
 from ..pipeline.stage import Stage
+from ..values import is_count, is_int
 from .finite import NonFiniteState, nonfinite_problems
 from .model_mark import model_change, write_mark
 from .pieces import PieceSavePlanner, fit_problems, fresh_optimizer_pieces, model_pieces, optimizer_pieces, plain_data_problems
@@ -121,14 +122,14 @@ def _save_problems(directory: Path, stage: Stage, optimizer, scheduler, extra, s
     try:
         latest = latest_checkpoint(directory)
         if step is None:
-            step = extra.get("step") if isinstance(extra, dict) and isinstance(extra.get("step"), int) else None
+            step = extra.get("step") if isinstance(extra, dict) and is_int(extra.get("step")) else None
         if step is None:
             step = latest[0] + 1 if latest else 1
-        if not isinstance(step, int) or step < 0:
+        if not is_count(step, 0):
             problems.append(f"step={step!r}: use a whole number >= 0 (it names the checkpoint step-N)")
         elif latest is not None and latest[0] == step:
             problems.append(f"{latest[1]} is the latest checkpoint already; save under another step")
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
+        if keep is not None and not is_count(keep):
             problems.append(f"keep={keep!r}: keep at least 1 checkpoint (or None for all)")
         if directory.exists() and not directory.is_dir():
             problems.append(f"{directory} is a file; pass a directory for checkpoints")

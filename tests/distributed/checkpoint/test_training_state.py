@@ -160,6 +160,7 @@ def _resume_and_reshard(rank: int, world: int, root: str) -> dict:
     out["used_optimizer"] = _errors(lambda: load_training_state(ckpt, stage, optimizer))
     # Saving the latest step again is refused; a half-written later step is not `latest`.
     out["same_step"] = _errors(lambda: save_training_state(ckpt, stage, optimizer, extra={"step": SAVE_AT}))
+    out["bool_step"] = _errors(lambda: save_training_state(ckpt, stage, optimizer, step=True, keep=True))
     if rank == 0:
         (ckpt / "step-00000009").mkdir()
         (ckpt / "step-00000009" / "__0_0.distcp").write_bytes(b"partial")
@@ -197,6 +198,8 @@ def test_resume_is_exact_and_reshards_across_plans(tmp_path):
         assert "other whole shapes" in out["other_model"] and "mlp" in out["other_model"], out["other_model"]
         assert "fresh optimizer" in out["used_optimizer"], out["used_optimizer"]
         assert "latest checkpoint already" in out["same_step"], out["same_step"]
+        assert "step=True: use a whole number >= 0" in out["bool_step"], out["bool_step"]  # not step-00000001
+        assert "keep=True: keep at least 1 checkpoint" in out["bool_step"], out["bool_step"]
         assert out["latest_after_partial"] == SAVE_AT
         assert out["dirs"] == [LATEST, "step-00000002", "step-00000009"], out["dirs"]
     # Every saved tensor was compared on some rank under each plan (a tied lm_head on one stage has its
