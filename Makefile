@@ -28,8 +28,12 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	touch $(STAMP)
 	@echo "==> installed: $(BIN)/rewrite --help, make demo, make test"
 
+# Two pytest workers: the end-to-end launches (tests/distributed/run) on one, one after another, every
+# other test file on whichever worker is free (tests/conftest.py). TEST_ARGS= runs it in one process.
+TEST_ARGS ?= -n 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(TEST_ARGS)
 
 DEMO_PLAN ?= plans/llama-tp2-pp2.yaml
 DEMO_ARGS ?= --model tiny-llama --steps 30 --out out/demo

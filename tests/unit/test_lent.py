@@ -46,12 +46,12 @@ def test_settle_returns_at_once_when_nothing_is_held_and_gives_up_at_its_timeout
     lent.lend(torch.zeros(2), torch.zeros(3))  # dropped at once: nothing to wait for
     begin = time.monotonic()
     assert lent.settle(timeout=10) == 0
-    assert time.monotonic() - begin < 0.1
+    assert time.monotonic() - begin < 1.0  # not its timeout of 10 s
     kept = torch.zeros(1)  # lent by mistake while still held: settle stops at its timeout, and says how many
     lent.lend(kept)
     begin = time.monotonic()
     assert lent.settle(timeout=0.2) == 1
-    assert 0.15 < time.monotonic() - begin < 1.0
+    assert 0.15 < time.monotonic() - begin < 5.0
     del kept
     assert lent.settle(timeout=1) == 0
 

@@ -66,7 +66,8 @@ SHIPPED = sorted(p.stem for p in PLANS.glob("*.yaml"))
 MOE_PLANS = {p for p in SHIPPED if "-ep" in p}  # they split experts: a dense model has none
 MOE_PLAN = "qwen3-moe-dp2-ep2-tp2-pp2"
 QWEN3_30B_A3B = 30_532_122_624  # tests/configs/moe/qwen3-30b-a3b.json: 48 layers of 128 experts, untied head
-# Loose: resolving and formatting one plan takes well under 2 s on a meta model.
+# Loose: resolving and formatting one plan takes well under 2 s of CPU on a meta model (CPU time, so
+# other work on the machine does not count).
 SECONDS = 4.0
 
 
@@ -116,10 +117,10 @@ def test_resolving_and_showing_is_quick(name):
     for plan in SHIPPED:
         if plan in REFUSED[name] or plan in MOE_PLANS:
             continue
-        start = time.perf_counter()
+        start = time.process_time()
         resolved = resolve(PLANS / f"{plan}.yaml", model)
         text = format_plan(resolved, model=model)
-        timings[plan] = time.perf_counter() - start
+        timings[plan] = time.process_time() - start
         assert text
     slow = {plan: round(s, 2) for plan, s in timings.items() if s >= SECONDS}
     assert not slow, f"{name}: resolve + format_plan took {slow} s (bound {SECONDS} s)"
@@ -130,10 +131,10 @@ def test_the_moe_plan_on_qwen3_30b_a3b():
 
     model = build_model(load_config(CONFIGS / "moe" / "qwen3-30b-a3b.json"), device="meta")
     assert sum(p.numel() for p in model.parameters()) == QWEN3_30B_A3B
-    start = time.perf_counter()
+    start = time.process_time()
     resolved = resolve(PLANS / f"{MOE_PLAN}.yaml", model)
     assert "dp=2 x pp=2 x tp=2 (ep=2) = 8 ranks" in format_plan(resolved, model=model)
-    assert time.perf_counter() - start < SECONDS
+    assert time.process_time() - start < SECONDS
     assert (resolved.pp, resolved.tp, resolved.plan.mesh.ep, resolved.total_params) == (2, 2, 2, QWEN3_30B_A3B)
     assert [s.fqn for s in resolved.experts] == [f"model.layers.{i}.mlp.experts" for i in range(48)]
     assert [layer for stage in resolved.stages for layer in stage.layers] == [f"model.layers.{i}" for i in range(48)]

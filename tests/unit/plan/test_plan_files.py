@@ -20,7 +20,7 @@ from rewrite import PlanError, load_plan
 from rewrite.plan.files import read_plan_file
 from rewrite.plan.limits import MAX_PLAN_BYTES, MAX_PLAN_VALUES
 
-LIMIT_S = 2.0
+LIMIT_S = 2.0  # CPU seconds of this process where the work is ours; wall seconds for the FIFO, which waits
 LIMIT_BYTES = 200 * 2**20
 
 
@@ -36,10 +36,10 @@ def refused_cheaply(path: Path) -> str:
     Timed first on its own (tracing allocations slows Python code several times over),
     then loaded again with allocations traced for the peak.
     """
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(PlanError) as info:
         load_plan(path)
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     assert seconds < LIMIT_S, f"refusing {path.name} took {seconds:.2f} s (bound {LIMIT_S} s)"
     tracemalloc.start()
     try:
@@ -193,9 +193,9 @@ def test_size_cap_holds_for_a_file_that_grows_after_the_check(tmp_path, monkeypa
 
 def test_json_with_many_keys_is_read_in_linear_time(tmp_path):
     path = write(tmp_path, json.dumps({f"key{i}": i for i in range(20_000)}), "plan.json")
-    start = time.perf_counter()
+    start = time.process_time()
     data, nodes = read_plan_file(path)
-    assert time.perf_counter() - start < LIMIT_S
+    assert time.process_time() - start < LIMIT_S
     assert len(data) == 20_000 and nodes is not None
     dupes = write(tmp_path, "{" + ", ".join(f'"k{i % 10_000}": 1' for i in range(20_000)) + "}", "dupes.json")
     assert "malformed JSON: duplicate key(s) ['k0', 'k1', 'k10', " in refused_cheaply(dupes)

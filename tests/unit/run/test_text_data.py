@@ -144,9 +144,9 @@ def test_tokenizer_without_eos_is_an_error(checkpoint):
 
 def test_alice_tokenizes_fast(tokenizer):
     documents = read_documents(default_data_path())
-    start = time.perf_counter()
+    start = time.process_time()
     stream = tokenize_documents(documents, tokenizer)
-    assert time.perf_counter() - start < 1.5
+    assert time.process_time() - start < 1.5
     assert tokenizer.decode(stream[:-1]) == documents[0]
 
 
