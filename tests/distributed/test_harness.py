@@ -21,7 +21,12 @@ def _rank1_raises(rank: int, ws: int) -> None:
     dist.barrier()
 
 
+def _returns(rank: int, ws: int) -> int:
+    return rank
+
+
 def test_deadlock_is_killed_and_named():
+    assert run(_returns, 1) == [0]  # the ranks' server started (imports: seconds on a busy machine), before timing
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"timed out after 3s on 2 ranks; ranks still running \(killed\): \[0, 1\]"):
         run(_rank0_never_arrives, 2, timeout_s=3)
