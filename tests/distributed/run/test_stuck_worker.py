@@ -1,6 +1,7 @@
 """A stuck worker (SIGSTOP) fails the run within `--timeout`: the rank still running stops with one
 report naming the timeout, the step and the action it waited in, and the rank that sent no report (at
-pp 2 and at dp 2), and torchrun then ends the stuck one (after its own shutdown grace)."""
+pp 2 and at dp 2), and torchrun then ends the stuck one (after its own shutdown grace, in which the dp 2
+case runs)."""
 
 from __future__ import annotations
 
@@ -26,36 +27,39 @@ WHERE = (r"(recv [FB]\d+ for stage 0 from rank 1|the step's last sends, to rank 
          r"|the data-parallel gradient reduce over dp|the .+ all-reduce over every rank|the step's input checks .+)")
 
 
-def _stop_rank_1(tmp_path: Path, plan: str, *, wait_for_torchrun: bool) -> tuple[str, float, float | None, int]:
-    """Train under `plan` on 2 ranks, SIGSTOP rank 1 once steps run; (the log, seconds until rank 0 ended, until
-    torchrun ended (None when not waited for), torchrun's status)."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--monitor-interval=0.2",
-           "-m", "rewrite", "train", plan, "--steps", "100000", "--seq-len", "16", "--batch-size", "1",
-           "--timeout", str(TIMEOUT_S), "--no-parity", "--no-progress", "--out", str(out)]
-    with open(tmp_path / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    total_s, workers = None, {}
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None:  # until it trains: past the rendezvous
-            if (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
+class _Run:
+    """A `torchrun` of 2 ranks training under `plan` until stopped, its output in `folder`/log.txt."""
+
+    def __init__(self, folder: Path, plan: str):
+        self.folder, self.out, self.workers = folder, folder / "out", {}
+        folder.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "--monitor-interval=0.2", "-m", "rewrite", "train", plan, "--steps", "100000", "--seq-len", "16",
+               "--batch-size", "1", "--timeout", str(TIMEOUT_S), "--no-parity", "--no-progress", "--out", str(self.out)]
+        with open(folder / "log.txt", "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def said(self) -> str:
+        return (self.folder / "log.txt").read_text()
+
+    def stop_rank_1(self) -> float:
+        """SIGSTOP rank 1 once steps run; the seconds until rank 0 ended."""
+        deadline, metrics = time.monotonic() + 180, self.out / "metrics.jsonl"
+        while time.monotonic() < deadline and self.proc.poll() is None:  # until it trains: past the rendezvous
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
                 break
             time.sleep(0.1)
-        workers = _workers(proc.pid)
-        assert set(workers) == {0, 1}, (tmp_path / "log.txt").read_text()[-3000:]
-        os.kill(workers[1], signal.SIGSTOP)
-        stopped = time.monotonic()
-        while _alive(workers[0]) and time.monotonic() - stopped < TIMEOUT_S + MARGIN_S:
+        self.workers = _workers(self.proc.pid)
+        assert set(self.workers) == {0, 1}, self.said()[-3000:]
+        os.kill(self.workers[1], signal.SIGSTOP)
+        self.stopped = time.monotonic()
+        while _alive(self.workers[0]) and time.monotonic() - self.stopped < TIMEOUT_S + MARGIN_S:
             time.sleep(0.1)
-        rank0_s = time.monotonic() - stopped
-        if wait_for_torchrun:
-            proc.wait(timeout=TIMEOUT_S + TORCHRUN_GRACE_S + MARGIN_S)
-            total_s = time.monotonic() - stopped
-    finally:
-        end(proc, workers.values())  # the stopped rank too: in a session of its own, killpg misses it
-    return (tmp_path / "log.txt").read_text(), rank0_s, total_s, proc.returncode
+        return time.monotonic() - self.stopped
+
+    def end(self) -> None:
+        end(self.proc, self.workers.values())  # the stopped rank too: in a session of its own, killpg misses it
 
 
 def _says_where(said: str, waited: str) -> None:
@@ -71,17 +75,23 @@ def _says_where(said: str, waited: str) -> None:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
 @pytest.mark.timeout(300)
 def test_a_stopped_worker_fails_the_run_within_the_timeout_naming_where(tmp_path):
-    said, rank0_s, total_s, status = _stop_rank_1(tmp_path, "plans/llama-pp2.yaml", wait_for_torchrun=True)
-    assert TIMEOUT_S - 1 <= rank0_s < TIMEOUT_S + MARGIN_S, (rank0_s, said[-3000:])
-    assert total_s < TIMEOUT_S + TORCHRUN_GRACE_S + MARGIN_S, (total_s, said[-3000:])
-    assert status != 0
-    _says_where(said, WHERE)
-
-
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers through /proc")
-@pytest.mark.timeout(300)
-def test_a_stopped_replica_is_named_by_the_one_still_running(tmp_path):
+    """At pp 2; then, while torchrun waits out its shutdown grace for the stopped rank, at dp 2 (a stopped replica
+    is named by the one still running)."""
     (tmp_path / "dp2.yaml").write_text("mesh: {dp: 2}\npipeline: {microbatches: 2}\n")
-    said, rank0_s, _, _ = _stop_rank_1(tmp_path, str(tmp_path / "dp2.yaml"), wait_for_torchrun=False)
-    assert TIMEOUT_S - 1 <= rank0_s < TIMEOUT_S + MARGIN_S, (rank0_s, said[-3000:])
-    _says_where(said, WHERE)
+    runs = [_Run(tmp_path / "pp2", "plans/llama-pp2.yaml")]
+    try:
+        rank0_s = runs[0].stop_rank_1()
+        assert TIMEOUT_S - 1 <= rank0_s < TIMEOUT_S + MARGIN_S, (rank0_s, runs[0].said()[-3000:])
+        runs.append(_Run(tmp_path / "dp2", str(tmp_path / "dp2.yaml")))
+        replica_s = runs[1].stop_rank_1()
+        runs[1].end()
+        assert TIMEOUT_S - 1 <= replica_s < TIMEOUT_S + MARGIN_S, (replica_s, runs[1].said()[-3000:])
+        _says_where(runs[1].said(), WHERE)
+        runs[0].proc.wait(timeout=max(1.0, runs[0].stopped + TIMEOUT_S + TORCHRUN_GRACE_S + MARGIN_S - time.monotonic()))
+        total_s = time.monotonic() - runs[0].stopped
+    finally:
+        for run in runs:
+            run.end()
+    assert total_s < TIMEOUT_S + TORCHRUN_GRACE_S + MARGIN_S, (total_s, runs[0].said()[-3000:])
+    assert runs[0].proc.returncode != 0
+    _says_where(runs[0].said(), WHERE)
