@@ -1,8 +1,5 @@
-"""Ranks agree before they talk: one collective shares what every rank found and saw.
-
-Each rank checks its own arguments, then all call `share` at the same point. Every rank
-then holds every rank's findings and raises the same error, so a problem on one rank
-never leaves its peers waiting in a collective it will not reach.
+"""Ranks agree before they talk: one collective shares what every rank found and saw, so every rank
+raises the same error and a problem on one never leaves its peers waiting in a collective it will not reach.
 """
 
 from __future__ import annotations
@@ -69,9 +66,8 @@ def raise_problems(per_rank: list[list[str]], what: str, error: type[Exception] 
 
 
 def agree(problems: list[str], what: str, *, view: Any = None, error: type[Exception] = InputError) -> list[Any]:
-    """Share every rank's problems and `view`; raise the same `error` everywhere if any rank had a problem.
-
-    Returns every rank's `view`, in rank order, when no rank had a problem.
+    """Share every rank's problems and `view`; raise the same `error` everywhere if any rank had a problem,
+    else return every rank's `view`, in rank order.
 
     Example:
         >>> views = agree(my_problems, "save_pretrained", view=my_sizes)   # on every rank

@@ -1,9 +1,7 @@
 """What this rank is doing: a name for each action and collective it enters, for a report when a wait fails.
 
-The runner and the train loop name what they start (`with doing("recv F3 for stage 1", peer=2)`):
-one attribute set, no communication. When a wait raises (a peer stopped, and gloo's timeout
-expired), the innermost name is kept (`stalled`), so the message can say at which step, in which
-action and for which peer this rank waited.
+`with doing("recv F3 for stage 1", peer=2)` sets one attribute, no communication. When a wait raises (a
+peer stopped, gloo's timeout expired), the innermost name is kept (`stalled`) for the message.
 """
 
 from __future__ import annotations

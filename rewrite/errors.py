@@ -1,10 +1,9 @@
 """What rewrite refuses, as one family of exceptions.
 
-Every refusal (a plan, a call's arguments, a checkpoint, a training setting, a launch, a
-search with no answer) is a `RewriteError`: its message says what is wrong and what to do,
-and it is raised before anything ran or was lost; under `torch.distributed` every rank
-raises the same one. Each class also derives from the builtin its callers caught before
-(`ValueError`, or `RuntimeError` for a launch), so `except ValueError` keeps working.
+Every refusal (a plan, a call's arguments, a checkpoint, a training setting, a launch, a search with no
+answer) is a `RewriteError` saying what is wrong and what to do, raised before anything ran or was lost,
+alike on every rank. Each class also derives from a builtin (`ValueError`, `RuntimeError` for a launch),
+so `except ValueError` keeps working.
 
     >>> try:
     ...     stage = rewrite.apply_plan(model, "plan.yaml")

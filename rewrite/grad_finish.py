@@ -1,11 +1,9 @@
 """How a step's gradients are finished: one small protocol, and one flat sum.
 
-A rank's backwards leave some gradients incomplete: averaged over the data-parallel replicas
-(FSDP2, replicate, DDP), summed over the ranks holding the same experts, summed over the tp
-ranks that each hold a part (norms under sequence parallelism, replicated k/v projections),
-summed between the two ends of a tied embedding. Each of these is a `GradFinish`; the stage
-lists its own in the order they run (`Stage.grad_finish`) and the runner calls every one at
-the same four points of a step:
+A rank's backwards leave some gradients incomplete: to average over the data-parallel replicas, to sum
+over the ranks holding the same experts, over the tp ranks each holding a part (norms under sequence
+parallelism, replicated k/v projections), between the two ends of a tied embedding. Each is a
+`GradFinish`; the stage lists its own in order (`Stage.grad_finish`) and the runner calls each at four points:
 
 - `begin()` before the step's first action (backwards only accumulate; what was accumulated
   before the step may be set aside);
@@ -61,7 +59,5 @@ def flat_sum(tensors: Sequence[torch.Tensor], group: ProcessGroup | None,
         dist.all_reduce(flat, group=group)
     else:
         reduce(flat, group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))

@@ -1,19 +1,16 @@
 """Tensors lent to a collective are handed back before the interpreter shuts down.
 
-gloo runs a collective on a worker thread of its process group. That thread lets go of the
-collective's tensors a moment *after* the caller's `wait()` returns. When the caller has
-already dropped a tensor (a temporary: a packed buffer, a gather's parts), the worker's
-reference is the last one, and letting go of it frees the tensor's Python object, which
-takes the GIL. If the interpreter has begun to shut down by then (a script whose last
-collective is the last thing it does), Python ends that thread with `pthread_exit`, which
-C++ turns into `std::terminate`: "terminate called without an active exception", exit -6,
-after all the work was done. The groups outlive `destroy_process_group` whenever anything
-still refers to them (a stage's layers do), so torch cannot join those threads first.
+gloo runs a collective on a worker thread, which lets go of its tensors a moment *after* the caller's
+`wait()` returns. When the caller already dropped a tensor (a temporary: a packed buffer, a gather's
+parts), the worker's reference is the last, and freeing it takes the GIL. If the interpreter has begun
+to shut down by then, Python ends that thread with `pthread_exit`, which C++ turns into `std::terminate`
+("terminate called without an active exception", exit -6) after all the work was done. The groups
+outlive `destroy_process_group` while anything refers to them (a stage's layers do), so torch cannot
+join those threads first.
 
-Every collective rewrite runs on a temporary `lend`s it: the tensors are remembered weakly.
-`settle` waits, with the GIL released, until no worker holds any of them, and runs at exit
-(before the interpreter shuts down, while its threads can still take the GIL). Only lend
-tensors the caller drops: one still held elsewhere makes `settle` wait for its timeout.
+Every collective rewrite runs on a temporary `lend`s it (remembered weakly); `settle` waits, with the
+GIL released, until no worker holds any, and runs at exit while threads can still take the GIL. Only
+lend tensors the caller drops: one still held elsewhere makes `settle` wait for its timeout.
 """
 
 from __future__ import annotations

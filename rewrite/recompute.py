@@ -1,10 +1,8 @@
-"""Activation checkpointing: matched modules keep only their inputs and run their forward
-again in the backward (torch's non-reentrant `torch.utils.checkpoint`).
+"""Activation checkpointing: matched modules keep only their inputs and run their forward again in the
+backward (torch's non-reentrant `torch.utils.checkpoint`, so under split backwards B recomputes, W reuses).
 
-The module's `forward` is wrapped in place, so hooks on the module (FSDP2's gathers,
-the tests' counters) stay outside the checkpointed region and run once per call; the
-recomputation happens when the backward first needs what the forward would have kept,
-also under the zero-bubble schedules' split backward (B recomputes, W reuses).
+The module's `forward` is wrapped in place, so hooks on the module (FSDP2's gathers, the tests'
+counters) stay outside the checkpointed region and run once per call.
 """
 
 from __future__ import annotations
@@ -25,8 +23,6 @@ def apply_activation_checkpointing(model: nn.Module, resolved: ResolvedPlan) -> 
             module = model.get_submodule(path)
         except AttributeError:
             continue  # carved away: another pipeline rank holds it
-        if module is None:
-            continue
         module.forward = _checkpointed(module.forward)
         done.append(path)
     return done

@@ -1,11 +1,8 @@
 """Applying a plan: in-place module surgery on every rank.
 
-`apply_plan` binds the plan on every rank, lets the ranks agree on what they were
-given (one collective, before any group is made), builds the mesh, swaps sharded
-linears for their parallel versions at the same dotted paths, carves out this rank's
-pipeline stages, wraps activation checkpointing and data parallelism around them,
-builds the rank's `Stage` from what those steps returned, and marks each of its
-parameters with its split (`binding.shard_layout.split_of`).
+`apply_plan` binds the plan, lets the ranks agree on what they were given (one collective, before any
+group is made), builds the mesh, swaps in the parallel layers, carves out this rank's stages, wraps
+recomputation and data parallelism around them, and marks each parameter with its split.
 """
 
 from __future__ import annotations
@@ -47,12 +44,10 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
                compute_dtype: torch.dtype | None = None) -> Stage:
     """Rewrite `model` in place for this rank and return its `Stage`.
 
-    Collective: every rank of the default process group calls it with the same
-    model (same weights) and plan. Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp
-    + tp_rank. With mesh.dp x mesh.cp > 1 each replica's modules are then sharded (or
-    replicated) over the dp x cp ranks holding them with torch FSDP2 (`data_parallel.sharding`);
-    with one, nothing is installed. With mesh.cp > 1 the model's attention runs on sequence
-    shards (`rewrite.context_parallel`).
+    Collective: every rank of the default process group calls it with the same model (same weights) and
+    plan. Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank. With dp x cp > 1 each
+    replica's modules are sharded (or replicated) over the dp x cp ranks holding them with torch FSDP2
+    (`data_parallel.sharding`). With cp > 1 the attention runs on sequence shards (`rewrite.context_parallel`).
 
     Args:
         model: a Hugging Face LLaMA-family model, or any module torch.fx can trace
@@ -69,11 +64,10 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
         (`model(input_ids=...)`, `model.generate(...)` work on every rank).
 
     Raises:
-        ValueError: no process group, a world size other than dp * pp * cp * tp, any problem
-            `resolve` finds, a compute_dtype wider than the parameters', a model already rewritten, or ranks that were given
-            different plans, models or weights. Raised on every rank alike, after one
-            collective on the default group and before any other; the model is left
-            untouched.
+        ValueError: no process group, a world size other than dp * pp * cp * tp, any problem `resolve`
+            finds, a compute_dtype wider than the parameters', a model already rewritten, or ranks given
+            different plans, models or weights. Raised on every rank alike, after one collective on the
+            default group and before any other; the model is left untouched.
 
     Example:
         >>> dist.init_process_group("gloo")          # under torchrun, 2 processes
@@ -139,11 +133,8 @@ def _floating_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _agree_on_binding(model: nn.Module, resolved: ResolvedPlan | None, error: BaseException | None) -> None:
-    """Every rank must bind the same plan to the same model and weights, or stages would not fit.
-
-    One collective on the default group carries each rank's error or its view; every
-    rank then raises the same error, naming which ranks differ and in what.
-    """
+    """Every rank must bind the same plan to the same model and weights, or stages would not fit: one
+    collective carries each rank's error or view, then every rank raises the same error naming which differ."""
     view = None if resolved is None else _binding_view(resolved, model)
     gathered = share((None if error is None else str(error), view))
     errors = [e for e, _ in gathered]
@@ -177,11 +168,9 @@ def _binding_view(resolved: ResolvedPlan, model: nn.Module) -> dict[str, str]:
 
 
 def weights_checksum(model: nn.Module, *, samples: int = 256) -> str:
-    """A cheap fingerprint of the weights: up to `samples` evenly spaced values of each parameter.
-
-    Exact bytes, so it is the same on ranks holding the same weights in the same
-    dtype. A model with tensors on the meta device (being loaded from a checkpoint:
-    each rank fills in only what it will hold) is not compared.
+    """A cheap fingerprint of the weights: the exact bytes of up to `samples` evenly spaced values of each
+    parameter. A model with tensors on the meta device (each rank fills in only what it will hold from a
+    checkpoint) is not compared.
     """
     params = list(model.named_parameters())
     if any(param.is_meta for _, param in params):

@@ -1,21 +1,10 @@
 """Every private torch call rewrite makes, in one place, with the torch release it was checked on.
 
-torch offers no public way yet to do these; each is wrapped in a function named for what it
-does, so a torch release that moves one breaks here, at import or in `tests/unit/test_torch_internals.py`,
-and not deep inside a training step. Checked on torch 2.13 (the range pyproject.toml states).
-
-- `replicate`: FSDP2's `replicate` (`torch.distributed._composable.replicate_with_fsdp`), for
-  data-parallel replicas where torch's DDP does not fit (several stages per rank, split backwards).
-- `finish_fsdp_backward`: what FSDP2 does at the end of a backward (each parameter group's
-  post-backward, then the root's final callback), run by hand once per step, after the last of a
-  pipeline's several backwards (FSDP2 assumes one backward per step).
-- `prepare_ddp_for_backward`, `ddp_reducer_finished`: DDP's reducer armed right before the step's
-  last backward, and asked afterwards whether every bucket was reduced.
-- `backward_input`, `backward_weight`: torch.distributed.pipelining's split backward (dL/dx now,
-  dL/dW later), which zero-bubble schedules need.
-- `ddp_ignore`: parameters DDP leaves alone (neither broadcast nor reduced): experts split over ep.
-- `default_store`: the default process group's rendezvous store, where ranks whose wait timed out
-  leave what they were doing for each other (`run/stall_report.py`).
+torch offers no public way yet to do these; each is wrapped in a function named for what it does, so a
+torch release that moves one breaks here, at import or in `tests/unit/test_torch_internals.py`, not deep
+inside a training step. Checked on torch 2.13 (the range pyproject.toml states). `replicate` is FSDP2's
+(`torch.distributed._composable.replicate_with_fsdp`), for replicas where DDP does not fit (several
+stages per rank, split backwards).
 """
 
 from __future__ import annotations
@@ -38,7 +27,9 @@ CHECKED_ON = "2.13"
 
 
 def finish_fsdp_backward(root: nn.Module, *, replicated: bool) -> None:
-    """End the step's backward on an FSDP2 (or `replicate`) root: reduce, then reshard, as FSDP2's own hook would."""
+    """End the step's backward on an FSDP2 (or `replicate`) root: reduce, then reshard, as FSDP2's own hook would
+    (each parameter group's post-backward, then the root's final callback). Run once per step, after the last
+    of a pipeline's backwards: FSDP2 assumes one backward per step."""
     state = replicate.state(root) if replicated else fully_shard.state(root)
     for each in state._state_ctx.all_states:
         for group in each._fsdp_param_groups:
@@ -47,12 +38,13 @@ def finish_fsdp_backward(root: nn.Module, *, replicated: bool) -> None:
 
 
 def ddp_ignore(module: nn.Module, names: list[str]) -> None:
-    """Have the DDP built next on `module` leave its parameters `names` alone (set before building it)."""
+    """Have the DDP built next on `module` leave its parameters `names` alone, neither broadcast nor reduced
+    (experts split over ep); set before building it."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
 def prepare_ddp_for_backward(ddp: DistributedDataParallel) -> None:
-    """Arm DDP's reducer for the next backward (what DDP's forward does when it syncs)."""
+    """Arm DDP's reducer for the next backward, the step's last (what DDP's forward does when it syncs)."""
     ddp.reducer.prepare_for_backward([])
 
 
@@ -69,7 +61,8 @@ def backward_input(
     outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor],
     params: Iterator[nn.Parameter],
 ) -> tuple[tuple, list]:
-    """dL/d`inputs` now (`grads` None: `outputs` are losses); returns them and the groups `backward_weight` needs."""
+    """dL/d`inputs` now (`grads` None: `outputs` are losses); returns them and the groups `backward_weight` needs.
+    torch.distributed.pipelining's split backward, which zero-bubble schedules need."""
     return _backward.stage_backward_input(outputs, grads, inputs, params)
 
 
@@ -79,7 +72,8 @@ def backward_weight(params: Iterator[nn.Parameter], groups: list) -> None:
 
 
 def default_store():
-    """The default process group's store (`torch.distributed.Store`); raises RuntimeError without one."""
+    """The default process group's store (`torch.distributed.Store`), where ranks whose wait timed out leave what
+    they were doing for each other (`run/stall_report.py`); raises RuntimeError without one."""
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()

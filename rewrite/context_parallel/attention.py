@@ -1,14 +1,12 @@
 """Attention on a context-parallel rank, plugged into the model through transformers' `AttentionInterface`.
 
 Why all-gather of K/V (Llama 3, section 3.3.2) rather than a ring or all-to-all (Ulysses): with
-grouped-query attention K and V are `kv_heads / heads` of Q's bytes, so gathering them over the
-cp ranks is the smallest exchange; it needs no heads to split (Ulysses spends them, and tp already
-does), so it composes with tensor parallelism and kv-head replication; and every mask is a
-predicate on global token indices, evaluated for this rank's queries against all keys: causal,
-sliding window, packed documents. The cost is holding the whole sequence's K and V during a layer
-(`collectives.py` has the bytes). The model's own layers run unchanged: the attention function
-registered under `NAME` gathers K and V, builds the mask, and hands both to transformers' own SDPA
-attention, which picks the CPU kernels or the CUDA ones by device.
+grouped-query attention K and V are `kv_heads / heads` of Q's bytes, the smallest exchange; it splits no
+heads (Ulysses spends them, and tp already does), so it composes with tp and kv-head replication; and
+every mask (causal, sliding window, packed documents) is a predicate on global token indices, evaluated
+for this rank's queries against all keys. The cost is holding the whole sequence's K and V during a
+layer (`collectives.py` has the bytes). The model's own layers run unchanged, calling the function
+registered under `NAME`.
 """
 
 from __future__ import annotations
@@ -95,13 +93,11 @@ def sequence_shard(group: ProcessGroup | None, cp: int, rank: int, seq: int, *, 
 def context_parallel_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                                sliding_window: int | None = None, **kwargs):
     """transformers' attention signature: `query` `[b, heads, s / cp, d]`, `key`/`value` `[b, kv, s / cp, d]`
-    of this rank's tokens; returns `([b, s / cp, heads, d], None)`. `attention_mask` is ignored (the
-    model builds none for this implementation): the mask comes from the layer's `sequence_shard` kwarg.
-    Each of the rank's two chunks of queries is computed against the keys it can see, grouped keys and
-    values kept grouped. Under the plain causal mask on CPU, without a mask (`causal_blocks`: the keys
-    before the chunk, then its causal diagonal block, merged by log-sum-exp); otherwise through torch's
-    SDPA (the CPU flash kernel, or CUDA's, by device) with one additive mask tensor per chunk and
-    microbatch (packed documents, a sliding window shorter than the sequence, other devices)."""
+    of this rank's tokens; returns `([b, s / cp, heads, d], None)`. `attention_mask` is ignored (the model
+    builds none for this implementation): the mask comes from the layer's `sequence_shard` kwarg.
+    Each of the rank's two chunks of queries runs against the keys it can see, grouped keys kept grouped:
+    under the plain causal mask on CPU without a mask (`causal_blocks`), otherwise through torch's SDPA
+    with one additive mask tensor per chunk and microbatch (packed documents, a window, other devices)."""
     shard: SequenceShard | None = kwargs.pop("sequence_shard", None)
     if shard is None:
         raise RuntimeError(f"attention {NAME!r} ran without its sequence_shard: run the model through its stage "
@@ -117,13 +113,11 @@ def context_parallel_attention(module, query, key, value, attention_mask, dropou
     if shard.unmasked(sliding_window) and runs_unmasked(query, dropout):
         outs = [causal_chunk_attention(query[:, :, rows], key, value, end - (rows.stop - rows.start), scaling)
                 for rows, _, end in blocks]
-        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-    grouped = query.shape[1] != key.shape[1]
-    outs = [  # each chunk of queries against the keys it can see: the rest of the sequence is never computed
-        F.scaled_dot_product_attention(query[:, :, rows], key[:, :, first:end], value[:, :, first:end], attn_mask=mask,
-                                       dropout_p=dropout, scale=scaling, enable_gqa=grouped)
-        for (rows, first, end), mask in zip(blocks, shard.masks(sliding_window, query.dtype))
-    ]
+    else:  # each chunk of queries against the keys it can see: the rest of the sequence is never computed
+        grouped = query.shape[1] != key.shape[1]
+        outs = [F.scaled_dot_product_attention(query[:, :, rows], key[:, :, first:end], value[:, :, first:end],
+                                               attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=grouped)
+                for (rows, first, end), mask in zip(blocks, shard.masks(sliding_window, query.dtype))]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -1,11 +1,10 @@
 """Whether a model family runs under context parallelism: checked on a tiny clone, one process.
 
-The clone (`models.tiny_clone`) runs its own forward twice on a few packed
-documents: with its usual attention, and with the context-parallel attention function at cp 1
-(the whole sequence on one rank: the same mask predicates, no gather). They must agree: a family
-whose layers do not pass their keyword arguments down to the attention function, whose attention
-takes what this one does not (soft caps, sinks), or whose mask is not causal, sliding-window or
-documents (chunked attention), gives other logits or fails, and is refused by name.
+The clone (`models.tiny_clone`) runs its own forward on a few packed documents with its usual attention
+and with the context-parallel one at cp 1 (same mask predicates, no gather). A family whose layers do not
+pass their keyword arguments down, whose attention takes what this one does not (soft caps, sinks), or
+whose mask is not causal, sliding-window or documents (chunked attention) disagrees or fails, and is
+refused by name.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from torch import nn
 
 from ..models.hf_decoder import RECURRENT_KINDS
 from ..models.oracle import TOLERANCE, exception_line, packing_problem
-from ..models.tiny_clone import tiny_clone_key
+from ..models.tiny_clone import tiny_clone_key, tiny_run
 from .attention import NAME, register, sequence_shard
 
 __all__ = ["context_parallel_problem"]
@@ -51,28 +50,22 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
     config = config_class.from_dict(json.loads(key))
     family = config.model_type
     register()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(0)
-            tiny = model_class(config).float().eval()
-            for param in tiny.parameters():
-                param.add_(torch.randn_like(param) * 0.1)
-            ids = torch.randint(0, config.vocab_size, (1, 8))
-            positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
-            try:
-                expected = tiny(input_ids=ids, position_ids=positions, use_cache=False).logits
-                tiny.set_attn_implementation(NAME)
-                shard = sequence_shard(None, 1, 0, 8, device="cpu", position_ids=positions)
-                got = tiny(input_ids=ids, position_ids=positions, sequence_shard=shard, use_cache=False).logits
-            except Exception as exc:
-                if "without its sequence_shard" in str(exc):
-                    return (f"{family}'s layers do not pass their keyword arguments on to the attention function, "
-                            "which needs the rank's sequence shard")
-                return f"{family}'s layers do not run with context-parallel attention ({exception_line(exc)})"
-    finally:
-        torch.set_num_threads(threads)
+    with tiny_run():
+        tiny = model_class(config).float().eval()
+        for param in tiny.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+        ids = torch.randint(0, config.vocab_size, (1, 8))
+        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+        try:
+            expected = tiny(input_ids=ids, position_ids=positions, use_cache=False).logits
+            tiny.set_attn_implementation(NAME)
+            shard = sequence_shard(None, 1, 0, 8, device="cpu", position_ids=positions)
+            got = tiny(input_ids=ids, position_ids=positions, sequence_shard=shard, use_cache=False).logits
+        except Exception as exc:
+            if "without its sequence_shard" in str(exc):
+                return (f"{family}'s layers do not pass their keyword arguments on to the attention function, "
+                        "which needs the rank's sequence shard")
+            return f"{family}'s layers do not run with context-parallel attention ({exception_line(exc)})"
     worst = (got - expected).abs().max().item()
     if worst > TOLERANCE:
         return (f"{family}'s attention is not what context-parallel attention computes (max |difference| {worst:.3g} "

@@ -1,8 +1,8 @@
 """One microbatch as a context-parallel rank holds it: its tokens of the ids, positions and targets.
 
-Every rank holds the whole microbatch; each keeps its two chunks (`shard.py`). Positions are
-the tokens' own (0 .. seq - 1, or a packed row's restarting ones), so rotary embeddings see
-where each token is; the attention's `SequenceShard` keeps the whole row's documents. Each rank's loss is the sum over its own counted
+Every rank holds the whole microbatch and keeps its two chunks (`shard.py`). Positions are the tokens'
+own (0 .. seq - 1, or a packed row's restarting ones), so rotary embeddings see where each token is; the
+attention's `SequenceShard` keeps the whole row's documents. Each rank's loss sums its own counted
 tokens; the runner divides it by the global batch's count, so the cp ranks' losses add up.
 """
 
@@ -33,12 +33,10 @@ def sequence_part(ids: torch.Tensor, positions: torch.Tensor | None, targets: to
                   group: ProcessGroup | None, cp: int, rank: int, device: torch.device) -> SequencePart:
     """This rank's part of a microbatch of whole `ids` `[mb, seq]` (and `positions`, `targets` alike)."""
     seq = ids.shape[-1]
-    mine = held(seq, cp, rank)
-    local_positions = mine.expand(ids.shape[0], -1) if positions is None else shard_sequence(positions, cp, rank)
-    local_targets = None if targets is None else shard_sequence(targets, cp, rank).to(device)
+    mine = held(seq, cp, rank).expand(ids.shape[0], -1) if positions is None else shard_sequence(positions, cp, rank)
     return SequencePart(
         ids=shard_sequence(ids, cp, rank).to(device),
-        positions=local_positions.to(device),
+        positions=mine.to(device),
         shard=sequence_shard(group, cp, rank, seq, device=device, position_ids=positions),
-        targets=local_targets,
+        targets=None if targets is None else shard_sequence(targets, cp, rank).to(device),
     )

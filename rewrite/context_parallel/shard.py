@@ -38,12 +38,7 @@ def held(seq: int, cp: int, rank: int, device: torch.device | str = "cpu") -> to
 
 def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's tokens of `x` along `dim` (the sequence): two chunks, concatenated."""
-    seq = x.shape[dim]
-    if problem := length_problem(seq, cp):
-        raise InputError(problem)
-    chunk = seq // (2 * cp)
-    second = 2 * cp - 1 - rank
-    return torch.cat([x.narrow(dim, rank * chunk, chunk), x.narrow(dim, second * chunk, chunk)], dim=dim)
+    return x.index_select(dim, held(x.shape[dim], cp, rank, x.device))
 
 
 @lru_cache(maxsize=64)

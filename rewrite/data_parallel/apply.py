@@ -1,22 +1,16 @@
 """Data parallelism: this rank's stages sharded or replicated over the dp dimension.
 
-Each decoder layer (each module of a traced model's layer sequence) becomes one torch
-FSDP2 unit, and the model itself the root unit holding the rest (embeddings, final
-norm, LM head): `fully_shard` for `full` and `grad_op`, torch's FSDP-based composable
-`replicate` for `replicate` where torch's DDP does not fit (`ddp.py`). The pipeline runs
-a stage through a method of the model registered with FSDP (`register_fsdp_forward_method`),
-so the root gathers its parameters as `model(...)` would, and each layer's own hooks
-gather the layer's.
+Each decoder layer (each module of a traced model's layer sequence) becomes one torch FSDP2 unit, and
+the model the root unit holding the rest (embeddings, final norm, LM head): `fully_shard` for `full` and
+`grad_op`, FSDP2's `replicate` for `replicate` where torch's DDP does not fit (`ddp.py`). A stage runs
+through a method of the model registered with FSDP (`register_fsdp_forward_method`), so the root gathers
+its parameters as `model(...)` would, and each layer's own hooks gather the layer's.
 
-Under `data_parallel.reduce: step` (the default) gradients are synchronised once per step,
-whatever the schedule: the runner calls `GradSync.begin` before a step's first action (every
-backward then only accumulates), `next_backward_reduces` before the last whole backward (each
-unit reduces as that backward leaves it) and `GradSync.finish` after the step's last action
-(one reduce-scatter, or all-reduce for `replicate`, per unit the last backward did not reach,
-as torch.distributed.pipelining does for its own stages). Under `reduce: microbatch` the runner
-calls `next_backward_reduces` before every backward, so each unit reduces (and lets go of its
-whole gradients) at the end of each microbatch's backward, as FSDP2 and DDP do by default.
-`GradSync` and `ddp.DdpSync` are the stage's first `grad_finish.GradFinish`.
+Under `data_parallel.reduce: step` (the default) gradients are synchronised once per step, whatever the
+schedule (`grad_finish`): every backward only accumulates, each unit reduces as the last whole backward
+leaves it, and `finish` reduces the units that backward did not reach, as torch.distributed.pipelining
+does. Under `reduce: microbatch` every backward reduces (and lets go of the whole gradients), as FSDP2
+and DDP do by default. `GradSync` and `ddp.DdpSync` are the stage's first `GradFinish`.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from ..models.names import first_names
 from ..pipeline.carve import Carved
 from ..pipeline.precision import Precision
 from ..binding.resolve import ResolvedPlan
-from .ddp import DdpSync, ddp_fits
+from .ddp import DdpSync, reduce_doing
 
 __all__ = ["GradSync", "apply_data_parallel", "data_parallel_units"]
 
@@ -47,24 +41,19 @@ class GradSync(GradFinish):
 
     def __init__(self, root: nn.Module, sharding: str, *, reshard_after_backward: bool, over: str = "dp"):
         self.root, self.sharding, self.reshard = root, sharding, reshard_after_backward
-        self.doing = f"the data-parallel gradient reduce over {over}"
+        self.doing = reduce_doing(over)
 
     def begin(self) -> None:
-        """Every backward of the step accumulates local gradients; nothing is reduced yet.
-
-        `full` (without split backwards) lets each unit's gathered parameters go after its
-        backward, as ZeRO-3 does; `grad_op`, `replicate` and split schedules keep them
-        until the step's end (no gathering again for the next microbatch, and W needs them).
-        """
+        """Every backward of the step accumulates local gradients. `full` (without split backwards) lets each
+        unit's gathered parameters go after its backward, as ZeRO-3 does; `grad_op`, `replicate` and split
+        schedules keep them until the step's end (no gathering again for the next microbatch; W needs them)."""
         self.root.set_is_last_backward(False)
         self.root.set_reshard_after_backward(self.reshard)
         self.root.set_requires_gradient_sync(False)
 
     def next_backward_reduces(self) -> None:
-        """The next backward is the rank's last: each unit reduces as its own backward ends,
-        overlapping the reduction with the rest of that backward (`finish` then reduces
-        only what that backward did not reach). Not for split backwards: their W comes later.
-        """
+        """The next backward reduces: each unit as its own backward ends, overlapping the rest of that backward.
+        Not for split backwards: their W comes later."""
         self.root.set_is_last_backward(True)
         self.root.set_requires_gradient_sync(True)
 
@@ -114,17 +103,17 @@ def apply_data_parallel(
             differ between the replicas and are reduced by `expert_parallel`).
 
     Returns:
-        `(carved, dp_sync)`: the parts with the forward functions and tied parameters
-        the stage must now use (FSDP2 replaced the parameters), and the step's data-parallel
-        `GradFinish`; with dp = 1 the parts unchanged and None (nothing installed). `replicate`
-        on one stage per rank with whole backwards: the parts unchanged (plain
-        parameters) and torch's DDP, built at the first step (`ddp.DdpSync`).
+        `(carved, dp_sync)`: the parts with the forward functions and tied parameters the stage must now
+        use (FSDP2 replaced the parameters), and the step's data-parallel `GradFinish`; with dp x cp = 1
+        the parts unchanged and None. `replicate` on one stage per rank with whole backwards: the parts
+        unchanged and torch's DDP, built at the first step (`ddp.DdpSync`).
     """
     if mesh.replicas == 1:
         return carved, None
     sharding = resolved.plan.data_parallel.sharding
     over = "dp x cp" if mesh.cp > 1 else "dp"
-    if sharding == "replicate" and ddp_fits(len(carved.forward_fns), split_backward):
+    # DDP fits where the step's last backward reaches every parameter: one stage on the rank, no W.
+    if sharding == "replicate" and len(carved.forward_fns) == 1 and not split_backward:
         names = first_names(carved.module)
         return carved, DdpSync(carved.module, mesh.replica_mesh.get_group(), ignore=[names[id(p)] for p in ignored],
                                over=over)
@@ -159,11 +148,8 @@ def apply_data_parallel(
         register_fsdp_forward_method(model, _RUN)
         run = getattr(model, _RUN)
         forward_fns = {s: (fn if fn is model else _bind(run, s)) for s, fn in fns.items()}
-    sharded = dataclasses.replace(
-        carved,
-        forward_fns=forward_fns,
-        tied=[model.get_parameter(n) for n in tied],  # FSDP2 put sharded parameters in their place
-    )
+    # FSDP2 put sharded parameters in the tied ones' place
+    sharded = dataclasses.replace(carved, forward_fns=forward_fns, tied=[model.get_parameter(n) for n in tied])
     return sharded, GradSync(model, sharding, reshard_after_backward=zero3, over=over)
 
 

@@ -1,18 +1,15 @@
 """`sharding: replicate` on torch's own DistributedDataParallel, where it fits the stage.
 
-DDP buckets the gradients (the first bucket small, the rest 25 MiB, in backward order)
-and starts each bucket's all-reduce as soon as its last gradient is accumulated, so
-the reduction runs beside the rest of the backward; FSDP2's `replicate` reduces unit
-by unit, and on a CPU backend each reduction waits for itself. DDP fits a rank that
-runs one stage with whole backwards (every schedule without W, one stage per rank):
-the step's last backward then reaches every parameter the rank trains. Split
-backwards and virtual stages keep FSDP2's `replicate` (`apply.GradSync`).
+DDP buckets the gradients (the first bucket small, the rest 25 MiB, in backward order) and starts each
+bucket's all-reduce as soon as its last gradient is accumulated, beside the rest of the backward; FSDP2's
+`replicate` reduces unit by unit, and on a CPU backend each reduction waits for itself. DDP fits a rank
+running one stage with whole backwards: the step's last backward then reaches every parameter it trains.
+Split backwards and virtual stages keep FSDP2's `replicate` (`apply.GradSync`).
 
-The step drives DDP as `torch.distributed.pipelining` does for its DDP stages: every
-backward but the last accumulates locally (`require_backward_grad_sync` off, as in
-`no_sync`), and the reducer is prepared (`prepare_for_backward`) right before the last.
-The stage never runs through DDP's `forward`; DDP is built at the first step, once
-the parameters have storage (a model loaded from a checkpoint is rewritten on meta).
+The step drives DDP as `torch.distributed.pipelining` does: every backward but the last accumulates
+locally (`require_backward_grad_sync` off, as in `no_sync`), and the reducer is prepared right before the
+last. The stage never runs through DDP's `forward`; DDP is built at the first step, once the parameters
+have storage (a model loaded from a checkpoint is rewritten on meta).
 """
 
 from __future__ import annotations
@@ -24,12 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 from ..grad_finish import GradFinish
 from ..torch_internals import ddp_ignore, ddp_reducer_finished, prepare_ddp_for_backward
 
-__all__ = ["DdpSync", "ddp_fits"]
+__all__ = ["DdpSync", "reduce_doing"]
 
 
-def ddp_fits(stages_on_rank: int, split_backward: bool) -> bool:
-    """Whether a rank's last backward of a step reaches all its parameters: one stage, no W."""
-    return stages_on_rank == 1 and not split_backward
+def reduce_doing(over: str) -> str:
+    """What a rank waiting in a data-parallel `finish` is doing (`GradFinish.doing`)."""
+    return f"the data-parallel gradient reduce over {over}"
 
 
 class DdpSync(GradFinish):
@@ -37,7 +34,7 @@ class DdpSync(GradFinish):
 
     def __init__(self, module: nn.Module, group: ProcessGroup, *, ignore: list[str] = (), over: str = "dp"):
         self.module, self.group, self.ignore = module, group, list(ignore)  # ignore: parameter names DDP leaves alone
-        self.doing = f"the data-parallel gradient reduce over {over}"
+        self.doing = reduce_doing(over)
         self.ddp: DistributedDataParallel | None = None
         self.armed = False
 

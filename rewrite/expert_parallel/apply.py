@@ -3,10 +3,9 @@
 Each experts module a plan names keeps its rank's experts (every tensor's rows along dim 0,
 `ExpertSpec.split_of`) and sends tokens to them (`dispatch`; under tp each tp rank its chunk of the
 tokens). Data parallelism leaves these parameters alone: they differ from rank to rank of an ep
-group. Their gradients already hold every token's contribution from the group's ranks (the
-exchange's backward brought them); `ExpertSums` sums them over the ranks holding the same
-experts ((dp x tp / ep) x cp: between them they saw every replica's tokens once) and divides by
-dp x cp, as the dense gradients are averaged over the replicas, once per step.
+group. The exchange's backward already brought every token's contribution from the group's ranks;
+`ExpertSums` sums them over the ranks holding the same experts ((dp x tp / ep) x cp: between them
+they saw every replica's tokens once) and divides by dp x cp, as the dense gradients are averaged.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from ..mesh import Mesh
 from ..tensor_parallel.mixins import add_mixin
 from ..models.experts import every_token, set_expert_counts
 from .dispatch import EveryTokenMixin, ExpertParallelMixin, ExpertShard, ShardedExperts
-from .tensor import split_experts_over_tp
+from .tensor import keep_part, split_experts_over_tp
 
 __all__ = ["apply_expert_parallel", "expert_parameters", "ExpertSums"]
 
@@ -36,17 +35,12 @@ def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh, 
             split_experts_over_tp(model.get_submodule(spec.fqn), spec, mesh.tp_rank, mesh.tp_group, sequence=sequence)
     if mesh.ep == 1:
         return
+    tokens_over = mesh.tp_group if mesh.tp > 1 and not sequence else None  # the same tokens: each sends its chunk
     for spec in resolved.experts:
         module = model.get_submodule(spec.fqn)
-        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-            part = spec.split_of(name).take(tensor.detach(), mesh.ep_rank).clone()
-            if isinstance(tensor, nn.Parameter):
-                setattr(module, name, nn.Parameter(part, requires_grad=tensor.requires_grad))
-            else:
-                module.register_buffer(name, part)
+        keep_part(module, spec, mesh.ep_rank)
         set_expert_counts(module, spec.local, spec.identity // spec.ep)  # the family's forward counts with them
         mixin = EveryTokenMixin if every_token(module) else ExpertParallelMixin
-        tokens_over = mesh.tp_group if mesh.tp > 1 and not sequence else None  # the same tokens: each sends its chunk
         add_mixin(module, mixin).expert_shard = ExpertShard(spec, mesh.ep_rank, mesh.ep_group, cast, tokens_over)
 
 

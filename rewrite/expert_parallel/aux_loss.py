@@ -2,15 +2,11 @@
 
 With `config.output_router_logits`, a transformers MoE causal LM adds its routers' balance over every
 layer's rows to its loss (`models.router_loss`). The runner computes the loss itself, so `RouterLoss`
-records the routers' logits as the family declares them (`_can_record_outputs["router_logits"]`: the
-router class and which output) while a stage runs one microbatch (each router's class gains
-`RecordedRouter`, whose forward hands its output to the `RouterLoss`), and `finish` reduces them to the
-sums a stage hands on with its activations (`Pooled`). The scope is the microbatch, as one process
-running that microbatch counts it (each replica's, under dp and ep); under context parallelism a
-microbatch's rows are spread over the cp ranks, so their sums are added over the cp group; under
-sequence parallelism over the tp ranks, each router running on its rank's part of the sequence (the
-padding rows the last parts carry left out).
-Recomputation (activation checkpointing) runs the routers again in the backward, outside a forward:
+records the routers' logits as the family declares them (`_can_record_outputs["router_logits"]`) while
+a stage runs one microbatch (each router gains `RecordedRouter`), and `finish` reduces them to the sums
+a stage hands on with its activations (`Pooled`). The scope is the microbatch as one process counts it;
+its rows spread over the cp ranks (context parallelism) or the tp ranks (sequence parallelism, padding
+rows left out) are summed over that group. Recomputation runs the routers again outside a forward:
 nothing is recorded then, so nothing counts twice.
 """
 

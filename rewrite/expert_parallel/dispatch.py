@@ -12,23 +12,18 @@ each row through its expert and applies the weight where the family does. A laye
     back      = all-to-all(out), rows in the order they were sent    (T k, H)
     result    = back unsorted, summed over the k choices             (T, H)
 
-A module with identity experts (LongCat-Flash) keeps the rows routed to them: each comes back as
-itself times its weight, as the family's forward gives it, and only the routed rows travel. Its
-routed experts may lie on their ranks out of order (`ExpertSpec.slots`): rows are sorted by slot
-(rank, then row on it), not by expert id.
+Identity experts (LongCat-Flash) keep their rows here: each comes back as itself times its weight, and
+only routed rows travel; routed experts may lie on their ranks out of order (`ExpertSpec.slots`), so rows
+are sorted by slot (rank, then row on it), not by expert id.
 
-Dropless: every row reaches its expert (no capacity). Rows and weights travel in one exchange,
-in their common dtype (a weight wider than the hidden states keeps its bits; rows widened and
-narrowed back are exact), so a step makes one exchange each way per layer, always in the same
-order on every rank.
+Dropless (no capacity). Rows and weights travel in one exchange, in their common dtype (a wider weight
+keeps its bits; rows widened and narrowed back are exact): one exchange each way per layer, in the same
+order on every rank. When ep borrows tp ranks, each tp rank sends only its chunk of the tokens
+(`token_split`).
 
-When ep borrows tp ranks, each tp rank sends only its chunk of the tokens and the outputs are
-all-gathered over tp (`token_split`).
-
-Experts that take every token (`models.experts.EVERY_TOKEN_EXPERTS`, Llama 4) are called on
-`[E T, H]`, expert e's rows at `e T`, already weighted: a rank sends each rank the block of that
-rank's experts (`[n T, H]`), runs its own experts on the blocks of every rank of the group side
-by side, and sends each block back (`EveryTokenMixin`). The family's own forward does the math.
+Experts that take every token (`models.experts.EVERY_TOKEN_EXPERTS`, Llama 4) are called on `[E T, H]`,
+expert e's rows at `e T`, already weighted: each rank gets the blocks of its experts (`[n T, H]`) from
+every rank, runs them side by side, and sends each back (`EveryTokenMixin`).
 """
 
 from __future__ import annotations
@@ -59,22 +54,11 @@ class ExpertShard:
     cast: torch.dtype | None = None  # the dtype the experts compute in, when not their parameters'
     tp_group: ProcessGroup | None = None
 
-    @property
-    def total(self) -> int:
-        return self.spec.num_experts
-
-    @property
-    def ep(self) -> int:
-        return self.spec.ep
-
-    @property
-    def local(self) -> int:
-        return self.spec.local
-
-    @property
-    def first(self) -> int:
-        """The first row this rank holds of each block."""
-        return self.spec.split.ranges(self.total, self.ep_rank)[0][0]
+    total = property(lambda self: self.spec.num_experts)
+    ep = property(lambda self: self.spec.ep)
+    local = property(lambda self: self.spec.local)
+    first = property(lambda self: self.spec.split.ranges(self.total, self.ep_rank)[0][0],
+                     doc="The first row this rank holds of each block.")
 
     def slots(self, experts: torch.Tensor) -> torch.Tensor:
         """Each routed expert id's slot (`ExpertSpec.slots`): itself unless the experts are read in blocks."""

@@ -1,16 +1,14 @@
 """A fused experts module with each expert split over tp (`expert_tensor_parallel`).
 
 Every tp rank holds every expert's slice of the intermediate features (`ExpertSpec.split_of`: gate_up_proj's
-gate and up slices, down_proj's input slice) and runs all of the stage's tokens through them, as a dense
-MLP split column then row: its own forward gives a partial output, and the partial outputs are summed
-over tp (Megatron's g). The tokens and their routing weights are the same on every tp rank; their
-gradients are partial sums there, so they are summed over tp in the backward (Megatron's f). The
-experts' parameters are a tp-split tensor like any other: data parallelism shards and reduces them.
+gate and up slices, down_proj's input slice) and runs all the stage's tokens through them, a dense MLP
+split column then row: the partial outputs are summed over tp (Megatron's g), the gradients of the tokens
+and routing weights in the backward (Megatron's f). Data parallelism shards and reduces these parameters
+like any tp-split tensor.
 
-Under sequence parallelism each tp rank holds its part of the tokens: they are all-gathered over tp first
-(their gradients reduce-scattered) and the partial outputs reduce-scattered, each rank keeping its part's
-(Megatron's sequence-parallel MLP). Experts taking every token (Llama 4: `[E T, H]`, expert e's rows at
-`e T`) gather each expert's rows side by side.
+Under sequence parallelism the tokens are all-gathered over tp first and the partial outputs
+reduce-scattered (Megatron's sequence-parallel MLP); every-token experts (Llama 4: `[E T, H]`) gather
+each expert's rows side by side.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from ..tensor_parallel.comm import copy_to_parallel, reduce_from_parallel
 from ..tensor_parallel.mixins import add_mixin
 from ..tensor_parallel.sequence import gather_from_sequence, reduce_scatter_to_sequence
 
-__all__ = ["ExpertTensorParallelMixin", "split_experts_over_tp"]
+__all__ = ["ExpertTensorParallelMixin", "keep_part", "split_experts_over_tp"]
 
 
 class ExpertTensorParallelMixin:
@@ -55,14 +53,19 @@ class ExpertTensorParallelMixin:
         return reduce_scatter_to_sequence(out, group)
 
 
-def split_experts_over_tp(module: nn.Module, spec, tp_rank: int, group: ProcessGroup, *, sequence: bool = False) -> None:
-    """Keep this tp rank's slices of every expert of `module` (an `ExpertSpec` with tp > 1), in place;
-    `sequence`: each tp rank holds its part of the tokens (sequence parallelism)."""
+def keep_part(module: nn.Module, spec, rank: int) -> None:
+    """Replace `module`'s own parameters and buffers by their part `rank` (`spec.split_of`), in place."""
     for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-        part = spec.split_of(name).take(tensor.detach(), tp_rank).clone()
+        part = spec.split_of(name).take(tensor.detach(), rank).clone()
         if isinstance(tensor, nn.Parameter):
             setattr(module, name, nn.Parameter(part, requires_grad=tensor.requires_grad))
         else:
             module.register_buffer(name, part)
+
+
+def split_experts_over_tp(module: nn.Module, spec, tp_rank: int, group: ProcessGroup, *, sequence: bool = False) -> None:
+    """Keep this tp rank's slices of every expert of `module` (an `ExpertSpec` with tp > 1), in place;
+    `sequence`: each tp rank holds its part of the tokens (sequence parallelism)."""
+    keep_part(module, spec, tp_rank)
     mixin = add_mixin(module, ExpertTensorParallelMixin)
     mixin.tp_group, mixin.sequence = group, sequence

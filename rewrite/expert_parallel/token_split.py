@@ -1,13 +1,10 @@
 """A stage's tokens shared out over its tp ranks before they are dispatched to their experts.
 
-When ep borrows tp ranks (`plan.ranks.expert_groups`), the tp ranks of a replica hold the same
-tokens (sequence parallelism with experts is refused). Each keeps its chunk of them (`c = ceil(T /
-tp)` rows, the last chunks shorter or empty) and sends only those to their experts; the outputs of
-the chunks are all-gathered over tp, so every tp rank again holds the whole layer's output. The
-backward is the mirror: the gradient at the output is the same on every tp rank (a replicated
-activation), each keeps its chunk's; the gradients of the chunks' tokens and routing weights are
-all-gathered, so the router and the layers before see every token's gradient on every tp rank, as
-without the split. The experts' gradients then hold each token once over the ranks holding them.
+When ep borrows tp ranks (`plan.ranks.expert_groups`), the tp ranks of a replica hold the same tokens.
+Each keeps its chunk (`c = ceil(T / tp)` rows, the last chunks shorter or empty) and sends only those to
+their experts; the chunks' outputs are all-gathered over tp. The backward mirrors it: each rank keeps its
+chunk of the (replicated) output gradient, and the gradients of the chunks' tokens and routing weights
+are all-gathered, so every tp rank sees every token's gradient and the experts' gradients hold each token once.
 """
 
 from __future__ import annotations
