@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .errors import InputError
 from .lent import lend
@@ -30,8 +31,7 @@ def share(value: Any, *, group: dist.ProcessGroup | None = None) -> list[Any]:
     sizes = [torch.zeros_like(size) for _ in range(n)]
     dist.all_gather(sizes, size, group=group)
     longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: mine.numel()] = mine
+    padded = F.pad(mine, (0, longest - mine.numel()))
     parts = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(parts, padded, group=group)
     lend(size, *sizes, padded, *parts)

@@ -1,9 +1,8 @@
 """What rewrite refuses, as one family of exceptions.
 
-Every refusal (a plan, a call's arguments, a checkpoint, a training setting, a launch, a search with no
-answer) is a `RewriteError` saying what is wrong and what to do, raised before anything ran or was lost,
-alike on every rank. Each class also derives from a builtin (`ValueError`, `RuntimeError` for a launch),
-so `except ValueError` keeps working.
+Every refusal (a plan, arguments, a checkpoint, a setting, a launch, a search with no answer) is a
+`RewriteError` saying what is wrong and what to do, raised alike on every rank before anything ran or was
+lost. Each also derives from a builtin (`ValueError`, `RuntimeError` for a launch).
 
     >>> try:
     ...     stage = rewrite.apply_plan(model, "plan.yaml")

@@ -3,16 +3,8 @@
 A rank's backwards leave some gradients incomplete: to average over the data-parallel replicas, to sum
 over the ranks holding the same experts, over the tp ranks each holding a part (norms under sequence
 parallelism, replicated k/v projections), between the two ends of a tied embedding. Each is a
-`GradFinish`; the stage lists its own in order (`Stage.grad_finish`) and the runner calls each at four points:
-
-- `begin()` before the step's first action (backwards only accumulate; what was accumulated
-  before the step may be set aside);
-- `next_backward_reduces()` before a whole backward that may reduce as it goes: the step's
-  last (no W after it), or every one under `data_parallel.reduce: microbatch`;
-- `end()` however the step ends, an error included;
-- `finish()` after the step's last action: complete the gradients, once per step.
-
-Collective: a finisher's `finish` runs on every rank of its group at the same point of the step.
+`GradFinish`; the stage lists its own in order (`Stage.grad_finish`) and the runner calls each at the
+same four points of a step. Collective: `finish` runs on every rank of its group at the same point.
 """
 
 from __future__ import annotations
@@ -33,16 +25,17 @@ class GradFinish:
     doing = "finishing the step's gradients"
 
     def begin(self) -> None:
-        """Before the step's first action."""
+        """Before the step's first action (backwards only accumulate; what was accumulated before may be set aside)."""
 
     def next_backward_reduces(self) -> None:
-        """Before a whole backward that may reduce as it goes."""
+        """Before a whole backward that may reduce as it goes: the step's last (no W after it), or every one
+        under `data_parallel.reduce: microbatch`."""
 
     def end(self) -> None:
-        """After the step's actions, however they ended."""
+        """After the step's actions, however they ended (an error included)."""
 
     def finish(self) -> None:
-        """After the step's last action: the gradients complete."""
+        """After the step's last action: complete the gradients, once per step."""
         raise NotImplementedError
 
 

@@ -13,7 +13,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import InputError
-from .plan.ranks import Coords, Shape, expert_groups, expert_place
+from .plan.ranks import Shape, expert_groups, expert_place
 from .values import is_count
 
 __all__ = ["Mesh", "build_mesh", "check_world", "expert_groups"]
@@ -35,24 +35,15 @@ class Mesh:
     dp_group: ProcessGroup | None = None  # the ranks holding the same part in every replica
     tied_group: ProcessGroup | None = None  # the first and last pipeline rank at this dp, cp and tp rank (pp > 1)
     kv_group: ProcessGroup | None = None  # the tp ranks holding this rank's kv head (kv_replicas > 1)
-    # The ranks holding the same parameters, dp x cp at this pp and tp rank: a 1-D DeviceMesh that FSDP2 /
-    # replicate / DDP reduce gradients over.
-    replica_mesh: DeviceMesh | None = None
+    replica_mesh: DeviceMesh | None = None  # dp x cp ranks holding the same parameters: what dp reduces over
     ep_group: ProcessGroup | None = None  # the ep ranks of this stage's dp x tp splitting the experts (ep > 1)
     expert_replica_group: ProcessGroup | None = None  # the ranks holding this rank's experts: (dp x tp / ep) x cp
-    # The whole world on a backend that takes host tensors, for agreements that must not wait on a device;
-    # None where the default group does (gloo, or "cpu:gloo,cuda:nccl").
+    # The world on a backend taking host tensors, for agreements that must not wait on a device (None: the default is gloo)
     host_group: ProcessGroup | None = None
     device_mesh: DeviceMesh | None = None  # the grid, dims ("dp", "pp", "cp", "tp"), without "cp" when cp = 1
 
-    @property
-    def shape(self) -> Shape:
-        return Shape(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep)
-
-    @property
-    def coords(self) -> Coords:
-        return self.shape.coords(self.rank)
-
+    shape = property(lambda self: Shape(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep))
+    coords = property(lambda self: self.shape.coords(self.rank))
     dp_rank = property(lambda self: self.coords.dp)
     pp_rank = property(lambda self: self.coords.pp)
     cp_rank = property(lambda self: self.coords.cp)

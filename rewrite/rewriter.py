@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .agreement import describe_ranks, raise_problems, ranks_by_value, share
 from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as register_context_parallel
@@ -30,7 +31,6 @@ from .pipeline.tied import TiedSums
 from .binding.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan, PlanError
 from .plan.loading import load_plan_for
-from .recompute import apply_activation_checkpointing
 from .tensor_parallel.partial_grads import StepSums
 from .schedules import splits_backward
 from .tensor_parallel.apply import apply_tensor_parallel
@@ -50,18 +50,16 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     (`data_parallel.sharding`). With cp > 1 the attention runs on sequence shards (`rewrite.context_parallel`).
 
     Args:
-        model: a Hugging Face LLaMA-family model, or any module torch.fx can trace
-            (the fx path is only needed when pp > 1). Not yet rewritten.
+        model: a Hugging Face LLaMA-family model, or any module torch.fx can trace (the fx path is only
+            needed when pp > 1). Not yet rewritten.
         plan: a `ParallelPlan`, or a path / dict for `load_plan`.
-        compute_dtype: compute in this dtype (torch.bfloat16) over the model's float32
-            parameters, which stay the master weights: where dp shards them (`full`,
-            `grad_op`) FSDP2 gathers them in it and reduces gradients in float32, else
-            `run_schedule` runs each forward under `torch.autocast`. None (or the
-            parameters' dtype) computes in the parameters' dtype.
+        compute_dtype: compute in this dtype (torch.bfloat16) over the model's float32 parameters, which
+            stay the master weights: where dp shards them FSDP2 gathers them in it and reduces gradients in
+            float32, else `run_schedule` runs each forward under `torch.autocast`. None: the parameters'.
 
     Returns:
-        This rank's `Stage`. With pp == 1 `stage.model` is still a complete model
-        (`model(input_ids=...)`, `model.generate(...)` work on every rank).
+        This rank's `Stage`. With pp == 1 `stage.model` is still a complete model (`model(input_ids=...)`,
+        `model.generate(...)` work on every rank).
 
     Raises:
         ValueError: no process group, a world size other than dp * pp * cp * tp, any problem `resolve`
@@ -110,19 +108,9 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     finishers = (dp_sync, ExpertSums(experts, mesh) if experts else None, StepSums(carved.module) or None,
                  TiedSums(carved.model, [names[id(p)] for p in carved.tied], mesh.tied_group) if carved.tied else None)
     setattr(model, APPLIED, f"a stage of {plan.source}")
-    stage = Stage(
-        model=carved.model,
-        module=carved.module,
-        resolved=resolved,
-        mesh=mesh,
-        forward_fns=carved.forward_fns,
-        tied=carved.tied,
-        grad_finish=tuple(f for f in finishers if f is not None),
-        recomputed=recomputed,
-        logit_shard=carved.logit_shard,
-        precision=precision,
-        router_loss=router_loss,
-    )
+    stage = Stage(model=carved.model, module=carved.module, resolved=resolved, mesh=mesh, forward_fns=carved.forward_fns,
+                  tied=carved.tied, grad_finish=tuple(f for f in finishers if f is not None), recomputed=recomputed,
+                  logit_shard=carved.logit_shard, precision=precision, router_loss=router_loss)
     apply_param_splits(stage)  # after data parallelism: the parameters it put in place carry them
     return stage
 
@@ -142,11 +130,9 @@ def _agree_on_binding(model: nn.Module, resolved: ResolvedPlan | None, error: Ba
         raise error  # every rank found the same problems
     raise_problems([[e] if e else [] for e in errors], "apply_plan")
     views = [v for _, v in gathered]
-    differ = []
-    for key in views[0]:
-        groups = ranks_by_value([v[key] for v in views])
-        if len(groups) > 1:
-            differ.append(f"{key}: " + "; ".join(f"{describe_ranks(r)}: {v}" for v, r in groups.items()))
+    by_key = {key: ranks_by_value([v[key] for v in views]) for key in views[0]}
+    differ = [f"{key}: " + "; ".join(f"{describe_ranks(r)}: {v}" for v, r in groups.items())
+              for key, groups in by_key.items() if len(groups) > 1]
     if differ:
         raise InputError(
             "apply_plan: ranks were given different plans, models or weights\n  "
@@ -182,3 +168,27 @@ def weights_checksum(model: nn.Module, *, samples: int = 256) -> str:
         h.update(name.encode())
         h.update(picked.view(torch.uint8).cpu().numpy().tobytes())
     return f"checksum {h.hexdigest()[:12]}"
+
+
+def apply_activation_checkpointing(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
+    """Wrap the forward of every module of `model` the plan's rules matched in torch's non-reentrant
+    checkpoint (its inputs kept, its forward run again in the backward; under split backwards B recomputes,
+    W reuses); returns their paths. The module's `forward` is wrapped in place, so hooks on the module
+    (FSDP2's gathers, the tests' counters) stay outside the checkpointed region and run once per call."""
+    done = []
+    for path in resolved.recomputed:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue  # carved away: another pipeline rank holds it
+        module.forward = _checkpointed(module.forward)
+        done.append(path)
+    return done
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    run.__wrapped__ = forward
+    return run

@@ -51,7 +51,6 @@ def train_step_pipeline_afab(model, inputs, targets, device, dtype) -> torch.Ten
             mesh=MeshSpec(pp=world or 1),
             pipeline=Pipeline(schedule="afab", microbatches=max(1, len(inputs) if isinstance(inputs, Sequence) else 1)),
         )
-        stage = apply_plan(model, plan)
-        _STAGES[model] = stage
+        stage = _STAGES[model] = apply_plan(model, plan)
     stage.module.to(device=device, dtype=dtype)
     return run_schedule(stage, inputs, targets)

@@ -1,11 +1,10 @@
 """A query chunk's causal attention without a mask: the keys before the chunk unmasked, the chunk's own
 diagonal block causal, the two merged by their log-sum-exp.
 
-Under the plain causal mask (no packed documents, no window cutting into the keys) a chunk of global
-queries [a, a + L) sees every key before a and the causal triangle of [a, a + L). Two kernel calls
-compute exactly that: the prefix block with no mask, the diagonal block with the kernel's own causal
-flag (a square block, so its top-left alignment is the right one), which skips the pairs above the
-diagonal. Their outputs o1, o2 and log-sum-exps l1, l2 merge into the chunk's softmax over both:
+Under the plain causal mask a chunk of global queries [a, a + L) sees every key before a and the causal
+triangle of [a, a + L): the prefix block with no mask, the diagonal block with the kernel's own causal
+flag (a square block, so its top-left alignment is the right one). Their outputs o1, o2 and
+log-sum-exps l1, l2 merge into the chunk's softmax over both:
 
     l = log(exp(l1) + exp(l2)),   o = exp(l1 - l) o1 + exp(l2 - l) o2
 
@@ -14,8 +13,7 @@ rebuild a block's probabilities and the row sums of dO o), so each block's gradi
 of the chunk's one softmax, as in ring attention. No mask is built, read or saved.
 
 The kernels are CPU's flash attention (`aten._scaled_dot_product_flash_attention_for_cpu` and its
-backward), which return the log-sum-exp and take grouped keys and values as they are. Other
-devices run the masked blocks (`attention.py`).
+backward): they return the log-sum-exp and take grouped keys and values as they are.
 """
 
 from __future__ import annotations

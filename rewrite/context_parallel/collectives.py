@@ -1,11 +1,9 @@
 """The one collective context parallelism adds: keys and values gathered over the cp ranks.
 
-Forward: each rank's `[b, kv_heads, s / cp, d]` keys (or values) all-gathered into the whole
-sequence's `[b, kv_heads, s, d]`, in global token order. Backward: each rank's gradient for the
-whole sequence is partial (its own queries' share), so the gradients are summed over the ranks and
-each keeps its own tokens' rows: a reduce-scatter. Bytes a rank receives per layer and microbatch,
-forward: 2 (k and v) x b x kv_heads x d x s x (cp - 1) / cp x dtype bytes; backward as many again.
-With grouped-query attention that is kv_heads / heads of what gathering the queries would move.
+Forward: each rank's `[b, kv_heads, s / cp, d]` keys (or values) all-gathered into `[b, kv_heads, s, d]`
+in global token order. Backward: each rank's gradient is its own queries' share, so the gradients are
+reduce-scattered. Bytes a rank receives per layer and microbatch, forward: 2 (k and v) x b x kv_heads
+x d x s x (cp - 1) / cp x dtype bytes; backward as many again.
 """
 
 from __future__ import annotations

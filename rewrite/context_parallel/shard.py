@@ -1,9 +1,8 @@
 """Which tokens of a sequence each context-parallel rank holds, balanced for the causal mask.
 
 The sequence of S tokens is cut into 2 cp chunks; rank r holds chunks r and 2 cp - 1 - r (Llama 3,
-section 3.3.2, and torch's `context_parallel`): under a causal mask the early chunks attend to
-little and the late ones to much, so each rank pairs one of each and does the same work. Every
-rank holds the whole microbatch (ids, positions, targets) and keeps its own tokens of it.
+section 3.3.2, and torch's `context_parallel`): under a causal mask the early chunks attend to little
+and the late ones to much, so each rank pairs one of each and does the same work.
 """
 
 from __future__ import annotations
@@ -19,21 +18,17 @@ __all__ = ["length_problem", "held", "shard_sequence", "gathered_order"]
 
 
 @lru_cache(maxsize=64)
-def _held(seq: int, cp: int, rank: int) -> torch.Tensor:
-    chunk = seq // (2 * cp)
-    first, second = rank, 2 * cp - 1 - rank
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)])
-
-
 def held(seq: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The global indices of the `seq / cp` tokens rank `rank` holds, in the order it holds them.
+    """The global indices of the `seq / cp` tokens rank `rank` holds, in the order it holds them (cached).
 
     Raises:
         InputError: `seq` does not split into 2 cp chunks (`length_problem`).
     """
     if problem := length_problem(seq, cp):
         raise InputError(problem)
-    return _held(seq, cp, rank).to(device)
+    chunk, second = seq // (2 * cp), 2 * cp - 1 - rank
+    starts = (rank * chunk, second * chunk)
+    return torch.cat([torch.arange(start, start + chunk) for start in starts]).to(device)
 
 
 def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
@@ -43,7 +38,7 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
 
 @lru_cache(maxsize=64)
 def _order(seq: int, cp: int) -> torch.Tensor:
-    rank_major = torch.cat([_held(seq, cp, r) for r in range(cp)])  # global index of each gathered row
+    rank_major = torch.cat([held(seq, cp, r) for r in range(cp)])  # global index of each gathered row
     return torch.argsort(rank_major)
 
 

@@ -1,16 +1,13 @@
-"""Data parallelism: this rank's stages sharded or replicated over the dp dimension.
+"""Data parallelism: this rank's stages sharded or replicated over dp x cp.
 
-Each decoder layer (each module of a traced model's layer sequence) becomes one torch FSDP2 unit, and
-the model the root unit holding the rest (embeddings, final norm, LM head): `fully_shard` for `full` and
-`grad_op`, FSDP2's `replicate` for `replicate` where torch's DDP does not fit (`ddp.py`). A stage runs
-through a method of the model registered with FSDP (`register_fsdp_forward_method`), so the root gathers
-its parameters as `model(...)` would, and each layer's own hooks gather the layer's.
+Each decoder layer (each module of a traced model's layer sequence) becomes one FSDP2 unit, the model
+the root unit holding the rest: `fully_shard` for `full` and `grad_op`, FSDP2's `replicate` for
+`replicate` where DDP does not fit (`DdpSync`). A stage runs through a model method registered with FSDP
+(`register_fsdp_forward_method`), so the root gathers its parameters as `model(...)` would.
 
-Under `data_parallel.reduce: step` (the default) gradients are synchronised once per step, whatever the
-schedule (`grad_finish`): every backward only accumulates, each unit reduces as the last whole backward
-leaves it, and `finish` reduces the units that backward did not reach, as torch.distributed.pipelining
-does. Under `reduce: microbatch` every backward reduces (and lets go of the whole gradients), as FSDP2
-and DDP do by default. `GradSync` and `ddp.DdpSync` are the stage's first `GradFinish`.
+Under `reduce: step` (the default) every backward only accumulates, each unit reduces as the last whole
+backward leaves it, and `finish` reduces the units it did not reach, as torch.distributed.pipelining does;
+under `reduce: microbatch` every backward reduces, as FSDP2 and DDP do by default.
 """
 
 from __future__ import annotations
@@ -19,21 +16,23 @@ import dataclasses
 import types
 
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.nn.parallel import DistributedDataParallel
 
 from ..agreement import agree
 from ..grad_finish import GradFinish
-from ..torch_internals import finish_fsdp_backward, replicate
+from ..torch_internals import ddp_ignore, ddp_reducer_finished, finish_fsdp_backward, prepare_ddp_for_backward, replicate
 from ..mesh import Mesh
 from ..models.names import first_names
 from ..pipeline.carve import Carved
 from ..pipeline.precision import Precision
 from ..binding.resolve import ResolvedPlan
-from .ddp import DdpSync, reduce_doing
 
-__all__ = ["GradSync", "apply_data_parallel", "data_parallel_units"]
+__all__ = ["DdpSync", "GradSync", "apply_data_parallel", "data_parallel_units"]
 
 _RUN = "_rewrite_run_stage"  # the model method a stage runs through, registered with FSDP
+_DOING = "the data-parallel gradient reduce over {}"  # GradFinish.doing
 
 
 class GradSync(GradFinish):
@@ -41,7 +40,7 @@ class GradSync(GradFinish):
 
     def __init__(self, root: nn.Module, sharding: str, *, reshard_after_backward: bool, over: str = "dp"):
         self.root, self.sharding, self.reshard = root, sharding, reshard_after_backward
-        self.doing = reduce_doing(over)
+        self.doing = _DOING.format(over)
 
     def begin(self) -> None:
         """Every backward of the step accumulates local gradients. `full` (without split backwards) lets each
@@ -63,6 +62,53 @@ class GradSync(GradFinish):
         self.root.set_reshard_after_backward(True)
         self.root.set_requires_gradient_sync(True)
         finish_fsdp_backward(self.root, replicated=self.sharding == "replicate")
+
+
+class DdpSync(GradFinish):
+    """`sharding: replicate` on torch's DDP: one bucketed all-reduce per step, overlapped with the backward.
+
+    Why DDP: it starts each bucket's all-reduce as soon as the bucket fills, beside the rest of the
+    backward; FSDP2's `replicate` reduces unit by unit, and on a CPU backend each reduction waits for
+    itself. Driven as torch.distributed.pipelining drives its DDP stages (every backward but the last
+    accumulates, as in `no_sync`), never through DDP's `forward`; built at the first step, once the
+    parameters have storage (a model loaded from a checkpoint is rewritten on meta).
+    """
+
+    def __init__(self, module: nn.Module, group: ProcessGroup, *, ignore: list[str] = (), over: str = "dp"):
+        self.module, self.group, self.ignore = module, group, list(ignore)  # ignore: parameter names DDP leaves alone
+        self.doing = _DOING.format(over)
+        self.ddp: DistributedDataParallel | None = None
+        self.armed = False
+
+    def begin(self) -> None:
+        """Every backward of the step accumulates. The first call builds DDP: collective over the dp group
+        (DDP checks the replicas' shapes and starts them from dp rank 0's values)."""
+        if self.ddp is None:
+            if self.ignore:
+                ddp_ignore(self.module, self.ignore)
+            self.ddp = DistributedDataParallel(self.module, process_group=self.group, forward_sync_buffers=False)
+        self.ddp.require_backward_grad_sync = False
+        self.armed = False
+
+    def next_backward_reduces(self) -> None:
+        """The next backward is the step's last: DDP all-reduces each bucket as it fills."""
+        self.ddp.require_backward_grad_sync = True
+        prepare_ddp_for_backward(self.ddp)
+        self.armed = True
+
+    def finish(self) -> None:
+        """Check that the last backward reduced every bucket (DDP averaged them over dp)."""
+        if not self.armed:
+            raise RuntimeError("replicate on DDP: the step had no whole last backward to reduce in")
+        self.armed = False
+        if not ddp_reducer_finished(self.ddp):
+            missing = [n for n, p in self.module.named_parameters()
+                       if p.requires_grad and p.grad is None and n not in self.ignore]
+            raise RuntimeError(
+                "data_parallel.sharding replicate: the step's last backward did not reach every trainable "
+                f"parameter ({', '.join(missing[:4]) or 'some of them'}), so their gradients were not averaged "
+                "over the replicas; freeze parameters the model does not use (requires_grad_(False))"
+            )
 
 
 def data_parallel_units(model: nn.Module, resolved: ResolvedPlan, stage_ids: list[int]) -> list[nn.Module]:
@@ -94,19 +140,16 @@ def apply_data_parallel(
     Args:
         carved: what `carve_stage` kept on this rank (activation checkpointing applied).
         resolved, mesh: the plan bound to the model, and this rank's mesh.
-        split_backward: the schedule splits backwards into B and W, which need the
-            parameters the forward used until W: `full` then keeps them gathered from
-            forward to backward, as `grad_op` does.
-        precision: with `by="fsdp"`, every unit gathers its parameters in the compute
-            dtype and reduces gradients in the master dtype (FSDP2's `MixedPrecisionPolicy`).
-        ignored: parameters left alone, whole and unreduced (experts split over ep, which
-            differ between the replicas and are reduced by `expert_parallel`).
+        split_backward: the schedule splits backwards into B and W, which need the forward's parameters
+            until W: `full` then keeps them gathered from forward to backward, as `grad_op` does.
+        precision: with `by="fsdp"`, units gather in the compute dtype and reduce in the master dtype.
+        ignored: parameters left whole and unreduced (experts split over ep, reduced by `expert_parallel`).
 
     Returns:
         `(carved, dp_sync)`: the parts with the forward functions and tied parameters the stage must now
         use (FSDP2 replaced the parameters), and the step's data-parallel `GradFinish`; with dp x cp = 1
         the parts unchanged and None. `replicate` on one stage per rank with whole backwards: the parts
-        unchanged and torch's DDP, built at the first step (`ddp.DdpSync`).
+        unchanged and torch's DDP, built at the first step (`DdpSync`).
     """
     if mesh.replicas == 1:
         return carved, None

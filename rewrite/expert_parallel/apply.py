@@ -1,11 +1,9 @@
 """Splitting a model's fused experts over mesh.ep, in place, and their gradients' reduction.
 
-Each experts module a plan names keeps its rank's experts (every tensor's rows along dim 0,
-`ExpertSpec.split_of`) and sends tokens to them (`dispatch`; under tp each tp rank its chunk of the
-tokens). Data parallelism leaves these parameters alone: they differ from rank to rank of an ep
-group. The exchange's backward already brought every token's contribution from the group's ranks;
-`ExpertSums` sums them over the ranks holding the same experts ((dp x tp / ep) x cp: between them
-they saw every replica's tokens once) and divides by dp x cp, as the dense gradients are averaged.
+Each experts module a plan names keeps its rank's experts (`ExpertSpec.split_of`) and sends tokens to
+them (`dispatch`). Data parallelism leaves these parameters alone: they differ across an ep group.
+`ExpertSums` sums their gradients over the ranks holding the same experts ((dp x tp / ep) x cp: between
+them they saw every replica's tokens once) and divides by dp x cp, as the dense gradients are averaged.
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 
 class ExpertSums(GradFinish):
-    """The experts' gradients summed over the ranks holding the same experts and divided by dp x cp, once per
-    step after the dense ones' reduction (`expert_replica_group` None: their sum is this rank's)."""
+    """The experts' gradient sum, once per step after the dense ones' reduction (`expert_replica_group`
+    None: their sum is this rank's)."""
 
     doing = "the experts' gradient sum over the ranks holding them"
 

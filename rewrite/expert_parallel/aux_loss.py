@@ -41,18 +41,14 @@ class RouterLoss:
     family's loss (times its coefficient) of the sums pooled over every stage."""
 
     def __init__(self, model: nn.Module, parts: RouterLossParts, cp_group: ProcessGroup | None = None,
-                 sequence=None):
-        # `sequence`: sequence parallelism's `SequenceState` (its tp group, the length of the forward in flight)
+                 sequence=None):  # sequence: sequence parallelism's `SequenceState` (tp group, length in flight)
         self.parts, self.cp_group, self.sequence = parts, cp_group, sequence
         self.logits: list[torch.Tensor] | None = None  # None: not inside a forward, record nothing
         for module in model.modules():
             if isinstance(module, parts.router):
                 add_mixin(module, RecordedRouter).router_loss = self
 
-    @property
-    def width(self) -> int:
-        """Numbers in the sums a stage hands on: `2 E + 1`."""
-        return 2 * self.parts.experts + 1
+    width = property(lambda self: 2 * self.parts.experts + 1, doc="Numbers in the sums a stage hands on: `2 E + 1`.")
 
     def record(self, output) -> None:
         """A router's output (its logits, or a tuple holding them at `RouterLossParts.index`): kept while recording."""
@@ -71,8 +67,8 @@ class RouterLoss:
         self.logits = []
 
     def finish(self, device: torch.device) -> Pooled:
-        """The sums of the routers that ran since `start` (every cp rank's rows; no router: zeros); recording
-        stops. Collective over the cp group under context parallelism."""
+        """The sums of the routers that ran since `start` (no router: zeros); recording stops. Collective over
+        the cp group (context parallelism) and the tp group (sequence parallelism)."""
         logits, self.logits = self.logits, None
         if logits and self.sequence is not None:  # outside any checkpointed layer: recomputation saves the same
             logits = [self._real_rows(layer) for layer in logits]

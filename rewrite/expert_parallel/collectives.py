@@ -1,9 +1,7 @@
 """The collectives of expert parallelism: how many rows go where, and the rows themselves (autograd-aware).
 
-Both are `all_to_all_single` over the expert-parallel group. The row exchange's backward is
-the same exchange with the splits reversed: the gradient of a row goes back to the rank it
-came from. Every rank of the group calls each one, rows or none (a rank sending or receiving
-no row still takes part), so none waits alone.
+Both are `all_to_all_single` over the expert-parallel group; the row exchange's backward is the same
+exchange with the splits reversed. Every rank of the group calls each one, rows or none, so none waits alone.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """A fused experts module split over ep: each (token, choice) row goes to its expert's rank and back.
 
-On a rank holding experts `[a, a + n)` of `E` (`n = E / ep`), the module's own forward is the
-family's math for those experts: given rows, their experts (local ids) and routing weights, it runs
-each row through its expert and applies the weight where the family does. A layer's call
+On a rank holding experts `[a, a + n)` of `E` (`n = E / ep`), the module's own forward is the family's
+math for those experts (rows, local expert ids, routing weights). A layer's call
 `experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])` then becomes:
 
     rows      = hidden repeated per choice, sorted by expert        (T k, H) and (T k,) weights
@@ -19,7 +18,7 @@ are sorted by slot (rank, then row on it), not by expert id.
 Dropless (no capacity). Rows and weights travel in one exchange, in their common dtype (a wider weight
 keeps its bits; rows widened and narrowed back are exact): one exchange each way per layer, in the same
 order on every rank. When ep borrows tp ranks, each tp rank sends only its chunk of the tokens
-(`token_split`).
+(`TokenSplit`).
 
 Experts that take every token (`models.experts.EVERY_TOKEN_EXPERTS`, Llama 4) are called on `[E T, H]`,
 expert e's rows at `e T`, already weighted: each rank gets the blocks of its experts (`[n T, H]`) from
@@ -32,14 +31,54 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..binding.experts import ExpertSpec
 from ..models.experts import paired_choices
+from ..tensor_parallel.comm import group_rank, group_size
+from ..tensor_parallel.sequence import gather_from_sequence, scatter_to_sequence, sequence_chunk
 from .collectives import exchange_counts, exchange_rows
-from .token_split import TokenSplit
 
-__all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExperts"]
+__all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExperts", "TokenSplit"]
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """This tp rank's chunk of `tokens` rows (along dim -2) of its `group`, when ep borrows tp ranks.
+
+    The tp ranks of a replica then hold the same tokens (`plan.ranks.expert_groups`). Each keeps its chunk
+    (`c = ceil(T / tp)` rows, the last chunks shorter or empty) and sends only those to their experts; the
+    chunks' outputs are all-gathered over tp. The backward mirrors it: each rank keeps its chunk of the
+    (replicated) output gradient, and the gradients of the chunks' tokens and routing weights are
+    all-gathered, so every tp rank sees every token's gradient and the experts' gradients hold each token once.
+    """
+
+    group: ProcessGroup
+    tokens: int
+
+    @staticmethod
+    def over(group: ProcessGroup | None, tokens: int) -> TokenSplit | None:
+        """The split of `tokens` rows over `group`; None when there is nothing to split (no group, or no row)."""
+        if group is None or tokens == 0 or group_size(group) == 1:
+            return None
+        return TokenSplit(group, tokens)
+
+    chunk = property(lambda self: sequence_chunk(self.tokens, group_size(self.group)))
+    start = property(lambda self: min(group_rank(self.group) * self.chunk, self.tokens))
+    count = property(lambda self: min(self.chunk, self.tokens - self.start),
+                     doc="Rows this rank keeps (the last ranks may keep fewer, or none).")
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `x` (..., T, d): (..., count, d). Differentiable: the backward all-gathers."""
+        if not x.is_floating_point():
+            return x.narrow(-2, self.start, self.count)
+        return scatter_to_sequence(x, self.group).narrow(-2, 0, self.count)
+
+    def join(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows (..., count, d) gathered in order: (..., T, d). The backward keeps this rank's."""
+        x = F.pad(x, (0, 0, 0, self.chunk - self.count))
+        return gather_from_sequence(x, self.group, length=self.tokens, grad="split")
 
 
 @dataclass(frozen=True)
@@ -77,9 +116,8 @@ class ShardedExperts:
         return self.expert_shard.spec.split_of(leaf).take(full, self.expert_shard.ep_rank)
 
     def _cast(self) -> ShardedExperts:
-        """What the family's forward runs on: this module, or when `ExpertShard.cast` is set, a stand-in for it (a
-        shallow copy: the same class, attributes and submodules) holding its floating parameters cast to that
-        dtype, an autograd cast (gradients reach the parameters in their own dtype). The module is left as it is."""
+        """What the family's forward runs on: this module, or with `ExpertShard.cast` a shallow copy holding its
+        floating parameters cast to that dtype by autograd (gradients reach the parameters in their own dtype)."""
         dtype = self.expert_shard.cast
         if dtype is None:
             return self
@@ -162,9 +200,9 @@ class ExpertParallelMixin(ShardedExperts):
         return unsorted.view(tokens, k, back.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
     def _own_experts(self, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """The family's forward over this rank's experts; with no row, zeros that still reach every
-        parameter (their gradient is 0, as on one process, not missing) and the received (empty) rows,
-        so that the backward runs the exchanges' backwards here as on the ranks that got rows."""
+        """The family's forward over this rank's experts. With no row: zeros that still reach every parameter
+        (a gradient of 0, as on one process, not missing) and the empty rows, so the backward runs the
+        exchanges' backwards here as on the ranks that got rows."""
         if rows.shape[0]:  # the family's forward (the class after the mixin's), on this module or its cast stand-in
             own = super(ExpertParallelMixin, self._cast()).forward
             return own(rows, *paired_choices(self, ids, weights), *args, **kwargs)

@@ -36,7 +36,6 @@ LEVELS = {
     "context_parallel": 3.5,  # sequence shards, the K/V all-gather, the attention function
     "pipeline": 4,
     "data_parallel": 4.5,  # FSDP2 / replicate units and the once-per-step gradient sync
-    "recompute": 4.5,  # activation checkpointing of matched modules
     "rewriter": 5,  # apply_plan: bind, then tp, then stages
     "checkpoint": 6,
     "train_step": 6,
