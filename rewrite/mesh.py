@@ -63,8 +63,6 @@ class Mesh:
 
 def check_world(shape: Shape) -> None:
     """Raise InputError unless the default group exists and has `shape.world` ranks."""
-    if not isinstance(shape, Shape):
-        raise TypeError(f"check_world and build_mesh take a plan.ranks.Shape(dp=, pp=, cp=, tp=), got {shape!r}")
     n = shape.world
     if not dist.is_available() or not dist.is_initialized():
         raise InputError(

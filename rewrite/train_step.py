@@ -1,8 +1,5 @@
-"""One call per training step on a model nobody rewrote by hand: `train_step_pipeline_afab`.
-
-Built from the toolkit: the first call applies a balanced pipeline plan, every call
-runs it with `run_schedule` (the plan's schedule: AFAB). No hooks are registered.
-"""
+"""One call per training step on a model nobody rewrote by hand: `train_step_pipeline_afab`, built from
+`apply_plan` and `run_schedule` (no hooks registered)."""
 
 from __future__ import annotations
 

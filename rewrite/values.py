@@ -1,7 +1,5 @@
-"""Plain values checked alike everywhere: whole numbers that are not bools, and counts.
-
-`True` is an `int` to Python; a plan, a layer or a planner argument never means it as one.
-"""
+"""Plain values checked alike everywhere: whole numbers that are not bools (`True` is an `int` to Python;
+no plan, layer or planner argument means it as one), and counts."""
 
 from __future__ import annotations
 
