@@ -1,8 +1,7 @@
 """What rewrite refuses, as one family of exceptions.
 
-Every refusal (a plan, arguments, a checkpoint, a setting, a launch, a search with no answer) is a
-`RewriteError` saying what is wrong and what to do, raised alike on every rank before anything ran or was
-lost. Each also derives from a builtin (`ValueError`, `RuntimeError` for a launch).
+Every refusal is a `RewriteError` saying what is wrong and what to do, raised alike on every rank before
+anything ran or was lost; each also derives from a builtin (`ValueError`, `RuntimeError` for a launch).
 
     >>> try:
     ...     stage = rewrite.apply_plan(model, "plan.yaml")

@@ -1,10 +1,7 @@
 """How a step's gradients are finished: one small protocol, and one flat sum.
 
-A rank's backwards leave some gradients incomplete: to average over the data-parallel replicas, to sum
-over the ranks holding the same experts, over the tp ranks each holding a part (norms under sequence
-parallelism, replicated k/v projections), between the two ends of a tied embedding. Each is a
-`GradFinish`; the stage lists its own in order (`Stage.grad_finish`) and the runner calls each at the
-same four points of a step. Collective: `finish` runs on every rank of its group at the same point.
+Each way a backward leaves gradients incomplete (the dp average, the experts' sum, the tp partial sums,
+a tied embedding's two ends) is a `GradFinish`, listed in order on the stage (`Stage.grad_finish`).
 """
 
 from __future__ import annotations
@@ -19,7 +16,8 @@ __all__ = ["GradFinish", "flat_sum"]
 
 
 class GradFinish:
-    """One way a step's gradients are completed; every call but `finish` does nothing unless overridden."""
+    """One way a step's gradients are completed, called by the runner at four points of a step; every call
+    but `finish` does nothing unless overridden. Collective: `finish` runs on every rank of its group."""
 
     # What a rank waiting in `finish` is said to be doing (`rewrite.doing`).
     doing = "finishing the step's gradients"

@@ -1,10 +1,8 @@
 """Every private torch call rewrite makes, in one place, with the torch release it was checked on.
 
-torch offers no public way yet to do these; each is wrapped in a function named for what it does, so a
-torch release that moves one breaks here, at import or in `tests/unit/test_torch_internals.py`, not deep
-inside a training step. Checked on torch 2.13 (the range pyproject.toml states). `replicate` is FSDP2's
-(`torch.distributed._composable.replicate_with_fsdp`), for replicas where DDP does not fit (several
-stages per rank, split backwards).
+Each is wrapped in a function named for what it does, so a torch release that moves one breaks here (at
+import or in `tests/unit/test_torch_internals.py`), not inside a training step. `replicate` is FSDP2's,
+for replicas where DDP does not fit (several stages per rank, split backwards).
 """
 
 from __future__ import annotations

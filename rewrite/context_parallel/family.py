@@ -1,10 +1,8 @@
 """Whether a model family runs under context parallelism: checked on a tiny clone, one process.
 
-The clone (`models.tiny_clone`) runs its own forward on a few packed documents with its usual attention
-and with the context-parallel one at cp 1 (same mask predicates, no gather). A family whose layers do not
-pass their keyword arguments down, whose attention takes what this one does not (soft caps, sinks), or
-whose mask is not causal, sliding-window or documents (chunked attention) disagrees or fails, and is
-refused by name.
+The clone runs its own forward on a few packed documents with its usual attention and with the
+context-parallel one at cp 1 (same mask predicates, no gather); a family that disagrees or fails (kwargs
+not passed down, soft caps, sinks, chunked attention) is refused by name.
 """
 
 from __future__ import annotations

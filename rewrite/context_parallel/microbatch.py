@@ -1,9 +1,8 @@
 """One microbatch as a context-parallel rank holds it: its tokens of the ids, positions and targets.
 
-Every rank holds the whole microbatch and keeps its two chunks (`shard.py`). Positions are the tokens'
-own (0 .. seq - 1, or a packed row's restarting ones), so rotary embeddings see where each token is; the
-attention's `SequenceShard` keeps the whole row's documents. Each rank's loss sums its own counted
-tokens; the runner divides it by the global batch's count, so the cp ranks' losses add up.
+Positions are the tokens' own (0 .. seq - 1, or a packed row's restarting ones), so rotary embeddings
+see where each token is; the attention's `SequenceShard` keeps the whole row's documents. Each rank's
+loss sums its own tokens; the runner divides by the global batch's count, so the cp ranks' losses add up.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The routers' auxiliary load-balancing loss, counted as the family's own forward counts it.
 
-With `config.output_router_logits`, a transformers MoE causal LM adds its routers' balance over every
-layer's rows to its loss (`models.router_loss`). The runner computes the loss itself, so `RouterLoss`
-records the routers' logits as the family declares them (`_can_record_outputs["router_logits"]`) while
-a stage runs one microbatch (each router gains `RecordedRouter`), and `finish` reduces them to the sums
-a stage hands on with its activations (`Pooled`). The scope is the microbatch as one process counts it;
-its rows spread over the cp ranks (context parallelism) or the tp ranks (sequence parallelism, padding
-rows left out) are summed over that group. Recomputation runs the routers again outside a forward:
-nothing is recorded then, so nothing counts twice.
+With `config.output_router_logits` a transformers MoE causal LM adds its routers' balance to its loss
+(`models.router_loss`); the runner computes the loss itself, so `RouterLoss` records the routers' logits
+(`_can_record_outputs["router_logits"]`) while a stage runs one microbatch, as one process counts them.
+Recomputation runs the routers again outside a forward: nothing is recorded then, nothing counts twice.
 """
 
 from __future__ import annotations

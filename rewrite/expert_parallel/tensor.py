@@ -1,14 +1,10 @@
 """A fused experts module with each expert split over tp (`expert_tensor_parallel`).
 
-Every tp rank holds every expert's slice of the intermediate features (`ExpertSpec.split_of`: gate_up_proj's
-gate and up slices, down_proj's input slice) and runs all the stage's tokens through them, a dense MLP
-split column then row: the partial outputs are summed over tp (Megatron's g), the gradients of the tokens
-and routing weights in the backward (Megatron's f). Data parallelism shards and reduces these parameters
-like any tp-split tensor.
-
-Under sequence parallelism the tokens are all-gathered over tp first and the partial outputs
-reduce-scattered (Megatron's sequence-parallel MLP); every-token experts (Llama 4: `[E T, H]`) gather
-each expert's rows side by side.
+Every tp rank holds every expert's slice of the intermediate features (`ExpertSpec.split_of`) and runs all
+the stage's tokens through them, a dense MLP split column then row: partial outputs summed over tp
+(Megatron's g), the tokens' and routing weights' gradients in the backward (Megatron's f). Under sequence
+parallelism the tokens are all-gathered first and the outputs reduce-scattered. Data parallelism shards
+and reduces these parameters like any tp-split tensor.
 """
 
 from __future__ import annotations
