@@ -70,8 +70,7 @@ __version__ = "0.1.0"
 # Names earlier releases exported, removed: what to use instead.
 _REMOVED = {
     "run_afab": "use rewrite.run_schedule, which runs the plan's pipeline.schedule (afab unless the plan names another)",
-    "Mesh": "apply_plan builds the mesh; a stage's is stage.mesh",
-    "build_mesh": "apply_plan builds the mesh; a stage's is stage.mesh",
+    **dict.fromkeys(("Mesh", "build_mesh"), "apply_plan builds the mesh; a stage's is stage.mesh"),
 }
 
 

@@ -3,11 +3,8 @@
 Each decoder layer (each module of a traced model's layer sequence) becomes one FSDP2 unit, the model
 the root unit holding the rest: `fully_shard` for `full` and `grad_op`, FSDP2's `replicate` for
 `replicate` where DDP does not fit (`DdpSync`). A stage runs through a model method registered with FSDP
-(`register_fsdp_forward_method`), so the root gathers its parameters as `model(...)` would.
-
-Under `reduce: step` (the default) every backward only accumulates, each unit reduces as the last whole
-backward leaves it, and `finish` reduces the units it did not reach, as torch.distributed.pipelining does;
-under `reduce: microbatch` every backward reduces, as FSDP2 and DDP do by default.
+(`register_fsdp_forward_method`), so the root gathers its parameters as `model(...)` would. Gradients
+are reduced once per step (`reduce: step`, as torch.distributed.pipelining does) or per microbatch.
 """
 
 from __future__ import annotations
