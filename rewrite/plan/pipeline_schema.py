@@ -1,7 +1,4 @@
-"""The plan's `pipeline` section: microbatches, schedule, virtual stages, cut points.
-
-Also the pieces `schema.py` shares with it: the strict base model and module-path patterns.
-"""
+"""The plan's `pipeline` section, and what `schema.py` shares with it: the strict base model, counts, patterns."""
 
 from __future__ import annotations
 
@@ -19,8 +16,8 @@ from .files import short
 from .wording import either
 
 __all__ = [
-    "Pipeline", "StrictModel", "Pattern", "CutPoints", "CUT_POINT_KINDS", "cut_point_problems", "unknown_schedule",
-    "schedule_problems",
+    "Pipeline", "StrictModel", "Count", "Pattern", "CutPoints", "CUT_POINT_KINDS", "cut_point_problems",
+    "unknown_schedule", "schedule_problems",
 ]
 
 # A segment is a name or index; `*` inside a segment matches any characters but '.'.
@@ -33,12 +30,12 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+Count = Annotated[int, Field(ge=1, strict=True)]  # strict: a bool or a float is no count
+
 def _pattern(value: Any) -> Any:
     if isinstance(value, str) and not _PATTERN.match(value):
-        raise ValueError(
-            f"{short(value)} is not a module-path pattern: dotted names or indices, `*` matching "
-            "within one segment (e.g. 'model.layers.*.mlp.up_proj')"
-        )
+        raise ValueError(f"{short(value)} is not a module-path pattern: dotted names or indices, `*` matching "
+                         "within one segment (e.g. 'model.layers.*.mlp.up_proj')")
     return value
 
 
@@ -48,10 +45,8 @@ Pattern = Annotated[str, BeforeValidator(_pattern)]
 def _auto(value: Any) -> Any:
     if value != "auto":
         one_cut = f"; for one cut write a list, cut_points: [{short(value)}]" if isinstance(value, str) else ""
-        raise ValueError(
-            f"{short(value)} is neither a list of module paths nor 'auto'{one_cut}; "
-            "or write 'auto' to balance estimated compute"
-        )
+        raise ValueError(f"{short(value)} is neither a list of module paths nor 'auto'{one_cut}; "
+                         "or write 'auto' to balance estimated compute")
     return value
 
 
@@ -86,10 +81,8 @@ def unknown_schedule(value: Any, fitting: str = "") -> str:
     name = str(value).lower()
     close = [_KNOWN_AS[name]] if name in _KNOWN_AS else difflib.get_close_matches(name, SCHEDULE_NAMES, n=1, cutoff=0.5)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return (
-        f"unknown schedule {short(value)}: the schedules are {', '.join(SCHEDULE_NAMES[:-1])}, and 'custom' "
-        f"with your own pipeline.table{fitting}; set pipeline.schedule to one of them{hint}"
-    )
+    return (f"unknown schedule {short(value)}: the schedules are {', '.join(SCHEDULE_NAMES[:-1])}, and 'custom' "
+            f"with your own pipeline.table{fitting}; set pipeline.schedule to one of them{hint}")
 
 
 def _schedule(value: Any) -> Any:
@@ -101,79 +94,42 @@ def _schedule(value: Any) -> Any:
 class Pipeline(StrictModel):
     """How a batch flows through the stages."""
 
-    microbatches: Annotated[
-        int, Field(ge=1, strict=True, description="Microbatches per training step (>= 1); may be fewer than pp.")
-    ] = 1
-    schedule: Annotated[
-        Literal[SCHEDULE_NAMES],
-        BeforeValidator(_schedule),
-        Field(
-            description=(
-                "Order of the forwards (F) and backwards (B) on each rank. 'afab': all forward, then all "
-                "backward; every microbatch's activations alive at once (virtual_stages 1). '1f1b': after "
-                "pp - r - 1 warm-up forwards, rank r alternates forward and backward; at most pp - r "
-                "microbatches alive (virtual_stages 1). 'interleaved-1f1b': 1F1B over virtual_stages >= 2 "
-                "looped stages per rank (rank r holds r, r + pp, ...); the bubble shrinks about "
-                "virtual_stages times, for more transfers and warm-up memory. 'zero-bubble': each backward "
-                "split into B (input gradient) and W (weight gradients), the W's filling the idle slots; "
-                "1F1B's memory; virtual_stages 1 (ZB-H1) or more (looped). 'zbv': zero bubble on a V, "
-                "virtual_stages exactly 2: rank r holds stages r and 2pp - 1 - r, so rank 0 runs the first "
-                "and the last; each rank holds at most 2 pp microbatch-stage activations, as much as 1F1B's rank 0. "
-                "'custom': your own `table`, looped placement, any virtual_stages. Every named schedule "
-                "runs any number of microbatches."
-            )
-        ),
-    ] = "afab"
-    table: Annotated[
-        list[str] | str | None,
-        Field(
-            description=(
-                "With schedule 'custom': one string per rank listing its actions in order, e.g. "
-                "'F0 F1 B0 B1' (F = forward, B = backward, W = weight gradient of that microbatch; "
-                "a W makes its B the input gradient only); with virtual_stages > 1 each cell names its "
-                "stage, 'F0@2'. Or the path of a CSV file beside the plan with one row per rank and one "
-                "action per cell. Checked on paper when the plan is loaded."
-            )
-        ),
-    ] = None
-    virtual_stages: Annotated[
-        int,
-        Field(
-            ge=1,
-            strict=True,
-            description=(
-                "Stages each rank holds (>= 1): the model is cut into pp * virtual_stages stages. "
-                "1 for 'afab' and '1f1b'; 2 or more for 'interleaved-1f1b'; exactly 2 for 'zbv'; any for "
-                "'zero-bubble' and 'custom'. Rank r holds stages r, r + pp, ... (looped), or r and "
-                "2pp - 1 - r for 'zbv' (V-shaped)."
-            ),
-        ),
-    ] = 1
-    cut_points: Annotated[
-        CutPoints,
-        Field(
-            description=(
-                "Module paths where a new stage starts, in model order; exactly pp x virtual_stages - 1 "
-                "of them. Omit for a balanced split (stage sizes differ by at most one layer, the extra "
-                "ones on the earliest stages). 'auto' (Hugging Face LLaMA-family models only): the cuts that "
-                "make the most loaded stage's estimated training FLOPs smallest, counting each decoder "
-                "layer, the embeddings on the first stage and the final norm, LM head and loss on the last."
-            )
-        ),
-    ] = None
-    seq_len: Annotated[
-        int,
-        Field(
-            ge=1,
-            strict=True,
-            description=(
-                "Tokens per sequence that the compute estimate assumes (>= 1): attention grows with its "
-                "square, the MLP and LM head linearly. Used only to weigh the parts against each other, by "
-                "`cut_points: auto` and the 'est. compute' column of `rewrite show`; the batches you run "
-                "may be any length."
-            ),
-        ),
-    ] = 2048
+    microbatches: Annotated[Count, Field(description="Microbatches per training step (>= 1); may be fewer than pp.")] = 1
+    schedule: Annotated[Literal[SCHEDULE_NAMES], BeforeValidator(_schedule), Field(description=(
+        "Order of the forwards (F) and backwards (B) on each rank. 'afab': all forward, then all "
+        "backward; every microbatch's activations alive at once (virtual_stages 1). '1f1b': after "
+        "pp - r - 1 warm-up forwards, rank r alternates forward and backward; at most pp - r "
+        "microbatches alive (virtual_stages 1). 'interleaved-1f1b': 1F1B over virtual_stages >= 2 "
+        "looped stages per rank (rank r holds r, r + pp, ...); the bubble shrinks about "
+        "virtual_stages times, for more transfers and warm-up memory. 'zero-bubble': each backward "
+        "split into B (input gradient) and W (weight gradients), the W's filling the idle slots; "
+        "1F1B's memory; virtual_stages 1 (ZB-H1) or more (looped). 'zbv': zero bubble on a V, "
+        "virtual_stages exactly 2: rank r holds stages r and 2pp - 1 - r, so rank 0 runs the first "
+        "and the last; each rank holds at most 2 pp microbatch-stage activations, as much as 1F1B's rank 0. "
+        "'custom': your own `table`, looped placement, any virtual_stages. Every named schedule "
+        "runs any number of microbatches."))] = "afab"
+    table: Annotated[list[str] | str | None, Field(description=(
+        "With schedule 'custom': one string per rank listing its actions in order, e.g. "
+        "'F0 F1 B0 B1' (F = forward, B = backward, W = weight gradient of that microbatch; "
+        "a W makes its B the input gradient only); with virtual_stages > 1 each cell names its "
+        "stage, 'F0@2'. Or the path of a CSV file beside the plan with one row per rank and one "
+        "action per cell. Checked on paper when the plan is loaded."))] = None
+    virtual_stages: Annotated[Count, Field(description=(
+        "Stages each rank holds (>= 1): the model is cut into pp * virtual_stages stages. "
+        "1 for 'afab' and '1f1b'; 2 or more for 'interleaved-1f1b'; exactly 2 for 'zbv'; any for "
+        "'zero-bubble' and 'custom'. Rank r holds stages r, r + pp, ... (looped), or r and "
+        "2pp - 1 - r for 'zbv' (V-shaped)."))] = 1
+    cut_points: Annotated[CutPoints, Field(description=(
+        "Module paths where a new stage starts, in model order; exactly pp x virtual_stages - 1 "
+        "of them. Omit for a balanced split (stage sizes differ by at most one layer, the extra "
+        "ones on the earliest stages). 'auto' (Hugging Face LLaMA-family models only): the cuts that "
+        "make the most loaded stage's estimated training FLOPs smallest, counting each decoder "
+        "layer, the embeddings on the first stage and the final norm, LM head and loss on the last."))] = None
+    seq_len: Annotated[Count, Field(description=(
+        "Tokens per sequence that the compute estimate assumes (>= 1): attention grows with its "
+        "square, the MLP and LM head linearly. Used only to weigh the parts against each other, by "
+        "`cut_points: auto` and the 'est. compute' column of `rewrite show`; the batches you run "
+        "may be any length."))] = 2048
 
 
 def cut_point_problems(cuts: Any, pp: Any, k: Any = 1) -> list[str]:
@@ -184,23 +140,18 @@ def cut_point_problems(cuts: Any, pp: Any, k: Any = 1) -> list[str]:
     if len(cuts) != pp * k - 1:
         given = f"mesh.pp={pp}" + (f" x virtual_stages={k}" if k != 1 else "")
         rule = "pp - 1" if k == 1 else "pp x virtual_stages - 1"
-        problems.append(
-            f"pipeline.cut_points: {len(cuts)} cut point(s) {short(cuts)} for {given}; "
-            f"need exactly {rule} = {pp * k - 1} (or omit cut_points for a balanced split)"
-        )
+        problems.append(f"pipeline.cut_points: {len(cuts)} cut point(s) {short(cuts)} for {given}; "
+                        f"need exactly {rule} = {pp * k - 1} (or omit cut_points for a balanced split)")
     counts = Counter(c for c in cuts if isinstance(c, str))  # a Counter: a list of any length stays linear
     dupes = sorted(c for c, n in counts.items() if n > 1)
     if dupes:
-        problems.append(
-            f"pipeline.cut_points: {short(dupes)} listed more than once; each stage needs its own start"
-        )
+        problems.append(f"pipeline.cut_points: {short(dupes)} listed more than once; each stage needs its own start")
     return problems
 
 
-def schedule_fit(data: Any) -> str:
+def schedule_fit(data: dict) -> str:
     """'; with virtual_stages: 1 these fit: ...' for the raw plan `data`, or '' when its sizes are invalid."""
-    pipe = data.get("pipeline") if isinstance(data, dict) else None
-    mesh = data.get("mesh") if isinstance(data, dict) else None
+    pipe, mesh = data.get("pipeline"), data.get("mesh")
     k = pipe.get("virtual_stages", 1) if isinstance(pipe, dict) else 1
     pp = mesh.get("pp", 1) if isinstance(mesh, dict) else 1
     if not all(is_count(v) for v in (pp, k)):

@@ -1,8 +1,4 @@
-"""Parallel plans: the Pydantic schema (reading files is `loading.py`).
-
-A plan is data. Nothing here touches a model or torch.distributed; binding a
-plan to a model is `rewrite.resolve`.
-"""
+"""Parallel plans: the Pydantic schema. Reading files is `loading.py`; binding to a model, `rewrite.binding`."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_serializer, model_val
 from .files import PlanError
 from .ranks import Shape, length_problem
 from .styles import Style
-from .pipeline_schema import Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
+from .pipeline_schema import Count, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
 from ..schedules import splits_backward
 
 __all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError"]
@@ -28,48 +24,20 @@ class MeshSpec(StrictModel):
     # mesh with its process groups. Titled "Mesh" in the JSON schema, as the plan names it.
     model_config = ConfigDict(extra="forbid", frozen=True, title="Mesh")
 
-    dp: Annotated[
-        int,
-        Field(
-            ge=1,
-            strict=True,
-            description=(
-                "Data-parallel replicas (>= 1): each runs the whole pipeline on its own slice of the "
-                "global batch; see data_parallel for how parameters are shared out."
-            ),
-        ),
-    ] = 1
-    pp: Annotated[
-        int, Field(ge=1, strict=True, description="Pipeline ranks (>= 1), each holding pipeline.virtual_stages stages.")
-    ] = 1
-    tp: Annotated[
-        int, Field(ge=1, strict=True, description="Tensor-parallel ranks per stage (>= 1); contiguous global ranks.")
-    ] = 1
-    cp: Annotated[
-        int,
-        Field(
-            ge=1,
-            strict=True,
-            description=(
-                "Context-parallel ranks per stage (>= 1): each holds seq / cp tokens of every microbatch (two "
-                "chunks of 2 cp, balanced for the causal mask) and attention gathers the keys and values of the "
-                "others; parameters are replicated over them like dp replicas."
-            ),
-        ),
-    ] = 1
-    ep: Annotated[
-        int,
-        Field(
-            ge=1,
-            strict=True,
-            description=(
-                "Expert-parallel ranks (>= 1, dividing dp x tp): adds no ranks. Each group of ep consecutive ranks "
-                "of a stage's dp x tp (tp fastest) splits the experts of every mixture-of-experts layer (the "
-                "modules a tensor_parallel rule names 'expert_parallel'), E / ep per rank; each tp rank sends its "
-                "share of the tokens to their experts' ranks and back by all-to-all."
-            ),
-        ),
-    ] = 1
+    dp: Annotated[Count, Field(description=(
+        "Data-parallel replicas (>= 1): each runs the whole pipeline on its own slice of the "
+        "global batch; see data_parallel for how parameters are shared out."))] = 1
+    pp: Annotated[Count, Field(description="Pipeline ranks (>= 1), each holding pipeline.virtual_stages stages.")] = 1
+    tp: Annotated[Count, Field(description="Tensor-parallel ranks per stage (>= 1); contiguous global ranks.")] = 1
+    cp: Annotated[Count, Field(description=(
+        "Context-parallel ranks per stage (>= 1): each holds seq / cp tokens of every microbatch (two "
+        "chunks of 2 cp, balanced for the causal mask) and attention gathers the keys and values of the "
+        "others; parameters are replicated over them like dp replicas."))] = 1
+    ep: Annotated[Count, Field(description=(
+        "Expert-parallel ranks (>= 1, dividing dp x tp): adds no ranks. Each group of ep consecutive ranks "
+        "of a stage's dp x tp (tp fastest) splits the experts of every mixture-of-experts layer (the "
+        "modules a tensor_parallel rule names 'expert_parallel'), E / ep per rank; each tp rank sends its "
+        "share of the tokens to their experts' ranks and back by all-to-all."))] = 1
 
     @model_serializer(mode="wrap")
     def _without_cp_one(self, handler):
@@ -86,11 +54,9 @@ class MeshSpec(StrictModel):
         if self.ep > 1 and stage % self.ep:
             fits = [e for e in range(2, stage + 1) if stage % e == 0]
             use = f"use ep {', '.join(map(str, fits))} or 1" if fits else "use ep 1, or dp x tp a multiple of ep"
-            raise ValueError(
-                f"mesh.ep={self.ep} does not divide mesh.dp x mesh.tp = {self.dp} x {self.tp} = {stage}: expert "
-                f"parallelism borrows its ranks from a stage's data-parallel replicas and tensor-parallel ranks "
-                f"(each group of ep of them splits the experts); {use}"
-            )
+            raise ValueError(f"mesh.ep={self.ep} does not divide mesh.dp x mesh.tp = {self.dp} x {self.tp} = {stage}: "
+                             "expert parallelism borrows its ranks from a stage's data-parallel replicas and "
+                             f"tensor-parallel ranks (each group of ep of them splits the experts); {use}")
         return self
 
     @property
@@ -110,29 +76,17 @@ class MeshSpec(StrictModel):
 class DataParallel(StrictModel):
     """How data-parallel replicas hold parameters, gradients and optimizer state (mesh.dp > 1)."""
 
-    sharding: Annotated[
-        Literal["full", "grad_op", "replicate"],
-        Field(
-            description=(
-                "'full' (default): torch FSDP2 `fully_shard` per decoder layer: parameters, gradients and "
-                "optimizer state divided by dp, parameters gathered for each use (ZeRO-3); 'grad_op': the "
-                "same, parameters kept gathered from forward to backward (ZeRO-2-like); 'replicate': whole "
-                "parameters on every replica, gradients averaged once per step. Ignored when mesh.dp = 1."
-            )
-        ),
-    ] = "full"
-    reduce: Annotated[
-        Literal["step", "microbatch"],
-        Field(
-            description=(
-                "When gradients are reduced over dp. 'step' (default): once per step, after the step's "
-                "backwards, each rank holding its stage's whole gradients until then (least traffic); "
-                "'microbatch': as each unit's backward ends, every microbatch (torch FSDP2's default: "
-                "under 'full' and 'grad_op' only one unit's whole gradients at a time, microbatches times "
-                "the traffic). Schedules that split backwards (W after I) need 'step'. Ignored when mesh.dp = 1."
-            )
-        ),
-    ] = "step"
+    sharding: Annotated[Literal["full", "grad_op", "replicate"], Field(description=(
+        "'full' (default): torch FSDP2 `fully_shard` per decoder layer: parameters, gradients and "
+        "optimizer state divided by dp, parameters gathered for each use (ZeRO-3); 'grad_op': the "
+        "same, parameters kept gathered from forward to backward (ZeRO-2-like); 'replicate': whole "
+        "parameters on every replica, gradients averaged once per step. Ignored when mesh.dp = 1."))] = "full"
+    reduce: Annotated[Literal["step", "microbatch"], Field(description=(
+        "When gradients are reduced over dp. 'step' (default): once per step, after the step's "
+        "backwards, each rank holding its stage's whole gradients until then (least traffic); "
+        "'microbatch': as each unit's backward ends, every microbatch (torch FSDP2's default: "
+        "under 'full' and 'grad_op' only one unit's whole gradients at a time, microbatches times "
+        "the traffic). Schedules that split backwards (W after I) need 'step'. Ignored when mesh.dp = 1."))] = "step"
 
 
 class ParallelPlan(StrictModel):
@@ -149,50 +103,26 @@ class ParallelPlan(StrictModel):
 
     description: Annotated[str | None, Field(description="Free text: what the plan is for.")] = None
     mesh: Annotated[MeshSpec, Field(description="World size = dp * pp * cp * tp.")] = MeshSpec()
-    tensor_parallel: Annotated[
-        dict[Pattern, Style],
-        Field(
-            description=(
-                "Module-path pattern -> style. `*` matches within one path segment. "
-                "With mesh.tp = 1 the rules are still checked against the model but change nothing."
-            )
-        ),
-    ] = {}
+    tensor_parallel: Annotated[dict[Pattern, Style], Field(description=(
+        "Module-path pattern -> style. `*` matches within one path segment. "
+        "With mesh.tp = 1 the rules are still checked against the model but change nothing."))] = {}
     pipeline: Annotated[Pipeline, Field(description="Microbatches, schedule, virtual stages and stage cut points.")] = Pipeline()
     data_parallel: Annotated[
         DataParallel, Field(description="How the mesh.dp replicas share parameters (torch DDP-style or FSDP2).")
     ] = DataParallel()
-    activation_checkpointing: Annotated[
-        dict[Pattern, Literal["full"]],
-        Field(
-            description=(
-                "Module-path pattern -> mode. 'full': the matched modules keep only their inputs from the "
-                "forward and run it again in the backward (torch's non-reentrant torch.utils.checkpoint), "
-                "trading compute for activation memory; e.g. {'model.layers.*': full}. Works with tp, pp, "
-                "dp and every schedule."
-            )
-        ),
-    ] = {}
-    loss_parallel: Annotated[
-        bool,
-        Field(
-            description=(
-                "With the LM head sharded as 'column': the runner's cross-entropy works on vocabulary "
-                "shards (max, sum of exponentials and target logit reduced over tp), never building full "
-                "[tokens, vocab] logits. model(...) and generate still return full logits."
-            )
-        ),
-    ] = False
-    sequence_parallel: Annotated[
-        bool,
-        Field(
-            description=(
-                "Between the tensor-parallel attention and MLP blocks, split the hidden states along the "
-                "sequence over tp: norms and residual adds run on 1/tp of the tokens, each block "
-                "all-gathers its input and reduce-scatters its output (HF LLaMA-family models)."
-            )
-        ),
-    ] = False
+    activation_checkpointing: Annotated[dict[Pattern, Literal["full"]], Field(description=(
+        "Module-path pattern -> mode. 'full': the matched modules keep only their inputs from the "
+        "forward and run it again in the backward (torch's non-reentrant torch.utils.checkpoint), "
+        "trading compute for activation memory; e.g. {'model.layers.*': full}. Works with tp, pp, "
+        "dp and every schedule."))] = {}
+    loss_parallel: Annotated[bool, Field(description=(
+        "With the LM head sharded as 'column': the runner's cross-entropy works on vocabulary "
+        "shards (max, sum of exponentials and target logit reduced over tp), never building full "
+        "[tokens, vocab] logits. model(...) and generate still return full logits."))] = False
+    sequence_parallel: Annotated[bool, Field(description=(
+        "Between the tensor-parallel attention and MLP blocks, split the hidden states along the "
+        "sequence over tp: norms and residual adds run on 1/tp of the tokens, each block "
+        "all-gathers its input and reduce-scatters its output (HF LLaMA-family models)."))] = False
     _source: str = PrivateAttr(default="plan")  # file the plan was read from, for messages
     _lines: dict = PrivateAttr(default_factory=dict)  # (key, key, ...) -> line in that file
 
@@ -215,11 +145,10 @@ class ParallelPlan(StrictModel):
         if self.mesh.cp > 1 and pipe.seq_len is not None and (problem := length_problem(pipe.seq_len, self.mesh.cp)):
             problems.append(f"{self.where('pipeline', 'seq_len')}pipeline.seq_len: {problem}")
         if self.mesh.dp * self.mesh.cp > 1 and self.data_parallel.reduce == "microbatch" and splits_backward(pipe.schedule, pipe.table):
-            problems.append(
-                f"data_parallel.reduce: microbatch reduces each unit's gradients as its backward ends, but "
-                f"{'the custom table' if pipe.schedule == 'custom' else f'schedule {pipe.schedule}'} splits backwards "
-                "(W computes the weight gradients after I); use reduce: step (the default) with it"
-            )
+            problems.append("data_parallel.reduce: microbatch reduces each unit's gradients as its backward ends, but "
+                            f"{'the custom table' if pipe.schedule == 'custom' else f'schedule {pipe.schedule}'} "
+                            "splits backwards (W computes the weight gradients after I); use reduce: step (the "
+                            "default) with it")
         if problems:
             raise ValueError("\n".join(problems))
         return self
