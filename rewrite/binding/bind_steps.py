@@ -13,18 +13,15 @@ from ..plan.size_checks import PipelineShape
 from ..plan.styles import WHOLE_STYLES
 from .experts import ExpertSpec
 from .params import HeldParameter, held_by_stage, held_parameters, parameter_walk
-from .stage_split import hf_stages
+from .cuts import hf_stages
 from .tp_rules import ShardSpec, TpRules, shard_problems
 
 __all__ = ["BindSteps"]
 
 
 class BindSteps:
-    """The binding steps of one model, computed each time they are asked for.
-
-    Every step reads the model given here (which must not change while the steps are in use) and its
-    arguments only: equal arguments give an equal result, so a subclass may keep results by them.
-    """
+    """The binding steps of one model, computed each time they are asked for. Each reads the model (which must
+    not change meanwhile) and its arguments only: a subclass may keep results by the arguments."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -61,7 +58,7 @@ class BindSteps:
             return str(exc)
 
     def stages(self, shape: PipelineShape, bb: Backbone, costs: Costs | str) -> tuple[list, list, list]:
-        """Layer indices per stage, the cut layers and problems (`stage_split.hf_stages`)."""
+        """Layer indices per stage, the cut layers and problems (`cuts.hf_stages`)."""
         return hf_stages(shape, bb.num_layers, bb, costs)
 
     def walk(self) -> tuple[tuple, ...]:

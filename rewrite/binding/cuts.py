@@ -1,20 +1,30 @@
-"""Where a pipeline is cut: layers per stage, even by count or balanced by a cost per layer."""
+"""Where a pipeline is cut: layers per stage, even by count or balanced by a cost per layer; a plan's stages
+as layer indices (the LLaMA-family walker) or module paths (a torch.fx trace). Problems returned, not raised.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
-__all__ = ["balanced_split", "best_split"]
+from torch import nn
+
+from ..models import fx_graph
+from ..models.flops import Costs
+from ..models.hf_decoder import Backbone, backbone_problem
+from ..models.oracle import exception_line
+from ..plan.patterns import closest
+from ..plan.schema import ParallelPlan
+from ..plan.size_checks import PipelineShape, stage_count, stages_words, too_many_stages
+
+__all__ = ["balanced_split", "best_split", "hf_stages", "fx_stages"]
 
 
 def balanced_split(num_layers: int, pp: int) -> list[int]:
-    """Layers per stage, differing by at most one; the first `num_layers % pp` stages get the extra.
-
-    The last stage also runs the norm and the (often large) LM head, so the
-    remainder goes to the front.
-    """
+    """Layers per stage, differing by at most one; the first `num_layers % pp` stages get the extra
+    (the last stage also runs the norm and the often large LM head)."""
     base, extra = divmod(num_layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
+    return [base + (s < extra) for s in range(pp)]
 
 
 def _fewest_stages(weights: Sequence[int], bound: int) -> int:
@@ -30,9 +40,8 @@ def _fewest_stages(weights: Sequence[int], bound: int) -> int:
 def best_split(weights: Sequence[int], pp: int) -> list[int]:
     """Layers per stage: `pp` contiguous non-empty stages whose most loaded is lightest.
 
-    Exact. Of the splits with the lightest most loaded stage, the one whose next most
-    loaded stage is lightest, and so on; of those still equal, the one giving the earliest
-    stages the most layers. Equal weights give `balanced_split`.
+    Exact. Of the splits with the lightest most loaded stage, the one whose next most loaded stage is
+    lightest, and so on; of those still equal, the one giving the earliest stages the most layers.
 
     Args:
         weights: non-negative integer cost per layer, in order (see `Costs.folded`).
@@ -50,9 +59,7 @@ def best_split(weights: Sequence[int], pp: int) -> list[int]:
     while low < high:
         mid = (low + high) // 2
         low, high = (low, mid) if _fewest_stages(weights, mid) <= pp else (mid + 1, high)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+    prefix = [0, *itertools.accumulate(weights)]
     # best[j]: (stage costs sorted heaviest first, minus the stage sizes) of the best split of
     # the first j layers into k stages. Adding the same stage to two splits keeps their order,
     # so the best split of j layers extends a best split of fewer.
@@ -71,3 +78,83 @@ def best_split(weights: Sequence[int], pp: int) -> list[int]:
                         step[j] = key
         best = step
     return [-size for size in best[n][1]]
+
+
+def hf_stages(
+    shape: PipelineShape, n: int, bb: Backbone, costs: Costs | str
+) -> tuple[list[list[int]], list[str], list[str]]:
+    """Layer indices per stage, the cut layers, and problems. `costs` is a message when unknown."""
+    pp, cuts = shape.stages, shape.cut_points
+    names = [bb.layer(i) for i in range(n)]
+    if pp > n:
+        return [], [], [too_many_stages(shape, n, "layers")]
+    if cuts is None:
+        starts = _starts(balanced_split(n, pp))
+    elif cuts == "auto":
+        if isinstance(costs, str):
+            return [], [], [f"{shape.cuts_line}pipeline.cut_points: 'auto' cannot estimate "
+                            f"this model's compute: {costs}; list the "
+                            f"pp - 1 = {pp - 1} layers where stages start (e.g. {names[n // 2]!r}), or omit cut_points"]
+        starts = _starts(best_split(costs.folded(), pp))
+    else:
+        at, cuts = shape.cuts_line, list(cuts)
+        problems = [f"{shape.cut_lines[k]}pipeline.cut_points[{k}] {cut!r} is not a layer of the model's layer "
+                    f"sequence ({names[0]} .. {names[-1]}){closest(cut, names)}"
+                    for k, cut in enumerate(cuts) if cut not in names]
+        if problems:
+            return [], [], problems
+        starts = [0] + [names.index(c) for c in cuts]
+        if starts != sorted(starts):
+            return [], [], [f"{at}pipeline.cut_points {cuts} are out of order; list them as the layers run: "
+                            f"{sorted(cuts, key=names.index)}"]
+        if starts[1] == 0:
+            return [], [], [f"{at}pipeline.cut_points[0] {cuts[0]!r} leaves stage 0 without a layer; cut after "
+                            f"{names[0]}"]
+    bounds = starts + [n]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(pp)], [names[i] for i in starts[1:]], []
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    """The first layer of each stage, from layers per stage."""
+    return [0, *itertools.accumulate(sizes[:-1])]
+
+
+def fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], list[str], list[str]]:
+    """Module paths per stage, the cuts and problems, from a torch.fx trace cut at the plan's cut points."""
+    pp, seq = stage_count(plan), fx_graph.layer_sequence(model)
+    if plan.pipeline.cut_points == "auto":
+        shown = ", ".join(seq[:4]) + (", ..." if len(seq) > 4 else "")
+        fix = "omit cut_points: one stage needs none" if pp == 1 else (f"list the pp - 1 = {pp - 1} module paths where "
+                                                                       f"stages start (its layer sequence: {shown}), "
+                                                                       "or omit cut_points for a balanced split")
+        return [], [], ["pipeline.cut_points: 'auto' balances the estimated compute of Hugging Face LLaMA-family "
+                        f"layers, but {type(model).__name__} is split by torch.fx and its modules have no cost "
+                        f"estimate; {fix}"]
+    if pp == 1:
+        return [[name for name, _ in model.named_children()]], [], []
+    try:
+        traced = fx_graph.trace(model)
+    except ValueError as exc:
+        walker = backbone_problem(model)
+        if walker is None:
+            return [], [], [str(exc)]
+        return [], [], [f"{type(model).__name__} ({model.config.model_type}) cannot be split into pipeline stages: "
+                        f"{walker}, and torch.fx cannot trace it ({exception_line(exc.__cause__ or exc)}); use "
+                        "mesh.pp: 1"]
+    cuts = plan.pipeline.cut_points
+    if cuts is None:
+        if len(seq) < pp:
+            return [], [], [f"{stages_words(PipelineShape.of(plan))}: a balanced split needs a layer sequence of at "
+                            f"least {pp} modules, found {len(seq)} in {type(model).__name__}; list pipeline.cut_points "
+                            f"instead, or use at most {len(seq)} stages (pp x virtual_stages)"]
+        cuts = [seq[i] for i in _starts(balanced_split(len(seq), pp))[1:]]
+    problems = fx_graph.split_problems(traced, list(cuts))
+    if problems:
+        return [], list(cuts), problems
+    stages = []
+    for s in range(pp):
+        graph = fx_graph.stage_graph(traced, list(cuts), s)
+        used = [n.target for n in graph.nodes if n.op in ("call_module", "get_attr")]
+        collapsed = [next((e for e in seq if t == e or t.startswith(e + ".")), t) for t in used]
+        stages.append(list(dict.fromkeys(collapsed)))
+    return stages, list(cuts), []

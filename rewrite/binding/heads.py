@@ -1,20 +1,25 @@
-"""Attention heads and tp: which tp values split whole heads, and how many ranks hold each kv head.
+"""Attention heads and tp: which tp values split whole heads, how many ranks hold each kv head, and the tp
+sizes a plan's rules fit as a whole (so every line of a refusal names the same sizes).
 
 Query heads always split tp ways. Key/value heads split tp ways when tp divides them; when
 tp passes them instead (a multiple of the kv heads that still divides the query heads),
 each kv head is held whole by `tp / kv` neighbouring ranks, the ranks whose query heads
-read it: rank `i` holds kv head `i // (tp / kv)`. Pure: plan/ knows no process group.
+read it: rank `i` holds kv head `i // (tp / kv)`.
 """
 
 from __future__ import annotations
+
+from itertools import islice
 
 from torch import nn
 
 from ..models.blocks import ATTENTION
 from ..models.tiny_clone import config_value
+from ..plan.styles import COLUMN_STYLES, packed_parts
 from ..plan.wording import MOST_RANKS, common_divisors, either, plural
 
-__all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems", "is_split_kv", "kv_replicas_of", "kv_groups_problems"]
+__all__ = ["head_counts", "kv_replicas", "replicated_tps", "head_problems", "is_split_kv", "kv_replicas_of",
+           "kv_groups_problems", "fitting_tps"]
 
 _MOST = 8  # tp values named in a message
 _SPLIT_HEAD = f"({', '.join(ATTENTION.members)} would split a head)"
@@ -42,17 +47,13 @@ def head_counts(config, k_features: int | None = None) -> tuple[int, int] | None
 
 
 def kv_replicas(heads: int, kv: int, tp: int) -> int:
-    """Ranks holding each key/value head at `tp`: `tp / kv` when tp passes the kv heads, else 1.
-
-    Replication applies when `heads % tp == 0`, `kv < tp` and `tp % kv == 0`; anything else
-    (tp dividing the kv heads, or no whole split at all) gives 1.
+    """Ranks holding each key/value head at `tp`: `tp / kv` when tp passes the kv heads and splits whole
+    query heads, else 1 (tp dividing the kv heads, or no whole split at all).
 
         >>> kv_replicas(8, 2, 4), kv_replicas(8, 1, 2), kv_replicas(8, 4, 4), kv_replicas(9, 3, 2)
         (2, 2, 1, 1)
     """
-    if heads % tp == 0 and kv < tp and tp % kv == 0:
-        return tp // kv
-    return 1
+    return tp // kv if heads % tp == 0 and kv < tp and tp % kv == 0 else 1
 
 
 def replicated_tps(heads: int, kv: int, most: int = _MOST) -> list[int]:
@@ -86,12 +87,10 @@ def head_problems(config, tp: int, tp_at: str, k_features: int | None = None) ->
         found = f"neither divides num_key_value_heads={kv} nor is a multiple of it"
     replicated = replicated_tps(heads, kv)
     past = f"tp {either(replicated)}" if replicated else f"none divides {heads}"
-    return [
-        f"{tp_at}mesh.tp={tp} {found} {_SPLIT_HEAD}; tp must divide the "
-        f"{heads} attention heads and either divide the {plural(kv, 'kv head')} (tp {either(plain)}) or be a multiple "
-        f"of {'it' if kv == 1 else 'them'}, each kv head then replicated on tp / {kv} ranks ({past}); set mesh.tp to "
-        "one of these, or leave the attention unsharded"
-    ]
+    return [f"{tp_at}mesh.tp={tp} {found} {_SPLIT_HEAD}; tp must divide the {heads} attention heads and either divide "
+            f"the {plural(kv, 'kv head')} (tp {either(plain)}) or be a multiple of {'it' if kv == 1 else 'them'}, each "
+            f"kv head then replicated on tp / {kv} ranks ({past}); set mesh.tp to one of these, or leave the attention "
+            "unsharded"]
 
 
 def is_split_kv(fqn: str, styles: dict[str, str]) -> bool:
@@ -114,8 +113,34 @@ def kv_groups_problems(model: nn.Module, parent: str, counts: tuple[int, int] | 
     heads, kv = counts
     if kv_replicas(heads, kv, tp) == 1 or isinstance(getattr(model.get_submodule(parent), "num_key_value_groups", None), int):
         return []
-    return [
-        f"{tp_at}mesh.tp={tp} holds each of the {kv} kv heads on tp / {kv} ranks, so each rank's attention reads "
-        f"{heads // tp} query heads per kv head; {type(model.get_submodule(parent)).__name__} keeps no "
-        f"num_key_value_groups to tell it so: use tp {either(common_divisors(heads, kv))}"
-    ]
+    return [f"{tp_at}mesh.tp={tp} holds each of the {kv} kv heads on tp / {kv} ranks, so each rank's attention reads "
+            f"{heads // tp} query heads per kv head; {type(model.get_submodule(parent)).__name__} keeps no "
+            f"num_key_value_groups to tell it so: use tp {either(common_divisors(heads, kv))}"]
+
+
+def fitting_tps(model: nn.Module, modules: dict[str, nn.Module], chosen: dict[str, str], *, most: int = 8) -> list[int]:
+    """The smallest `most` tp sizes at which every module in `chosen` (fqn -> style) splits evenly
+    and, where q_proj is split, the attention keeps whole heads (kv heads divided or replicated).
+
+        >>> fitting_tps(llama_1b, modules, {"model.layers.0.self_attn.q_proj": "column", ...})
+        [1, 2, 4, 8, 16, 32]
+    """
+    rules = []  # (size, parts, fqn when its slices depend on kv replication)
+    for fqn, style in chosen.items():
+        module = modules[fqn]
+        if style == "vocab":
+            rules.append((module.num_embeddings, 1, None))
+        elif style in COLUMN_STYLES:
+            rules.append((module.out_features, packed_parts(style), fqn if is_split_kv(fqn, chosen) else None))
+        elif style == "row":
+            rules.append((module.in_features, 1, None))
+    config = getattr(model, "config", None)
+    k_features = {getattr(modules.get(f"{fqn.rpartition('.')[0]}.{ATTENTION.kv[0]}"), "out_features", None)
+                  for fqn, style in chosen.items() if fqn.endswith(f".{ATTENTION.splitter}") and style == "column"}
+
+    def fits(t: int) -> bool:
+        return (all(size % (parts * (t // kv_replicas_of(model, modules, kv, t) if kv else t)) == 0
+                    for size, parts, kv in rules)
+                and not (config is not None and any(head_problems(config, t, "", k) for k in k_features)))
+
+    return list(islice(filter(fits, range(1, min([MOST_RANKS] + [size for size, _, _ in rules]) + 1)), most)) or [1]

@@ -3,14 +3,10 @@
 An MLA block projects the hidden states down to latents (`q_a_proj`, `kv_a_proj_with_mqa`), normalizes
 them (`q_a_layernorm`, `kv_a_layernorm`) and projects them up to the heads (`q_b_proj`, `kv_b_proj`: column
 layers), `o_proj` (row) summing the heads back. Split over tp, every rank computes the latents whole, and
-their gradients come back whole through the column layers' f, so these modules stay as they are (no
-gradient sum: they are not per-head modules). One exception: the last `qk_rope_head_dim` outputs of
-`kv_a_proj_with_mqa` (the rotary key every head shares) skip `kv_b_proj` and reach the heads directly; each
-rank's gradient of them covers its own heads only, so they are summed over tp (style `mla_kv_a`,
-Hugging Face's `mla_kv_a_proj`: `tensor_parallel.latent`). Without that rule the split trains wrong
-gradients, so it is refused.
-
-Pure; used by `tp_rules.shard_problems` and `tp_whole.kept_whole`.
+their gradients come back whole through the column layers' f, so these modules stay as they are. One
+exception: the last `qk_rope_head_dim` outputs of `kv_a_proj_with_mqa` (the rotary key every head shares)
+skip `kv_b_proj` and reach the heads directly; each rank's gradient of them covers its own heads only, so
+they are summed over tp (style `mla_kv_a`). Without that rule the split trains wrong gradients: refused.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Binding a plan to a model: expand patterns, check shapes, heads and cut points.
-
-Pure: it reads the model (a meta-device model will do) and never changes it, and
-it needs no process group. Every problem is collected and raised once.
+"""Binding a plan to a model: expand patterns, check shapes, heads and cut points, every problem raised once.
+Pure: it reads the model (a meta-device model will do), never changes it, and needs no process group.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from .bind_steps import BindSteps
 from .params import HeldParameter
 from ..plan.schema import ParallelPlan, PlanError
 from ..plan.size_checks import PipelineShape, by_line, stage_count, world_problem
-from .stage_split import fx_stages
+from .cuts import fx_stages
 from ..plan.patterns import closest, match_pattern
 from .experts import ExpertSpec, expert_problems
 from .shard_layout import TensorSplit, state_split
@@ -113,10 +111,8 @@ def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list
     for pattern in plan.activation_checkpointing:
         found = [n for n in names if match_pattern(pattern, n)]
         if not found:
-            problems.append(
-                f"{plan.where('activation_checkpointing', pattern)}activation_checkpointing[{pattern!r}] matches "
-                f"no module{closest(pattern, names)}"
-            )
+            problems.append(f"{plan.where('activation_checkpointing', pattern)}activation_checkpointing[{pattern!r}] "
+                            f"matches no module{closest(pattern, names)}")
         hits += found
     hits = list(dict.fromkeys(hits))
     return [n for n in hits if not any(n.startswith(h + ".") for h in hits)], problems
@@ -159,10 +155,7 @@ def resolve_with(steps: BindSteps, plan: ParallelPlan | str | Path | dict, *, wo
     experts, expert_issues = expert_problems(plan, model, modules)
     recomputed, ac_problems = _recomputed(plan, modules)
     bb = find_backbone(model)
-    if bb is not None:
-        cut = _hf_cut(steps, plan, bb, rules, shards)
-    else:
-        cut = _fx_cut(plan, model)
+    cut = _hf_cut(steps, plan, bb, rules, shards) if bb is not None else _fx_cut(plan, model)
     problems += list(tp_problems) + list(expert_issues) + ac_problems
     problems += cut.problems + option_problems(plan, model, bb, list(shards))
     if problems:
@@ -203,10 +196,8 @@ def _refuse_rewritten(plan: ParallelPlan, model: nn.Module, steps: BindSteps) ->
     """Raise when the model was rewritten already: by apply_plan, or with parallel layers of its own."""
     applied = getattr(model, APPLIED, None)
     if applied:
-        raise PlanError(plan.source, [
-            f"the model was already rewritten by apply_plan (it holds {applied}); "
-            "apply a plan to a model that has not been rewritten (build or load it again)"
-        ])
+        raise PlanError(plan.source, [f"the model was already rewritten by apply_plan (it holds {applied}); "
+                                      "apply a plan to a model that has not been rewritten (build or load it again)"])
     done = steps.parallel()
     if done:
         raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
@@ -217,20 +208,16 @@ def _hf_cut(steps: BindSteps, plan: ParallelPlan, bb: Backbone, rules: TpRules, 
     model, pp = steps.model, stage_count(plan)
     guard = steps.walker()
     if guard:  # every other problem would be moot: no plan runs this family correctly
-        raise PlanError(plan.source, [
-            f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses it rather than train a "
-            "different model, and no plan setting changes that"
-        ])
+        raise PlanError(plan.source, [f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses "
+                                      "it rather than train a different model, and no plan setting changes that"])
     costs = steps.costs(rules.tp, plan.pipeline.seq_len, bb, shards)
     layer_sets, cuts, stage_problems = steps.stages(PipelineShape.of(plan), bb, costs)
     stage_problems = list(stage_problems)
     norm = model.get_submodule(bb.norm)
     if bb.norm_first and pp > 1 and any(True for _ in norm.parameters()):
-        stage_problems.append(
-            f"{plan.where('mesh', 'pp')}mesh.pp={plan.mesh.pp}: {type(model).__name__} runs {bb.norm} "
-            "before its first layer and after its last, on two ranks, and its weights would be a second copy "
-            "to keep equal; use pp 1"
-        )
+        stage_problems.append(f"{plan.where('mesh', 'pp')}mesh.pp={plan.mesh.pp}: {type(model).__name__} runs "
+                              f"{bb.norm} before its first layer and after its last, on two ranks, and its weights "
+                              "would be a second copy to keep equal; use pp 1")
     module_sets = [bb.stage_modules(ls, first=s == 0, last=s == pp - 1) for s, ls in enumerate(layer_sets)]
     layer_names = [[bb.layer(i) for i in ls] for ls in layer_sets]
     return _Cut(module_sets, layer_sets, layer_names, cuts, costs if isinstance(costs, Costs) else None,
@@ -250,13 +237,9 @@ def _fx_cut(plan: ParallelPlan, model: nn.Module) -> _Cut:
 def _stage_specs(steps: BindSteps, plan: ParallelPlan, cut: _Cut, shards: tuple, experts: tuple
                  ) -> tuple[StageSpec, ...]:
     """Each stage's modules, layers, compute share and the parameters one of its ranks holds."""
-    pp = stage_count(plan)
     costs = cut.costs
     shares = costs.shares([len(ls) for ls in cut.layer_sets]) if costs else [None] * len(cut.module_sets)
-    sets = tuple(map(tuple, cut.module_sets if pp > 1 else [[""]]))
-    stages = []
-    for s, held in enumerate(steps.held(sets, shards, experts)):
-        count, size = sum(p.numel for p in held), sum(p.nbytes for p in held)
-        stages.append(StageSpec(s, tuple(cut.module_sets[s]), tuple(cut.layer_names[s]), count, size, shares[s],
-                                tuple(held)))
-    return tuple(stages)
+    sets = tuple(map(tuple, cut.module_sets if stage_count(plan) > 1 else [[""]]))
+    return tuple(StageSpec(s, tuple(cut.module_sets[s]), tuple(cut.layer_names[s]), sum(p.numel for p in held),
+                           sum(p.nbytes for p in held), shares[s], tuple(held))
+                 for s, held in enumerate(steps.held(sets, shards, experts)))

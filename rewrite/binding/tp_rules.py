@@ -1,7 +1,4 @@
-"""Tensor-parallel rules bound to a model: expansion, shapes, and the checks they need.
-
-Pure; used by `resolve`.
-"""
+"""Tensor-parallel rules bound to a model: expansion, shapes, and the checks they need. Pure; used by `resolve`."""
 
 from __future__ import annotations
 
@@ -15,11 +12,9 @@ from ..models.names import tied_modules
 from ..plan.schema import ParallelPlan
 from .shard_layout import WHOLE, TensorSplit
 from ..plan.styles import COLUMN_STYLES, SPLIT_OUTPUT_STYLES, STYLE_INFO, WHOLE_STYLES, packed_parts
-from .heads import head_counts, head_problems, is_split_kv, kv_groups_problems, kv_replicas_of
+from .heads import fitting_tps, head_counts, head_problems, is_split_kv, kv_groups_problems, kv_replicas_of
 from .latent_attention import latent_problems
-from .tp_fits import fitting_tps
-from .tp_params import parameter_problem
-from .tp_whole import kept_whole
+from .tp_params import kept_whole, parameter_problem
 from ..plan.wording import either
 from ..plan.patterns import match_pattern, unmatched_problem
 
@@ -58,8 +53,7 @@ def _input_sharded(style: str | None) -> bool:
 class TpRules:
     """All that binding the tensor_parallel rules reads of a plan: tp, the rules, the lines naming them.
 
-    Hashable: a plan search keeps bindings by it, and a value read that is not here cannot be
-    read at all (so it cannot be left out of that key).
+    Hashable: a plan search keeps bindings by it, and what is not here cannot be read (nor left out of that key).
     """
 
     tp: int
@@ -74,26 +68,22 @@ class TpRules:
 
     def at(self, pattern: str) -> str:
         """The line of the rule for `pattern` ('' for an implied one or a plan without a file)."""
-        lines = dict(zip((p for p, _ in self.rules), self.lines))
-        return lines.get(pattern, "")
+        return dict(zip((p for p, _ in self.rules), self.lines)).get(pattern, "")
 
 
 def shard_problems(
     rules: TpRules, model: nn.Module, modules: dict[str, nn.Module], notes: list[str] | None = None
 ) -> tuple[list, list[str]]:
-    """Every module the tensor_parallel rules shard, and every problem with them.
-
-    A problem about one rule starts with that rule's line when the plan came from a file.
-    """
-    tp, problems, names = rules.tp, [], list(modules)
-    tied = tied_modules(model)
+    """Every module the tensor_parallel rules shard, and every problem with them (each starting with its
+    rule's line when the plan came from a file)."""
+    tp, problems = rules.tp, []
     chosen, params = _matched(rules, model, modules, problems, notes)
     if tp > 1:
         implied, whole_problems = kept_whole(modules, {f: s for f, (_, s) in [*chosen.items(), *params.items()]})
         problems += whole_problems + latent_problems(model, modules, chosen, tp, rules.at)
         for fqn in implied:
             chosen.setdefault(fqn, ("(implied)", "grad_allreduce"))
-    shards, order = [], {name: i for i, name in enumerate(names)}
+    order = {name: i for i, name in enumerate(modules)}
     styles, fitting = {f: st for f, (_, st) in chosen.items()}, []
 
     def fits() -> list[int]:  # every size refusal names the same tp sizes: those the whole plan fits, heads too
@@ -101,13 +91,14 @@ def shard_problems(
             fitting.extend(fitting_tps(model, modules, styles))
         return fitting
 
-    for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]]):  # model order
-        shards.append(_module_shard(model, modules, styles, fqn, pattern, style, rules, fits, problems))
+    shards = [_module_shard(model, modules, styles, fqn, pattern, style, rules, fits, problems)
+              for fqn, (pattern, style) in sorted(chosen.items(), key=lambda item: order[item[0]])]  # model order
     shards += _parameter_shards(model, params, styles, tp, rules, problems)
     if tp > 1:
         rule_at = {s.fqn: rules.at(s.pattern) for s in shards if s.pattern != "(implied)"}
-        problems += _tied_problems(tied, {s.fqn: s.style for s in shards}, rule_at)
-        problems += _block_problems(model, {s.fqn: s.style for s in shards}, tp, rule_at, rules.tp_line)
+        bound = {s.fqn: s.style for s in shards}
+        problems += _tied_problems(tied_modules(model), bound, rule_at)
+        problems += _block_problems(model, bound, tp, rule_at, rules.tp_line)
     return shards, problems
 
 
@@ -136,10 +127,8 @@ def _matched(rules: TpRules, model: nn.Module, modules: dict[str, nn.Module], pr
                 problems.append(problem)
             elif fqn in chosen and chosen[fqn][1] != style:
                 other, other_style = chosen[fqn]
-                problems.append(
-                    f"{at}{fqn!r} is matched by tensor_parallel[{other!r}] as {other_style!r} and by "
-                    f"tensor_parallel[{pattern!r}] as {style!r}; keep one style per module"
-                )
+                problems.append(f"{at}{fqn!r} is matched by tensor_parallel[{other!r}] as {other_style!r} and by "
+                                f"tensor_parallel[{pattern!r}] as {style!r}; keep one style per module")
             else:
                 chosen.setdefault(fqn, (pattern, style))
     return chosen, params
@@ -177,25 +166,19 @@ def _module_shard(model: nn.Module, modules: dict[str, nn.Module], styles: dict[
     if style == "vocab":
         rows, dim = lin.num_embeddings, lin.embedding_dim
         if rows % tp:
-            problems.append(
-                f"{at}{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
-                f"use tp {either(fits())} ({_FITS}), or leave the embedding whole"
-            )
+            problems.append(f"{at}{fqn} (vocab): num_embeddings={rows} is not divisible by mesh.tp={tp}; "
+                            f"use tp {either(fits())} ({_FITS}), or leave the embedding whole")
         return ShardSpec(fqn, style, pattern, rows, dim, False, TensorSplit(0, tp).local_shape((rows, dim)), None, 1, tp)
     split_out, parts = style in COLUMN_STYLES, packed_parts(style)
     replicas = kv_replicas_of(model, modules, fqn, tp) if is_split_kv(fqn, styles) else 1
     slices = tp // replicas
     dim, size = ("out_features", lin.out_features) if split_out else ("in_features", lin.in_features)
     if parts > 1 and size % (parts * tp):
-        problems.append(
-            f"{at}{fqn} ({style}): out_features={size} must be {parts} equal parts, each divisible by "
-            f"mesh.tp={tp}; use tp {either(fits())} ({_FITS}), or shard it as 'column_gather'"
-        )
+        problems.append(f"{at}{fqn} ({style}): out_features={size} must be {parts} equal parts, each divisible by "
+                        f"mesh.tp={tp}; use tp {either(fits())} ({_FITS}), or shard it as 'column_gather'")
     elif size % slices:
-        problems.append(
-            f"{at}{fqn} ({style}): {dim}={size}{_dim_meaning(model, size)} is not divisible by mesh.tp={tp}; "
-            f"use tp {either(fits())} ({_FITS}), or leave {fqn.rsplit('.', 1)[-1]} whole"
-        )
+        problems.append(f"{at}{fqn} ({style}): {dim}={size}{_dim_meaning(model, size)} is not divisible by "
+                        f"mesh.tp={tp}; use tp {either(fits())} ({_FITS}), or leave {fqn.rsplit('.', 1)[-1]} whole")
     split = TensorSplit(0 if split_out else 1, slices, parts, replicas)
     weight = split.local_shape((lin.out_features, lin.in_features))
     bias = None if lin.bias is None else (split if split_out else WHOLE).local_shape((lin.out_features,))
@@ -227,11 +210,8 @@ def _dim_meaning(model: nn.Module, size: int) -> str:
 
 
 def _tied_problems(tied: dict[str, str], styles: dict[str, str], rule_at: dict[str, str]) -> list[str]:
-    """A shared matrix stays one matrix: both ends whole, or both split along the vocabulary alike.
-
-    An embedding sharded as 'vocab' and a head as 'column' keep the same rows of the
-    shared `[vocab, hidden]` weight on each rank.
-    """
+    """A shared matrix stays one matrix: both ends whole, or both split along the vocabulary alike ('vocab'
+    embedding and 'column' head keep the same rows of the shared `[vocab, hidden]` weight on each rank)."""
     problems = []
     for fqn, other in tied.items():
         owner = other.rsplit(".", 1)[0]
@@ -243,21 +223,17 @@ def _tied_problems(tied: dict[str, str], styles: dict[str, str], rule_at: dict[s
             continue  # embedding by vocabulary rows, head by output rows: the same slices
         found = ", ".join(f"{name}={style or 'unsharded'}" for name, style in ends.items())
         at = next((rule_at[name] for name in ends if rule_at.get(name)), "")
-        problems.append(
-            f"{at}{fqn}.weight is tied to {other} ({found}); sharding one end alone would untie them. Shard the "
-            f"embedding as 'vocab' and the head as 'column' together, leave both whole, or build the model "
-            "with tie_word_embeddings=False"
-        )
+        problems.append(f"{at}{fqn}.weight is tied to {other} ({found}); sharding one end alone would untie them. "
+                        "Shard the embedding as 'vocab' and the head as 'column' together, leave both whole, or build "
+                        "the model with tie_word_embeddings=False")
     return problems
 
 
 def _block_problems(
     model: nn.Module, styles: dict[str, str], tp: int, rule_at: dict[str, str], tp_at: str
 ) -> list[str]:
-    """Attention and MLP blocks must be sharded as a whole, heads intact.
-
-    `rule_at` gives, per sharded module, the line prefix of its rule; `tp_at` that of mesh.tp.
-    """
+    """Attention and MLP blocks must be sharded as a whole, heads intact. `rule_at`: per sharded module, the
+    line prefix of its rule; `tp_at`: that of mesh.tp."""
     problems, config = [], getattr(model, "config", None)
     parents = sorted({fqn.rsplit(".", 1)[0] for fqn in styles if "." in fqn})
     for parent in parents:
@@ -269,10 +245,8 @@ def _block_problems(
             if len({got[m] in SPLIT_OUTPUT_STYLES for m in inputs} | {_input_sharded(got[output])}) > 1:
                 found = ", ".join(f"{m}={got[m] or 'unsharded'}" for m in members)
                 at = next((rule_at[f"{parent}.{m}"] for m in members if rule_at.get(f"{parent}.{m}")), "")
-                problems.append(
-                    f"{at}{parent}: {found}; shard {', '.join(inputs)} as column and {output} as row together "
-                    "(the column outputs are the row layer's sharded input)"
-                )
+                problems.append(f"{at}{parent}: {found}; shard {', '.join(inputs)} as column and {output} as row "
+                                "together (the column outputs are the row layer's sharded input)")
             if block.kv and config is not None and got[block.splitter] in SPLIT_OUTPUT_STYLES:
                 k_features = getattr(model.get_submodule(f"{parent}.{block.kv[0]}"), "out_features", None)
                 problems += (head_problems(config, tp, tp_at, k_features)
