@@ -1,8 +1,5 @@
 """What a plan is: the schema, plan files and their line numbers, loading, HF tp_plan import, module patterns.
-
-Pure: nothing here creates a process group or imports torch.distributed. Binding a plan to a
-model is `rewrite.binding`; estimates of what a bound plan costs are `rewrite.estimate`;
-drawing it is `rewrite.run.show`.
+Pure: no process group. Binding a plan to a model is `rewrite.binding`.
 """
 
 from .from_hf import plan_from_hf

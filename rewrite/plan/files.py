@@ -44,10 +44,6 @@ class _Refused(yaml.MarkedYAMLError):
     """Valid YAML that is no plan (too many values, a list as a key); `problem` is the whole message."""
 
 
-def _refuse(mark: Any, problem: str) -> _Refused:
-    return _Refused(problem=f"line {mark.line + 1}, column {mark.column + 1}: {problem}")
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """safe_load that refuses duplicate keys instead of keeping the last silently, and stops
     composing past MAX_PLAN_VALUES nodes or MAX_PLAN_DEPTH levels, so a huge or deep file
@@ -73,10 +69,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode):  # `? [a, b]`: a list or mapping as a key
-                kind = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
-                raise _refuse(
-                    key_node.start_mark, f"a {kind} used as a key: plan keys are strings (quote it if it is text)"
-                )
+                kind, mark = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping", key_node.start_mark
+                raise _Refused(problem=f"line {mark.line + 1}, column {mark.column + 1}: a {kind} used as a key: "
+                               "plan keys are strings (quote it if it is text)")
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -89,8 +84,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_plan_file(path: Path) -> tuple[Any, Any]:
     """Parse a plan file; returns (data, YAML node tree for line numbers or None).
 
-    Only a regular file of at most 1 MiB of UTF-8 is read, and YAML may hold at most
-    10,000 values once aliases are followed (see `limits`); anything else is a PlanError.
+    Raises:
+        PlanError: not a plan file, or past the `limits` (1 MiB of UTF-8, 10,000 YAML values).
     """
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise PlanError(str(path), [f"unknown plan file type {path.suffix!r}: use .yaml, .yml or .json"])
@@ -133,16 +128,13 @@ def _decode(path: Path, raw: bytes) -> str:
         line, column = raw.count(b"\n", 0, exc.start) + 1, len(raw[start : exc.start].decode("utf-8")) + 1
         raise PlanError(
             str(path),
-            [
-                f"line {line}, column {column}: not UTF-8 text (byte {exc.start:,} is 0x{raw[exc.start]:02x}: "
-                f"{exc.reason}); plans are UTF-8: save the file as UTF-8"
-            ],
+            [f"line {line}, column {column}: not UTF-8 text (byte {exc.start:,} is 0x{raw[exc.start]:02x}: "
+             f"{exc.reason}); plans are UTF-8: save the file as UTF-8"],
         ) from None
 
 
 def _read_yaml(path: Path, text: str) -> tuple[Any, Any]:
-    # Compose first: aliases share nodes there, so the cost of the data can be counted
-    # before it is built.
+    # Compose first: aliases share nodes there, so the cost of the data is counted before it is built.
     loader = _UniqueKeyLoader(text)
     try:
         node = loader.get_single_node()
@@ -186,10 +178,8 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     problem = getattr(exc, "problem", None) or str(exc)
     if isinstance(exc, yaml.constructor.ConstructorError) and "could not determine a constructor" in problem:
         tag = problem.split("tag", 1)[-1].strip(" '").replace("tag:yaml.org,2002:", "!!")
-        return (
-            f"{where}YAML tag {short(tag)} is refused: plans are plain data "
-            "(mappings, lists, strings, numbers), never Python objects"
-        )
+        return (f"{where}YAML tag {short(tag)} is refused: plans are plain data "
+                "(mappings, lists, strings, numbers), never Python objects")
     return f"{where}malformed YAML: {_clip(problem)}"
 
 
@@ -230,8 +220,7 @@ def line_of(node: Any, loc: tuple) -> int | None:
 def key_lines(node: Any, depth: int = 4) -> dict[tuple, int]:
     """Line of every key (and list item) down to `depth` levels, by location: ('mesh', 'tp') -> 2.
 
-    Kept on a loaded plan so that problems found later, binding it to a model, can name
-    the line of the rule they are about without holding the YAML tree.
+    Kept on a loaded plan, so that binding it to a model can name lines without the YAML tree.
     """
     lines: dict[tuple, int] = {}
     stack = [((), node)]
@@ -259,15 +248,15 @@ _KEY_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _keys_of(node: yaml.MappingNode) -> dict[str, tuple[Any, Any]]:
     index = _KEY_INDEX.get(node)
     if index is None:
-        index = {}
+        index = _KEY_INDEX[node] = {}
         for key, value in node.value:
             if isinstance(key, yaml.ScalarNode):
-                index.setdefault(key.value, (key, value))  # the first of equal keys, as before
-        _KEY_INDEX[node] = index
+                index.setdefault(key.value, (key, value))  # the first of equal keys
     return index
 
 
 def dotted(loc: tuple) -> str:
+    """`('pipeline', 'cut_points', 0)` -> 'pipeline.cut_points[0]'; a key with dots or `*` in brackets."""
     out = ""
     for part in loc:
         if isinstance(part, int):

@@ -51,17 +51,12 @@ def plan_from_hf(
     """A plan from the model's `base_model_tp_plan` (and its `lm_head` rule when untied), and for a
     mixture of experts its `base_model_ep_plan`.
 
-    Hugging Face style names map onto ours (`STYLE_ALIASES`): `colwise` -> column,
-    `embedding_rowwise` -> vocab (an embedding the model declares, split by vocabulary rows).
-    Tied embeddings (`tie_word_embeddings`) are one matrix: without loss_parallel the head and
-    the embedding stay whole (a `vocab` rule the model declares for its embedding is dropped);
-    with it both are split along the vocabulary alike.
-
-    A mixture of experts's fused experts modules get the ep plan's rule (`ep_dispatch_experts` ->
-    `expert_parallel`, checked at ep 1 too) in place of the tp plan's rules inside them; at tp > 1 and
-    ep 1, where the tp plan splits each expert (`moe_tp_experts`) and its experts add up so split
-    (`models.expert_split`), `expert_tensor_parallel` instead. Tp rules matching none of the model's
-    modules (a dense MLP's, where every layer is sparse) are left out.
+    Hugging Face style names map onto ours (`STYLE_ALIASES`). Tied embeddings are one matrix: without
+    loss_parallel the head and the embedding stay whole (a declared `vocab` rule is dropped); with it
+    both are split along the vocabulary alike. Fused experts modules get the ep plan's rule
+    (`expert_parallel`, checked at ep 1 too) in place of the tp rules inside them; at tp > 1 and ep 1,
+    where the tp plan splits each expert (`moe_tp_experts`) and they add up so split,
+    `expert_tensor_parallel` instead. Tp rules matching no module of the model are left out.
 
     Args:
         model_or_config: a transformers model (a causal LM or its base model) or config.
@@ -97,8 +92,7 @@ def plan_from_hf(
     if not base_rules:
         raise ValueError(f"{type(config).__name__} has no base_model_tp_plan to build a plan from")
     rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in base_rules.items()}
-    rules = _with_experts(rules, config, prefix, model,
-                          split_over_tp=tp > 1 and ep == 1)
+    rules = _with_experts(rules, config, prefix, model, split_over_tp=tp > 1 and ep == 1)
     rules = _with_head(rules, model_or_config, config, prefix, head_rules, base_rules, loss_parallel)
     rules = {k: v for k, v in rules.items() if v not in NEEDS_NO_RULE}  # local_params: how HF's DTensors run
     _refuse_unsupported(config, rules)
@@ -140,10 +134,9 @@ def _with_head(rules: dict, model_or_config, config, prefix: str, head_rules: di
     tied = getattr(config, "tie_word_embeddings", False)
     if loss_parallel:
         if not prefix:
-            raise ValueError(
-                f"loss_parallel=True needs a causal LM with an LM head; {type(model_or_config).__name__} is a bare "
-                "base model: pass the ...ForCausalLM (or its config), or leave loss_parallel False"
-            )
+            raise ValueError(f"loss_parallel=True needs a causal LM with an LM head; {type(model_or_config).__name__} "
+                             "is a bare base model: pass the ...ForCausalLM (or its config), or leave loss_parallel "
+                             "False")
         heads = list(head_rules) or ["lm_head"]
         rules.update({head: "column" for head in heads})  # the logits stay split by vocabulary
         embed = f"{prefix}.{_embedding_name(config, base_rules)}"
@@ -163,10 +156,8 @@ def _refuse_unsupported(config, rules: dict) -> None:
     unsupported = {k: v for k, v in rules.items() if v not in known}
     if unsupported:
         listed = ", ".join(f"{k}: {v}" for k, v in unsupported.items())
-        raise ValueError(
-            f"{type(config).__name__}'s tensor-parallel plan uses styles this toolkit does not implement ({listed}); "
-            f"supported: {', '.join(sorted(known))}"
-        )
+        raise ValueError(f"{type(config).__name__}'s tensor-parallel plan uses styles this toolkit does not implement "
+                         f"({listed}); supported: {', '.join(sorted(known))}")
 
 
 def _base_attribute(model: nn.Module) -> str:
@@ -188,10 +179,9 @@ def _is_vocab(style: str) -> bool:
 def _with_experts(rules: dict[str, str], config, prefix: str, model: nn.Module | None, *,
                   split_over_tp: bool) -> dict[str, str]:
     """The tp rules with the experts modules' rules in place of those inside them: the ep plan's
-    (`ep_dispatch_experts`; a family without one: those its tp plan names `moe_tp_experts`), each expert
-    split over tp where `split_over_tp` and the tp plan and the experts allow it. `model`: the model given,
-    or the config's meta model (None where it cannot be built); rules matching none of the model's
-    modules are left out (DeepSeek-V2-Lite's q_b_proj, where the queries have no latent)."""
+    (`ep_dispatch_experts`; without one, the tp plan's `moe_tp_experts`), each expert split over tp where
+    `split_over_tp` and the experts allow it. `model` (None where it cannot be built): rules matching none
+    of its modules are left out (DeepSeek-V2-Lite's q_b_proj, where the queries have no latent)."""
     ep_rules = {(f"{prefix}.{k}" if prefix else k): v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items()}
     experts = [k for k, v in ep_rules.items() if STYLE_ALIASES.get(v) == "expert_parallel"]
     experts = experts or [k for k, v in rules.items() if STYLE_ALIASES.get(v) == "expert_tensor_parallel"]

@@ -1,10 +1,6 @@
-"""Loading a plan: a file (YAML or JSON, with line numbers kept for messages), a dict or a plan in,
-a validated `ParallelPlan` out, every problem of the source reported at once.
-
-`load_plan` knows no model; `load_plan_for` adds, when the plan is refused, the
-`tensor_parallel` patterns that match no module of the model it is meant for, so a style typo
-does not hide a pattern typo until it is fixed.
-"""
+"""Loading a plan: a file (YAML or JSON), a dict or a plan in, a validated `ParallelPlan` out, every problem
+reported at once. `load_plan_for` adds, to a refusal, the rules matching no module of the model (so a style
+typo does not hide a pattern typo)."""
 
 from __future__ import annotations
 
@@ -26,7 +22,7 @@ from .patterns import match_pattern, unmatched_problem
 __all__ = ["load_plan", "load_plan_for"]
 
 
-def _problems(exc: ValidationError, nodes: Any, data: Any = None) -> list[str]:
+def _problems(exc: ValidationError, nodes: Any, data: dict) -> list[str]:
     problems = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
@@ -46,13 +42,6 @@ def _problems(exc: ValidationError, nodes: Any, data: Any = None) -> list[str]:
         # A cross-field check reports its problems one a line: count each.
         problems += [(line or 10**9, where + part) for part in (msg.split("\n") if not loc else [msg])]
     return [p for _, p in sorted(problems, key=lambda item: item[0])]
-
-
-def _raw_schedule_rules(schedule: Any, pp: Any, k: Any) -> list[str]:
-    # The schedule's rules on raw data, when their values passed their own checks.
-    valid = all(is_count(v) for v in (pp, k))
-    known = isinstance(schedule, str) and schedule in SCHEDULE_NAMES
-    return schedule_rules(schedule, pp, k, 1) if valid and known else []
 
 
 def _suggest_key(exc: ValidationError, loc: tuple) -> str:
@@ -108,9 +97,10 @@ def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
             # Field errors stop Pydantic before the cross-field check: run it on the raw data.
             mesh, pipe = data.get("mesh") or {}, data.get("pipeline") or {}
             if isinstance(mesh, dict) and isinstance(pipe, dict):
-                pp, k = mesh.get("pp", 1), pipe.get("virtual_stages", 1)
+                pp, k, schedule = mesh.get("pp", 1), pipe.get("virtual_stages", 1), pipe.get("schedule", "afab")
                 problems += cut_point_problems(pipe.get("cut_points"), pp, k)
-                problems += _raw_schedule_rules(pipe.get("schedule", "afab"), pp, k)
+                if is_count(pp) and is_count(k) and isinstance(schedule, str) and schedule in SCHEDULE_NAMES:
+                    problems += schedule_rules(schedule, pp, k, 1)
         raise PlanError(name, problems) from None
     plan._source = name
     plan._lines = key_lines(nodes) if nodes is not None else {}

@@ -1,9 +1,7 @@
-"""Where each rank sits: the world laid out as one grid, `torch.arange(world).view(dp, pp, cp, tp)`.
+"""Where each rank sits: the world as one grid, `torch.arange(world).view(dp, pp, cp, tp)`, every group a slice.
 
-Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: a stage's tensor-parallel ranks
-are neighbours (one machine under torchrun), then its context-parallel ranks; pipeline neighbours share
-a cp_rank and tp_rank; data-parallel replicas are outermost (across machines). Every group is a slice
-of the grid. Pure: `rewrite.mesh` makes the groups; `show`, estimates and checkpoints name ranks with it.
+Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: a stage's tp ranks are neighbours
+(one machine), dp replicas outermost (across machines). Pure: `rewrite.mesh` makes the groups.
 """
 
 from __future__ import annotations
@@ -83,8 +81,7 @@ class Shape:
 
 
 def expert_place(shape: Shape, at: Coords) -> tuple[int, int]:
-    """(ep_rank, copy) of the rank at `at`: its place in its expert-parallel group, and which of the stage's
-    groups (at one cp rank) that is (`expert_groups`).
+    """(ep_rank, copy): the rank's place in its expert-parallel group, and which of the stage's groups that is.
 
     >>> expert_place(Shape(dp=2, tp=2, ep=4), Coords(dp=1)), expert_place(Shape(dp=2, tp=2, ep=2), Coords(dp=1, tp=1))
     ((2, 0), (1, 1))
@@ -116,7 +113,7 @@ def length_problem(seq: int, cp: int) -> str | None:
     step = 2 * cp
     if seq % step == 0 and seq > 0:
         return None
-    below, above = seq // step * step, (seq // step + 1) * step
-    near = f"{below} or {above}" if below else f"{above}"
+    below = seq // step * step
+    near = f"{below} or {below + step}" if below else f"{below + step}"
     return (f"a sequence of {seq} tokens does not split into 2 x cp = {step} equal chunks (cp ranks hold two each, "
             f"balanced for the causal mask); use a length that {step} divides, e.g. {near}")

@@ -15,8 +15,7 @@ __all__ = ["PipelineShape", "too_many_stages", "stage_count", "stages_words", "b
 class PipelineShape:
     """All that cutting a model into stages reads of a plan: the sizes, the cuts, the lines naming them.
 
-    Hashable: a plan search keeps the cuts it found by it, and a value read that is not here
-    cannot be read at all (so it cannot be left out of that key).
+    Hashable: a plan search keeps cuts by it, and what is not here cannot be read (nor left out of that key).
     """
 
     pp: int
@@ -52,10 +51,8 @@ def too_many_stages(shape: PipelineShape, n: int, what: str) -> str:
         fix = f"use {fits}{with_k} (an even split: pp {either(even)})"
         if k > 1:
             fix += f", or lower pipeline.virtual_stages so that pp x virtual_stages <= {n}"
-    return (
-        f"{shape.pp_line}{stages_words(shape)} but the model has {n} {what}; each stage needs at least "
-        f"one layer: {fix}"
-    )
+    return (f"{shape.pp_line}{stages_words(shape)} but the model has {n} {what}; each stage needs at least "
+            f"one layer: {fix}")
 
 
 def stage_count(plan: ParallelPlan) -> int:
@@ -63,10 +60,9 @@ def stage_count(plan: ParallelPlan) -> int:
 
 
 def stages_words(shape: PipelineShape) -> str:
-    k = shape.virtual_stages
-    if k == 1:
+    if shape.virtual_stages == 1:
         return f"mesh.pp={shape.pp} stages"
-    return f"mesh.pp={shape.pp} x pipeline.virtual_stages={k} = {shape.stages} stages"
+    return f"mesh.pp={shape.pp} x pipeline.virtual_stages={shape.virtual_stages} = {shape.stages} stages"
 
 
 def by_line(problems: list[str]) -> list[str]:
@@ -87,7 +83,5 @@ def world_problem(plan: ParallelPlan, world_size: int) -> str:
         fix = f"or change the mesh: pp x tp must divide {world_size} ({either(common_divisors(world_size))})"
     else:
         fix = "or change the mesh"
-    return (
-        f"{plan.where('mesh')}mesh: {mesh.shape_text()} = {mesh.world_size} ranks, but the world size is "
-        f"{world_size}; launch {mesh.world_size} processes {fix}"
-    )
+    return (f"{plan.where('mesh')}mesh: {mesh.shape_text()} = {mesh.world_size} ranks, but the world size is "
+            f"{world_size}; launch {mesh.world_size} processes {fix}")

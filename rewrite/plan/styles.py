@@ -110,10 +110,8 @@ def _style(value: Any) -> Any:
     known = [*STYLES, *STYLE_ALIASES]
     close = difflib.get_close_matches(value, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(
-        f"unknown style {short(value)}: use one of {', '.join(STYLES)} "
-        f"(Hugging Face names {', '.join(STYLE_ALIASES)} are accepted too){hint}"
-    )
+    raise ValueError(f"unknown style {short(value)}: use one of {', '.join(STYLES)} "
+                     f"(Hugging Face names {', '.join(STYLE_ALIASES)} are accepted too){hint}")
 
 
 Style = Annotated[

@@ -1,12 +1,10 @@
-"""Sizes that would work, for messages: common divisors, ranges, and lists of indices.
-
-A refusal about a size names the sizes that fit (`tp 1 or 3`), not only the one that does not.
-"""
+"""Words for messages: the sizes that fit (`tp 1 or 3`), index ranges, plurals, byte counts."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from itertools import groupby, islice
 
 __all__ = ["MOST_RANKS", "collapse_repeats", "common_divisors", "either", "format_bytes", "index_ranges", "noun_for", "plural"]
 
@@ -22,14 +20,8 @@ def common_divisors(*counts: int, most: int = 8) -> list[int]:
     counts = tuple(c for c in counts if c >= 1)
     if not counts:
         return [1]
-    found = []
     # No mesh has more than a few thousand ranks on one axis: scan that far, however large the counts.
-    for d in range(1, min(*counts, MOST_RANKS) + 1):
-        if all(c % d == 0 for c in counts):
-            found.append(d)
-            if len(found) == most:
-                break
-    return found
+    return list(islice((d for d in range(1, min(*counts, MOST_RANKS) + 1) if all(c % d == 0 for c in counts)), most))
 
 
 def either(values: Iterable[object], word: str = "or") -> str:
@@ -44,15 +36,9 @@ def index_ranges(indices: Iterable[int], *, min_run: int = 3) -> str:
         >>> index_ranges([9, 10, 5]), index_ranges([9, 10, 5], min_run=2)
         ('5, 9, 10', '5, 9-10')
     """
-    ordered = sorted(set(indices))
-    runs: list[list[int]] = []
-    for i in ordered:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
     parts = []
-    for run in runs:
+    for _, pairs in groupby(enumerate(sorted(set(indices))), key=lambda pair: pair[1] - pair[0]):  # one per run
+        run = [i for _, i in pairs]
         parts += [f"{run[0]}-{run[-1]}"] if len(run) >= min_run else [str(i) for i in run]
     return ", ".join(parts)
 
@@ -71,11 +57,8 @@ _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
 def collapse_repeats(problems: list[str]) -> list[str]:
-    """One line for problems that differ only in a layer index, not one per layer.
-
-    'model.layers.0.mlp: ...' .. 'model.layers.31.mlp: ...' becomes
-    'model.layers.*.mlp: ... [* = 0-31]': indices sorted as numbers, runs as ranges.
-    """
+    """One line for problems that differ only in a layer index: 'model.layers.0.mlp: ...' ..
+    'model.layers.31.mlp: ...' becomes 'model.layers.*.mlp: ... [* = 0-31]'."""
     groups: dict[str, list[int]] = {}
     for problem in problems:
         match = _INDEX.search(problem)
