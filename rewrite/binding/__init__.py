@@ -1,8 +1,5 @@
-"""What a plan binds to on a model: `resolve` (stages, tensor-parallel rules and their shapes),
-where each rank's part of a tensor lies (`shard_layout`), stage cuts, the walk over a rank's
-parameters.
-
-Pure, like `rewrite.plan` below it: no process group, so a plan binds to a meta-device model.
+"""What a plan binds to on a model: `resolve` (stages, tp rules and shapes), where each rank's part of a
+tensor lies (`shard_layout`), stage cuts, the walk over a rank's parameters. Pure: binds to a meta model.
 """
 
 from .resolve import ResolvedPlan, StageSpec, resolve

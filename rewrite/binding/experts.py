@@ -1,14 +1,12 @@
-"""The experts a plan splits over mesh.ep: the fused experts modules its `expert_parallel` rules name.
+"""The experts a plan splits over mesh.ep: the fused experts modules its `expert_parallel` rules name. Pure.
 
-Pure; used by `resolve`. A rank of an expert-parallel group holds experts
-`[ep_rank * E / ep, (ep_rank + 1) * E / ep)` of each: the rows of every tensor of the module
-along its first dimension (`ExpertSpec.split_of`, read by the rewriter, checkpoints and norms).
+A rank of an expert-parallel group holds experts `[ep_rank * E / ep, (ep_rank + 1) * E / ep)` of each: the
+rows of every tensor of the module along dim 0 (`ExpertSpec.split_of`).
 
-A module with Z identity experts after its E routed ones (LongCat-Flash: `models.experts.IDENTITY_EXPERTS`)
-has tensors of E + Z rows beside tensors of E. Each rank holds an equal share of both: the rows are
-read as blocks of `b = gcd(E, Z)` experts (`ExpertSpec.block`), and ep rank `r` holds slice `r` of
-every block (a `TensorSplit` of E / b or (E + Z) / b parts), so ep must divide b. Its routed experts
-are then not one contiguous range: `ExpertSpec.slots` says where each one lives.
+A module with Z identity experts after its E routed ones (LongCat-Flash) has tensors of E + Z rows beside
+tensors of E. Each rank holds an equal share of both: the rows are read as blocks of `b = gcd(E, Z)` experts
+(`ExpertSpec.block`), and ep rank `r` holds slice `r` of every block (E / b or (E + Z) / b parts), so ep must
+divide b. Its routed experts are then not one contiguous range: `ExpertSpec.slots` says where each one lives.
 """
 
 from __future__ import annotations

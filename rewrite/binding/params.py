@@ -1,7 +1,5 @@
 """The one walk over the parameters a rank holds: each once, with its shape after tensor parallelism.
-
-`resolve` counts each stage's parameters with it; `rewrite.estimate` adds data-parallel
-sharding (memory) and sums per stage or rank (balance) on top of the same walk.
+`resolve` counts each stage's parameters with it; `rewrite.estimate` builds memory and balance on it.
 """
 
 from __future__ import annotations

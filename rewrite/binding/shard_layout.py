@@ -10,12 +10,9 @@ order (`replicas` neighbouring ranks hold the same slice: a k/v projection past 
     vocab weight         dim 0, slices tp                            (rows of the vocabulary)
     experts' tensors     dim 0, slices ep, over "ep"                 (experts; ep rank r holds slice r)
 
-`over` names the ranks that hold the slices: a stage's tp ranks, or the ranks of an
-expert-parallel group (`holder` picks this rank's place among them).
-
-The binding gives each module's per-rank shapes with it (`tp_rules`), the layers cut their shards with it (`shard_of`), checkpoints place them (`checkpoint/layout.py`,
-`checkpoint/pieces.py`). `apply_plan` marks each parameter of a stage with its `ParamSplit` (its split and
-whether this rank's copy counts once), which the gradient norm reads (`split_of`).
+`over` names the ranks that hold the slices: a stage's tp ranks, or an expert-parallel group's.
+Read by the binding's shapes, the layers' `shard_of` and checkpoints; `apply_plan` marks each parameter
+with its `ParamSplit`, which the gradient norm reads (`split_of`).
 """
 
 from __future__ import annotations
@@ -31,12 +28,10 @@ from ..plan.styles import STYLE_INFO, packed_parts
 
 if TYPE_CHECKING:
     from .experts import ExpertSpec
-    from .tp_rules import ShardSpec  # which builds its per-rank shapes with TensorSplit
+    from .tp_rules import ShardSpec
 
-__all__ = [
-    "TensorSplit", "WHOLE", "ParamSplit", "split_dim", "style_split", "tensor_split", "state_split", "mark_split",
-    "split_of",
-]
+__all__ = ["TensorSplit", "WHOLE", "ParamSplit", "split_dim", "style_split", "tensor_split", "state_split",
+           "mark_split", "split_of"]
 
 
 @dataclass(frozen=True)
@@ -70,9 +65,7 @@ class TensorSplit:
         """The shape a rank holds of a whole of `shape`."""
         if self.dim is None:
             return tuple(shape)
-        out = list(shape)
-        out[self.dim] = self.length(shape[self.dim]) * self.parts
-        return tuple(out)
+        return (*shape[: self.dim], self.length(shape[self.dim]) * self.parts, *shape[self.dim + 1 :])
 
     def take(self, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
         """`tp_rank`'s part of `full`: a view when one part, a copy of the parts side by side when packed."""
@@ -116,15 +109,12 @@ def split_of(param: torch.Tensor) -> ParamSplit:
     """The `ParamSplit` `apply_plan` attached to `param`.
 
     Raises:
-        InputError: `param` carries none: it is not a parameter of a stage `apply_plan` returned (or it was
-            put in place after, by code other than `rewrite`'s loaders).
+        InputError: `param` carries none (not a parameter of a stage `apply_plan` or `rewrite`'s loaders placed).
     """
     record = getattr(param, _MARK, None)
     if not isinstance(record, ParamSplit):
-        raise InputError(
-            f"a parameter of shape {list(param.shape)} carries no split: it was not placed by apply_plan; pass "
-            "the parameters of the Stage apply_plan (or from_pretrained) returned"
-        )
+        raise InputError(f"a parameter of shape {list(param.shape)} carries no split: it was not placed by apply_plan; "
+                         "pass the parameters of the Stage apply_plan (or from_pretrained) returned")
     return record
 
 
@@ -140,7 +130,7 @@ def split_dim(style: str, leaf: str) -> int | None:
 
 def style_split(style: str, leaf: str, tp: int, *, parts: int = 1, replicas: int = 1) -> TensorSplit:
     """How a module sharded as `style` over `tp` ranks holds its tensor `leaf` along `split_dim`: `parts`
-    blocks, each in tp / `replicas` slices. The binding (`tensor_split`) and the layers (`split`) both ask it."""
+    blocks, each in tp / `replicas` slices. Both the binding and the layers ask it."""
     dim = split_dim(style, leaf)
     if dim is None or tp == 1:
         return WHOLE

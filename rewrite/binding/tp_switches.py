@@ -1,6 +1,4 @@
-"""Checks of the plan switches that change how tensor parallelism runs, not what it shards:
-`loss_parallel` and `sequence_parallel`. Pure; used by `resolve`.
-"""
+"""Checks of `loss_parallel` and `sequence_parallel`: how tensor parallelism runs, not what it shards. Pure."""
 
 from __future__ import annotations
 
@@ -26,16 +24,14 @@ def _split_kinds(module: nn.Module, at: str, styles: Mapping[str, str]) -> set[s
 def sequence_blocks(
     layer: nn.Module, path: str, styles: Mapping[str, str]
 ) -> tuple[dict[str, set[str]], dict[str, str], dict[str, str]]:
-    """A decoder layer's children as sequence parallelism sees them, by their paths.
+    """A decoder layer's children as sequence parallelism sees them: (blocks, others, moe), by their paths.
 
-    Blocks: children holding linears the plan splits, with the styles found in them ('column',
-    'row'); their input is gathered to the whole sequence, their row layers scatter it again.
-    Mixtures of experts (path -> its fused experts module's path): a child holding one runs on the
-    rank's part of the sequence, token by token (router, experts, gates); the children inside it
-    holding split linears (shared experts) are blocks. Others (path -> what it is): parameters that
-    would see only a part of the sequence outside any block: children with weights that are not
-    norms (a convolution over the sequence, an unsplit MLP) and the layer's own parameters. Norms,
-    dropouts and parameterless children run on the rank's part as they are.
+    Blocks: children holding linears the plan splits, with the styles found in them ('column', 'row'); their
+    input is gathered to the whole sequence, their row layers scatter it again. Moe (path -> its fused experts
+    module's path): a child holding one runs on the rank's part of the sequence, token by token; the children
+    inside it holding split linears (shared experts) are blocks. Others (path -> what it is): parameters that
+    would see only a part of the sequence outside any block (children with weights that are not norms, the
+    layer's own parameters). Norms, dropouts and parameterless children run on the rank's part as they are.
     """
     blocks: dict[str, set[str]] = {}
     moe: dict[str, str] = {}
@@ -64,22 +60,18 @@ def option_problems(plan: ParallelPlan, model: nn.Module, bb: Backbone | None, s
     head = styles.get(bb.head) if bb is not None and bb.head else None
     if plan.loss_parallel:
         if bb is None or not bb.head:
-            problems.append(
-                f"{loss_at}loss_parallel: true needs an LM head the module walker knows (a Hugging Face LLaMA-family "
-                f"...ForCausalLM); {name} has none: remove loss_parallel"
-            )
+            problems.append(f"{loss_at}loss_parallel: true needs an LM head the module walker knows (a Hugging Face "
+                            f"LLaMA-family ...ForCausalLM); {name} has none: remove loss_parallel")
         elif head != "column":
-            problems.append(
-                f"{loss_at}loss_parallel: true needs tensor_parallel['{bb.head}']: column (vocabulary shards of the "
-                f"logits), found {head or 'unsharded'}; add that rule or remove loss_parallel"
-            )
+            problems.append(f"{loss_at}loss_parallel: true needs tensor_parallel['{bb.head}']: column (vocabulary "
+                            f"shards of the logits), found {head or 'unsharded'}; add that rule or remove "
+                            "loss_parallel")
     elif head == "column":
         rule = next((p for p in plan.tensor_parallel if match_pattern(p, bb.head)), None)
         at = plan.where("tensor_parallel", rule) if rule else ""
-        problems.append(
-            f"{at}tensor_parallel: {bb.head} as 'column' leaves the model's logits sharded over tp; set "
-            "loss_parallel: true (cross-entropy on the shards) or shard it as 'column_gather' (full logits)"
-        )
+        problems.append(f"{at}tensor_parallel: {bb.head} as 'column' leaves the model's logits sharded over tp; set "
+                        "loss_parallel: true (cross-entropy on the shards) or shard it as 'column_gather' (full "
+                        "logits)")
     if plan.sequence_parallel:
         problems += _sequence_problems(plan, model, bb, styles)
     return problems
@@ -87,38 +79,26 @@ def option_problems(plan: ParallelPlan, model: nn.Module, bb: Backbone | None, s
 
 def _sequence_problems(plan: ParallelPlan, model: nn.Module, bb: Backbone | None, styles: dict[str, str]) -> list[str]:
     if bb is None:
-        return [
-            f"{plan.where('sequence_parallel')}sequence_parallel: true works with Hugging Face LLaMA-family models "
-            "(the module walker); "
-            f"{type(model).__name__} is split by torch.fx: remove sequence_parallel"
-        ]
+        return [f"{plan.where('sequence_parallel')}sequence_parallel: true works with Hugging Face LLaMA-family models "
+                f"(the module walker); {type(model).__name__} is split by torch.fx: remove sequence_parallel"]
     problems, at = [], plan.where("sequence_parallel")
     if bb.norm_first:
-        problems.append(
-            f"{at}sequence_parallel: true gathers the sequence at {bb.norm}, which "
-            f"{type(model).__name__} also runs before its first layer: remove sequence_parallel"
-        )
+        problems.append(f"{at}sequence_parallel: true gathers the sequence at {bb.norm}, which "
+                        f"{type(model).__name__} also runs before its first layer: remove sequence_parallel")
     for i in range(bb.num_layers):
         layer = bb.layer(i)
         blocks, others, moe = sequence_blocks(model.get_submodule(layer), layer, styles)
         if not blocks and not moe:
-            problems.append(
-                f"{at}sequence_parallel: true needs the blocks of {layer} sharded (column in, row out): between "
-                "its blocks a rank holds only its part of the sequence"
-            )
+            problems.append(f"{at}sequence_parallel: true needs the blocks of {layer} sharded (column in, row out): "
+                            "between its blocks a rank holds only its part of the sequence")
         for block, kinds in blocks.items():
             if kinds != {"column", "row"}:
-                problems.append(
-                    f"{at}sequence_parallel: true needs {block} sharded column in and row out (it gathers the "
-                    f"sequence before its column layers and scatters it after its row layer); found "
-                    f"{' and '.join(sorted(kinds))} only"
-                )
+                problems.append(f"{at}sequence_parallel: true needs {block} sharded column in and row out (it gathers "
+                                "the sequence before its column layers and scatters it after its row layer); found "
+                                f"{' and '.join(sorted(kinds))} only")
         for other, what in others.items():
-            problems.append(
-                f"{at}sequence_parallel: true runs {other} ({what}) on this "
-                "rank's part of the sequence, and only norms may run so: shard it (column in, row out) or remove "
-                "sequence_parallel"
-            )
+            problems.append(f"{at}sequence_parallel: true runs {other} ({what}) on this rank's part of the sequence, "
+                            "and only norms may run so: shard it (column in, row out) or remove sequence_parallel")
     ends = [bb.norm] + ([bb.head] if bb.head else [])
     for pattern in plan.activation_checkpointing:
         for end in ends:
