@@ -63,22 +63,17 @@ def plan_from_hf(
         tp, pp: the mesh.
         ep, dp: experts split over ep ranks borrowed from a stage's dp x tp ranks (dp defaults to the fewest
             replicas that make room for ep: ep / gcd(ep, tp)).
-        microbatches, cut_points, schedule, virtual_stages: the pipeline
-            (cut_points None: balanced; "auto": by estimated compute).
-        loss_parallel: the LM head becomes 'column' (vocabulary shards of the logits) and
-            the cross-entropy works on the shards; with tied embeddings the embedding
-            becomes 'vocab' too when the model declares no rule for it.
-        sequence_parallel: split the hidden states along the sequence between the blocks
-            (the plan's `sequence_parallel`).
+        microbatches, cut_points, schedule, virtual_stages: the pipeline (cut_points None: balanced).
+        loss_parallel: the LM head becomes 'column' and the cross-entropy works on vocabulary shards; with
+            tied embeddings the embedding becomes 'vocab' too when the model declares no rule for it.
+        sequence_parallel: the plan's `sequence_parallel`.
 
     Returns:
-        A `ParallelPlan` whose module paths are relative to the model, e.g.
-        `model.layers.*.self_attn.q_proj` for `LlamaForCausalLM`.
+        A `ParallelPlan` whose module paths are relative to the model (`model.layers.*.self_attn.q_proj`).
 
     Raises:
-        ValueError: the model has no tensor-parallel plan, uses styles this toolkit does
-            not implement (named, with the modules they apply to), or loss_parallel is asked
-            of a model without an LM head.
+        ValueError: the model has no tensor-parallel plan, uses styles this toolkit does not implement
+            (named, with their modules), or loss_parallel is asked of a model without an LM head.
 
     Example:
         >>> plan = plan_from_hf(LlamaConfig(), tp=2)

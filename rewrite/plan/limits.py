@@ -19,13 +19,8 @@ MAX_PLAN_BYTES = 1 << 20  # 1 MiB: a thousand times the largest shipped plan
 MAX_PLAN_VALUES = 10_000  # scalars, lists and mappings, an alias counted each time it is used
 MAX_PLAN_DEPTH = 32  # lists and mappings inside each other; the YAML scanner slows with depth
 
-_KINDS = {
-    stat.S_ISDIR: "a directory",
-    stat.S_ISFIFO: "a named pipe (FIFO)",
-    stat.S_ISCHR: "a character device",
-    stat.S_ISBLK: "a block device",
-    stat.S_ISSOCK: "a socket",
-}
+_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a named pipe (FIFO)", stat.S_ISCHR: "a character device",
+          stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
 # Opening a FIFO for reading waits for a writer; non-blocking, the open returns at once and
 # the fstat below refuses it. On a regular file the flag changes nothing.
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)

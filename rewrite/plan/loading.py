@@ -36,7 +36,7 @@ def _problems(exc: ValidationError, nodes: Any, data: dict) -> list[str]:
         if loc == ("pipeline", "schedule") and isinstance(err.get("input"), str) and err["type"] == "value_error":
             msg = unknown_schedule(err["input"], schedule_fit(data))
         elif err["type"] == "extra_forbidden":
-            msg = f"unknown key {short(loc[-1])}" + _suggest_key(exc, loc)
+            msg = f"unknown key {short(loc[-1])}" + _suggest_key(loc)
         elif err["type"] not in ("value_error", "missing") and "input" in err:
             msg += f" (found {short(err['input'])})"
         # A cross-field check reports its problems one a line: count each.
@@ -44,13 +44,10 @@ def _problems(exc: ValidationError, nodes: Any, data: dict) -> list[str]:
     return [p for _, p in sorted(problems, key=lambda item: item[0])]
 
 
-def _suggest_key(exc: ValidationError, loc: tuple) -> str:
-    fields: dict[str, Any] = {
-        (): ParallelPlan.model_fields,
-        ("mesh",): MeshSpec.model_fields,
-        ("pipeline",): Pipeline.model_fields,
-        ("data_parallel",): DataParallel.model_fields,
-    }.get(tuple(loc[:-1]), {})
+def _suggest_key(loc: tuple) -> str:
+    """'; did you mean ...?' for an unknown key at `loc`, else the keys allowed there."""
+    section = {(): ParallelPlan, ("mesh",): MeshSpec, ("pipeline",): Pipeline, ("data_parallel",): DataParallel}
+    fields = section[tuple(loc[:-1])].model_fields if tuple(loc[:-1]) in section else {}
     close = difflib.get_close_matches(str(loc[-1]), list(fields), n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; allowed here: {', '.join(fields)}"
 

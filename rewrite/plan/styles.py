@@ -62,19 +62,10 @@ STYLES: dict[str, str] = {name: info.what for name, info in STYLE_INFO.items()}
 
 # Hugging Face transformers' tensor-parallel style names, and the style each means here.
 STYLE_ALIASES: dict[str, str] = {
-    "colwise": "column",
-    "local_colwise": "column",
-    "rowwise": "row",
-    "local_rowwise": "row",
-    "rowwise_rep": "row",
-    "colwise_gather_output": "column_gather",
-    "colwise_rep": "column_gather",
-    "rowwise_split_input": "row_split",
-    "replicated_with_grad_allreduce": "grad_allreduce",
-    "mla_kv_a_proj": "mla_kv_a",
-    "embedding_rowwise": "vocab",
-    "packed_colwise": "packed_column",
-    "ep_dispatch_experts": "expert_parallel",
+    "colwise": "column", "local_colwise": "column", "rowwise": "row", "local_rowwise": "row", "rowwise_rep": "row",
+    "colwise_gather_output": "column_gather", "colwise_rep": "column_gather", "rowwise_split_input": "row_split",
+    "replicated_with_grad_allreduce": "grad_allreduce", "mla_kv_a_proj": "mla_kv_a", "embedding_rowwise": "vocab",
+    "packed_colwise": "packed_column", "ep_dispatch_experts": "expert_parallel",
     "moe_tp_experts": "expert_tensor_parallel",
 }
 
@@ -101,14 +92,11 @@ def _style(value: Any) -> Any:
     """Map HF aliases onto our style names; reject unknown names with a suggestion."""
     if not isinstance(value, str):
         return value  # the Literal check reports the type
-    if value in STYLES:
-        return value
-    if value in STYLE_ALIASES:
-        return STYLE_ALIASES[value]
+    if value in STYLES or value in STYLE_ALIASES:
+        return STYLE_ALIASES.get(value, value)
     if value in NEEDS_NO_RULE:
         raise ValueError(f"style {short(value)} is not needed: {NEEDS_NO_RULE[value]}")
-    known = [*STYLES, *STYLE_ALIASES]
-    close = difflib.get_close_matches(value, known, n=1)
+    close = difflib.get_close_matches(value, [*STYLES, *STYLE_ALIASES], n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"unknown style {short(value)}: use one of {', '.join(STYLES)} "
                      f"(Hugging Face names {', '.join(STYLE_ALIASES)} are accepted too){hint}")
