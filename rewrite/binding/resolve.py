@@ -162,22 +162,11 @@ def resolve_with(steps: BindSteps, plan: ParallelPlan | str | Path | dict, *, wo
         raise PlanError(plan.source, by_line(collapse_repeats(problems)))
     total, total_bytes = steps.totals()
     return ResolvedPlan(
-        plan=plan,
-        model_name=type(model).__name__,
-        kind="hf" if bb is not None else "fx",
-        backbone=bb,
-        shards=tuple(shards),
-        stages=_stage_specs(steps, plan, cut, shards, experts),
-        cut_points=tuple(cut.cuts),
-        total_params=total,
-        total_bytes=total_bytes,
-        layer_indices=tuple(tuple(ls) for ls in cut.layer_sets),
-        costs=cut.costs,
-        stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
-        recomputed=tuple(recomputed),
-        warnings=tuple(collapse_repeats(list(notes))),
-        experts=experts,
-    )
+        plan=plan, model_name=type(model).__name__, kind="hf" if bb is not None else "fx", backbone=bb,
+        shards=tuple(shards), stages=_stage_specs(steps, plan, cut, shards, experts), cut_points=tuple(cut.cuts),
+        total_params=total, total_bytes=total_bytes, layer_indices=tuple(tuple(ls) for ls in cut.layer_sets),
+        costs=cut.costs, stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
+        recomputed=tuple(recomputed), warnings=tuple(collapse_repeats(list(notes))), experts=experts)
 
 
 @dataclass
