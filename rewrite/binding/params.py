@@ -36,9 +36,8 @@ class HeldParameter:
         return math.prod(self.shape)
 
 
-def held_parameters(
-    model: nn.Module, modules: Iterable[str], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = ()
-) -> list[HeldParameter]:
+def held_parameters(model: nn.Module, modules: Iterable[str],
+                    shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = ()) -> list[HeldParameter]:
     """Every parameter under `modules` ("" for the whole model), each once, with its per-rank shape.
 
     Args:

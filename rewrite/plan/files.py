@@ -126,11 +126,9 @@ def _decode(path: Path, raw: bytes) -> str:
     except UnicodeDecodeError as exc:
         start = raw.rfind(b"\n", 0, exc.start) + 1
         line, column = raw.count(b"\n", 0, exc.start) + 1, len(raw[start : exc.start].decode("utf-8")) + 1
-        raise PlanError(
-            str(path),
-            [f"line {line}, column {column}: not UTF-8 text (byte {exc.start:,} is 0x{raw[exc.start]:02x}: "
-             f"{exc.reason}); plans are UTF-8: save the file as UTF-8"],
-        ) from None
+        raise PlanError(str(path), [f"line {line}, column {column}: not UTF-8 text (byte {exc.start:,} is "
+                                    f"0x{raw[exc.start]:02x}: {exc.reason}); plans are UTF-8: save the file as UTF-8"]
+                        ) from None
 
 
 def _read_yaml(path: Path, text: str) -> tuple[Any, Any]:
