@@ -26,12 +26,9 @@ _SPLIT_HEAD = f"({', '.join(ATTENTION.members)} would split a head)"
 
 
 def head_counts(config, k_features: int | None = None) -> tuple[int, int] | None:
-    """(query heads, key/value heads) of an attention config; None without `num_attention_heads`.
-
-    With `k_features` (the k projection's output size) the kv heads are what it holds,
-    `k_features / head_dim`, whatever the config says: GPT-J keeps a head per query head
-    and ignores `num_key_value_heads`.
-    """
+    """(query heads, key/value heads) of an attention config; None without `num_attention_heads`. With
+    `k_features` (the k projection's output size) the kv heads are `k_features / head_dim`, whatever the
+    config says (GPT-J keeps a head per query head and ignores `num_key_value_heads`)."""
     heads = config_value(config, "num_attention_heads")
     if not isinstance(heads, int) or heads < 1:
         return None

@@ -66,11 +66,8 @@ def held_by_stage(
     walk: tuple[tuple, ...] | None = None, experts: Iterable[ExpertSpec] = (),
 ) -> list[list[HeldParameter]]:
     """`held_parameters` of each set of modules (a stage's), in one walk over the model's parameters
-    (`walk`: `parameter_walk(model)`, when the caller keeps it). The parameters of `experts` split over
-    ep > 1 are held as a rank's E / ep experts, those split over tp as its slices (`ExpertSpec.split_of`).
-
-    A parameter shared by two sets (tied embeddings on the first and last stage) is in both;
-    `HeldParameter.ident` tells a rank holding both stages that it is one.
+    (`walk`: `parameter_walk(model)`, when the caller keeps it); `experts` as `ExpertSpec.split_of` holds them.
+    A parameter shared by two sets (tied embeddings) is in both; `HeldParameter.ident` says it is one.
     """
     sets = [set(m) for m in module_sets]
     specs = shards.values() if isinstance(shards, Mapping) else shards
