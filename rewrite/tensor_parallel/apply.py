@@ -1,8 +1,5 @@
-"""Applying a bound plan's tensor-parallel rules: module swaps in place, over one group.
-
-Then, when the plan asks for them, sequence parallelism is wired in and the LM head
-is told to keep its vocabulary shards for the runner's loss.
-"""
+"""Applying a bound plan's tensor-parallel rules in place, over one group: module swaps,
+then sequence parallelism when the plan asks for it."""
 
 from __future__ import annotations
 
@@ -41,6 +38,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
     # Siblings reading one activation (q/k/v; gate/up) share one backward all-reduce.
     copies = {p: SharedInputCopy(group) for p, n in columns.items() if n > 1 and p}
     sharded: dict[int, nn.Parameter] = {}  # id of a replaced weight -> the shard that replaced it
+    head = resolved.backbone.head if resolved.backbone is not None else None
     for spec in resolved.shards:
         if spec.parameter:  # attention sinks: this rank's heads' values
             split_head_parameter(model, spec.fqn, group_rank(group), spec.tp)
@@ -59,7 +57,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
         elif spec.style in COLUMN_STYLES:
             # The LM head under loss_parallel still gathers for model(...); the runner asks for shards.
             new = ColumnParallelLinear.from_linear(
-                module, group=group, gather_output=STYLE_INFO[spec.style].gathers_output or spec.fqn == _head(resolved),
+                module, group=group, gather_output=STYLE_INFO[spec.style].gathers_output or spec.fqn == head,
                 input_copy=copies.get(parent_name), parts=packed_parts(spec.style),
                 replicas=spec.replicas, replica_group=kv_group if spec.replicas > 1 else None,
             )
@@ -91,8 +89,3 @@ class _ForgetsInputCopy:
             return super().forward(*args, **kwargs)
         finally:
             self.input_copy_cache.forget()
-
-
-def _head(resolved: ResolvedPlan) -> str | None:
-    bb = resolved.backbone
-    return bb.head if bb is not None else None

@@ -1,20 +1,18 @@
-"""What the tensor-parallel linears share: argument checks, the full weight they slice, and
+"""What the tensor-parallel layers share: argument checks, the full weight they slice, and
 the slicing bookkeeping of `_ParallelLinear`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ..binding.shard_layout import TensorSplit
 from ..values import check_count
 from .comm import group_rank, group_size
-
-def _check_features(cls: str, in_features: int, out_features: int) -> None:
-    for name, value in (("in_features", in_features), ("out_features", out_features)):
-        check_count(cls, name, value)
 
 
 def _check_divisible(cls: str, dim: str, size: int, world: int) -> None:
@@ -25,26 +23,26 @@ def _check_divisible(cls: str, dim: str, size: int, world: int) -> None:
         )
 
 
-def _master(
+def master(
     cls: str,
     master_weight: torch.Tensor | None,
-    out_features: int,
-    in_features: int,
+    shape: dict[str, int],
+    init: Callable[[torch.Tensor], object],
     device: torch.device | str | None,
     dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """The full `[out, in]` weight: the one given, or nn.Linear's default init."""
+    """The full weight of `shape` (dim name -> size): `master_weight` checked, else drawn and `init`ed."""
     if master_weight is None:
         # Drawn in full so every rank, seeded alike, slices the same matrix.
-        weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
-        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        weight = torch.empty(tuple(shape.values()), device=device, dtype=dtype)
+        init(weight)
         return weight
     if not isinstance(master_weight, torch.Tensor):
         raise TypeError(f"{cls}: master_weight must be a torch.Tensor, got {type(master_weight).__name__}")
-    if tuple(master_weight.shape) != (out_features, in_features):
+    if tuple(master_weight.shape) != tuple(shape.values()):
         raise ValueError(
             f"{cls}: master_weight has shape {tuple(master_weight.shape)}, expected "
-            f"[out_features, in_features] = [{out_features}, {in_features}]"
+            f"[{', '.join(shape)}] = [{', '.join(map(str, shape.values()))}]"
         )
     return master_weight.detach()
 
@@ -57,7 +55,8 @@ class _ParallelLinear(nn.Module):
 
     def _build(self, in_features, out_features, bias, master_weight, group, device, dtype) -> None:
         cls = type(self).__name__
-        _check_features(cls, in_features, out_features)
+        check_count(cls, "in_features", in_features)
+        check_count(cls, "out_features", out_features)
         self.in_features, self.out_features = in_features, out_features
         self.group = group
         self.tp_size, self.tp_rank = group_size(group), group_rank(group)
@@ -68,7 +67,8 @@ class _ParallelLinear(nn.Module):
         _check_divisible(cls, self._split, split, slices)
         self.per_rank = split // slices
         self.slot = self.tp_rank // self.replicas  # which slice this rank holds
-        full = _master(cls, master_weight, out_features, in_features, device, dtype)
+        full = master(cls, master_weight, {"out_features": out_features, "in_features": in_features},
+                      lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5)), device, dtype)
         # clone(): this rank's storage holds only its slice, never the full matrix.
         self.weight = nn.Parameter(self.shard_of("weight", full).clone())
         if bias:
@@ -77,19 +77,23 @@ class _ParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """The part of the unsharded `full` tensor that this rank's parameter `name` holds (a view)."""
+    def split(self, name: str) -> TensorSplit:
+        """How parameter `name` is split over the group."""
         raise NotImplementedError
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of the unsharded `full` tensor that this rank's parameter `name` holds (a view;
+        a copy of each part's rows when packed)."""
+        return self.split(name).take(full, self.tp_rank)
 
     @classmethod
     def _from(cls, linear: nn.Linear, **options):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{cls.__name__}.from_linear needs an nn.Linear, got {type(linear).__name__}")
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight, **options)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(layer.shard_of("bias", linear.bias.detach()).clone())
         # A frozen source stays frozen once sharded.
         layer.weight.requires_grad_(linear.weight.requires_grad)
         if linear.bias is not None:
-            layer.bias.requires_grad_(linear.bias.requires_grad)
+            layer.bias = nn.Parameter(layer.shard_of("bias", linear.bias.detach()).clone(),
+                                      requires_grad=linear.bias.requires_grad)
         return layer

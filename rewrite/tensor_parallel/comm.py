@@ -1,8 +1,7 @@
 """Tensor-parallel collectives as autograd Functions (Megatron's f and g operators).
 
-Each Function pairs a forward collective with its adjoint in backward, so a
-rewritten model is differentiated by plain autograd (the only hooks are the gradient
-sums of parameters kept whole, `partial_grads`).
+Each Function pairs a forward collective with its adjoint in backward, so a rewritten model is
+differentiated by plain autograd (the only hooks are the gradient sums of whole parameters, `partial_grads`).
 """
 
 from __future__ import annotations
@@ -15,33 +14,27 @@ from torch.distributed import ProcessGroup
 
 from ..lent import lend
 
-__all__ = [
-    "all_reduce_sum",
-    "group_rank",
-    "group_size",
-    "copy_to_parallel",
-    "reduce_from_parallel",
-    "gather_from_parallel",
-    "scatter_to_parallel",
-    "InputCopy",
-    "SharedInputCopy",
-]
+__all__ = ["all_reduce_sum", "group_rank", "group_size", "copy_to_parallel", "reduce_from_parallel",
+           "gather_from_parallel", "scatter_to_parallel", "SharedInputCopy"]
+
+
+def _no_group(group: ProcessGroup | None) -> bool:
+    """Whether torch.distributed is not initialised (then `group` must be None)."""
+    if dist.is_available() and dist.is_initialized():
+        return False
+    if group is not None:
+        raise ValueError("a process group was given but torch.distributed is not initialised")
+    return True
 
 
 def group_size(group: ProcessGroup | None = None) -> int:
     """World size of `group` (default group when None); 1 without a process group."""
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised")
-        return 1
-    return dist.get_world_size(group)
+    return 1 if _no_group(group) else dist.get_world_size(group)
 
 
 def group_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in `group` (default group when None); 0 without a process group."""
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised")
+    if _no_group(group):
         return 0
     rank = dist.get_rank(group)
     if rank < 0:
@@ -52,31 +45,38 @@ def group_rank(group: ProcessGroup | None = None) -> int:
     return rank
 
 
+def swaps(x: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Whether collectives on `x` over `group` go by pairwise P2P swaps (CPU, gloo, a power-of-two group)."""
+    size = group_size(group)
+    return x.device.type == "cpu" and not size & (size - 1) and dist.get_backend(group) == "gloo"
+
+
+def swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup | None) -> None:
+    """Send `send` to group rank `peer` while receiving its tensor into `recv`."""
+    peer = dist.get_global_rank(group, peer) if group is not None else peer
+    ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
 def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum a contiguous `x` over `group`, in place; every rank ends with identical bits.
 
-    On CPU with gloo and a power-of-two group, the sum is done by recursive
-    doubling over torch.distributed P2P: log2(p) rounds in which partners swap
-    their partial sums and add. On 2 cores this costs about a fifth of gloo's
-    ring all_reduce for the [mb, seq, hidden] activations of a tensor-parallel
-    layer (see bench/). IEEE addition is commutative, so both partners of a round
-    compute the same bits, and so does every rank at the end. Elsewhere (NCCL,
-    other group sizes) it is `dist.all_reduce`.
+    On CPU with gloo and a power-of-two group, the sum is done by recursive doubling over P2P:
+    log2(p) rounds in which partners swap their partial sums and add. On 2 cores this costs about
+    a fifth of gloo's ring all_reduce for a tp layer's [mb, seq, hidden] activations (see bench/).
+    IEEE addition is commutative, so both partners of a round compute the same bits, and so does
+    every rank at the end. Elsewhere (NCCL, other group sizes) it is `dist.all_reduce`.
     """
     size = group_size(group)
     if size == 1:
         return x
-    if x.device.type != "cpu" or size & (size - 1) or dist.get_backend(group) != "gloo":
+    if not swaps(x, group):
         dist.all_reduce(x, group=group)
         return x
     rank, partner_sum, step = group_rank(group), torch.empty_like(x), 1
     while step < size:
-        peer = rank ^ step
-        if group is not None:
-            peer = dist.get_global_rank(group, peer)
-        ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, partner_sum, peer)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        swap(x, partner_sum, rank ^ step, group)
         x.add_(partner_sum)
         step *= 2
     return x
@@ -98,9 +98,8 @@ def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    size = group_size(group)
     dense = x.contiguous()
-    parts = [torch.empty_like(dense) for _ in range(size)]
+    parts = [torch.empty_like(dense) for _ in range(group_size(group))]
     dist.all_gather(parts, dense, group=group)
     lend(*parts, *([dense] if dense is not x else []))
     return torch.cat(parts, dim=-1)
@@ -143,30 +142,18 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None, None
 
 
-class _GatherFromParallel(torch.autograd.Function):
-    """Concatenate the last dimension across ranks; backward keeps this rank's slice."""
+class _LastDim(torch.autograd.Function):
+    """`gather`: concatenate the last dimension across ranks, backward keeps this rank's slice;
+    else keep this rank's slice, backward all-gathers the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToParallel(torch.autograd.Function):
-    """Keep this rank's slice of the last dimension; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
+    def forward(ctx, x, group, gather):
+        ctx.group, ctx.gather = group, gather
+        return (_gather_last if gather else _split_last)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        return (_split_last if ctx.gather else _gather_last)(grad, ctx.group), None, None
 
 
 def copy_to_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -186,46 +173,32 @@ def reduce_from_parallel(
 
 def gather_from_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """All-gather along the last dimension (`(..., n/p)` -> `(..., n)`)."""
-    return x if group_size(group) == 1 else _GatherFromParallel.apply(x, group)
+    return x if group_size(group) == 1 else _LastDim.apply(x, group, True)
 
 
 def scatter_to_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's slice of the last dimension (`(..., n)` -> `(..., n/p)`)."""
-    return x if group_size(group) == 1 else _ScatterToParallel.apply(x, group)
-
-
-class InputCopy:
-    """f for one column layer: identity forward, all-reduce of the input's gradient in backward."""
-
-    def __init__(self, group: ProcessGroup | None = None):
-        self.group = group
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to_parallel(x, self.group)
+    return x if group_size(group) == 1 else _LastDim.apply(x, group, False)
 
 
 class SharedInputCopy:
     """Applies f once per input tensor for every column layer that shares this object.
 
-    Attention's q/k/v (and the MLP's gate/up) read the same activation. One f per
-    layer would all-reduce that activation's gradient three times in backward;
-    sharing f lets autograd sum the local partial gradients first, so the block
-    costs a single all-reduce, as in Megatron's fused QKV. The cache is keyed on
-    the input's identity and version, so it never hands out a stale value. The
-    cached copy is a view that keeps the input (and its graph) alive: whoever owns
-    the block calls `forget()` when its forward returns (`apply_tensor_parallel`
-    does), so nothing outlives the block's forward.
+    Attention's q/k/v (and the MLP's gate/up) read the same activation. One f per layer would
+    all-reduce that activation's gradient three times in backward; sharing f lets autograd sum the
+    local partial gradients first, so the block costs a single all-reduce, as in Megatron's fused
+    QKV. The cache is keyed on the input's identity and version, so it never hands out a stale
+    value. The cached copy is a view that keeps the input (and its graph) alive: whoever owns the
+    block calls `forget()` when its forward returns (`apply_tensor_parallel` does).
     """
 
     def __init__(self, group: ProcessGroup | None = None):
         self.group = group
-        self._src: weakref.ref | None = None
-        self._out: torch.Tensor | None = None
-        self._version = -1
+        self.forget()
 
     def forget(self) -> None:
         """Drop the cached copy (and with it the input it keeps alive)."""
-        self._src, self._out, self._version = None, None, -1
+        self._src, self._out, self._version = None, None, -1  # weakref to the input, its copy, its version
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Without a gradient to reduce, f is the identity: nothing to share.

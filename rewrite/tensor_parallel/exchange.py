@@ -15,27 +15,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .comm import group_rank, group_size
+from .comm import group_rank, group_size, swap, swaps
 
 __all__ = ["all_gather_into", "reduce_scatter_into"]
-
-
-def _swaps(x: torch.Tensor, group: ProcessGroup | None) -> bool:
-    size = group_size(group)
-    return x.device.type == "cpu" and not size & (size - 1) and dist.get_backend(group) == "gloo"
-
-
-def _swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup | None) -> None:
-    peer = dist.get_global_rank(group, peer) if group is not None else peer
-    ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
 
 
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """`out` (p * n, ...) receives every rank's contiguous `x` (n, ...), in rank order; returns `out`."""
     size, rank = group_size(group), group_rank(group)
-    if not _swaps(x, group):
+    if not swaps(x, group):
         dist.all_gather_single(out, x, group=group)
         return out
     blocks = out.view(size, *x.shape)  # (p, n, ...): block r is rank r's x
@@ -44,7 +32,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | No
     while step < size:  # after the round of `step`, each rank holds the 2 * step blocks around it
         peer = rank ^ step
         mine, theirs = rank // step * step, peer // step * step
-        _swap(blocks[mine : mine + step], blocks[theirs : theirs + step], peer, group)
+        swap(blocks[mine : mine + step], blocks[theirs : theirs + step], peer, group)
         step *= 2
     return out
 
@@ -55,7 +43,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup 
     On the swap path `x` is used as scratch space (callers pass a private buffer).
     """
     size, rank = group_size(group), group_rank(group)
-    if not _swaps(x, group):
+    if not swaps(x, group):
         dist.reduce_scatter_single(out, x, group=group)
         return out
     blocks = x.view(size, *out.shape)  # (p, n, ...): this rank's partial sum of every block
@@ -67,7 +55,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup 
         keep = slice(lo, lo + half) if low else slice(lo + half, lo + span)
         give = slice(lo + half, lo + span) if low else slice(lo, lo + half)
         received = torch.empty_like(blocks[keep])
-        _swap(blocks[give], received, peer, group)
+        swap(blocks[give], received, peer, group)
         blocks[keep].add_(received)
         lo, span = keep.start, half
     return out.copy_(blocks[rank])

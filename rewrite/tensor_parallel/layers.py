@@ -13,6 +13,8 @@ between them: one all-reduce closes the pair in forward, one opens it in backwar
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -22,8 +24,7 @@ from ..binding.shard_layout import TensorSplit, style_split
 from ..values import is_count
 from .base import _ParallelLinear
 from .comm import (
-    InputCopy, SharedInputCopy, copy_to_parallel, gather_from_parallel, group_size, reduce_from_parallel,
-    scatter_to_parallel,
+    SharedInputCopy, copy_to_parallel, gather_from_parallel, group_size, reduce_from_parallel, scatter_to_parallel,
 )
 from .sequence import reduce_scatter_to_sequence
 
@@ -40,11 +41,10 @@ class ColumnParallelLinear(_ParallelLinear):
         master_weight: the full, initialised `[out_features, in_features]` weight; this
             rank keeps rows `[rank*out/ws, (rank+1)*out/ws)`. When None, the full
             weight is drawn with nn.Linear's init: seed every rank alike.
-        gather_output: all-gather the output so every rank returns `[..., out]`
-            (default). False leaves it sharded, `[..., out/ws]`, to feed a
-            `RowParallelLinear` directly.
-        group: process group to split over (default: the default group). Without an
-            initialised process group the layer runs as world size 1.
+        gather_output: all-gather the output so every rank returns `[..., out]` (default).
+            False leaves it sharded, `[..., out/ws]`, to feed a `RowParallelLinear` directly.
+        group: process group to split over (default: the default group); world size 1
+            without an initialised process group.
         device, dtype: only used to create the weight when master_weight is None.
         parts: the output features are this many equal parts side by side (a fused
             `gate_up_proj` is 2: `W = [G; U]`); each part is split, and a rank keeps
@@ -66,7 +66,7 @@ class ColumnParallelLinear(_ParallelLinear):
         torch.Size([2, 5, 128])
     """
 
-    deferred = False  # replicas > 1, inside a step that sums their gradients once (`replicated.StepSums`)
+    deferred = False  # replicas > 1, inside a step that sums their gradients once (`partial_grads.StepSums`)
 
     def __init__(
         self,
@@ -89,7 +89,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.replicas, self.replica_group = replicas, replica_group
         if not is_count(parts):
             raise ValueError(f"ColumnParallelLinear: parts must be an int >= 1, got {parts!r}")
-        if parts > 1 and (gather_output or out_features % (parts * max(group_size(group), 1))):
+        if parts > 1 and (gather_output or out_features % (parts * group_size(group))):
             raise ValueError(
                 f"ColumnParallelLinear: parts={parts} needs gather_output=False (the packed shards feed a row layer) "
                 f"and out_features={out_features} divisible by parts x the world size {group_size(group)}"
@@ -97,8 +97,8 @@ class ColumnParallelLinear(_ParallelLinear):
         self.parts = parts
         self._build(in_features, out_features, bias, master_weight, group, device, dtype)
         self.out_per_rank = self.per_rank
-        # Sibling column layers reading one activation may share this (see comm).
-        self.input_copy = InputCopy(group)
+        # f; sibling column layers reading one activation may share one (`comm.SharedInputCopy`).
+        self.input_copy = partial(copy_to_parallel, group=group)
 
     @classmethod
     def from_linear(
@@ -114,8 +114,8 @@ class ColumnParallelLinear(_ParallelLinear):
     ) -> ColumnParallelLinear:
         """Shard an existing `nn.Linear`, keeping its trained weight and bias slices.
 
-        `input_copy` lets several layers reading the same activation share one
-        backward all-reduce; it must wrap the same group. `parts`, `replicas`: see the class.
+        `input_copy`: one backward all-reduce shared by layers reading the same activation (over
+        the same group). `parts`, `replicas`: see the class.
         """
         layer = cls._from(linear, gather_output=gather_output, group=group, parts=parts, replicas=replicas,
                           replica_group=replica_group)
@@ -128,10 +128,6 @@ class ColumnParallelLinear(_ParallelLinear):
     def split(self, name: str) -> TensorSplit:
         """Weight and bias: output features (dim 0), `parts` blocks each in tp / replicas slices."""
         return style_split("column", name, self.tp_size, parts=self.parts, replicas=self.replicas)
-
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the weight, entries of the bias (a view; a copy of each part's rows when packed)."""
-        return self.split(name).take(full, self.tp_rank)  # (parts * out / (parts tp), ...)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -189,8 +185,8 @@ class RowParallelLinear(_ParallelLinear):
             weight is drawn with nn.Linear's init: seed every rank alike.
         input_is_parallel: forward() receives this rank's slice `[..., in/ws]` of the
             input (default). False: it receives the full input and splits it itself.
-        group: process group to split over (default: the default group). Without an
-            initialised process group the layer runs as world size 1.
+        group: process group to split over (default: the default group); world size 1
+            without an initialised process group.
         device, dtype: only used to create the weight when master_weight is None.
         sequence_parallel: reduce-scatter the `(b, s, out)` partial sums along the
             sequence instead of all-reducing them: each rank returns its
@@ -242,10 +238,6 @@ class RowParallelLinear(_ParallelLinear):
     def split(self, name: str) -> TensorSplit:
         """The weight's input features (dim 1) in tp slices; the bias whole, added once after the sum."""
         return style_split("row", name, self.tp_size)
-
-    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of the weight (a view); the whole bias."""
-        return self.split(name).take(full, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

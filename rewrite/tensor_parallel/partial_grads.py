@@ -1,17 +1,13 @@
 """Partial gradients: parameters whole on every tensor-parallel rank whose gradients each rank holds in part.
 
-Qwen3's per-head `q_norm`/`k_norm` run on each rank's own heads, and under sequence
-parallelism every norm runs on each rank's own tokens, so each rank's weight gradient
-is a partial sum. A hook on each such parameter (`Tensor.register_hook`: it is handed a
-backward's whole gradient of the parameter, every use of it summed, before it is
-accumulated) sums that gradient over the tp group, so every rank's gradient is the full one.
+Qwen3's per-head `q_norm`/`k_norm` run on each rank's own heads, and under sequence parallelism every
+norm runs on each rank's own tokens, so each rank's weight gradient is a partial sum. A hook on each such
+parameter (`Tensor.register_hook`: handed a backward's whole gradient of the parameter, every use summed,
+before it is accumulated) sums it over the tp group. A k/v projection past its kv heads
+(`ColumnParallelLinear(replicas=r)`) is the same over its replica group.
 
-A k/v projection past its kv heads (`ColumnParallelLinear(replicas=r)`) is the same
-over its replica group: each holder's gradient comes from its own query heads.
-
-A training step can do better (`StepSums`): its backwards only accumulate the partial
-gradients, and one sum per group at the step's end, of all of them at once, completes
-them: one collective per step instead of one per parameter and backward.
+A training step does better (`StepSums`): its backwards only accumulate the partial gradients, and one
+sum per group at the step's end completes them all: one collective per step, not per parameter and backward.
 """
 
 from __future__ import annotations
@@ -33,9 +29,8 @@ _SUMMED = "_grad_summed_over_tp"  # on a parameter: a hook sums its gradient (on
 class GradAllReduce:
     """Mixin: each parameter's gradient is summed over `tp_group` as a backward hands it over (unless deferred).
 
-    Every parameter the module is given carries the sum, whoever gives it: `make_grad_allreduce`
-    for those it holds, assignment for later ones (FSDP2 sets its sharded and gathered parameters
-    as attributes, as `module.weight = ...` does). The module's forward is the original class's.
+    Parameters assigned later carry the sum too (FSDP2 sets its sharded and gathered parameters as
+    attributes, as `module.weight = ...` does). The module's forward is the original class's.
     """
 
     tp_group: ProcessGroup
@@ -63,11 +58,7 @@ def _sum_gradient(module: GradAllReduce, param: nn.Parameter) -> None:
 
 
 def make_grad_allreduce(module: nn.Module, group: ProcessGroup) -> nn.Module:
-    """Make `module`'s parameter gradients sum over `group`, in place.
-
-    The object, its parameters and their names are kept: its class becomes a subclass of
-    the original that adds the mixin, and each parameter a hook that sums its gradient.
-    """
+    """Make `module`'s parameter gradients sum over `group`, in place (`add_mixin`: names kept)."""
     add_mixin(module, GradAllReduce)
     module.tp_group = group
     for param in module.parameters(recurse=False):
@@ -79,13 +70,11 @@ class StepSums(GradFinish):
     """One step's partial gradients in `root` (`GradAllReduce` modules, replicated k/v
     projections), summed over their group once.
 
-    `begin()` sets aside the gradients they already hold (complete ones) and defers
-    the modules' sums; the step's backwards then only accumulate this rank's part.
-    `end()` lifts the deferral (call it however the step ends); `finish()` then sums
-    the step's parts of every such parameter in one collective per tp group, after any
-    data-parallel reduction (both are sums, so their order does not matter), and adds
-    back what was set aside. A gradient sharded by FSDP2 is summed as its local shard:
-    every tp rank of a replica holds the same rows.
+    `begin()` sets aside the (complete) gradients they already hold and defers the modules'
+    sums; `end()` lifts the deferral (call it however the step ends); `finish()` sums the step's
+    parts in one collective per tp group, after any data-parallel reduction (both are sums: order
+    does not matter), and adds back what was set aside. A gradient sharded by FSDP2 is summed as
+    its local shard: every tp rank of a replica holds the same rows.
 
     Collective: `finish` on every rank of each tp group, at the same point of the step.
     """

@@ -15,12 +15,7 @@ from torch.distributed import ProcessGroup
 from . import exchange
 from .comm import group_rank, group_size
 
-__all__ = [
-    "sequence_chunk",
-    "scatter_to_sequence",
-    "gather_from_sequence",
-    "reduce_scatter_to_sequence",
-]
+__all__ = ["sequence_chunk", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence"]
 
 _GRAD_MODES = ("reduce_scatter", "split")
 
@@ -51,9 +46,9 @@ def _chunk(x: torch.Tensor, i: int, c: int) -> torch.Tensor:
     return rows if rows.shape[-2] == c else F.pad(rows, (0, 0, 0, c - rows.shape[-2]))
 
 
-def _own_chunk(x: torch.Tensor, i: int, c: int) -> torch.Tensor:
-    # A fresh contiguous copy, never a view: a view would keep all of x alive.
-    rows = _chunk(x, i, c)
+def _my_chunk(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's padded chunk of x (..., s, h): a fresh contiguous copy, never a view (which would keep x alive)."""
+    rows = _chunk(x, group_rank(group), sequence_chunk(x.shape[-2], group_size(group)))
     return rows if rows._base is None else rows.clone(memory_format=torch.contiguous_format)
 
 
@@ -84,22 +79,21 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     return out
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    """Keep this rank's chunk of a replicated X; backward all-gathers the gradient.
+class _ToSequence(torch.autograd.Function):
+    """Y_r = X[r*c:(r+1)*c] of a replicated X (no communication), or with `reduce` of the sum
+    over ranks of partial X^(q) (row layers' outputs: one reduce-scatter).
 
-    Every rank holds the same X, and Y_r = X[r*c:(r+1)*c], so dL/dX is the
-    concatenation [dL/dY_0 ... dL/dY_{tp-1}] (trimmed to s), needed on every rank.
+    Either way dL/dX (of each X^(q)) is [dL/dY_0 ... dL/dY_{tp-1}] trimmed to s, on every rank.
     """
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, reduce):
         ctx.group, ctx.length = group, x.shape[-2]
-        c = sequence_chunk(x.shape[-2], group_size(group))
-        return _own_chunk(x, group_rank(group), c)  # the full X can then be freed
+        return _reduce_scatter(x, group) if reduce else _my_chunk(x, group)  # the full X can then be freed
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.length), None
+        return _gather(grad, ctx.group, ctx.length), None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -117,27 +111,8 @@ class _GatherFromSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.grad_mode == "reduce_scatter":
-            return _reduce_scatter(grad, ctx.group), None, None, None
-        tp = group_size(ctx.group)
-        c = sequence_chunk(grad.shape[-2], tp)
-        return _own_chunk(grad, group_rank(ctx.group), c), None, None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Y_r = (sum_q X^(q))[r*c:(r+1)*c] for partial sums X^(q) (row layers' outputs).
-
-    dL/dX^(q) = [dL/dY_0 ... dL/dY_{tp-1}] trimmed to s: the same on every rank.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.length = group, x.shape[-2]
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.length), None
+        reduce = ctx.grad_mode == "reduce_scatter"
+        return (_reduce_scatter if reduce else _my_chunk)(grad, ctx.group), None, None, None
 
 
 def scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -148,7 +123,7 @@ def scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> t
     Example: at tp 2, x of shape (1, 7, h) gives rank 1 rows 4..6 plus one zero row.
     """
     _check_rank(x, "scatter_to_sequence")
-    return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group)
+    return x if group_size(group) == 1 else _ToSequence.apply(x, group, False)
 
 
 def gather_from_sequence(
@@ -195,4 +170,4 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = Non
     Example: reduce_scatter_to_sequence(row_linear_partial_out, tp_group)
     """
     _check_rank(x, "reduce_scatter_to_sequence")
-    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)
+    return x if group_size(group) == 1 else _ToSequence.apply(x, group, True)

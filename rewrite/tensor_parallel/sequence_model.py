@@ -7,11 +7,9 @@ hidden states `(b, s, h)`: norms and residual adds run on 1/tp of the tokens.
     -> reduce-scatter -> + residual -> norm -> gather -> MLP -> reduce-scatter -> + residual]
     x layers -> norm -> gather -> head
 
-A block's all-gather has a reduce-scatter as its adjoint (its column layers' input
-gradients are partial sums), so the column layers' own all-reduce is switched off;
-row layers reduce-scatter instead of all-reducing. Same bytes as the all-reduces
-they replace. Parameters that now see only this rank's tokens (the norms) get
-their gradients summed over tp.
+A block's all-gather has a reduce-scatter as its adjoint (its column layers' input gradients are
+partial sums), so the column layers' own all-reduce is off; row layers reduce-scatter instead of
+all-reducing (same bytes). Parameters that see only this rank's tokens (the norms) sum their gradients over tp.
 """
 
 from __future__ import annotations
@@ -42,8 +40,8 @@ _STATE = "_rewrite_sequence_state"
 class SequenceState:
     """The full sequence length of the forward in flight, for the final gather to drop padding.
 
-    Set by the base model's forward (from its input) or by the pipeline stage that runs
-    a microbatch; one forward runs at a time on a rank.
+    Set by the base model's forward (from its input) or by the pipeline stage running a microbatch;
+    one forward runs at a time on a rank.
     """
 
     group: ProcessGroup
@@ -89,9 +87,8 @@ class _ScatterInput:
 class _GatherInput:
     """An attention or MLP block: all-gather the sequence chunks before the column layers.
 
-    Attention drops the padding rows (its rotary embeddings and mask are for s tokens,
-    read from `position_embeddings`, else from the forward in flight); the MLP works row by row,
-    padding included.
+    Attention drops the padding rows (its rotary embeddings and mask are for s tokens); the MLP works
+    row by row, padding included.
     """
 
     sequence: SequenceState
@@ -140,7 +137,7 @@ def _gathered(block: nn.Module, state: SequenceState) -> None:
         if is_latent_attention(sub):
             for name in LATENT_ATTENTION.whole:
                 latent = getattr(sub, name, None)
-                if latent is not None and any(True for _ in latent.parameters(recurse=False)):
+                if latent is not None and _holds_parameters(latent):
                     make_grad_allreduce(latent, state.group)
 
 
@@ -152,14 +149,18 @@ def _mixture(block: nn.Module, at: str, blocks, experts: str, split: Collection[
         path = f"{at}.{name}" if name else at
         if path in blocks:
             _gathered(module, state)
-        elif not any(f"{path}.".startswith(p) for p in inside) and any(True for _ in module.parameters(recurse=False)):
+        elif not any(f"{path}.".startswith(p) for p in inside) and _holds_parameters(module):
             make_grad_allreduce(module, state.group)  # a router, a gate, experts whole: this rank's tokens only
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
 
 
 def _sum_gradients(module: nn.Module, group: ProcessGroup) -> None:
     """Every parameter of `module` (a norm, or a wrapper holding one) sums its gradient over `group`."""
     for sub in module.modules():
-        if any(True for _ in sub.parameters(recurse=False)):
+        if _holds_parameters(sub):
             make_grad_allreduce(sub, group)
 
 
@@ -169,11 +170,10 @@ def apply_sequence_parallel(
     """Wire sequence parallelism into a model whose blocks are already tensor-parallel, in place.
 
     `styles` maps module paths to the plan's styles. Each decoder layer's blocks
-    (`tp_switches.sequence_blocks`: the children holding split linears, column in and row
-    out, checked when the plan was bound) gather the sequence first; its norms run on the
-    rank's part and sum their gradients over tp, as do a mixture of experts' router and
-    experts kept whole (`split_experts`: the experts modules split over ep or tp, left
-    alone). Returns the shared `SequenceState`.
+    (`tp_switches.sequence_blocks`: the children holding split linears, checked when the plan was
+    bound) gather the sequence first; its norms run on the rank's part and sum their gradients over
+    tp, as do a mixture of experts' router and experts kept whole (`split_experts`: the experts
+    modules split over ep or tp, left alone). Returns the shared `SequenceState`.
     """
     base = model.get_submodule(bb.base) if bb.base else model
     state = SequenceState(group)
@@ -193,11 +193,12 @@ def apply_sequence_parallel(
                 _mixture(child, at, blocks, moe[at], split_experts, state)
             else:
                 _sum_gradients(child, group)  # the layer norms: each rank sees its tokens only
-    _sum_gradients(model.get_submodule(bb.norm), group)
-    norm = add_mixin(model.get_submodule(bb.norm), _GatherOutput)
-    norm.sequence = state
+    norm = model.get_submodule(bb.norm)
+    _sum_gradients(norm, group)
+    add_mixin(norm, _GatherOutput).sequence = state
     head = getattr(model, "lm_head", None) if bb.head else None
-    norm.gather_grad = "reduce_scatter" if isinstance(head, ColumnParallelLinear) else "split"
-    if isinstance(head, ColumnParallelLinear):
+    sharded_head = isinstance(head, ColumnParallelLinear)
+    norm.gather_grad = "reduce_scatter" if sharded_head else "split"
+    if sharded_head:
         head.input_copy = _input_is_reduced
     return state

@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from ..models.families import embedding_scale
 from ..binding.shard_layout import TensorSplit, style_split
 from ..values import check_count, is_int
+from .base import master
 from .comm import group_rank, group_size, reduce_from_parallel
 
 __all__ = ["VocabParallelEmbedding"]
@@ -107,30 +108,16 @@ class VocabParallelEmbedding(nn.Module):
         # local index would name some other, trainable row.
         owns_pad = self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end
         self._local_padding_idx = self.padding_idx - self.vocab_start if owns_pad else None
-        full = self._master(master_weight, device, dtype)
+        full = master("VocabParallelEmbedding", master_weight,
+                      {"num_embeddings": num_embeddings, "embedding_dim": embedding_dim}, self._init, device, dtype)
         # clone(): this rank's storage holds only its rows, never the full matrix.
         self.weight = nn.Parameter(self.shard_of("weight", full).clone())
 
-    def _master(self, master_weight, device, dtype) -> torch.Tensor:
-        """The full `[V, h]` weight: the one given, or nn.Embedding's default init."""
-        shape = (self.num_embeddings, self.embedding_dim)
-        if master_weight is None:
-            # Drawn in full so every rank, seeded alike, slices the same matrix.
-            weight = torch.empty(shape, device=device, dtype=dtype)
-            nn.init.normal_(weight)
-            if self.padding_idx is not None:
-                weight[self.padding_idx].zero_()
-            return weight
-        if not isinstance(master_weight, torch.Tensor):
-            raise TypeError(
-                f"VocabParallelEmbedding: master_weight must be a torch.Tensor, got {type(master_weight).__name__}"
-            )
-        if tuple(master_weight.shape) != shape:
-            raise ValueError(
-                f"VocabParallelEmbedding: master_weight has shape {tuple(master_weight.shape)}, expected "
-                f"[num_embeddings, embedding_dim] = [{shape[0]}, {shape[1]}]"
-            )
-        return master_weight.detach()
+    def _init(self, weight: torch.Tensor) -> None:
+        """nn.Embedding's init: N(0, 1), the padding row zeroed."""
+        nn.init.normal_(weight)
+        if self.padding_idx is not None:
+            weight[self.padding_idx].zero_()
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, *, group: ProcessGroup | None = None) -> VocabParallelEmbedding:
