@@ -1,15 +1,12 @@
 """Each expert split over tensor-parallel ranks: which dim of a fused experts tensor holds its features.
 
-A fused experts module holds, per expert, an MLP: `gate_up_proj` (gate and up packed side by side) then
-`down_proj`. Split over tp as a dense MLP is (column then row), each rank holds every expert's slice of
-the intermediate features: of `gate_up_proj` a slice of gate's and of up's, of `down_proj` the same slice
-of its input features. The module's own forward on those slices gives a partial output; summed over the
-tp ranks it is the whole one (`expert_parallel.tensor`). Which dim holds the features depends on the
-family's layout (`[E, 2I, H]` and `[E, H, I]`, or Aria's and Llama 4's `[E, H, 2I]` and `[E, I, H]`):
-the family's own tensor-parallel plan says, in transformers' style names for a 3-D tensor
-(`packed_colwise` / `colwise`: dim 1, `packed_rowwise` / `rowwise`: dim 2; `packed_*`: gate and up
-packed). `tp_layout` reads it; `split_problem` checks, on a tiny clone, that the module's forward on
-two ranks' slices adds up to its forward whole.
+Split as a dense MLP is (column then row), each rank holds every expert's slice of the intermediate
+features (of gate's and up's in `gate_up_proj`, the same slice of `down_proj`'s inputs); the module's
+forward on them gives a partial output, summed over tp (`expert_parallel.tensor`). The dim depends on
+the family's layout (`[E, 2I, H]` and `[E, H, I]`, or Aria's and Llama 4's `[E, H, 2I]` and `[E, I, H]`):
+its own tp plan says, in transformers' style names (`packed_colwise` / `colwise`: dim 1,
+`packed_rowwise` / `rowwise`: dim 2). `tp_layout` reads it; `split_problem` checks on a tiny clone
+that two ranks' slices add up to the forward whole.
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ import torch
 from torch import nn
 
 from .experts import every_token, identity_experts, num_experts
-from .oracle import exception_line
-from .tiny_clone import tiny_clone_key, tiny_run
+from .oracle import exception_line, on_tiny_clone
+from .tiny_clone import tiny_run
 
 __all__ = ["tp_layout", "split_problem", "take_features"]
 
@@ -75,20 +72,14 @@ def split_problem(model: nn.Module, fqn: str, layout: dict[str, tuple[int, int]]
     """Why `model`'s experts module `fqn`, split over tp as `layout` says, would not give its whole output
     (summed over the ranks); None when it does. Checked on a tiny clone of the config (4 experts of width
     32), at tp 2, cached per class and config."""
-    config = model.config
-    try:
-        data = json.loads(tiny_clone_key(config))
-    except Exception as exc:  # noqa: BLE001
-        return f"cannot build a tiny {config.model_type} config to check its experts split over tp ({exception_line(exc)})"
-    data.update({k: v for k, v in _TINY_EXPERTS.items() if k in data})
     template = ".".join("*" if p.isdigit() else p for p in fqn.split("."))
-    return _check(type(model), type(config), json.dumps(data, sort_keys=True, default=str), template,
-                  tuple(sorted(layout.items())))
+    return on_tiny_clone(model, "its experts split over tp", _check, template, tuple(sorted(layout.items())))
 
 
 @lru_cache(maxsize=64)
 def _check(model_class: type, config_class: type, key: str, template: str, layout: tuple) -> str | None:
-    config = config_class.from_dict(json.loads(key))
+    data = json.loads(key)
+    config = config_class.from_dict({**data, **{k: v for k, v in _TINY_EXPERTS.items() if k in data}})
     with tiny_run():
         try:
             tiny = model_class(config).float()

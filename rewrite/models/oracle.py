@@ -1,19 +1,17 @@
 """The oracle guard: the module walker's stages must give the model's own logits.
 
-The walker runs a Hugging Face model as embed -> layers -> norm -> head, in slices; a
-family whose forward does more (a scale on the embeddings or the logits, a soft cap, a
-norm before the first layer, rotary embeddings chosen per layer type) would train as a
-different model without a word. So before a plan is bound, the walker is checked against
-the model's own `forward` on a tiny clone of the same config class: same flags and
-multipliers, tiny sizes, random weights, a few random ids, one process, no collective.
-A mismatch, or a walker that cannot run the clone, is refused.
+The walker runs a Hugging Face model as embed -> layers -> norm -> head, in slices; a family whose
+forward does more (a scale, a soft cap, an extra norm, rotary embeddings per layer type) would train as
+a different model without a word. So before a plan is bound, the walker is checked against the model's
+own `forward` on a tiny clone of the config (`tiny_clone`): random weights and ids, one process, no
+collective. A mismatch, or a walker that cannot run the clone, is refused.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
 
 import torch
@@ -32,16 +30,35 @@ TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a d
 def walker_problem(model: nn.Module) -> str | None:
     """Why the module walker cannot stand in for `model`'s own forward, or None when it gives its logits.
 
-    Checked on a tiny clone of the model's config (`tiny_clone.tiny_clone_config`): all layers in one
-    stage, and split into two stages, against `model_class(clone)(input_ids).logits`. The
-    answer is cached per model class and clone config; the global RNG is left as it was.
+    On a tiny clone: all layers in one stage, and in two, against `model_class(clone)(input_ids).logits`;
+    cached per model class and clone config; the global RNG is left as it was.
     """
+    return on_tiny_clone(model, "the module walker against", _check)
+
+
+def on_tiny_clone(model: nn.Module, what: str, check: Callable[..., str | None], *args) -> str | None:
+    """`check(model class, config class, tiny clone key, *args)`, or why `model`'s config has no tiny clone."""
     config = model.config
     try:
         key = tiny_clone_key(config)
-    except Exception as exc:  # a config class that cannot be shrunk: the walker cannot be proven
-        return f"cannot build a tiny {config.model_type} config to check the module walker against ({exception_line(exc)})"
-    return _check(type(model), type(config), key)
+    except Exception as exc:  # a config class that cannot be shrunk: nothing can be proven
+        return f"cannot build a tiny {config.model_type} config to check {what} ({exception_line(exc)})"
+    return check(type(model), type(config), key, *args)
+
+
+def _perturbed(model_class: type, config) -> nn.Module:
+    """A float32 model in eval mode, its parameters off their constant initial values (ones, zeros), so each counts."""
+    tiny = model_class(config).float().eval()
+    for param in tiny.parameters():
+        param.add_(torch.randn_like(param) * 0.1)
+    return tiny
+
+
+def _stages(tiny: nn.Module, bb, ids: torch.Tensor, n: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The walker's logits of `n` layers: all in one stage, and split into two."""
+    whole = run_backbone(tiny, bb, ids, list(range(n)), first=True, last=True, **kwargs)
+    hidden = run_backbone(tiny, bb, ids, list(range(n // 2)), first=True, last=False, **kwargs)
+    return whole, run_backbone(tiny, bb, hidden, list(range(n // 2, n)), first=False, last=True, **kwargs)
 
 
 @lru_cache(maxsize=128)
@@ -50,9 +67,7 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
     family = config.model_type
     with tiny_run():
         try:
-            tiny = model_class(config).float().eval()
-            for param in tiny.parameters():  # off their constant initial values (ones, zeros), so each counts
-                param.add_(torch.randn_like(param) * 0.1)
+            tiny = _perturbed(model_class, config)
             ids = torch.randint(0, config.vocab_size, (2, 8))
             reference = tiny(input_ids=ids, use_cache=False).logits
         except Exception as exc:
@@ -60,11 +75,8 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
         bb = find_backbone(tiny)
         if bb is None or not bb.has_head:
             return None  # the walker does not run it (a base model has no logits to compare): nothing to prove
-        n = bb.num_layers
         try:
-            whole = run_backbone(tiny, bb, ids, list(range(n)), first=True, last=True)
-            hidden = run_backbone(tiny, bb, ids, list(range(n // 2)), first=True, last=False)
-            split = run_backbone(tiny, bb, hidden, list(range(n // 2, n)), first=False, last=True)
+            whole, split = _stages(tiny, bb, ids, bb.num_layers)
         except Exception as exc:
             return f"the module walker cannot run {family}'s layers ({exception_line(exc)})"
     if any(got.shape != reference.shape for got in (whole, split)):
@@ -84,17 +96,11 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
 def packing_problem(model: nn.Module) -> str | None:
     """Why `model` cannot train on packed documents (`position_ids` restarting at 0), or None when it can.
 
-    On a tiny clone: the model's own forward with packed positions must give a document the
-    logits it has alone (a convolution or recurrent layer carries state from one document
-    into the next: the family's forward does not separate them), and the module walker with
-    the same positions, whole and split in two stages, the model's own logits.
+    On a tiny clone: the model's own forward with packed positions must give a document the logits it
+    has alone (a convolution or recurrent layer may carry state across), and the walker with the same
+    positions, whole and in two stages, the model's own logits.
     """
-    config = model.config
-    try:
-        key = tiny_clone_key(config)
-    except Exception as exc:
-        return f"cannot build a tiny {config.model_type} config to check packed documents against ({exception_line(exc)})"
-    return _packing(type(model), type(config), key)
+    return on_tiny_clone(model, "packed documents against", _packing)
 
 
 @lru_cache(maxsize=128)
@@ -102,9 +108,7 @@ def _packing(model_class: type, config_class: type, key: str) -> str | None:
     config = config_class.from_dict(json.loads(key))
     family = config.model_type
     with tiny_run():
-        tiny = model_class(config).float().eval()
-        for param in tiny.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
+        tiny = _perturbed(model_class, config)
         ids = torch.randint(0, config.vocab_size, (1, 8))
         positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])  # two documents, of 3 and 5 tokens
         try:
@@ -117,11 +121,8 @@ def _packing(model_class: type, config_class: type, key: str) -> str | None:
             return (f"{family}'s own forward lets one packed document reach the next (max |difference| {leak:.3g} from the "
                     "document alone: a convolution or recurrent layer carries state across them, or its attention "
                     "does not read the documents' mask); pass one document a row (token ids without position_ids)")
-        bb, n = find_backbone(tiny), config.num_hidden_layers
         try:
-            whole = run_backbone(tiny, bb, ids, list(range(n)), first=True, last=True, position_ids=positions)
-            hidden = run_backbone(tiny, bb, ids, list(range(n // 2)), first=True, last=False, position_ids=positions)
-            split = run_backbone(tiny, bb, hidden, list(range(n // 2, n)), first=False, last=True, position_ids=positions)
+            whole, split = _stages(tiny, find_backbone(tiny), ids, config.num_hidden_layers, position_ids=positions)
         except Exception as exc:
             return f"the module walker cannot run {family}'s layers on packed documents ({exception_line(exc)})"
     worst = max((got - packed).abs().max().item() for got in (whole, split))
@@ -134,16 +135,12 @@ def _packing(model_class: type, config_class: type, key: str) -> str | None:
 def narrowed_problem(model: nn.Module, styles: Mapping[str, str], replicated: Iterable[str] = ()) -> str | None:
     """Why `model`'s own forward cannot run on one tensor-parallel rank's shards, or None when it can.
 
-    A family that reshapes by its full head count (`self.num_heads`) instead of what its
-    projections return crashes once q/k/v hold 1/tp of the heads. On a tiny clone, each
-    linear the plan splits by output ('column') keeps half its rows and each one split by
-    input ('row') half its columns, as on one rank of tp 2; the model's own forward then
-    runs on a few ids. With k/v projections `replicated` (kv heads held by several ranks),
-    the clone is cut as on one rank of tp 4 (one query head per rank) with one whole kv
-    head, its attention told so (`set_local_kv_groups`). Only shapes are checked here:
-    the values are another rank's business.
+    A family that reshapes by its full head count (`self.num_heads`) crashes once q/k/v hold 1/tp of the
+    heads. On a tiny clone, each 'column' linear keeps half its rows and each 'row' one half its columns,
+    as on one rank of tp 2, and the model's own forward runs on a few ids. With k/v projections
+    `replicated`, the clone is cut as on one rank of tp 4 with one whole kv head, its attention told so
+    (`set_local_kv_groups`). Only shapes are checked: the values are another rank's business.
     """
-    config = model.config
     kv = {_template(fqn) for fqn in replicated}
     narrowed = frozenset(
         (_template(fqn), "kv" if _template(fqn) in kv else "row" if style == "row" else "column")
@@ -151,11 +148,7 @@ def narrowed_problem(model: nn.Module, styles: Mapping[str, str], replicated: It
     )
     if not narrowed:
         return None
-    try:
-        key = tiny_clone_key(config)
-    except Exception as exc:
-        return f"cannot build a tiny {config.model_type} config to check its sharded forward against ({exception_line(exc)})"
-    return _narrowed(type(model), type(config), key, narrowed)
+    return on_tiny_clone(model, "its sharded forward against", _narrowed, narrowed)
 
 
 def _template(fqn: str) -> str:
