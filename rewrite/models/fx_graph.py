@@ -1,9 +1,7 @@
 """Pipeline stages of any traceable module, on paper, by torch.fx.
 
-The model is traced once; each node is assigned to the stage whose cut point it
-follows, and a stage's graph is copied out with a single tensor coming in and a
-single tensor going out. Pure: the model is read, never changed
-(`rewrite.pipeline.carve` builds the stage module from a graph made here).
+The model is traced once; each node goes to the stage whose cut point it follows, and a stage's graph
+is copied out with one tensor in and one out. Pure: `rewrite.pipeline.carve` builds the stage module.
 """
 
 from __future__ import annotations
@@ -48,11 +46,7 @@ class TracedModel:
 
     def module_order(self) -> list[str]:
         """Module paths in the order forward() first enters them."""
-        seen: dict[str, None] = {}
-        for node in self.graph.nodes:
-            for path in self.scopes[node]:
-                seen.setdefault(path, None)
-        return list(seen)
+        return list(dict.fromkeys(path for node in self.graph.nodes for path in self.scopes[node]))
 
 
 def trace(model: nn.Module, *, leaf_types: tuple[type[nn.Module], ...] = ()) -> TracedModel:
@@ -68,13 +62,11 @@ def trace(model: nn.Module, *, leaf_types: tuple[type[nn.Module], ...] = ()) -> 
             f"{module}: {type(exc).__name__}: {exc}. Make that code traceable (no Python control flow on "
             "tensor values), or use a Hugging Face LLaMA-family model, which needs no tracing"
         ) from exc
-    scopes = {}
-    for node in graph.nodes:
-        stack = list(node.meta.get("nn_module_stack", {}).keys())
-        paths = [p for p in stack if p]  # fx keys are the module paths
-        if node.op in ("call_module", "get_attr"):
-            paths.append(node.target)
-        scopes[node] = paths
+    scopes = {  # fx keys nn_module_stack by the module paths
+        node: [p for p in node.meta.get("nn_module_stack", {}) if p]
+        + ([node.target] if node.op in ("call_module", "get_attr") else [])
+        for node in graph.nodes
+    }
     return TracedModel(graph, scopes)
 
 
@@ -104,10 +96,7 @@ def stage_of_nodes(traced: TracedModel, cuts: list[str]) -> dict[fx.Node, int]:
 def split_problems(traced: TracedModel, cuts: list[str]) -> list[str]:
     """Why this model cannot be cut at `cuts` into single-tensor stages (empty: it can)."""
     order = traced.module_order()
-    problems = []
-    for cut in cuts:
-        if cut not in order:
-            problems.append(f"pipeline.cut_points: {cut!r} is not a module called by forward()")
+    problems = [f"pipeline.cut_points: {cut!r} is not a module called by forward()" for cut in cuts if cut not in order]
     if problems:
         return problems
     positions = [order.index(c) for c in cuts]
@@ -139,14 +128,10 @@ def split_problems(traced: TracedModel, cuts: list[str]) -> list[str]:
 
 def _incoming(traced: TracedModel, stages: dict[fx.Node, int], s: int) -> list[fx.Node]:
     """Values produced before stage `s` and read by it (parameters excluded)."""
-    seen: dict[fx.Node, None] = {}
-    for node in traced.graph.nodes:
-        if stages[node] != s or node.op == "get_attr":
-            continue
-        for arg in node.all_input_nodes:
-            if stages[arg] < s and arg.op != "get_attr":
-                seen.setdefault(arg, None)
-    return list(seen)
+    return list(dict.fromkeys(
+        arg for node in traced.graph.nodes if stages[node] == s and node.op != "get_attr"
+        for arg in node.all_input_nodes if stages[arg] < s and arg.op != "get_attr"
+    ))
 
 
 def stage_graph(traced: TracedModel, cuts: list[str], s: int) -> fx.Graph:
