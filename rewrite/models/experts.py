@@ -1,22 +1,19 @@
 """The fused experts module of a Hugging Face mixture of experts, as rewrite can split it by expert.
 
-transformers' MoE families hold a layer's experts in one module (`gate_up_proj [E, 2I, H]`,
-`down_proj [E, H, I]`, gpt-oss's transposed ones and biases alike) called as
-`experts(hidden_states, top_k_index, top_k_weights)`: it runs each (token, choice) row through its
-expert and applies the routing weight itself, wherever the family applies it. Every parameter's
-first dimension is the expert, so a rank holding experts `[a, b)` holds the rows `[a, b)` of each,
-and the module's own forward on those rows is the family's math for them.
+transformers' MoE families hold a layer's experts in one module (`gate_up_proj [E, 2I, H]`, `down_proj
+[E, H, I]`, gpt-oss's transposed ones and biases alike) called as `experts(hidden_states, top_k_index,
+top_k_weights)`: each (token, choice) row runs through its expert, weighted. Every parameter's first
+dimension is the expert, so a rank holding experts `[a, b)` holds rows `[a, b)` of each, and the
+module's own forward on them is the family's math.
 
-Llama 4's experts are of another kind, declared here by class (`EVERY_TOKEN_EXPERTS`): called as
-`experts(hidden_states [E T, H])`, every token through every expert (one batched product), its
-routing weights applied to the inputs before (0 for an expert not chosen). Their parameters too
-have the experts first, so they split alike; only the exchange differs (`expert_parallel/dispatch`).
+Llama 4's experts (`EVERY_TOKEN_EXPERTS`) are called as `experts(hidden_states [E T, H])`, every token
+through every expert, routing weights applied to the inputs before; they split alike, only the
+exchange differs (`expert_parallel/dispatch`).
 
-LongCat-Flash's experts have zero-computation experts after the routed ones (`IDENTITY_EXPERTS`):
-a row routed to one of them comes back as itself, weighted. Its `gate_up_proj` holds rows for them
-too (never read), `down_proj` none; both still have the experts first. Its forward reads two
-choices a row at least (one alone is squeezed away): `paired_choices` gives each row a second
-choice, an identity expert at weight 0, which adds exactly 0 to the row and to every gradient.
+LongCat-Flash has zero-computation experts after the routed ones (`IDENTITY_EXPERTS`): a row routed
+to one comes back as itself, weighted (`gate_up_proj` holds never-read rows for them, `down_proj`
+none). Its forward reads two choices a row at least: `paired_choices` adds an identity expert at
+weight 0, which adds exactly 0 to the row and to every gradient.
 """
 
 from __future__ import annotations
@@ -95,11 +92,8 @@ def paired_choices(module: nn.Module, ids: torch.Tensor, weights: torch.Tensor) 
 
 
 def experts_problem(module: nn.Module) -> str | None:
-    """Why `module` cannot be split by expert, in a phrase; None when it can.
-
-    It can when it answers `EXPERTS_CALL` (three arguments, the first the hidden states), says how many experts it holds, has parameters,
-    and every parameter (and buffer) has the experts as its first dimension.
-    """
+    """Why `module` cannot be split by expert, in a phrase; None when it can: it answers `EXPERTS_CALL`,
+    says how many experts it holds, and has parameters (and buffers), each with the experts first."""
     name = type(module).__name__
     count = num_experts(module)
     if count is None:

@@ -1,11 +1,9 @@
 """What a Hugging Face family's own forward does beyond embed -> layers -> norm -> head, in one place.
 
-The module walker (`hf_decoder.run_backbone`) reads this table; the oracle guard
-(`oracle.walker_problem`) then proves, per config, that walker and table together give
-the model's own logits, so an entry that is wrong, or a family that needs one and has
-none, is refused instead of training another model. Rotary embeddings chosen per layer
-type (Gemma-3's `rotary_emb(x, position_ids, layer_type)`) are read off the module's own
-signature and need no entry.
+The module walker (`hf_decoder.run_backbone`) reads this table; the oracle guard (`oracle.walker_problem`)
+proves per config that both together give the model's own logits, so a wrong or missing entry is refused
+instead of training another model. Rotary embeddings chosen per layer type (Gemma-3's
+`rotary_emb(x, position_ids, layer_type)`) are read off the module's signature and need no entry.
 """
 
 from __future__ import annotations
@@ -114,10 +112,9 @@ def family_forward(config) -> FamilyForward:
 def embedding_scale(module: nn.Module) -> float | None:
     """The factor a scaled embedding's own forward multiplies its lookup by, or None.
 
-    Gemma's `...ScaledWordEmbedding(num_embeddings, embedding_dim, padding_idx, embed_scale)`
-    returns `lookup * embed_scale` (a float32 scalar cast to the weight's dtype) and keeps the
-    factor as `scalar_embed_scale`. Checked on a small instance of the module's own class,
-    so a class that only looks alike is not taken for one (None).
+    Gemma's `...ScaledWordEmbedding(num_embeddings, embedding_dim, padding_idx, embed_scale)` returns
+    `lookup * embed_scale` and keeps it as `scalar_embed_scale`. Checked on a small instance of the
+    module's own class, so a class that only looks alike is not taken for one.
     """
     scale = getattr(module, "scalar_embed_scale", None)
     if not isinstance(module, nn.Embedding) or isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -140,11 +137,9 @@ def _scales_lookup(cls: type) -> bool:
 def set_local_kv_groups(attention: nn.Module, heads: int, kv_heads: int) -> None:
     """Tell an attention module how many query heads read each kv head on its rank, in place.
 
-    HF attention repeats each key/value head `num_key_value_groups` times to meet its query
-    heads (`repeat_kv`). Splitting both tp ways keeps the ratio; with kv heads replicated a
-    rank holds `heads` query heads (`H / tp`) against `kv_heads` (one) whole kv heads, so
-    the ratio becomes `heads / kv_heads` there. Head counts, not feature counts: a q_proj
-    may carry a gate beside its queries (Qwen3-Next).
+    HF attention repeats each kv head `num_key_value_groups` times (`repeat_kv`). With kv heads
+    replicated a rank holds `heads` query heads (`H / tp`) against `kv_heads` (one) whole kv heads.
+    Head counts, not feature counts: a q_proj may carry a gate beside its queries (Qwen3-Next).
     """
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"{type(attention).__name__}: {heads} query heads do not fill {kv_heads} kv heads evenly")

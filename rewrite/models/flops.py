@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from .hf_decoder import Backbone
 from .latent_shape import latent_flop_parts, latent_shape
 
-__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops", "EXPERT_VALUES", "moe_shape", "moe_width",
-           "TRAINING"]
+__all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops",
+           "EXPERT_VALUES", "moe_shape", "moe_width", "TRAINING"]
 
 # The backward computes two products for each forward one (input and weight gradients).
 TRAINING = 3
@@ -46,11 +46,8 @@ class Costs:
         return [c / sum(costs) for c in costs]
 
     def folded(self) -> list[int]:
-        """Per layer, with the embeddings added to the first and the head to the last.
-
-        Stage 0 always holds layer 0 and the last stage the last layer, so splitting
-        these weights is splitting the model.
-        """
+        """Per layer, the embeddings added to the first and the head to the last (stage 0 always holds
+        layer 0 and the last stage the last layer, so splitting these weights is splitting the model)."""
         weights = list(self.layers)
         weights[0] += self.embed
         weights[-1] += self.head
@@ -148,10 +145,8 @@ def layer_flops(config, *, seq_len: int) -> int:
 
 
 def head_flops(config, *, seq_len: int, has_head: bool = True) -> int:
-    """Forward FLOPs of the final norm, then (with a head) the LM head and the loss.
-
-    2 s h V for the head's product and LOSS_FLOPS s V for the log-softmax over V = vocab_size.
-    """
+    """Forward FLOPs of the final norm, then (with a head) the LM head's 2 s h V and the loss's
+    LOSS_FLOPS s V over V = vocab_size."""
     h, s = config_size(config, "hidden_size"), seq_len
     norm = NORM_FLOPS * s * h
     if not has_head:
@@ -161,10 +156,7 @@ def head_flops(config, *, seq_len: int, has_head: bool = True) -> int:
 
 
 def embed_flops(config, *, seq_len: int) -> int:
-    """The embedding lookup: no product, one operation per value gathered, s h.
-
-    Cheap but not free: its backward scatter-adds the same s h values into the table.
-    """
+    """The embedding lookup: one operation per value gathered, s h (its backward scatter-adds as many)."""
     return seq_len * config_size(config, "hidden_size")
 
 
@@ -177,10 +169,8 @@ def estimate_costs(
     tp: int = 1,
     sharded: Collection[str] = (),
 ) -> Costs:
-    """Training FLOPs per part of a LLaMA-family model, as one rank of its stage runs them.
-
-    A part whose linears the plan shards (`sharded`: module paths) is divided by `tp`,
-    so an unsharded LM head weighs its full size against tensor-parallel layers.
+    """Training FLOPs per part of a LLaMA-family model, as one rank of its stage runs them: a part whose
+    linears the plan shards (`sharded`: module paths) is divided by `tp`.
 
     Raises:
         ValueError: the config lacks a size the estimate needs (named in the message).

@@ -1,12 +1,9 @@
 """What the module walker knows of Hugging Face decoder-only models.
 
-The backbone is `embedding -> (dropout) -> layers[i] -> norm -> lm_head`, with the rotary
-embedding (when the model has one: recurrent hybrids such as Jamba have none) and the causal
-masks computed from the hidden states. That is enough to run any
-contiguous slice of the layers on its own, so only hidden states cross a stage boundary.
-The parts' names are the model's own (`find_backbone`): LLaMA's `model.embed_tokens`,
-GPT-NeoX's `gpt_neox.embed_in`, GPT-J's `transformer.h`. What a family's forward does
-beyond this shape is in `families.py`, and `oracle.py` proves the two together.
+The backbone is `embedding -> (dropout) -> layers[i] -> norm -> lm_head`, with the rotary embedding
+(recurrent hybrids such as Jamba have none) and the causal masks computed from the hidden states: enough
+to run any contiguous slice of the layers on its own, so only hidden states cross a stage boundary.
+What a family's forward does beyond this shape is in `families.py`; `oracle.py` proves the two together.
 """
 
 from __future__ import annotations
@@ -27,12 +24,9 @@ __all__ = ["RECURRENT_KINDS", "Backbone", "backbone_problem", "document_index", 
 
 @dataclass(frozen=True)
 class Backbone:
-    """Dotted paths of an HF decoder-only model's parts, as the model declares them.
-
-    LLaMA names them `model.embed_tokens`, `model.layers`, `model.norm`; GPT-NeoX
-    `gpt_neox.embed_in`, `gpt_neox.layers`, `gpt_neox.final_layer_norm`; GPT-J
-    `transformer.wte`, `transformer.h`, `transformer.ln_f`. `find_backbone` reads them
-    from the config's `base_model_pp_plan` when it has one.
+    """Dotted paths of an HF decoder-only model's parts, as the model names them: LLaMA's
+    `model.embed_tokens`, `model.layers`, `model.norm`; GPT-NeoX's `gpt_neox.embed_in`, ...; GPT-J's
+    `transformer.wte`, `transformer.h`, `transformer.ln_f`.
     """
 
     base: str  # the base model ("model"), "" when the model is the base model itself
@@ -68,9 +62,8 @@ class Backbone:
 def find_backbone(model: nn.Module) -> Backbone | None:
     """The backbone of an HF decoder-only model (`...ForCausalLM` or the base model), else None.
 
-    The parts come from the config's `base_model_pp_plan` (embedding, what runs on the
-    embeddings, the layers, the final norm, in order); a config without one is read by
-    the parts' kinds: the one embedding, the one layer list, the one norm beside them.
+    The parts come from the config's `base_model_pp_plan` (embedding, what runs on the embeddings, the
+    layers, the final norm, in order), else by kind: the one embedding, layer list and norm.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
@@ -179,14 +172,15 @@ def run_backbone(
     """
     part = model.get_submodule
     config, family = model.config, family_forward(model.config)
-    hidden = part(backbone.embed)(x) if first else x  # (b, s, h)
-    if first and family.embed_scale is not None:
-        hidden = hidden * family.embed_scale(config)
+    hidden = x
     if first:
+        hidden = part(backbone.embed)(x)  # (b, s, h)
+        if family.embed_scale is not None:
+            hidden = hidden * family.embed_scale(config)
         for name in backbone.after_embed:  # the family's dropout on the embeddings
             hidden = part(name)(hidden)
-    if first and family.norm_before_layers:
-        hidden = part(backbone.norm)(hidden)
+        if family.norm_before_layers:
+            hidden = part(backbone.norm)(hidden)
     seq = hidden.shape[1] if seq_len is None else seq_len
     documents = position_ids is not None
     if documents:
@@ -235,10 +229,9 @@ def _takes_layer_type(rotary_class: type) -> bool:
 def _rotary(rotary_emb: nn.Module | None, config, hidden: torch.Tensor, position_ids: torch.Tensor,
             layer_indices: list[int], kinds: frozenset[str] | None = None):
     """`index -> (cos, sin)` for the stage's layers: one table, or one per layer type (Gemma-3's
-    `rotary_emb(x, position_ids, layer_type)`), each computed once; None for a layer type the
-    rotary module has no table for (LFM's convolution layers, listed in its `layer_types`), for a
-    layer type outside `kinds` when given (`FamilyForward.rope_kinds`), and for every layer of a
-    model without one."""
+    `rotary_emb(x, position_ids, layer_type)`), each computed once; None for a layer type the rotary
+    module has no table for (LFM's convolution layers) or outside `kinds` (`FamilyForward.rope_kinds`),
+    and for every layer of a model without one."""
     if rotary_emb is None:
         return lambda index: None
     if not _takes_layer_type(type(rotary_emb)):

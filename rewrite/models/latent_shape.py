@@ -1,10 +1,9 @@
 """The shape of multi-head latent attention (DeepSeek-V2/V3's MLA) from a config, and its FLOPs.
 
-The hidden states are projected down to a kv latent of `kv_lora_rank` (plus the `qk_rope_head_dim`
-rotary key every head shares) and, with `q_lora_rank`, a query latent; each is normalized and
-projected up to the heads: queries of `qk_nope_head_dim + qk_rope_head_dim`, keys the same, values of
-`v_head_dim`. Under tp the up-projections, scores and o_proj split with the heads; the down-projections
-run whole on every rank.
+Hidden states go down to a kv latent of `kv_lora_rank` (plus the `qk_rope_head_dim` rotary key every
+head shares) and, with `q_lora_rank`, a query latent; each is normalized and projected up to the heads
+(queries and keys of `qk_nope_head_dim + qk_rope_head_dim`, values of `v_head_dim`). Under tp the
+up-projections, scores and o_proj split with the heads; the down-projections run whole on every rank.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """A mixture of experts' auxiliary load-balancing loss, as sums a pipeline can carry from stage to stage.
 
-With `config.output_router_logits`, a transformers MoE causal LM adds
-`router_aux_loss_coef x load_balancing_loss_func(router_logits of every layer, E, k)` to its loss:
-Switch's balance over the rows of every layer of the forward, pooled,
+With `config.output_router_logits`, a transformers MoE causal LM adds `router_aux_loss_coef x
+load_balancing_loss_func(router_logits of every layer, E, k)`: Switch's balance, pooled over every layer's rows,
 
     loss = E x sum_e (T_e / N) (P_e / N)
 
-with `T_e` the (row, choice) pairs whose top k holds expert e, `P_e` the sum of the rows' softmax
-probabilities of e, and `N` the rows, each summed over every layer. Those three sums are all a stage
-needs to hand on (`Pooled`, `2 E + 1` numbers): the stages' sums add up to the microbatch's, and the
-loss's gradient reaches each stage's routers through its own `P` alone (`T` is a count), as
-`E T / N^2`, once the counts of every stage are known (`balance`).
-
-`router_loss_parts` reads how a family declares its loss and checks, on random logits, that its own
-`load_balancing_loss_func` is that pooled balance: a family whose loss is another is refused by name.
+with `T_e` the (row, choice) pairs whose top k holds expert e, `P_e` the rows' softmax probabilities
+of e summed, `N` the rows. A stage hands on just these sums (`Pooled`, `2 E + 1` numbers); the gradient
+reaches each stage's routers through its own `P` alone, as `E T / N^2` (`balance`).
+`router_loss_parts` checks on random logits that a family's own function is that pooled balance.
 """
 
 from __future__ import annotations

@@ -46,11 +46,8 @@ def _clone_layers(config) -> list[int]:
 
 
 def per_head_sizes(config) -> dict[str, int]:
-    """The config's other sizes per head, shrunk by the tiny head_dim's share of its own (even, >= 2).
-
-    GPT-J's `rotary_dim` rotates the same share of each head; multi-head latent attention
-    (`qk_rope_head_dim`, `v_head_dim`, `kv_lora_rank`, ...) keeps its proportions.
-    """
+    """The config's other sizes per head, shrunk by the tiny head_dim's share of its own (even, >= 2): GPT-J's
+    `rotary_dim`, multi-head latent attention's `qk_rope_head_dim`, `v_head_dim`, `kv_lora_rank`, ..."""
     data = config.to_dict()
     heads = config_value(config, "num_attention_heads") or 4  # attribute names: GPT-J stores n_head, n_embd
     head_dim = config_value(config, "head_dim") or ((config_value(config, "hidden_size") or 0) // heads) or _SIZES["head_dim"]
@@ -76,9 +73,8 @@ def config_value(config, key: str):
 def tiny_clone_config(config):
     """A config of the same class with the same flags and tiny sizes (64 hidden, 4 heads, 4 layers).
 
-    Per-layer lists (`layer_types`, ...) keep the entries of the layers kept, so every
-    attention type of the original appears; key/value heads keep their kind (as many as
-    the query heads, one, or fewer); token ids outside the tiny vocabulary become ids inside it.
+    Per-layer lists (`layer_types`, ...) keep the kept layers' entries, so every attention type appears;
+    kv heads keep their kind (as many as the query heads, one, or fewer); token ids move inside the vocabulary.
     """
     data = config.to_dict()
     n, keep = config.num_hidden_layers, _clone_layers(config)
@@ -108,9 +104,7 @@ _CLONE_KEYS: dict[tuple, str] = {}
 
 def tiny_clone_key(config) -> str:
     """`tiny_clone_config(config)` as sorted JSON: the key the checks on a tiny clone are cached by.
-
-    Remembered per config value (its class and attributes), since a plan search asks for every candidate plan
-    and every experts module: transformers' `to_dict` is milliseconds a call."""
+    Remembered per config value (a plan search asks per candidate and experts module; `to_dict` takes ms)."""
     seen = (type(config), repr(sorted(vars(config).items(), key=lambda item: item[0])))
     if seen not in _CLONE_KEYS:
         if len(_CLONE_KEYS) >= 64:

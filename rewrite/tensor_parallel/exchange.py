@@ -1,12 +1,10 @@
 """All-gather and reduce-scatter along dim 0, over pairwise swaps where that is faster.
 
-On CPU with gloo and a power-of-two group, gloo's own reduce-scatter runs a whole
-all-reduce and keeps a slice, and its all-gather is a ring; here both take log2(p)
-rounds of P2P swaps between partners (recursive doubling for the gather, recursive
-halving for the reduce-scatter), as `comm.all_reduce_sum` does for sums: at tp = 2,
-one swap of half the tensor. Elsewhere (NCCL, other group sizes) they are torch's
-`all_gather_single` / `reduce_scatter_single`. Tests count calls here, whatever the
-transport.
+On CPU with gloo and a power-of-two group, gloo's reduce-scatter runs a whole all-reduce and keeps a
+slice, and its all-gather is a ring; here both take log2(p) rounds of P2P swaps (recursive doubling
+for the gather, halving for the reduce-scatter), as `comm.all_reduce_sum` does: at tp = 2, one swap
+of half the tensor. Elsewhere torch's `all_gather_single` / `reduce_scatter_single`. Tests count
+calls here, whatever the transport.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Bare per-head parameters (attention sinks) split over tp, in place.
 
-A parameter the plan splits by its own rule (`binding.tp_params`) keeps this tp rank's slice of its dim 0,
-the values of the heads the rank's column layers hold; its owner module runs on it as it is. Each rank's
-gradient is then its slice's whole gradient: nothing to sum. The owner remembers which of its parameters
-are split, for the HF save (`split_parameters`).
+Such a parameter (`binding.tp_params`) keeps this tp rank's slice of dim 0, its heads' values; each
+rank's gradient is its slice's whole gradient: nothing to sum. The owner remembers which of its
+parameters are split, for the HF save (`split_parameters`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
-"""Multi-head latent attention's kv_a projection under tp (style `mla_kv_a`).
+"""Multi-head latent attention's kv_a projection under tp (style `mla_kv_a`, checked by `binding.latent_attention`).
 
-`kv_a_proj_with_mqa` stays a whole nn.Linear on every tp rank. Its output is the kv latent (which goes
-through `kv_a_layernorm` into `kv_b_proj`, a column layer whose f sums its gradient over tp) and, in its last
-`rope` features, the rotary key every head shares, which reaches this rank's heads directly. Those
-features go through f (identity forward, all-reduce backward), so the projection's gradient is the
-whole one on every rank. Which modules take this style is checked by `binding.latent_attention`.
+`kv_a_proj_with_mqa` stays a whole nn.Linear on every tp rank. Its output is the kv latent (into
+`kv_b_proj`, a column layer whose f sums its gradient over tp) and, in its last `rope` features, the
+rotary key every head shares, which reaches this rank's heads directly: those go through f, so the
+projection's gradient is the whole one on every rank.
 
-Under sequence parallelism the attention's input is gathered, and the gather's reduce-scatter sums the
-gradients that reach it: the rotary key's stays this rank's share there (`sequence`), and the projection's
-weight gradient is summed over tp instead, as the block's other whole modules' are (`sequence_model`).
+Under sequence parallelism the gather's reduce-scatter sums what reaches the attention's input: the
+rotary key's gradient stays this rank's share (`sequence`), and the projection's weight gradient is
+summed over tp as the block's other whole modules' are (`sequence_model`).
 """
 
 from __future__ import annotations

@@ -19,13 +19,11 @@ IGNORE_INDEX = -100  # the target cross-entropy skips (torch's default)
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean (or sum) over non-ignored tokens `t` of `lse_t - z[t, y_t]`, with `lse_t = log sum_j exp z[t, j]`.
 
-    Rank `i` holds columns `[s_i, s_i + n)`. Forward: each rank's own `lse_i,t` over its
-    columns and `z[t, y_t]` where it owns `y_t` (0 elsewhere), both gathered in one
-    all-gather of a `[2, tokens]` tensor; then on every rank alike, from the same gathered
-    values in the same order, `lse_t = logsumexp_i lse_i,t` and the target logit as their sum
-    (one rank's is nonzero). Backward needs no communication: `dL/dz[t, j] = (softmax(z_t)_j
-    - 1[j = y_t]) * grad / count` for the local columns `j`, recomputed from the saved
-    logits and `lse_t` (no float32 softmax is kept between forward and backward); a sum divides by 1.
+    Rank `i` holds columns `[s_i, s_i + n)`. Forward: each rank's `lse_i,t` over its columns and
+    `z[t, y_t]` where it owns `y_t` (0 elsewhere), in one all-gather of a `[2, tokens]` tensor; then on
+    every rank alike, in the same order, `lse_t = logsumexp_i lse_i,t` and the target logit as their sum.
+    Backward needs no communication: `dL/dz[t, j] = (softmax(z_t)_j - 1[j = y_t]) * grad / count` for the
+    local columns `j`, recomputed from the saved logits and `lse_t` (no float32 softmax is kept); a sum divides by 1.
     """
 
     @staticmethod
@@ -76,20 +74,17 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Mean (or summed) cross-entropy when each rank of `group` holds a slice of the vocabulary.
 
-    Equal to `F.cross_entropy(full.flatten(0, -2).float(), targets.flatten(),
-    ignore_index=ignore_index, reduction=reduction)` where `full` concatenates every rank's
-    slice along the last dimension: computed in float32, averaged over the non-ignored tokens
-    (nan when all are ignored) or summed over them, the same value on every rank.
-    Collective: every rank calls it.
+    Equal to `F.cross_entropy(full.flatten(0, -2).float(), targets.flatten(), ignore_index=ignore_index,
+    reduction=reduction)`, `full` every rank's slice concatenated: in float32, averaged over the
+    non-ignored tokens (nan when all are ignored) or summed, the same on every rank. Collective.
 
     Args:
         logits: `[..., V/tp]`, this rank's columns `[vocab_start, vocab_start + V/tp)`
             of the logits (e.g. a `ColumnParallelLinear(gather_output=False)` head).
-        targets: `[...]`, the full targets on every rank: class ids in `[0, V)` or
-            ignore_index. Other ids are owned by no rank and are not detected here (check
-            them before the step, as pipeline/inputs does).
-        group: the tensor-parallel group (default: the default group; world size 1
-            without an initialised process group, where this is F.cross_entropy).
+        targets: `[...]`, the full targets on every rank: class ids in `[0, V)` or ignore_index
+            (other ids are not detected here: check them before the step, as pipeline/inputs does).
+        group: the tensor-parallel group (default: the default group; world size 1 without an
+            initialised process group, where this is F.cross_entropy).
         vocab_start: the first vocabulary id of this rank's slice.
         ignore_index: targets with this value add nothing to the loss or gradients.
         reduction: "mean" over the non-ignored tokens, or their "sum" (to divide by a count

@@ -1,6 +1,5 @@
-"""Adding behaviour to a module object in place: its class becomes a subclass of the
-original with a mixin in front. The object, its parameters and their names are kept,
-so optimizers, checkpoints and paths see the same module.
+"""Adding behaviour to a module object in place: its class becomes a subclass of the original with a
+mixin in front; the object, its parameters and their names are kept (optimizers, checkpoints see the same).
 """
 
 from __future__ import annotations

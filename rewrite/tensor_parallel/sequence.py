@@ -23,10 +23,8 @@ _GRAD_MODES = ("reduce_scatter", "split")
 def sequence_chunk(length: int, tp: int) -> int:
     """Rows per rank for a sequence of `length` split over `tp` ranks: ceil(length / tp).
 
-    Rank r holds rows [r*c, (r+1)*c); rows past `length` are zero padding, so for a
-    short sequence (length 1 at tp 4) the last ranks hold padding only.
-
-    Example: sequence_chunk(7, 2) == 4; rank 1 holds rows 4..6 and one padding row.
+    Rank r holds rows [r*c, (r+1)*c); rows past `length` are zero padding (at length 1, tp 4 the
+    last ranks hold padding only). Example: sequence_chunk(7, 2) == 4; rank 1 holds rows 4..6 and one padding row.
     """
     if length < 0 or tp < 1:
         raise ValueError(f"sequence_chunk needs length >= 0 and tp >= 1; got length={length}, tp={tp}")
@@ -118,9 +116,9 @@ class _GatherFromSequence(torch.autograd.Function):
 def scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's sequence chunk of a replicated x: (b, s, h) -> (b, c, h), c = ceil(s / tp).
 
-    No communication forward; backward all-gathers the gradient. A no-op for a group of one.
-    Raises ValueError for a tensor with fewer than 2 dimensions.
-    Example: at tp 2, x of shape (1, 7, h) gives rank 1 rows 4..6 plus one zero row.
+    No communication forward; backward all-gathers the gradient. A no-op for a group of one. Raises
+    ValueError for a tensor with fewer than 2 dimensions. Example: at tp 2, x of shape (1, 7, h) gives
+    rank 1 rows 4..6 plus one zero row.
     """
     _check_rank(x, "scatter_to_sequence")
     return x if group_size(group) == 1 else _ToSequence.apply(x, group, False)
@@ -164,9 +162,8 @@ def gather_from_sequence(
 def reduce_scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum partial outputs over the group and keep this rank's chunk: (b, s, h) -> (b, c, h).
 
-    One reduce-scatter forward (x padded to tp * c rows); backward all-gathers the
-    gradient, trimmed to s. A no-op for a group of one.
-    Raises ValueError for a tensor with fewer than 2 dimensions.
+    One reduce-scatter forward (x padded to tp * c rows); backward all-gathers the gradient, trimmed
+    to s. A no-op for a group of one. Raises ValueError for a tensor with fewer than 2 dimensions.
     Example: reduce_scatter_to_sequence(row_linear_partial_out, tp_group)
     """
     _check_rank(x, "reduce_scatter_to_sequence")

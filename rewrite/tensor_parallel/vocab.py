@@ -48,11 +48,9 @@ def _check_divisible(num_embeddings: int, tp_size: int) -> None:
 class VocabParallelEmbedding(nn.Module):
     """`nn.Embedding` with its vocabulary split across a tensor-parallel group.
 
-    For `E` of shape `[V, h]` on `p` ranks, `E = [E_1; ...; E_p]` split along `V`: rank
-    `i` keeps rows `[i*V/p, (i+1)*V/p)`. It looks up the ids inside its range and
-    writes zeros for the others, so the full lookup is the sum over ranks
-    `E[x] = sum_i 1[x in range_i] E_i[x - i*V/p]`: one all-reduce in forward (Megatron's
-    g), none in backward (each rank's rows get exactly their tokens' gradients).
+    `E = [E_1; ...; E_p]` (`[V, h]`) split along `V`: rank `i` keeps rows `[i*V/p, (i+1)*V/p)`, looks up
+    the ids in its range and writes zeros for the others, so `E[x] = sum_i 1[x in range_i] E_i[x - i*V/p]`:
+    one all-reduce in forward (Megatron's g), none in backward (each rank's rows get their tokens' gradients).
 
     Args:
         num_embeddings: vocabulary size V (all ranks together).
@@ -62,8 +60,8 @@ class VocabParallelEmbedding(nn.Module):
         master_weight: the full, initialised `[V, h]` weight; this rank keeps its rows.
             When None, the full weight is drawn with nn.Embedding's init (`N(0, 1)`, the
             padding row zeroed): seed every rank alike.
-        group: process group to split over (default: the default group). Without an
-            initialised process group the layer runs as world size 1.
+        group: process group to split over (default: the default group); world size 1
+            without an initialised process group.
         device, dtype: only used to create the weight when master_weight is None.
         scale: multiply the looked-up rows by this factor, cast to the weight's dtype as
             Gemma's scaled embedding does (`models.families.embedding_scale`).
@@ -73,8 +71,8 @@ class VocabParallelEmbedding(nn.Module):
         ValueError: V not divisible by the world size, sizes below 1, padding_idx outside
             the vocabulary, or a master_weight of the wrong shape.
 
-    Ids outside `[0, V)` raise in nn.Embedding; here, on more than one rank, they give
-    zero rows (no rank owns them), so check ids before the model (see pipeline/inputs).
+    Ids outside `[0, V)` raise in nn.Embedding; here, on more than one rank, they give zero rows:
+    check ids before the model (see pipeline/inputs).
 
     Example:
         >>> emb = VocabParallelEmbedding(32, 8, master_weight=torch.randn(32, 8))
@@ -121,8 +119,7 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, *, group: ProcessGroup | None = None) -> VocabParallelEmbedding:
-        """Shard an existing `nn.Embedding`, keeping its trained rows, padding_idx and requires_grad, and the
-        scale of a scaled embedding (Gemma's)."""
+        """Shard an existing `nn.Embedding`, keeping its rows, padding_idx, requires_grad and (Gemma's) scale."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding.from_embedding needs an nn.Embedding, got {type(embedding).__name__}")
         unsupported = [
