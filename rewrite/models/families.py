@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .tiny_clone import tiny_run
+
 __all__ = ["FamilyForward", "embedding_scale", "family_forward", "set_local_kv_groups"]
 
 
@@ -124,8 +126,7 @@ def embedding_scale(module: nn.Module) -> float | None:
 
 @cache
 def _scales_lookup(cls: type) -> bool:
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(0)
+    with tiny_run():
         try:
             probe = cls(16, 4, None, embed_scale=3.0)
             ids = torch.randint(0, 16, (2, 5))

@@ -82,11 +82,6 @@ def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.
     return x
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    # Collectives need dense memory; callers own `x`, so reducing in place is safe.
-    return all_reduce_sum(x.contiguous(), group)
-
-
 def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     size, rank = group_size(group), group_rank(group)
     if x.shape[-1] % size:
@@ -119,9 +114,9 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Autograd may hand the same grad tensor to several consumers (e.g. both
-        # branches of a residual add): reduce a private copy, never in place.
-        return _all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+        # Autograd may hand the same grad tensor to several consumers (e.g. both branches of a
+        # residual add): reduce a private (dense, as collectives need) copy, never in place.
+        return all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
@@ -161,13 +156,9 @@ def copy_to_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torc
     return x if group_size(group) == 1 else _CopyToParallel.apply(x, group)
 
 
-def reduce_from_parallel(
-    x: torch.Tensor, group: ProcessGroup | None = None, *, inplace: bool = False
-) -> torch.Tensor:
-    """Megatron's g: sum over the group. A no-op for a group of one.
-
-    With `inplace=True` a contiguous intermediate is reduced in its own memory.
-    """
+def reduce_from_parallel(x: torch.Tensor, group: ProcessGroup | None = None, *, inplace: bool = False) -> torch.Tensor:
+    """Megatron's g: sum over the group; with `inplace=True` a contiguous intermediate is reduced in its
+    own memory. A no-op for a group of one."""
     return x if group_size(group) == 1 else _ReduceFromParallel.apply(x, group, inplace)
 
 

@@ -38,21 +38,18 @@ class ColumnParallelLinear(_ParallelLinear):
         in_features: size of each input sample.
         out_features: size of each output sample (all ranks together).
         bias: add a learnable bias, sharded like the output and initialised to zero.
-        master_weight: the full, initialised `[out_features, in_features]` weight; this
-            rank keeps rows `[rank*out/ws, (rank+1)*out/ws)`. When None, the full
-            weight is drawn with nn.Linear's init: seed every rank alike.
+        master_weight: the full `[out_features, in_features]` weight; this rank keeps rows
+            `[rank*out/ws, (rank+1)*out/ws)`. None: drawn with nn.Linear's init (seed every rank alike).
         gather_output: all-gather the output so every rank returns `[..., out]` (default).
             False leaves it sharded, `[..., out/ws]`, to feed a `RowParallelLinear` directly.
         group: process group to split over (default: the default group); world size 1
             without an initialised process group.
         device, dtype: only used to create the weight when master_weight is None.
-        parts: the output features are this many equal parts side by side (a fused
-            `gate_up_proj` is 2: `W = [G; U]`); each part is split, and a rank keeps
-            `[G_r; U_r]`, so `y.chunk(parts, -1)` still gives its slice of each part.
-        replicas: this many neighbouring ranks hold the same slice (a k/v projection with
-            fewer kv heads than ranks: `tp / kv`); the weight is cut into `ws / replicas`
-            slices, rank `i` keeps slice `i // replicas`, and its gradients are summed over
-            `replica_group` (each rank's share comes from its own query heads only).
+        parts: the output features are this many equal parts side by side (a fused `gate_up_proj`
+            is 2: `W = [G; U]`); a rank keeps `[G_r; U_r]`, so `y.chunk(parts, -1)` gives its slice of each.
+        replicas: this many neighbouring ranks hold the same slice (a k/v projection with fewer kv
+            heads than ranks: `tp / kv`): rank `i` keeps slice `i // replicas` of `ws / replicas`, its
+            gradients summed over `replica_group` (each rank's share comes from its own query heads).
         replica_group: the `replicas` ranks holding this rank's slice (needed when replicas > 1).
 
     Raises:
@@ -180,18 +177,16 @@ class RowParallelLinear(_ParallelLinear):
         out_features: size of each output sample.
         bias: add a learnable bias of shape `[out_features]`, full on every rank,
             initialised to zero and added once after the sum.
-        master_weight: the full, initialised `[out_features, in_features]` weight; this
-            rank keeps columns `[rank*in/ws, (rank+1)*in/ws)`. When None, the full
-            weight is drawn with nn.Linear's init: seed every rank alike.
+        master_weight: the full `[out_features, in_features]` weight; this rank keeps columns
+            `[rank*in/ws, (rank+1)*in/ws)`. None: drawn with nn.Linear's init (seed every rank alike).
         input_is_parallel: forward() receives this rank's slice `[..., in/ws]` of the
             input (default). False: it receives the full input and splits it itself.
         group: process group to split over (default: the default group); world size 1
             without an initialised process group.
         device, dtype: only used to create the weight when master_weight is None.
-        sequence_parallel: reduce-scatter the `(b, s, out)` partial sums along the
-            sequence instead of all-reducing them: each rank returns its
-            `(b, ceil(s/ws), out)` rows of the sum (same bytes, 1/ws of the result),
-            and the bias, added to those rows only, has its gradient summed over the group.
+        sequence_parallel: reduce-scatter the `(b, s, out)` partial sums along the sequence instead
+            of all-reducing them: each rank returns its `(b, ceil(s/ws), out)` rows of the sum, and
+            the bias, added to those rows only, has its gradient summed over the group.
 
     Raises:
         ValueError: in_features not divisible by the world size, or a master_weight
@@ -273,10 +268,8 @@ class RowParallelLinear(_ParallelLinear):
 
 
 def local_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
-    """The part of the unsharded tensor `full` that parameter `name` of a rewritten `model` holds.
-
-    Sharded layers keep their slice (see their `shard_of`); every other parameter is whole.
-    """
+    """The part of the unsharded tensor `full` that parameter `name` of a rewritten `model` holds
+    (a sharded layer's `shard_of`; every other parameter is whole)."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     shard_of = getattr(owner, "shard_of", None)

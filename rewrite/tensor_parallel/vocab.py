@@ -57,9 +57,8 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: size h of each embedding vector.
         padding_idx: a row that is looked up but never trained (its gradient stays zero),
             as in nn.Embedding; negative values count from the end.
-        master_weight: the full, initialised `[V, h]` weight; this rank keeps its rows.
-            When None, the full weight is drawn with nn.Embedding's init (`N(0, 1)`, the
-            padding row zeroed): seed every rank alike.
+        master_weight: the full `[V, h]` weight; this rank keeps its rows. None: drawn with
+            nn.Embedding's init (`N(0, 1)`, the padding row zeroed; seed every rank alike).
         group: process group to split over (default: the default group); world size 1
             without an initialised process group.
         device, dtype: only used to create the weight when master_weight is None.
