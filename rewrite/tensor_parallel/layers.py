@@ -81,17 +81,9 @@ class ColumnParallelLinear(_ParallelLinear):
         replica_group: ProcessGroup | None = None,
     ):
         super().__init__()
-        self.gather_output = gather_output
-        _check_replicas(replicas, replica_group, gather_output, parts)
+        _check_column_options(out_features, gather_output, group, parts, replicas, replica_group)
+        self.gather_output, self.parts = gather_output, parts
         self.replicas, self.replica_group = replicas, replica_group
-        if not is_count(parts):
-            raise ValueError(f"ColumnParallelLinear: parts must be an int >= 1, got {parts!r}")
-        if parts > 1 and (gather_output or out_features % (parts * group_size(group))):
-            raise ValueError(
-                f"ColumnParallelLinear: parts={parts} needs gather_output=False (the packed shards feed a row layer) "
-                f"and out_features={out_features} divisible by parts x the world size {group_size(group)}"
-            )
-        self.parts = parts
         self._build(in_features, out_features, bias, master_weight, group, device, dtype)
         self.out_per_rank = self.per_rank
         # f; sibling column layers reading one activation may share one (`comm.SharedInputCopy`).
@@ -154,19 +146,24 @@ class ColumnParallelLinear(_ParallelLinear):
         )
 
 
-def _check_replicas(replicas, replica_group, gather_output: bool, parts: int) -> None:
+def _check_column_options(out_features, gather_output: bool, group, parts, replicas, replica_group) -> None:
     if not is_count(replicas):
         raise ValueError(f"ColumnParallelLinear: replicas must be an int >= 1, got {replicas!r}")
-    if replicas == 1:
-        return
-    if gather_output or parts > 1:
+    if replicas > 1 and (gather_output or parts > 1):
         raise ValueError(
             f"ColumnParallelLinear: replicas={replicas} needs gather_output=False and parts=1 (replicated slices feed "
             "their own ranks' attention; a gather would repeat them)"
         )
-    if replica_group is None or group_size(replica_group) != replicas:
+    if replicas > 1 and (replica_group is None or group_size(replica_group) != replicas):
         found = "none" if replica_group is None else f"a group of {group_size(replica_group)}"
         raise ValueError(f"ColumnParallelLinear: replicas={replicas} needs a replica_group of {replicas} ranks, got {found}")
+    if not is_count(parts):
+        raise ValueError(f"ColumnParallelLinear: parts must be an int >= 1, got {parts!r}")
+    if parts > 1 and (gather_output or out_features % (parts * group_size(group))):
+        raise ValueError(
+            f"ColumnParallelLinear: parts={parts} needs gather_output=False (the packed shards feed a row layer) "
+            f"and out_features={out_features} divisible by parts x the world size {group_size(group)}"
+        )
 
 
 class RowParallelLinear(_ParallelLinear):
