@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "CHECKED_ON", "replicate", "finish_fsdp_backward", "prepare_ddp_for_backward", "ddp_reducer_finished",
-    "backward_input", "backward_weight", "ddp_ignore", "default_store",
+    "backward_input", "backward_weight", "ddp_ignore", "default_store", "buffer_persists",
 ]
 
 CHECKED_ON = "2.13"
@@ -75,3 +75,8 @@ def default_store():
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def buffer_persists(module: nn.Module, name: str) -> bool:
+    """Whether `module`'s own buffer `name` goes into its state dict (not registered with `persistent=False`)."""
+    return name not in module._non_persistent_buffers_set

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..models.hf_decoder import RECURRENT_KINDS
-from ..models.oracle import TOLERANCE, exception_line, packing_problem
+from ..models.oracle import PACKED_LEAK, TOLERANCE, exception_line, packing_problem
 from ..models.tiny_clone import tiny_clone_key, tiny_run
 from .attention import NAME, register, sequence_shard
 
@@ -36,7 +36,7 @@ def context_parallel_problem(model: nn.Module) -> str | None:
         return (f"{config.model_type}'s {', '.join(recurrent)} layers carry a state along the whole sequence, which "
                 "a rank holding part of the sequence cannot continue")
     mixing = packing_problem(model)  # anything but the masked attention carrying tokens into others
-    if mixing is not None and "reach the next" in mixing:
+    if mixing is not None and PACKED_LEAK in mixing:
         return (f"{config.model_type}'s layers mix tokens outside attention (a convolution or recurrent state, or "
                 "attention that ignores its mask: packed documents reach each other), which a rank holding part of "
                 "the sequence cannot compute")

@@ -17,6 +17,7 @@ from ..models.experts import every_token, num_experts
 from ..tensor_parallel.comm import copy_to_parallel, reduce_from_parallel
 from ..tensor_parallel.mixins import add_mixin
 from ..tensor_parallel.sequence import gather_from_sequence, reduce_scatter_to_sequence
+from ..torch_internals import buffer_persists
 
 __all__ = ["ExpertTensorParallelMixin", "keep_part", "split_experts_over_tp"]
 
@@ -55,8 +56,8 @@ def keep_part(module: nn.Module, spec, rank: int) -> None:
         part = spec.split_of(name).take(tensor.detach(), rank).clone()
         if isinstance(tensor, nn.Parameter):
             setattr(module, name, nn.Parameter(part, requires_grad=tensor.requires_grad))
-        else:
-            module.register_buffer(name, part)
+        else:  # kept out of the state dict where the family registered it so
+            module.register_buffer(name, part, persistent=buffer_persists(module, name))
 
 
 def split_experts_over_tp(module: nn.Module, spec, tp_rank: int, group: ProcessGroup, *, sequence: bool = False) -> None:

@@ -22,9 +22,10 @@ from .families import set_local_kv_groups
 from .hf_decoder import find_backbone, run_backbone
 from .tiny_clone import config_value, tiny_clone_key, tiny_run
 
-__all__ = ["exception_line", "walker_problem", "narrowed_problem", "packing_problem", "TOLERANCE"]
+__all__ = ["exception_line", "walker_problem", "narrowed_problem", "packing_problem", "PACKED_LEAK", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
+PACKED_LEAK = "lets one packed document reach the next"  # in packing_problem's words; cp refuses such a family
 
 
 def walker_problem(model: nn.Module) -> str | None:
@@ -108,7 +109,10 @@ def _packing(model_class: type, config_class: type, key: str) -> str | None:
     config = config_class.from_dict(json.loads(key))
     family = config.model_type
     with tiny_run():
-        tiny = _perturbed(model_class, config)
+        try:
+            tiny = _perturbed(model_class, config)
+        except Exception as exc:
+            return f"cannot build a tiny {family} model to check packed documents on ({exception_line(exc)})"
         ids = torch.randint(0, config.vocab_size, (1, 8))
         positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])  # two documents, of 3 and 5 tokens
         try:
@@ -118,11 +122,14 @@ def _packing(model_class: type, config_class: type, key: str) -> str | None:
             return f"{family}'s own forward does not run on packed documents ({exception_line(exc)})"
         leak = (packed[:, 3:] - alone).abs().max().item()
         if leak > TOLERANCE:
-            return (f"{family}'s own forward lets one packed document reach the next (max |difference| {leak:.3g} from the "
+            return (f"{family}'s own forward {PACKED_LEAK} (max |difference| {leak:.3g} from the "
                     "document alone: a convolution or recurrent layer carries state across them, or its attention "
                     "does not read the documents' mask); pass one document a row (token ids without position_ids)")
-        try:
-            whole, split = _stages(tiny, find_backbone(tiny), ids, config.num_hidden_layers, position_ids=positions)
+        bb = find_backbone(tiny)
+        if bb is None or not bb.has_head:
+            return None  # the walker does not run it: its own forward, checked above, is what trains
+        try:  # the walker's layers, not the config's count: a family may hold more modules than it names layers
+            whole, split = _stages(tiny, bb, ids, bb.num_layers, position_ids=positions)
         except Exception as exc:
             return f"the module walker cannot run {family}'s layers on packed documents ({exception_line(exc)})"
     worst = max((got - packed).abs().max().item() for got in (whole, split))

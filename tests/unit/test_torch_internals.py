@@ -44,3 +44,11 @@ def test_every_private_name_used_is_there():
     assert hasattr(FSDPState, "_root_post_backward_final_callback")
     assert hasattr(torch._C._distributed_c10d.Reducer, "_check_reducer_finalized")
     assert hasattr(torch._C._distributed_c10d.Reducer, "prepare_for_backward")
+
+
+def test_a_buffer_registered_not_to_persist_is_told_apart():
+    module = torch.nn.Module()
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert torch_internals.buffer_persists(module, "kept") and not torch_internals.buffer_persists(module, "scratch")
+    assert set(module.state_dict()) == {"kept"}
