@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	touch $(STAMP)
 	@echo "==> installed: $(BIN)/rewrite --help, make demo, make test"
 
-# Two pytest workers: the end-to-end launches (tests/distributed/run) on one, one after another, every
+# Two pytest workers: the end-to-end launches (tests/distributed/run) in two units started first, every
 # other test file on whichever worker is free (tests/conftest.py). TEST_ARGS= runs it in one process.
 TEST_ARGS ?= -n 2
 

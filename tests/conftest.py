@@ -3,6 +3,16 @@
 import gc
 
 LAUNCHES = "tests/distributed/run/"
+# Launches that stop, interrupt or time out ranks on purpose: a unit of their own, beside the other launches.
+STOPPING = {f"{LAUNCHES}test_{name}.py" for name in ("stuck_worker", "one_message", "interrupts", "launch_lifecycle")}
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or one of the two groups of end-to-end launches."""
+    path = nodeid.split("::")[0]
+    if path.startswith(LAUNCHES):
+        return "launches that stop ranks" if path in STOPPING else "launches"
+    return path
 
 
 def pytest_collection_finish(session):
@@ -12,20 +22,21 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The end-to-end launches first: the longest unit of work (below) starts at once."""
-    items.sort(key=lambda item: not item.nodeid.startswith(LAUNCHES))  # stable: the rest keep their order
+    """The end-to-end launches first: the longest units of work (below) start at once."""
+    first = {"launches": 0, "launches that stop ranks": 1}
+    items.sort(key=lambda item: first.get(_unit(item.nodeid), 2))  # stable: the rest keep their order
 
 
 def pytest_xdist_make_scheduler(config, log):
     """Under `pytest -n N` (`make test` runs 2 workers): each file is one unit of work, so its module
-    fixtures and caches are built once, and the end-to-end launches (torchrun and its workers, with
-    timeouts of their own) are one unit, run one after another; units start in collection order."""
+    fixtures and caches are built once; the end-to-end launches (torchrun and its workers, about half the
+    suite's time) are two units, run one test after another, the first two to start; the other units
+    start in collection order on whichever worker is free."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class FileUnits(LoadScopeScheduling):
+    class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
-            return LAUNCHES if path.startswith(LAUNCHES) else path
+            return _unit(nodeid)
 
     config.option.loadscopereorder = False
-    return FileUnits(config, log)
+    return Units(config, log)
