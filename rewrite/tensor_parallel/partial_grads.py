@@ -44,7 +44,7 @@ class GradAllReduce:
 
 def _sum_gradient(module: GradAllReduce, param: nn.Parameter) -> None:
     """Have `param`'s gradient summed over `module.tp_group` in each backward, once per parameter object."""
-    if not param.requires_grad or hasattr(param, _SUMMED):
+    if hasattr(param, _SUMMED) or not param.is_floating_point():  # only floating point ever has a gradient
         return
 
     def summed(grad: torch.Tensor) -> torch.Tensor | None:
@@ -53,7 +53,10 @@ def _sum_gradient(module: GradAllReduce, param: nn.Parameter) -> None:
         # The engine may hand the same tensor elsewhere: sum a private copy, never in place.
         return comm.all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), module.tp_group)
 
+    frozen = not param.requires_grad  # hooked all the same: one unfrozen later must be summed too
+    param.requires_grad_(True)  # (a hook is registered only on a tensor that requires grad; it stays when frozen)
     param.register_hook(summed)
+    param.requires_grad_(not frozen)
     setattr(param, _SUMMED, True)
 
 

@@ -83,11 +83,35 @@ def _case(rank: int, world: int, plan: dict, **overrides) -> dict:
     return {"step_sums": step_sums, "use_sums": use_sums, "modules": len(partial)}
 
 
+def _unfrozen_later(plan: dict) -> int:
+    """The norms frozen when the plan is applied and trained after all: model(...)'s backward still sums them."""
+    config = build_config("tiny-llama")
+    model = build_model(config, seed=3)
+    reference = copy.deepcopy(model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("norm" not in name)
+    rewrite.apply_plan(model, plan)
+    for param in model.parameters():
+        param.requires_grad_(True)
+    ids, targets = _batch(config, M)
+    tokens = sum(int((y != -100).sum()) for y in targets)
+
+    def loop():
+        for x, y in zip(ids, targets):
+            (rewrite.causal_lm_loss(model(input_ids=x).logits, y, reduction="sum") / tokens).backward()
+
+    sums = _counting_sums(loop)
+    reference_step(reference, ids, targets)
+    _grads_match("unfrozen after apply_plan", model, reference)
+    return sums
+
+
 def _cases(rank: int, world: int) -> dict:
     plan = {"mesh": {"tp": 2}, "tensor_parallel": rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel,
             "pipeline": {"microbatches": M}}
     return {"sp": _case(rank, world, {**plan, "sequence_parallel": True}),
-            "kv": _case(rank, world, plan, num_key_value_heads=1)}  # k/v held whole by both ranks
+            "kv": _case(rank, world, plan, num_key_value_heads=1),  # k/v held whole by both ranks
+            "unfrozen": _unfrozen_later({**plan, "sequence_parallel": True})}
 
 
 def test_partial_gradients_summed_once_per_step_and_at_every_use_outside():
@@ -100,6 +124,7 @@ def test_partial_gradients_summed_once_per_step_and_at_every_use_outside():
     # k_proj and v_proj of 4 layers: their weights' sums (one each per use) become one per step,
     # beside the layers' own sums, which both ways make alike.
     assert kv["modules"] == 8 and kv["use_sums"] - kv["step_sums"] == 8 * M - 1, kv
+    assert first["unfrozen"] == sp["use_sums"]  # the 9 norms, each summed at every use, as if never frozen
 
 
 def _fsdp_outside_a_step(rank: int, world: int) -> int:
