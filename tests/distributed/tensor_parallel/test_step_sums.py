@@ -32,6 +32,13 @@ def _grads_match(name: str, model, reference) -> None:
         assert_close(f"{name} {pname}.grad", param.grad, expected_shard(model, pname, ref[pname].grad))
 
 
+def _backward_each(model, ids, targets) -> None:
+    """model(...) and a backward per microbatch, each loss a share of the step's token mean."""
+    tokens = sum(int((y != -100).sum()) for y in targets)
+    for x, y in zip(ids, targets):
+        (rewrite.causal_lm_loss(model(input_ids=x).logits, y, reduction="sum") / tokens).backward()
+
+
 def _case(rank: int, world: int, plan: dict, **overrides) -> dict:
     config = build_config("tiny-llama", **overrides)
     model = build_model(config, seed=3)
@@ -56,13 +63,7 @@ def _case(rank: int, world: int, plan: dict, **overrides) -> dict:
     # model(...) with its own backward: each backward sums (a hook on the weight), no step is there to do it.
     model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
 
-    tokens = sum(int((y != -100).sum()) for y in targets)  # the step's loss is their token mean
-
-    def loop():
-        for x, y in zip(ids, targets):
-            (rewrite.causal_lm_loss(model(input_ids=x).logits, y, reduction="sum") / tokens).backward()
-
-    use_sums = _counting_sums(loop)
+    use_sums = _counting_sums(lambda: _backward_each(model, ids, targets))
     reference_step(reference, ids, targets)
     _grads_match("model(...)", model, reference)
 
@@ -94,13 +95,7 @@ def _unfrozen_later(plan: dict) -> int:
     for param in model.parameters():
         param.requires_grad_(True)
     ids, targets = _batch(config, M)
-    tokens = sum(int((y != -100).sum()) for y in targets)
-
-    def loop():
-        for x, y in zip(ids, targets):
-            (rewrite.causal_lm_loss(model(input_ids=x).logits, y, reduction="sum") / tokens).backward()
-
-    sums = _counting_sums(loop)
+    sums = _counting_sums(lambda: _backward_each(model, ids, targets))
     reference_step(reference, ids, targets)
     _grads_match("unfrozen after apply_plan", model, reference)
     return sums
