@@ -41,7 +41,7 @@ class RankMemory:
     weights: int
     grads: int
     adamw: int
-    gathered: int  # what a step adds under mesh.dp > 1: gathered parameters, whole gradients (0 when dp = 1)
+    gathered: int  # what a step adds: gathered parameters and whole gradients over dp x cp, else autocast's casts
     activations: int | None  # None: not estimated (`activations.activation_problem`, or no model given)
     in_flight: int | None  # the most (microbatch, stage) pairs alive at once on the rank
     cp_rank: int = 0

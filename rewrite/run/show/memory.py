@@ -21,8 +21,9 @@ def memory_table(memory: dict) -> tuple[list[str], list[list[str]]]:
     """The cells of the per-rank memory table of `rewrite show`: (header, rows), from `show_data(...)["memory"]`.
 
     Columns: rank, stages, tp_rank, params (elements), weights, grads, AdamW, gathered (only
-    when a rank gathers: mesh.dp > 1), activations (`-`: not estimated), total, and fits (only
-    with a memory limit): `yes`, or `no (42.4 GiB > 40 GiB)`.
+    when a rank adds any: parameters shared over dp x cp, or weights cast to a narrower compute
+    dtype), activations (`-`: not estimated), total, and fits (only with a memory limit): `yes`,
+    or `no (42.4 GiB > 40 GiB)`.
 
     Example:
         >>> data = show_data(rewrite.resolve("plans/llama-pp2.yaml", model), model)
@@ -69,8 +70,11 @@ def memory_notes(data: dict) -> list[str]:
         )
     else:
         out.append(f"  activations: not estimated ({memory['activations_not_estimated']})")
-    if not shared:
+    if not any(r["gathered"] for r in ranks):  # no gathered column (`memory_table`): nothing to add
         out.append("  total = weights + grads + AdamW + activations")
+    elif not shared:  # mixed precision on whole parameters: autocast's casts are the column
+        out.append(f"  total = weights + grads + AdamW + gathered + activations; gathered: autocast's copies of the "
+                   f"weights in {memory.get('compute_dtype')}, kept through the step")
     else:
         out.append(
             "  total = weights + grads + AdamW + gathered + activations; gathered: what a step adds, parameters "
