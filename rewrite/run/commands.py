@@ -42,17 +42,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     model = _meta_model(args.model, "float32")  # the master weights `rewrite train` holds, whatever the config says
     resolved = resolve(args.plan, model, world_size=args.world_size)
     _check_context_parallel(resolved, model, args.model)
+    dtype = args.dtype or shown_dtype(args.hardware)  # one compute dtype for every table
     data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                      microbatches=args.microbatches, memory_limit=args.memory_limit,
                      warnings=[*resolved.warnings, *balance_warnings(resolved, model)],
-                     hardware=args.hardware, gpus_per_node=args.gpus_per_node,
-                     dtype=args.dtype or shown_dtype(args.hardware))
+                     hardware=args.hardware, gpus_per_node=args.gpus_per_node, dtype=dtype)
     if args.json:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
     print(render_text(data))
     options = format_options(resolved, model, batch_size=args.batch_size, seq_len=args.seq_len,
-                             microbatches=args.microbatches)
+                             microbatches=args.microbatches, dtype=dtype)
     if options:
         print()
         print(wrap_prose(options))

@@ -1,14 +1,14 @@
-"""The `rewrite show` table of tensor-parallel options: parameters and estimated activations per
-rank as planned and with vocab + loss_parallel, sequence_parallel and activation checkpointing
-each flipped (`rewrite.estimate.activations` estimates, `rewrite.estimate.memory` parameters).
+"""The `rewrite show` table of tensor-parallel options: the busiest rank's weights and activations as
+planned and with vocab + loss_parallel, sequence_parallel and activation checkpointing each flipped,
+read from the memory table's estimate (`rewrite.estimate.memory.rank_memory`) for the same run.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from ...estimate.activations import activation_problem, rank_activations
-from ...estimate.memory import rank_footprints, with_run
+from ...estimate.activations import activation_problem
+from ...estimate.memory import RankMemory, rank_memory
 from ...binding.resolve import ResolvedPlan, resolve
 from ...plan.loading import load_plan
 from ...plan.schema import PlanError
@@ -16,7 +16,7 @@ from ...plan.patterns import match_pattern
 from .columns import format_bytes, format_table
 from .memory import UNCOUNTED
 
-__all__ = ["option_variants", "option_rows", "format_options"]
+__all__ = ["option_variants", "busiest", "option_memory", "option_rows", "format_options"]
 
 
 def option_variants(
@@ -72,58 +72,71 @@ def option_variants(
     return shown, skipped
 
 
-def _busiest(resolved: ResolvedPlan, model: nn.Module, batch_size: int = 1) -> tuple[int, int, int]:
-    """(pp rank, parameter bytes, activation bytes) of the pp rank with the most of both together."""
-    weights = [f.weights for f in rank_footprints(resolved, model)]
-    acts = [a.peak for a in rank_activations(resolved, model, batch_size=batch_size)]
-    r = max(range(resolved.pp), key=lambda i: (weights[i] + acts[i], -i))
-    return r, weights[r], acts[r]
+def busiest(resolved: ResolvedPlan, model: nn.Module, **run) -> RankMemory:
+    """The memory table's busiest rank: the highest total of `rank_memory(resolved, model, **run)`, the lowest
+    such global rank (so tp rank 0, cp rank 0 of its pp rank: they hold the same)."""
+    return max(rank_memory(resolved, model, **run), key=lambda m: (m.total, -m.rank))
 
 
-def option_rows(resolved: ResolvedPlan, model: nn.Module, batch_size: int = 1) -> tuple[list[list[str]], list[str]]:
-    """The tensor-parallel options table of `rewrite show`, and a line per variant left out.
+def option_memory(resolved: ResolvedPlan, model: nn.Module, **run
+                  ) -> tuple[list[tuple[str, RankMemory]], list[tuple[str, str]]]:
+    """(label, busiest rank's `RankMemory`) as planned and for each `option_variants` variant, and those left out.
 
-    One row for the plan, then one per option flipped (`activations.option_variants`):
-    the busiest rank's global rank (replica 0, tp rank 0; its tp ranks hold the same),
-    its parameter bytes (weights, after tp and dp sharding), its estimated activation
-    bytes (`activations.rank_activations`), and both as a multiple of the plan's.
+    `run`: `rank_memory`'s batch_size, seq_len, microbatches and dtype, the same for every variant, so each
+    row is the busiest rank of the memory table `rewrite show` prints for that variant's plan.
     """
     variants, skipped = option_variants(resolved, model)
-    base = _busiest(resolved, model, batch_size)
+    return [(label, busiest(v, model, **run)) for label, v in [("as planned", resolved), *variants]], skipped
+
+
+def option_rows(resolved: ResolvedPlan, model: nn.Module, **run) -> tuple[list[list[str]], list[str]]:
+    """The tensor-parallel options table of `rewrite show`, and a line per variant left out.
+
+    One row for the plan, then one per option flipped (`option_memory`): the busiest rank's
+    global rank (replica 0, tp rank 0; its tp ranks hold the same), its weights and its
+    activations as the memory table counts them, and both as a multiple of the plan's.
+    """
+    found, skipped = option_memory(resolved, model, **run)
+    base = found[0][1]
     rows = []
-    for label, variant in [("as planned", resolved), *variants]:
-        r, params, acts = _busiest(variant, model, batch_size)
-        rows.append([label, str(r * variant.tp), format_bytes(params), format_bytes(acts),
-                     f"{params / base[1]:.2f}x" if base[1] else "-", f"{acts / base[2]:.2f}x" if base[2] else "-"])
+    for label, m in found:
+        acts, base_acts = m.activations or 0, base.activations or 0
+        rows.append([label, str(m.rank), format_bytes(m.weights), format_bytes(acts),
+                     f"{m.weights / base.weights:.2f}x" if base.weights else "-",
+                     f"{acts / base_acts:.2f}x" if base_acts else "-"])
     return rows, [f"  not shown: {label}: {why}" for label, why in skipped]
 
 
 def format_options(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1, seq_len: int | None = None,
-                   microbatches: int | None = None) -> str:
+                   microbatches: int | None = None, dtype: str | None = None) -> str:
     """The table `rewrite show` prints after `render_text`: parameters and estimated activations per rank,
-    as planned and with each tensor-parallel option flipped (`option_rows`), for the same run as its memory
-    table (`batch_size` sequences per microbatch; seq_len, microbatches: override the plan's).
+    as planned and with each tensor-parallel option flipped (`option_rows`), read from the memory table's
+    estimate (`rank_memory`) for the same run: `batch_size` sequences per microbatch; seq_len,
+    microbatches: override the plan's; dtype: the compute dtype (default the parameters').
 
     Empty when nothing is to compare: mesh.tp = 1 and the plan sets none of loss_parallel,
     sequence_parallel, activation_checkpointing; or activations not estimated (`activation_problem`).
 
     Example:
-        >>> print(format_options(rewrite.resolve("plans/llama-tp2-sp.yaml", model), model))
+        >>> print(format_options(rewrite.resolve("plans/llama-tp2-sp.yaml", model), model, dtype="bfloat16"))
     """
     plan = resolved.plan
     wanted = resolved.tp > 1 or plan.loss_parallel or plan.sequence_parallel or plan.activation_checkpointing
     if not wanted or activation_problem(resolved, model) is not None:
         return ""
-    resolved = with_run(resolved, seq_len=seq_len, microbatches=microbatches)  # the variants inherit the run
-    rows, notes = option_rows(resolved, model, batch_size)
-    pipe = resolved.plan.pipeline
+    rows, notes = option_rows(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches,
+                              dtype=dtype)
+    pipe = plan.pipeline
+    s, m = seq_len or pipe.seq_len, microbatches or pipe.microbatches
     return "\n".join([
         "Tensor-parallel options (per rank, estimated): the busiest rank's parameters (weights) and the activations "
         "it keeps for the backward",
         format_table(["plan", "rank", "parameters", "activations", "params vs planned", "acts vs planned"], rows),
         *notes,
-        f"  rank: global rank, replica 0, tp rank 0 (its tp ranks hold the same); activations for "
-        f"{batch_size} sequence{'s' if batch_size != 1 else ''} of {pipe.seq_len} tokens"
-        f"{'' if seq_len else ' (pipeline.seq_len)'} per microbatch, {pipe.microbatches} microbatch"
-        f"{'es' if pipe.microbatches != 1 else ''} under {pipe.schedule}, as in the memory table; {UNCOUNTED}",
+        f"  rank: global rank, replica 0, tp rank 0 (its tp ranks hold the same), the one with the highest total in "
+        f"the memory table of the row's plan; parameters and activations: its weights and activations there; "
+        f"activations for {batch_size} sequence{'s' if batch_size != 1 else ''} of {s} tokens"
+        f"{'' if seq_len else ' (pipeline.seq_len)'} per microbatch, {m} microbatch{'es' if m != 1 else ''} under "
+        f"{pipe.schedule}, as in the memory table; "
+        f"{UNCOUNTED}",
     ])
