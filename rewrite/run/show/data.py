@@ -14,7 +14,7 @@ from torch import nn
 
 from ...estimate.activations import activation_problem
 from ...estimate.hardware import load_hardware
-from ...estimate.memory import GIB, SHARDINGS, RankMemory, rank_footprints, rank_memory
+from ...estimate.memory import GIB, SHARDINGS, RankMemory, rank_footprints, rank_memory, with_run
 from ...estimate.step_time import predict_step
 from ...binding.resolve import ResolvedPlan
 from ...plan.wording import index_ranges
@@ -254,7 +254,7 @@ def _memory_section(resolved: ResolvedPlan, model: nn.Module | None, *, batch_si
         "limit_bytes": limit,
         "not_fitting": sum(1 for m in ranks if m.fits(limit) is False),
         "ranks": [_memory_entry(m, limit) for m in ranks],
-        "fullest": _fullest(resolved, model, dtype),
+        "fullest": _fullest(with_run(resolved, seq_len=seq_len, microbatches=microbatches), model, dtype),
         "activations_not_estimated": (
             "no model given" if model is None else activation_problem(resolved, model)
         ) if not ranks or ranks[0].activations is None else None,

@@ -197,3 +197,16 @@ def test_show_on_the_8b_config_is_fast(llama_8b):
     took = time.process_time() - start
     print(f"rewrite show on llama-3.1-8b, in process: {took:.3f} s")
     assert code == 0 and took < 4.0  # CPU seconds of this process; target 2 s
+
+
+def test_the_fullest_line_reads_the_tables_run(tiny):
+    # One microbatch reduces each layer's gradients as its backward leaves it (`reduce_as_run`): the fullest
+    # rank under the plan's own sharding is then the table's peak without activations, not the plan's 4
+    # microbatches' one.
+    resolved = rewrite.resolve(PLANS / "llama-dp2-tp2-pp2.yaml", tiny)
+    memory = show_data(resolved, tiny, microbatches=1, dtype="bfloat16")["memory"]
+    sharding = resolved.plan.data_parallel.sharding
+    table = max(m["total"] - m["activations"] for m in memory["ranks"])
+    assert memory["fullest"][sharding]["peak"] == table
+    planned = show_data(resolved, tiny, dtype="bfloat16")["memory"]
+    assert planned["fullest"][sharding]["peak"] != table  # the run's microbatches matter here
