@@ -25,7 +25,7 @@ from ..binding.resolve import ResolvedPlan
 from ..schedules import peak_in_flight, plan_table
 from ..schedules.table import alive_counts
 from .layer_activations import Sizes, end_bytes, layer_bytes
-from .plan_parts import activation_problem, block_splits, loss_sharded, recomputed_parts, shard_styles
+from .plan_parts import activation_problem, layer_kinds, loss_sharded, shard_styles
 
 __all__ = [
     "Sizes", "RankActivations", "layer_bytes", "end_bytes", "rank_activations", "activation_problem",
@@ -109,20 +109,19 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
 
 
 def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
-                      dtype: str | torch.dtype | None = None) -> tuple[list[int], list[int]]:
+                      dtype: str | torch.dtype | None = None, sizes: Sizes | None = None) -> tuple[list[int], list[int]]:
     """Per stage: the bytes one microbatch keeps until its backward, and the bytes its largest recomputed
     module holds again during the backward. Independent of the schedule and the microbatch count: a
-    search computes them once per batch size and checkpointing (`place_activations` adds the schedule)."""
+    search computes them once per batch size and checkpointing (`place_activations` adds the schedule).
+    `sizes`: `plan_sizes` of this plan, batch size and dtype, when the caller has them."""
     bb = resolved.backbone
-    z = plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
-    styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
+    z = sizes or plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
+    styles = shard_styles(resolved)
     last = resolved.num_stages - 1
     kept, rebuilt, memo = [], [], {}
-    for stage, layers in enumerate(resolved.layer_indices):
+    for stage, kinds in enumerate(layer_kinds(resolved, styles)):
         k_sum, r_max = 0, 0
-        for i in layers:
-            layer = bb.layer(i)
-            splits, parts = block_splits(styles, layer), frozenset(recomputed.get(i, ()))
+        for i, splits, parts in kinds:
             key = (tuple(splits.values()), i == 0, parts)
             if key not in memo:  # decoder layers alike in shape: one computation each
                 memo[key] = layer_bytes(z, **splits, first=i == 0, recomputed=parts)

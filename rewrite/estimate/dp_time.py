@@ -46,6 +46,12 @@ class DpTime:
         self.gather = {s: [self._ag(b) for b in u.values()] for s, u in enumerate(self.units)}
         self.layers_only = {s: [self._ag(b) for name, b in u.items() if name != "root"]
                             for s, u in enumerate(self.units)}
+        # Per stage, what each step's costs read: (sum, first) of its gathers, its bytes and smallest unit.
+        self._gathers = {s: (sum(ags), ags[0] if ags else 0.0) for s, ags in self.gather.items()}
+        self._layer_gathers = {s: (sum(ags), ags[0] if ags else 0.0) for s, ags in self.layers_only.items()}
+        self._held = [sum(u.values()) for u in self.units]
+        self._smallest = [min(u.values(), default=None) for u in self.units]
+        self._reduces: dict = {}  # (sharding, stage) -> (sum, least) of its units' reduces
 
     def _ag(self, nbytes: float) -> float:
         return all_gather_s(nbytes * self.gathered, self.dp, self.link, self.eff)
@@ -76,11 +82,13 @@ class DpTime:
             for kind, base in (("F", t.forward), ("B", t.backward), ("I", t.input_backward), ("W", t.weight_backward)):
                 beside, unhidden = 0.0, 0.0
                 if gathers and kind != "W":
-                    ags = self.gather[s] if kind == "F" else self.layers_only[s]
-                    beside, unhidden = sum(ags), (ags[0] if ags else 0.0)
+                    beside, unhidden = (self._gathers if kind == "F" else self._layer_gathers)[s]
                 if reduces and kind == "B":
-                    rss = [self._reduce(b, sharding) for b in self.units[s].values()]
-                    beside, unhidden = beside + sum(rss), unhidden + min(rss, default=0.0)
+                    if (sharding, s) not in self._reduces:
+                        rss = [self._reduce(b, sharding) for b in self.units[s].values()]
+                        self._reduces[sharding, s] = (sum(rss), min(rss, default=0.0))
+                    total, least = self._reduces[sharding, s]
+                    beside, unhidden = beside + total, unhidden + least
                 out[kind, s] = max(base, beside) + unhidden
         return out
 
@@ -91,19 +99,19 @@ class DpTime:
         `stages`. `window`: that action's duration, beside which the gradients reduce; an infinite one
         gives the least exposed. Under `reduce: microbatch` the backwards reduced as they went (`costs`)."""
         dp, link, eff = self.dp, self.link, self.eff
-        held = sum(b for s in stages for b in self.units[s].values())
+        held = sum(self._held[s] for s in stages)
         exposed = 0.0
         if sharding == "grad_op" or (sharding == "full" and split):  # gathered once, beside the first forward
             for st in stages:
-                ags = self.gather[st]
-                exposed += max(0.0, sum(ags) - times[st].forward) + (ags[0] if ags else 0.0)
+                total, first = self._gathers[st]
+                exposed += max(0.0, total - times[st].forward) + first
         # The step's one reduce, beside the last backward; reduced per microbatch, each backward's
         # duration already holds its own (`costs`).
         if sharding == "replicate" and not self.reduces_each(sharding, split, reduce):
             whole = all_reduce_s(held, dp, link, eff)
             exposed += max(whole - window, all_reduce_s(min(held, DDP_BUCKET), dp, link, eff))
         elif sharding is not None and not self.reduces_each(sharding, split, reduce):
-            last_unit = min((b for s in stages for b in self.units[s].values()), default=0)
+            last_unit = min((self._smallest[s] for s in stages if self._smallest[s] is not None), default=0)
             exposed += max(reduce_scatter_s(held, dp, link, eff) - window, reduce_scatter_s(last_unit, dp, link, eff))
         experts = sum(self.experts[s] for s in stages)  # reduced after the dense gradients, nothing beside it
         exposed += all_reduce_s(experts, self.expert_replicas, self.expert_link, eff)

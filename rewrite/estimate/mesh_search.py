@@ -85,14 +85,14 @@ def best_per_mesh(model, hw, *, world, G, limit, seq_len, batch, timed: bool, fr
             problem = activation_problem(base, model)
             if problem:
                 raise ValueError(f"the planner estimates LLaMA-shaped layers only: {problem}")
-            bases = [] if frugal and tp > 1 else [base]
+            plain = None if frugal and tp > 1 else Bound(base, model, dtype)
+            bounds += [plain] if plain else []
             if tp > 1 and (tp, vocab_loss) not in sp_binds:
                 sp_binds[tp, vocab_loss] = binds_sp(model, base, binds)
             if tp > 1 and sp_binds[tp, vocab_loss]:
                 # Sequence parallelism changes no shard or stage: the same binding with the switch on.
                 plan = base.plan.model_copy(update={"sequence_parallel": True})
-                bases.append(dataclasses.replace(base, plan=plan))
-            bounds += [Bound(b, model, dtype) for b in bases]
+                bounds.append(Bound(dataclasses.replace(base, plan=plan), model, dtype, twin=plain))
         if not timed:
             found = next(filter(None, (_first_fit(b, G=G, limit=limit, n=n, frugal=frugal) for b in bounds)), None)
         else:
@@ -119,27 +119,29 @@ def _groups(bound: Bound, n: int, frugal: bool = False):
                     yield schedule, m, sharding, reduce
 
 
-def _fits(bound: Bound, v: ResolvedPlan, mode: str, batch_size: int, limit: float) -> tuple[bool, int | None]:
-    """(the parameters fit, the busiest rank's peak when the activations fit too, else None)."""
-    pipe, dpp = v.plan.pipeline, v.plan.data_parallel
-    feet = bound.footprint_peaks(v, dpp.sharding, splits_backward(pipe.schedule), dpp.reduce)
+def _fits(bound: Bound, group: tuple, mode: str, batch_size: int, limit: float) -> tuple[bool, int | None]:
+    """(the parameters fit, the busiest rank's peak when the activations fit too, else None) of the binding's
+    candidate `group` (schedule, microbatches, sharding, reduce) under checkpointing `mode`."""
+    schedule, m, sharding, reduce = group
+    feet = bound.footprint_peaks(schedule, m, sharding, reduce)
     if min(feet) > limit:
         return False, None
-    acts = bound.activation_peaks(v, pipe.schedule, pipe.microbatches, mode, batch_size)  # builds the table
+    acts = bound.activation_peaks(schedule, m, mode, batch_size)  # builds the table
     peak = max(f + a for f, a in zip(feet, acts))
     return True, (peak if peak <= limit else None)
 
 
 def _first_fit(bound: Bound, *, G, limit, n, frugal) -> Candidate | None:
     """Fit only: the first candidate of this binding that fits (no times)."""
-    for schedule, m, sharding, reduce in _groups(bound, n, frugal):
+    for group in _groups(bound, n, frugal):
         for mode in CHECKPOINTING[-1:] if frugal else CHECKPOINTING:
-            v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode,
-                        reduce=reduce)
-            params_fit, peak = _fits(bound, v, mode, n // m, limit)
+            params_fit, peak = _fits(bound, group, mode, n // group[1], limit)
             if not params_fit:
                 break  # the parameters alone do not fit: checkpointing cannot help
             if peak is not None:
+                schedule, m, sharding, reduce = group
+                v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode,
+                            reduce=reduce)
                 return Candidate(v.plan, n // m, 0.0, 0.0, 0.0, 0.0, peak, True, mode)
     return None
 
@@ -165,18 +167,19 @@ def _fastest(bounds: list[Bound], hw, *, G, limit, n) -> Candidate | None:
         if best_key is not None and (low, order) >= best_key:
             break  # neither this nor any candidate left (their bounds are at least this one) beats the best
         schedule, m, sharding, reduce = group
-        v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding,
-                    checkpointing=CHECKPOINTING[mode_index], reduce=reduce)
-        params_fit, peak = _fits(bound, v, CHECKPOINTING[mode_index], n // m, limit)
+        params_fit, peak = _fits(bound, group, CHECKPOINTING[mode_index], n // m, limit)
         if not params_fit:
             continue  # the parameters alone do not fit: checkpointing cannot help
         if peak is None:  # the activations do not fit: the next checkpointing mode, if any
             if mode_index + 1 < len(CHECKPOINTING):
                 push(order, bound, group, mode_index + 1)
             continue
+        v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding,
+                    checkpointing=CHECKPOINTING[mode_index], reduce=reduce)
         got = predict_step(v, bound.model, hw, batch_size=n // m, gpus_per_node=G,
                            parameters=bound.parameters, sim_cache=bound.sims, dp_time=bound.dp_time(hw, G),
-                           dtype=bound.compute)
+                           dtype=bound.compute, times=bound.stage_times(CHECKPOINTING[mode_index], n // m, hw, G),
+                           sizes=bound.sizes(n // m))
         if got.step_s < low:
             raise RuntimeError(f"the plan search bounded {got.step_s} s from below by {low} s for {v.plan.mesh.shape_text()}, "
                                f"{schedule}, {m} microbatches: a bug in rewrite.estimate.step_bound")

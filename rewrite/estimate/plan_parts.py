@@ -16,7 +16,7 @@ from ..models.blocks import ATTENTION, LATENT_ATTENTION, LAYER_PARTS, MLP, PACKE
 from ..plan.styles import COLUMN_STYLES, SPLIT_OUTPUT_STYLES
 from ..binding.resolve import ResolvedPlan
 
-__all__ = ["activation_problem", "Styles", "shard_styles", "block_splits", "loss_sharded", "recomputed_parts"]
+__all__ = ["activation_problem", "Styles", "shard_styles", "block_splits", "layer_kinds", "loss_sharded", "recomputed_parts"]
 
 
 _INDEX = re.compile(r"(?:^|\.)\d+(?=\.)")
@@ -35,20 +35,49 @@ class Styles(dict):
                 found.setdefault(fqn[:index.end()], []).append((fqn[index.end() + 1:], style))
         return found
 
+    @cached_property
+    def splits(self) -> dict[str, dict[str, bool]]:
+        """`<layers>.<i>` -> `block_splits` of that layer, each found once."""
+        return {}
+
+    @cached_property
+    def kinds(self) -> dict[tuple, list]:
+        """(layer indices, recomputed modules) -> `layer_kinds` of the plans binding them with these styles."""
+        return {}
+
+
+_KEPT: dict[int, tuple[tuple, tuple, Styles]] = {}  # id(shards) -> (shards, experts, their Styles)
+
 
 def shard_styles(resolved: ResolvedPlan) -> Styles:
     """fqn -> style of every module the plan splits over tp (empty at tp 1: nothing is split): the
-    linears, and the fused experts modules each expert of which it splits (`expert_tensor_parallel`)."""
+    linears, and the fused experts modules each expert of which it splits (`expert_tensor_parallel`).
+    One `Styles` per binding: the variants a search derives from it share its shards."""
     if resolved.tp == 1:
         return Styles()
-    return Styles({**{s.fqn: s.style for s in resolved.shards}, **{e.fqn: TP_STYLE for e in resolved.experts if e.tp > 1}})
+    kept = _KEPT.get(id(resolved.shards))
+    if kept is not None and kept[0] is resolved.shards and kept[1] is resolved.experts:
+        return kept[2]
+    styles = Styles({**{s.fqn: s.style for s in resolved.shards},
+                     **{e.fqn: TP_STYLE for e in resolved.experts if e.tp > 1}})
+    if len(_KEPT) >= 512:  # a search binds a few hundred meshes and switches; keep the memory bounded
+        _KEPT.clear()
+    _KEPT[id(resolved.shards)] = (resolved.shards, resolved.experts, styles)
+    return styles
 
 
 def block_splits(styles: dict[str, str], layer: str) -> dict[str, bool]:
     """Whether a LLaMA-shaped layer's attention and MLP are split over tp: their splitter's output is
     (`models.blocks`; a mixture of experts' MLP: its experts split over tp), and whether a mixture of
     experts' shared experts are (a column inside a child of its MLP)."""
-    under = (styles if isinstance(styles, Styles) else Styles(styles)).by_layer.get(layer, [])
+    styles = styles if isinstance(styles, Styles) else Styles(styles)
+    if layer not in styles.splits:
+        styles.splits[layer] = _block_splits(styles, layer)
+    return styles.splits[layer]
+
+
+def _block_splits(styles: Styles, layer: str) -> dict[str, bool]:
+    under = styles.by_layer.get(layer, [])
     inner = f"{MLP.layer_part}."
     split = {b.layer_part for b in (ATTENTION, LATENT_ATTENTION, MLP, PACKED_MLP)
              if styles.get(f"{layer}.{b.layer_part}.{b.splitter}") in SPLIT_OUTPUT_STYLES}
@@ -58,6 +87,18 @@ def block_splits(styles: dict[str, str], layer: str) -> dict[str, bool]:
         "shared_split": any(s in COLUMN_STYLES and rest.startswith(inner) and "." in rest[len(inner):]
                             for rest, s in under),
     }
+
+
+def layer_kinds(resolved: ResolvedPlan, styles: Styles) -> list[list[tuple[int, dict[str, bool], frozenset[str]]]]:
+    """Per stage, per decoder layer in order: (its index, `block_splits`, its checkpointed parts as
+    `recomputed_parts` gives them). Found once per stage split and checkpointing of a binding's styles:
+    a search reads them for every candidate."""
+    key = (resolved.layer_indices, resolved.recomputed)
+    if key not in styles.kinds:
+        bb, recomputed = resolved.backbone, recomputed_parts(resolved)
+        styles.kinds[key] = [[(i, block_splits(styles, bb.layer(i)), frozenset(recomputed.get(i, ()))) for i in layers]
+                             for layers in resolved.layer_indices]
+    return styles.kinds[key]
 
 
 def loss_sharded(resolved: ResolvedPlan, styles: dict[str, str]) -> bool:

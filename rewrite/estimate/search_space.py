@@ -17,7 +17,8 @@ from ..binding.resolve import ResolvedPlan, resolve_with
 from ..plan.loading import load_plan
 from ..plan.schema import PlanError
 from ..schedules import placement, splits_backward
-from .activations import compute_dtype, place_peaks, stage_activations
+from .activations import compute_dtype, place_peaks, plan_sizes, stage_activations
+from .layer_activations import Sizes
 from .dp_time import DpTime
 from .hardware import Hardware
 from .param_memory import footprint, param_sums, rank_parameters, reduce_as_run
@@ -134,18 +135,23 @@ def variant(base: ResolvedPlan, *, schedule: str, microbatches: int, sharding: s
 class Bound:
     """What a search shares across candidates of one binding: parameters per stage, footprints per sharding."""
 
-    def __init__(self, base: ResolvedPlan, model: nn.Module, dtype: str | torch.dtype | None = None) -> None:
-        """`dtype`: the compute dtype (default the parameters', which are the master weights)."""
+    def __init__(self, base: ResolvedPlan, model: nn.Module, dtype: str | torch.dtype | None = None,
+                 twin: Bound | None = None) -> None:
+        """`dtype`: the compute dtype (default the parameters', which are the master weights). `twin`: a
+        binding of the same mesh, stages and shards (sequence parallelism switched, which moves no
+        parameter): its parameters and footprints are this one's."""
         self.base, self.model = base, model
         self.compute = compute_dtype(model, dtype)
-        self.parameters = stage_parameters(base, model)
+        same = twin is not None and twin.base.shards is base.shards and twin.base.stages is base.stages
+        self.parameters = twin.parameters if same else stage_parameters(base, model)
         self.sims: dict = {}
-        self._feet: dict = {}
+        self._feet: dict = twin._feet if same else {}  # (sharding, split, placement, reduce) -> peaks
         self._acts: dict = {}
-        self._params: dict = {}
-        self._experts: dict = {}  # placement -> each rank's experts' footprint
+        self._params: dict = twin._params if same else {}  # placement -> each rank's `param_sums`
+        self._experts: dict = twin._experts if same else {}  # placement -> each rank's experts' footprint
         self._stages: dict = {}  # (checkpointing, batch size) -> per stage activations
         self._times: dict = {}  # (checkpointing, batch size) -> `stage_times`
+        self._sizes: dict = {}  # batch size -> `plan_sizes`: a variant changes none of what they read
         self._dp: DpTime | None = None
         self._costs: dict = {}  # (sharding, split, checkpointing, batch size, reduce) -> `DpTime.costs`
         self._tails: dict = {}  # the same and the placement -> each rank's least tail
@@ -158,13 +164,15 @@ class Bound:
             self._dp = DpTime(self.base, self.parameters[0], hw, G, gathered=self.compute.itemsize / self.dtype_bytes)
         return self._dp
 
-    def activation_peaks(self, variant: ResolvedPlan, schedule: str, m: int, mode: str, batch_size: int) -> list[int]:
-        key = (schedule, m, mode, batch_size)  # the sharding changes no activation
+    def activation_peaks(self, schedule: str, m: int, mode: str, batch_size: int) -> list[int]:
+        """Each pp rank's activation peak under a variant: `place_peaks` (the sharding changes none)."""
+        key = (schedule, m, mode, batch_size)
         if key not in self._acts:
+            v = variant(self.base, schedule=schedule, microbatches=m, sharding="full", checkpointing=mode)
             if (mode, batch_size) not in self._stages:  # nor do the schedule and microbatches a stage's bytes
-                self._stages[mode, batch_size] = stage_activations(variant, self.model, batch_size=batch_size,
-                                                                   dtype=self.compute)
-            self._acts[key] = place_peaks(variant, *self._stages[mode, batch_size])
+                self._stages[mode, batch_size] = stage_activations(v, self.model, batch_size=batch_size,
+                                                                   dtype=self.compute, sizes=self.sizes(batch_size))
+            self._acts[key] = place_peaks(v, *self._stages[mode, batch_size])
         return self._acts[key]
 
     def stage_times(self, mode: str, batch_size: int, hw: Hardware, G: int) -> list[StageTimes]:
@@ -175,8 +183,14 @@ class Bound:
                         sharding=self.base.plan.data_parallel.sharding, checkpointing=mode)
             self._times[mode, batch_size] = stage_times(v, self.model, hw, batch_size=batch_size, gpus_per_node=G,
                                                         layer_weights=self.parameters[1], root_weights=self.parameters[2],
-                                                        dtype=self.compute)
+                                                        dtype=self.compute, sizes=self.sizes(batch_size))
         return self._times[mode, batch_size]
+
+    def sizes(self, batch_size: int) -> Sizes:
+        """`plan_sizes` of the binding at `batch_size` sequences a microbatch."""
+        if batch_size not in self._sizes:
+            self._sizes[batch_size] = plan_sizes(self.base, self.model, batch_size=batch_size, dtype=self.compute)
+        return self._sizes[batch_size]
 
     def lower_bound(self, schedule: str, m: int, sharding: str, reduce: str, mode: str, batch_size: int,
                     hw: Hardware, G: int) -> float:
@@ -195,23 +209,27 @@ class Bound:
                              self.dtype_bytes, reduce)) for r in range(pp)]
         return step_lower_bound(stage_rank, split, m, self._costs[key], self._tails[key + (stage_rank,)])
 
-    def footprint_peaks(self, variant: ResolvedPlan, sharding: str, split: bool, reduce: str = "step") -> list[int]:
-        pipe = variant.plan.pipeline
-        reduce = reduce_as_run(reduce, microbatches=pipe.microbatches, virtual_stages=pipe.virtual_stages, split=split)
-        key = (sharding, split, variant.stage_rank, reduce)
+    def footprint_peaks(self, schedule: str, m: int, sharding: str, reduce: str = "step") -> list[int]:
+        """Each pp rank's parameters, gradients, AdamW state and gathers under a variant (`footprint`'s peak)."""
+        split, k = splits_backward(schedule), self.base.plan.pipeline.virtual_stages
+        reduce = reduce_as_run(reduce, microbatches=m, virtual_stages=k, split=split)
+        stage_rank = placement(schedule, self.base.pp, k)
+        key = (sharding, split, stage_rank, reduce)
         if key not in self._feet:
-            dp = variant.plan.mesh.dp * variant.plan.mesh.cp  # the ranks sharing the parameters
-            if variant.stage_rank not in self._params:  # what each rank holds depends on the placement only
-                self._params[variant.stage_rank] = [param_sums(rank_parameters(variant, self.model, r), dp)
-                                                    for r in range(variant.pp)]
+            mesh = self.base.plan.mesh
+            dp = mesh.dp * mesh.cp  # the ranks sharing the parameters
+            if stage_rank not in self._params:  # what each rank holds depends on the placement only
+                placed = dataclasses.replace(self.base, stage_rank=stage_rank)
+                self._params[stage_rank] = [param_sums(rank_parameters(placed, self.model, r), dp)
+                                            for r in range(placed.pp)]
                 # experts split over ep: whole on each rank, never gathered, cast (`memory.rank_footprints`)
                 compute = self.compute.itemsize if self.mixed else None
-                self._experts[variant.stage_rank] = [footprint(rank_parameters(variant, self.model, r, by_expert=True),
-                                                               compute_bytes=compute) for r in range(variant.pp)]
+                self._experts[stage_rank] = [footprint(rank_parameters(placed, self.model, r, by_expert=True),
+                                                       compute_bytes=compute) for r in range(placed.pp)]
             compute = self.compute.itemsize if self.mixed else None
             self._feet[key] = [(footprint(p, dp=dp, sharding=sharding, split=split, reduce=reduce,
                                           compute_bytes=compute) + experts).peak
-                               for p, experts in zip(self._params[variant.stage_rank], self._experts[variant.stage_rank])]
+                               for p, experts in zip(self._params[stage_rank], self._experts[stage_rank])]
         return self._feet[key]
 
 

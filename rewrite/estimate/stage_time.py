@@ -45,6 +45,7 @@ split head's input gradient is all-reduced (reduce-scattered under sequence para
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +56,12 @@ from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
 from ..binding.resolve import ResolvedPlan
 from .activations import compute_dtype, plan_sizes
 from .layer_activations import F32, Sizes, end_bytes, layer_bytes
-from .plan_parts import block_splits, loss_sharded, recomputed_parts, shard_styles
-from ..plan.ranks import expert_groups
-from .collectives import all_gather_s, all_reduce_s, all_to_all_s, groups_link
+from .plan_parts import layer_kinds, loss_sharded, shard_styles
+from ..plan.ranks import Shape, expert_groups
+from .collectives import all_gather_s, all_reduce_s, all_to_all_s
 from .hardware import Hardware
 
-__all__ = ["StageTimes", "stage_times", "tp_groups"]
+__all__ = ["StageTimes", "stage_times"]
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,12 @@ class StageTimes:
         return self.input_backward + self.weight_backward
 
 
-def tp_groups(resolved: ResolvedPlan) -> list[list[int]]:
-    """The global ranks of every tp group: contiguous runs of tp."""
-    return resolved.plan.mesh.shape.along("tp")
-
-
-def cp_groups(resolved: ResolvedPlan) -> list[list[int]]:
-    """The global ranks of every cp group: a stage's ranks at one tp rank, tp apart."""
-    return resolved.plan.mesh.shape.along("cp")
+@functools.lru_cache(maxsize=1024)
+def _crossing(shape: Shape, gpus_per_node: int) -> tuple[bool, bool, bool]:
+    """Whether some tp, cp and ep group of `shape` spans nodes of `gpus_per_node` devices (global ranks fill
+    nodes in order): its collectives then run at the network's speed, a step waiting for its slowest group."""
+    spans = lambda groups: any(len({r // gpus_per_node for r in g}) > 1 for g in groups)  # noqa: E731
+    return spans(shape.along("tp")), spans(shape.along("cp")), spans(expert_groups(shape)[0])
 
 
 class _Clock:
@@ -117,12 +116,12 @@ class _Clock:
         return all_to_all_s(nbytes, self.ep, self.ep_link, self.eff) if self.ep > 1 else 0.0
 
 
-def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomputed: set[str], weights: int,
-           experts_split: bool = False):
-    """(F, I, W, tp collectives, training FLOPs, cp collectives, ep exchanges) of one decoder layer."""
+def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *, first: bool, recomputed: set[str],
+           weights: int, experts_split: bool = False):
+    """(F, I, W, tp collectives, training FLOPs, cp collectives, ep exchanges) of one decoder layer, whose
+    forward FLOPs over one sequence are `flop_parts` (`layer_flop_parts`)."""
     c = z.cp
-    parts = {k: v * z.batch_size / (1 if k == "scores" else c)
-             for k, v in layer_flop_parts(config, seq_len=z.seq_len).items()}
+    parts = {k: v * z.batch_size / (1 if k == "scores" else c) for k, v in flop_parts.items()}
     if c > 1:  # (2c + 1) L^2 pairs computed, L = s / 2c, charged twice as the causal s^2 / 2 are
         parts["scores"] *= (2 * c + 1) / (2 * c * c)
     ta = z.tp if splits["attention_split"] else 1
@@ -166,6 +165,13 @@ def _layer(z: Sizes, config, clock: _Clock, splits: dict, *, first: bool, recomp
     return forward, input_backward, weight_backward, tp_comm, flops, (2 + share) * kv, (2 + share) * ep
 
 
+def _routed_layers(resolved: ResolvedPlan) -> set[int]:
+    """Indices of the decoder layers whose experts are split over ep."""
+    prefix = resolved.backbone.layers + "."
+    return {int(fqn[len(prefix):].partition(".")[0]) for fqn in (spec.fqn for spec in resolved.experts)
+            if fqn.startswith(prefix) and fqn[len(prefix):].partition(".")[0].isdigit()}
+
+
 def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool, weights: int, has_head: bool):
     """(F, I, W, tp collectives, FLOPs) of the final norm, LM head and loss on the last stage."""
     T, h, V, B = z.tokens, z.hidden, z.vocab, z.dtype_bytes
@@ -191,7 +197,7 @@ def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool
 def stage_times(
     resolved: ResolvedPlan, model: nn.Module, hardware: Hardware, *, batch_size: int = 1, gpus_per_node: int | None = None,
     layer_weights: dict[int, int] | None = None, root_weights: tuple[int, int] = (0, 0),
-    dtype: str | torch.dtype | None = None,
+    dtype: str | torch.dtype | None = None, sizes: Sizes | None = None,
 ) -> list[StageTimes]:
     """Each stage's times for one microbatch of `batch_size` sequences of pipeline.seq_len tokens.
 
@@ -204,29 +210,31 @@ def stage_times(
         layer_weights: per decoder layer, the bytes of its weights on a rank (default 0: no weight traffic).
         root_weights: bytes of (the embedding, the final norm and head) on a rank.
         dtype: the compute dtype (default the parameters'): its peak FLOP/s, its activation bytes.
+        sizes: `activations.plan_sizes` of this plan, batch size and dtype, when the caller has them.
 
     Example:
         >>> [round(t.forward, 4) for t in stage_times(resolved, model, load_hardware("h100-sxm"))]
     """
     bb, config = resolved.backbone, model.config
-    z = plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
-    styles, recomputed = shard_styles(resolved), recomputed_parts(resolved)
+    z = sizes or plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
+    styles = shard_styles(resolved)
     G = gpus_per_node or hardware.devices_per_node
-    link, cp, ep = groups_link(hardware, tp_groups(resolved), G), resolved.plan.mesh.cp, resolved.plan.mesh.ep
-    ep_groups = expert_groups(resolved.plan.mesh.shape)[0]
-    clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, link,
-                   cp, groups_link(hardware, cp_groups(resolved), G), ep, groups_link(hardware, ep_groups, G))
-    split_experts = {spec.fqn for spec in resolved.experts} if ep > 1 else set()
+    cp, ep = resolved.plan.mesh.cp, resolved.plan.mesh.ep
+    tp_link, cp_link, ep_link = (hardware.inter_node if crossing else hardware.intra_node
+                                 for crossing in _crossing(resolved.plan.mesh.shape, G))
+    clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, tp_link,
+                   cp, cp_link, ep, ep_link)
+    flop_parts = layer_flop_parts(config, seq_len=z.seq_len)
+    routed_layers = _routed_layers(resolved) if ep > 1 else set()
     layer_weights = layer_weights or {}
     last, out, memo = resolved.num_stages - 1, [], {}
-    for stage, layers in enumerate(resolved.layer_indices):
+    for stage, kinds in enumerate(layer_kinds(resolved, styles)):
         f = i = w = comm = flops = kv = ep_comm = 0.0
-        for index in layers:
-            splits, parts = block_splits(styles, bb.layer(index)), frozenset(recomputed.get(index, ()))
-            routed = any(fqn.startswith(bb.layer(index) + ".") for fqn in split_experts)
+        for index, splits, parts in kinds:
+            routed = index in routed_layers
             key = (tuple(splits.values()), index == 0, parts, layer_weights.get(index, 0), routed)
             if key not in memo:  # decoder layers alike in shape: one computation each
-                memo[key] = _layer(z, config, clock, splits, first=index == 0, recomputed=parts, weights=key[3],
+                memo[key] = _layer(z, flop_parts, clock, splits, first=index == 0, recomputed=parts, weights=key[3],
                                    experts_split=routed)
             lf, li, lw, lc, lflops, lkv, lep = memo[key]
             f, i, w, comm, flops, kv, ep_comm = f + lf, i + li, w + lw, comm + lc, flops + lflops, kv + lkv, ep_comm + lep

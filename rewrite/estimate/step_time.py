@@ -29,6 +29,7 @@ from ..binding.resolve import ResolvedPlan
 from ..schedules import bubble, plan_table, simulate, splits_backward
 from .activations import activation_problem, compute_dtype, plan_sizes
 from .collectives import groups_link, p2p_s
+from .layer_activations import Sizes
 from .hardware import Hardware, load_hardware
 from .dp_time import EXPERTS, DpTime
 from .memory import param_unit, with_run
@@ -99,6 +100,8 @@ def predict_step(
     sim_cache: dict | None = None,
     dp_time: DpTime | None = None,
     dtype: str | torch.dtype | None = None,
+    times: list[StageTimes] | None = None,
+    sizes: Sizes | None = None,
 ) -> StepPrediction:
     """The predicted time of one training step of `resolved` on `hardware`.
 
@@ -114,6 +117,7 @@ def predict_step(
         dp_time: `DpTime(resolved, parameters[0], hardware, gpus_per_node)`, when the caller has it.
         dtype: the compute dtype (default the parameters'): its peak FLOP/s, the activations'
             bytes, FSDP2's gathers (`apply_plan(compute_dtype=)`).
+        times, sizes: `stage_times` and `activations.plan_sizes` of this run, when the caller has them.
 
     Raises:
         ValueError: a layout the model does not time (torch.fx splits, non-LLaMA layers), a
@@ -130,15 +134,15 @@ def predict_step(
     plan, pipe = run.plan, run.plan.pipeline
     G = gpus_per_node or hw.devices_per_node
     units, layer_weights, root_weights = parameters or stage_parameters(run, model)
-    times = stage_times(run, model, hw, batch_size=batch_size, gpus_per_node=G, layer_weights=layer_weights,
-                        root_weights=root_weights, dtype=dtype)
+    times = times or stage_times(run, model, hw, batch_size=batch_size, gpus_per_node=G, layer_weights=layer_weights,
+                                 root_weights=root_weights, dtype=dtype)
     master, compute = compute_dtype(model), compute_dtype(model, dtype)
     dp, pp, cp, tp, m = plan.mesh.dp, run.pp, plan.mesh.cp, run.tp, pipe.microbatches
     split = splits_backward(pipe.schedule, pipe.table)
     dpt = dp_time or DpTime(run, units, hw, G, gathered=compute.itemsize / master.itemsize)
     sharding, reduce = dpt.sharding(run), plan.data_parallel.reduce
 
-    z = plan_sizes(run, model, batch_size=batch_size, dtype=compute)
+    z = sizes or plan_sizes(run, model, batch_size=batch_size, dtype=compute)
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp and cp rank its sequence chunk)
     table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)
     sim = _simulated(run, table, times, dpt, (sharding, split, reduce), hop, hw, G, sim_cache)

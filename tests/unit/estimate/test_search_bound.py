@@ -75,7 +75,7 @@ def _exhaustive_best(model, hw, *, world, G, limit, seq_len, batch):
         for mode in CHECKPOINTING:
             v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode,
                         reduce=reduce)
-            params_fit, peak = mesh_search._fits(bound, v, mode, n // m, limit)
+            params_fit, peak = mesh_search._fits(bound, (schedule, m, sharding, reduce), mode, n // m, limit)
             if not params_fit:
                 break
             if peak is None:
