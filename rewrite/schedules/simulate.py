@@ -50,7 +50,7 @@ def simulate(table: Table, stage_rank: Sequence[int] | None = None,
     if callable(cost):
         durations = list(map(cost, run.actions))
     elif cost and isinstance(next(iter(cost)), tuple):
-        durations = [cost[a.kind, a.stage] for a in run.actions]
+        durations = [cost[key] for key in run.keys]
     else:
         kinds = {"F": 1.0, "B": 2.0, "W": 1.0, **(cost or {})}
         kinds.setdefault("I", kinds["B"] - kinds["W"])
@@ -60,8 +60,7 @@ def simulate(table: Table, stage_rank: Sequence[int] | None = None,
     elif callable(delay):
         lags = [delay(need, a) if need is not None else 0.0 for need, a in zip(run.crossing, run.actions)]
     else:
-        lags = [delay[stage_rank[need.stage], stage_rank[a.stage]] if need is not None else 0.0
-                for need, a in zip(run.crossing, run.actions)]
+        lags = [0.0 if pair is None else delay[pair] for pair in run.pairs]
     free, ends, starts = [0.0] * len(table), [], []
     for r, j, lag, d in zip(run.ranks, run.provider, lags, durations):
         ready = 0.0 if j < 0 else ends[j] + lag
@@ -73,7 +72,7 @@ def simulate(table: Table, stage_rank: Sequence[int] | None = None,
 
 
 # A table's actions in the order they can run, what each waits for, and where it gets stuck.
-_Run = namedtuple("_Run", "actions ranks provider crossing stuck")
+_Run = namedtuple("_Run", "actions ranks provider crossing stuck keys pairs")
 
 _RUNS: dict[tuple, tuple] = {}  # (id(table), stage_rank) -> (table, its _Run): a search times the same tables often
 
@@ -82,7 +81,8 @@ def _order(table: Table, stage_rank: tuple[int, ...]) -> _Run:
     """Each rank runs its row while what the next action waits for has ended, rank after rank, until all
     have run or none can. Independent of durations, so found once per table and placement: `provider` is,
     per action, the position (in this order) of the action whose end it waits for (-1: none), and
-    `crossing` the `needs` it waits for from another rank (None: none, or on its own rank)."""
+    `crossing` the `needs` it waits for from another rank (None: none, or on its own rank); `keys` each
+    action's (kind, stage), `pairs` the (from, to) pp ranks of its crossing."""
     held = _RUNS.get((id(table), stage_rank))
     if held is not None and held[0] is table:
         return held[1]
@@ -115,7 +115,10 @@ def _order(table: Table, stage_rank: tuple[int, ...]) -> _Run:
                 for r in range(pp) if position[r] < len(table[r]) for action, need, _ in [steps[r][position[r]]]
             ]
             break
-    run = _Run(actions, ranks, provider, crossing, tuple(stuck))
+    keys = [(a.kind, a.stage) for a in actions]  # what a duration per (kind, stage) is looked up by
+    pairs = [None if need is None else (stage_rank[need.stage], stage_rank[a.stage])  # a transfer's ranks
+             for need, a in zip(crossing, actions)]
+    run = _Run(actions, ranks, provider, crossing, tuple(stuck), keys, pairs)
     if len(_RUNS) > 1024:
         _RUNS.clear()
     _RUNS[id(table), stage_rank] = (table, run)
