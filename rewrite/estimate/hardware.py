@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = ["Link", "Efficiency", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
 
@@ -58,6 +58,37 @@ class Hardware(_Strict):
     layer_overhead_s: Annotated[float, Field(ge=0, description=(
         "seconds one decoder layer's forward and backward cost a microbatch beyond their FLOPs and memory "
         "traffic: operator dispatch, kernel launches (0: not modelled)"))] = 0.0
+    memory_reserve_gib: Annotated[float, Field(ge=0, description=(
+        "GiB of each device's memory that tensors never get: the runtime's context and the communication "
+        "library's buffers"))] = 0.0
+    fragmentation: Annotated[float, Field(ge=0, lt=1, description=(
+        "share of the rest the allocator cannot hand out at the peak: fragmentation and cached blocks"))] = 0.0
+
+    @model_validator(mode="after")
+    def _reserve_below_memory(self) -> Hardware:
+        if self.memory_reserve_gib >= self.memory_gib:
+            raise ValueError(f"memory_reserve_gib {self.memory_reserve_gib:g} leaves nothing of memory_gib "
+                             f"{self.memory_gib:g}: use a reserve below the device's memory")
+        return self
+
+    def usable_gib(self, device_memory: float | None = None) -> float:
+        """What a plan may fill on a device of `device_memory` GiB (default `memory_gib`): the memory less
+        `memory_reserve_gib`, less `fragmentation` of what remains; 0 when the reserve takes it all.
+
+        Example:
+            >>> round(load_hardware("h100-sxm").usable_gib(), 1)
+            72.8
+        """
+        memory = self.memory_gib if device_memory is None else device_memory
+        return max(memory - self.memory_reserve_gib, 0.0) * (1 - self.fragmentation)
+
+    def usable_text(self, device_memory: float | None = None) -> str:
+        """`72.8 GiB usable on h100-sxm (79.6 GiB less 3 GiB reserved and 5 % for the allocator)`."""
+        memory = self.memory_gib if device_memory is None else device_memory
+        kept = [f"{self.memory_reserve_gib:g} GiB reserved"] if self.memory_reserve_gib else []
+        kept += [f"{self.fragmentation:.0%} for the allocator"] if self.fragmentation else []
+        how = f" ({memory:g} GiB less {' and '.join(kept)})" if kept else ""
+        return f"{self.usable_gib(device_memory):.3g} GiB usable on {self.name}{how}"
 
     def flops(self, dtype: str) -> float:
         """Peak dense FLOP/s in `dtype` ('float32', 'bfloat16', ...; a torch dtype's name).

@@ -89,7 +89,9 @@ def suggest_plans(
     Args:
         model_or_config: a transformers causal LM (meta will do) or its config.
         world: devices.
-        device_memory: GiB per device (default: the profile's memory_gib).
+        device_memory: GiB per device (default: the profile's memory_gib). A plan fits when its busiest
+            rank's estimated peak is within what a device leaves to tensors: this, less the profile's
+            `memory_reserve_gib` and `fragmentation` (`Hardware.usable_gib`).
         gpus_per_node: devices per node (default: the profile's); tp stays within a node.
         seq_len: tokens per sequence.
         global_batch: sequences per step over all replicas (default 4 x world); each replica's
@@ -125,14 +127,17 @@ def suggest_plans(
     model = _model(model_or_config)
     dtype = planned_dtype(model, hw, dtype)
     G = gpus_per_node or hw.devices_per_node
-    limit = (device_memory or hw.memory_gib) * GIB
+    if device_memory is not None and device_memory <= hw.memory_reserve_gib:
+        raise ValueError(f"`device_memory` is {device_memory:g} GiB, within the {hw.memory_reserve_gib:g} GiB that "
+                         f"{hw.name}'s profile reserves for the runtime; use more (memory_reserve_gib in the profile)")
+    limit = hw.usable_gib(device_memory) * GIB
     batch = global_batch or 4 * world
     with collector_paused():
         best = best_per_mesh(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True,
                              dtype=dtype, max_cp=max_cp)
         if not best:
             raise NoPlanFits(
-                f"no plan fits: no layout of {world} device(s) at {limit / GIB:g} GiB each holds "
+                f"no plan fits: no layout of {world} device(s) with {hw.usable_text(device_memory)} each holds "
                 f"{type(model).__name__} at {seq_len} tokens x {batch} sequences",
                 _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, dtype=dtype,
                         max_cp=max_cp),

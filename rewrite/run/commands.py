@@ -31,6 +31,7 @@ def _meta_model(model: str, dtype: str | None = None):
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from ..estimate.hardware import load_hardware
     from ..estimate.balance import balance_warnings
     from ..binding.resolve import resolve
     from .show.columns import wrap_prose
@@ -43,8 +44,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     resolved = resolve(args.plan, model, world_size=args.world_size)
     _check_context_parallel(resolved, model, args.model)
     dtype = args.dtype or shown_dtype(args.hardware)  # one compute dtype for every table
+    limit, source = args.memory_limit, None
+    if limit is None and args.hardware:  # the ranks marked against what the device leaves to tensors
+        profile = load_hardware(args.hardware)
+        limit, source = profile.usable_gib(), profile.usable_text()
     data = show_data(resolved, model, model_label=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
-                     microbatches=args.microbatches, memory_limit=args.memory_limit,
+                     microbatches=args.microbatches, memory_limit=limit, limit_source=source,
                      warnings=[*resolved.warnings, *balance_warnings(resolved, model)],
                      hardware=args.hardware, gpus_per_node=args.gpus_per_node, dtype=dtype)
     if args.json:

@@ -85,19 +85,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         found = suggest_plans(model, hardware=hardware, dtype=args.dtype, max_cp=max_cp, **kwargs)
     except NoPlanFits as exc:
         return _fail(str(exc), 1)
+    except ValueError as exc:  # a device memory within the profile's reserve
+        return _fail(str(exc), BAD_ARGUMENTS)
     best = found[0]
     if args.json:
         if args.out:
-            Path(args.out).write_text(plan_file_text(best, args, hardware.name, name=args.out))
+            Path(args.out).write_text(plan_file_text(best, args, hardware, name=args.out))
         sys.stdout.write(json.dumps({"candidates": [c.as_dict() for c in found]}, indent=2) + "\n")
         return 0
-    table = format_candidates(found[: args.top], hardware=hardware.name, total=len(found), args=args)
+    table = format_candidates(found[: args.top], hardware=hardware, total=len(found), args=args)
     if not args.out and not sys.stdout.isatty():  # `rewrite plan ... > mine.yaml`: the plan alone on stdout
         print(table, file=sys.stderr)
-        sys.stdout.write(plan_file_text(best, args, hardware.name, name=_stdout_file() or "PLAN.yaml"))
+        sys.stdout.write(plan_file_text(best, args, hardware, name=_stdout_file() or "PLAN.yaml"))
         return 0
     out = args.out or _free_name()
-    Path(out).write_text(plan_file_text(best, args, hardware.name, name=out))
+    Path(out).write_text(plan_file_text(best, args, hardware, name=out))
     print(table)
     print()
     print(f"wrote {out}" if args.out else f"wrote {out} (--out FILE names another)")
@@ -123,8 +125,9 @@ def _stdout_file() -> str | None:
     return os.path.relpath(target) if target.is_relative_to(Path.cwd()) else str(target)
 
 
-def format_candidates(found, *, hardware: str, total: int, args: argparse.Namespace) -> str:
-    """The top candidates as a table: mesh, schedule, microbatches, sharding, switches, time, memory."""
+def format_candidates(found, *, hardware, total: int, args: argparse.Namespace) -> str:
+    """The top candidates as a table: mesh, schedule, microbatches, sharding, switches, time, memory; `hardware`: the
+    profile they were planned on (a `Hardware`)."""
     from .show.columns import format_bytes, format_table
 
     rows = []
@@ -137,8 +140,9 @@ def format_candidates(found, *, hardware: str, total: int, args: argparse.Namesp
             switches or "-", c.checkpointing, f"{c.step_s:.3g}", f"{c.tokens_per_s:,.0f}", f"{c.mfu:.0%}",
             format_bytes(c.peak_bytes),
         ])
-    head = (f"Plans for {args.model} on {args.world} x {hardware} ({total} fitting, fastest first; predicted by "
-            "rewrite.estimate.step_time, memory by rewrite.estimate.memory)")
+    head = (f"Plans for {args.model} on {args.world} x {hardware.name}, {total} fitting in "
+            f"{hardware.usable_text(args.device_memory).replace(f' on {hardware.name}', '')}; fastest first "
+            "(predicted by rewrite.estimate.step_time, memory by rewrite.estimate.memory)")
     return "\n".join([head, format_table(
         ["#", "mesh", "schedule", "microbatches x seqs", "sharding, reduce", "switches", "checkpointing", "step s",
          "tokens/s/device", "MFU", "busiest rank"], rows)])
@@ -167,10 +171,11 @@ def _dp_text(plan) -> str:
     return f"{dpp.sharding}, per {dpp.reduce}" if plan.mesh.dp * plan.mesh.cp > 1 else "-"
 
 
-def plan_file_text(best, args: argparse.Namespace, hardware: str, *, name: str) -> str:
-    """The best candidate as a commented plan file `name`: what it predicts and the commands that run and show
-    it, both with the compute dtype the search counted (`best.dtype`), so that they run and print what was planned."""
-    plan, pipe = best.plan, best.plan.pipeline
+def plan_file_text(best, args: argparse.Namespace, profile, *, name: str) -> str:
+    """The best candidate as a commented plan file `name`: what it predicts on `profile` (a `Hardware`) and the
+    commands that run and show it, both with the compute dtype the search counted (`best.dtype`), so that they
+    run and print what was planned."""
+    plan, pipe, hardware = best.plan, best.plan.pipeline, profile.name
     world = plan.mesh.world_size
     dtype = f" --dtype {best.dtype}"
     described = plan.model_copy(update={"description": f"planned by rewrite plan for {args.model} on {world} x {hardware}"})
@@ -183,7 +188,7 @@ def plan_file_text(best, args: argparse.Namespace, hardware: str, *, name: str) 
         f"sequences of {pipe.seq_len} tokens), {best.tokens_per_s:,.0f} tokens/s per device, MFU {best.mfu:.0%}, "
         f"bubble {best.bubble:.0%};",
         f"# the busiest rank holds {best.peak_bytes / 1024**3:.2f} GiB at its peak (weights, gradients, AdamW, activations;"
-        f" float32 weights computed in {best.dtype}).",
+        f" float32 weights computed in {best.dtype}), within {profile.usable_text(args.device_memory)}.",
         f"#   rewrite show {name} --model {args.model} --batch-size {best.batch_size}{dtype} --hardware {hardware}",
         f"#   torchrun --nproc-per-node {world} -m rewrite train {name} --model {args.model} "
         f"--batch-size {best.batch_size} --seq-len {pipe.seq_len}{dtype}",

@@ -153,6 +153,7 @@ def show_data(
     seq_len: int | None = None,
     microbatches: int | None = None,
     memory_limit: float | None = None,
+    limit_source: str | None = None,
     warnings: Sequence[str] | None = None,
     hardware=None,
     gpus_per_node: int | None = None,
@@ -166,6 +167,7 @@ def show_data(
         model_label: how the model was named (a preset or a path).
         batch_size: sequences per microbatch; seq_len, microbatches: override the plan's.
         memory_limit: GiB per rank; each rank's `fits` says whether its total is within it.
+        limit_source: where that limit comes from, when a profile's (`Hardware.usable_text`).
         warnings: lines to pass on (e.g. from a stage-balance check).
         hardware: a profile, its name or file: adds `predicted` (`estimate.step_time`), with
             gpus_per_node devices per node (default the profile's).
@@ -197,6 +199,7 @@ def show_data(
     plan = resolved.plan
     memory = _memory_section(resolved, model, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches,
                              memory_limit=memory_limit, dtype=dtype)  # first: it refuses bad run settings
+    memory["limit_source"] = limit_source
     out = {
         "plan": plan.source,
         "description": plan.description,

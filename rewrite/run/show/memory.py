@@ -88,7 +88,7 @@ def memory_notes(data: dict) -> list[str]:
         out.append(f"  the fullest rank under each sharding, params + grads + AdamW: {rest}; peak in step: {peak}")
     if memory["limit_bytes"] is not None:
         over = [r for r in ranks if not r["fits"]]
-        each, limit = " of each replica" if dp > 1 else "", _gib(memory["limit_bytes"])
+        each, limit = " of each replica" if dp > 1 else "", memory.get("limit_source") or _gib(memory["limit_bytes"])
         if over:
             out.append(f"  {len(over)} of {len(ranks)} ranks{each} do not fit in {limit} (ranks "
                        f"{index_ranges((r['rank'] for r in over), min_run=2)}; the largest total "

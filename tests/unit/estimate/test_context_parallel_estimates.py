@@ -96,9 +96,9 @@ def test_show_prints_the_cp_ranks_and_the_memory_it_estimates(tmp_path, llama):
 
 def test_the_planner_proposes_cp_where_the_sequence_demands_it(tmp_path):
     config = load_config(CONFIGS / "llama-3.1-8b.json")
-    long = rewrite.suggest_plans(config, world=8, device_memory=40, seq_len=131072, global_batch=8)
+    long = rewrite.suggest_plans(config, world=8, device_memory=48, seq_len=131072, global_batch=8)
     assert long[0].plan.mesh.cp > 1, long[0].summary()  # tp alone does not hold it at full speed
-    assert all(c.plan.mesh.cp == 1 for c in rewrite.suggest_plans(config, world=8, device_memory=40, seq_len=131072,
+    assert all(c.plan.mesh.cp == 1 for c in rewrite.suggest_plans(config, world=8, device_memory=48, seq_len=131072,
                                                                    global_batch=8, max_cp=1))
     short = rewrite.suggest_plans(config, world=8, device_memory=80, seq_len=2048)
     assert short[0].plan.mesh.cp == 1
@@ -109,7 +109,7 @@ def test_the_planner_proposes_cp_where_the_sequence_demands_it(tmp_path):
         rewrite.suggest_plans(config, world=8, max_cp=0)
     # `rewrite plan` writes the cp plan, and `show` of it holds the memory planned.
     out = tmp_path / "long.yaml"
-    run = rewrite_cmd("plan", "--model", str(CONFIGS / "llama-3.1-8b.json"), "--world", "8", "--device-memory", "40",
+    run = rewrite_cmd("plan", "--model", str(CONFIGS / "llama-3.1-8b.json"), "--world", "8", "--device-memory", "48",
                       "--seq-len", "131072", "--global-batch", "8", "--out", str(out), "--json")
     assert run.returncode == 0, run.stderr
     best = json.loads(run.stdout)["candidates"][0]

@@ -33,6 +33,26 @@ def test_the_shipped_profiles_load_and_cite_a_source_for_every_number():
     assert load_hardware("h200").memory_gib > load_hardware("h100-sxm").memory_gib
 
 
+def test_a_device_leaves_tensors_its_memory_less_the_reserve_and_fragmentation(tmp_path):
+    for name in ("h100-sxm", "h200", "a100-80g"):  # a GPU keeps the runtime's context and NCCL's buffers apart
+        hw = load_hardware(name)
+        assert hw.memory_reserve_gib > 0 and 0 < hw.fragmentation < 1
+        assert hw.usable_gib() == pytest.approx((hw.memory_gib - hw.memory_reserve_gib) * (1 - hw.fragmentation))
+        assert hw.usable_gib(40) < hw.usable_gib() < hw.memory_gib
+    assert load_hardware("h100-sxm").usable_text(80) == (
+        "73.1 GiB usable on h100-sxm (80 GiB less 3 GiB reserved and 5% for the allocator)")
+    cpu = load_hardware("cpu")
+    assert cpu.usable_gib() == cpu.memory_gib and cpu.usable_text() == f"{cpu.memory_gib:.3g} GiB usable on cpu"
+    assert load_hardware("h100-sxm").usable_gib(2) == 0.0  # all of it reserved
+    path = tmp_path / "tight.yaml"
+    path.write_text((PROFILES / "h100-sxm.yaml").read_text().replace("memory_reserve_gib: 3.0", "memory_reserve_gib: 90"))
+    with pytest.raises(ValueError, match="memory_reserve_gib 90 leaves nothing of memory_gib 79.6"):
+        load_hardware(path)
+    path.write_text((PROFILES / "h100-sxm.yaml").read_text().replace("fragmentation: 0.05", "fragmentation: 1.0"))
+    with pytest.raises(ValueError, match="fragmentation"):
+        load_hardware(path)
+
+
 def test_a_profile_file_works_where_a_name_does(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text((PROFILES / "a100-80g.yaml").read_text().replace("name: a100-80g", "name: mine"))

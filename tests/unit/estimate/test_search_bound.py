@@ -95,8 +95,9 @@ def test_the_best_first_search_keeps_what_an_exhaustive_pass_keeps(case):
     else:
         model, hardware, world, batch = build_model("tiny-llama", device="meta"), "cpu", 4, 16
         memory_gib, seq_len = (1, 128) if case == "tiny-roomy" else (0.004, 256)
-    want = _exhaustive_best(model, load_hardware(hardware), world=world, G=4, limit=memory_gib * GIB, seq_len=seq_len,
-                            batch=batch)
+    profile = load_hardware(hardware)  # a plan fits in what the device leaves to tensors
+    want = _exhaustive_best(model, profile, world=world, G=4, limit=profile.usable_gib(memory_gib) * GIB,
+                            seq_len=seq_len, batch=batch)
     found = rewrite.suggest_plans(model, world=world, device_memory=memory_gib, hardware=hardware, seq_len=seq_len,
                                   global_batch=batch, gpus_per_node=4)
     got = {(c.plan.mesh.dp, c.plan.mesh.pp, c.plan.mesh.cp, c.plan.mesh.tp): (c.step_s, c.plan, c.peak_bytes)
