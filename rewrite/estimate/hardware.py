@@ -58,6 +58,12 @@ class Hardware(_Strict):
     layer_overhead_s: Annotated[float, Field(ge=0, description=(
         "seconds one decoder layer's forward and backward cost a microbatch beyond their FLOPs and memory "
         "traffic: operator dispatch, kernel launches (0: not modelled)"))] = 0.0
+    activation_bandwidth: Annotated[float | None, Field(gt=0, description=(
+        "bytes per second a decoder layer's elementwise operators (norms, rotary, activation, residuals) move "
+        "its activations at; None: memory_bandwidth"))] = None
+    microbatch_overhead_s: Annotated[float, Field(ge=0, description=(
+        "seconds a stage spends on each microbatch outside its decoder layers' operators: the forward and "
+        "backward calls, the embedding, head and loss modules' dispatch (0: not modelled)"))] = 0.0
     memory_reserve_gib: Annotated[float, Field(ge=0, description=(
         "GiB of each device's memory that tensors never get: the runtime's context and the communication "
         "library's buffers"))] = 0.0

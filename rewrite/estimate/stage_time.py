@@ -97,11 +97,15 @@ class _Clock:
                  ep_link=None) -> None:
         self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
         self.bandwidth, self.tp, self.link, self.eff = hardware.memory_bandwidth, tp, link, hardware.efficiency.collective
+        self.act_bandwidth = hardware.activation_bandwidth or hardware.memory_bandwidth
         self.cp, self.cp_link, self.ep, self.ep_link = cp, cp_link, ep, ep_link
         self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
 
-    def run(self, flops: float, nbytes: float) -> float:
-        return flops / self.rate + nbytes / self.bandwidth
+    def run(self, flops: float, activation_bytes: float, weight_bytes: float = 0.0) -> float:
+        """FLOPs at the matmul rate, activations at the elementwise operators' bandwidth, weights at the memory's."""
+        if self.act_bandwidth == self.bandwidth:  # one memory for both: one division, as it always was
+            return flops / self.rate + (activation_bytes + weight_bytes) / self.bandwidth
+        return flops / self.rate + activation_bytes / self.act_bandwidth + weight_bytes / self.bandwidth
 
     def all_reduce(self, nbytes: float) -> float:
         return all_reduce_s(nbytes, self.tp, self.link, self.eff)
@@ -153,10 +157,10 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *,
     # The routed rows to their experts' ranks and back (each way once in F, once more in I).
     rows = z.tokens * z.top_k * z.dtype_bytes // u if experts_split else 0
     ep = clock.exchange(rows * (z.hidden + 1)) + clock.exchange(rows * z.hidden)
-    forward = clock.run(proj + scores + mlp + norms, 2 * kept + weights) + fwd_comm + kv + ep + clock.overhead
-    input_backward = (clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept + weights) + bwd_comm + kv + ep
+    forward = clock.run(proj + scores + mlp + norms, 2 * kept, weights) + fwd_comm + kv + ep + clock.overhead
+    input_backward = (clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept, weights) + bwd_comm + kv + ep
                       + clock.overhead)
-    weight_backward = clock.run(proj + mlp, 2 * weights) + clock.overhead
+    weight_backward = clock.run(proj + mlp, 0, 2 * weights) + clock.overhead
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
     share = 1.0 if "" in recomputed else len(recomputed & {ATTENTION.layer_part, MLP.layer_part}) / 2
     input_backward += share * forward
@@ -188,9 +192,9 @@ def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool
         fwd_comm = clock.gather(split_input) if z.split_sequence else 0.0
         bwd_comm = clock.gather(split_input) if z.split_sequence else clock.all_reduce(split_input)
         fwd_comm += clock.gather(T * 2 * F32 * t) if sharded_loss else clock.gather(T * V * B)
-    forward = clock.run(product + loss + norm, 2 * kept + weights) + fwd_comm
-    input_backward = clock.run(product + loss + 2 * norm, 2 * kept + weights) + bwd_comm
-    weight_backward = clock.run(product, 2 * weights)
+    forward = clock.run(product + loss + norm, 2 * kept, weights) + fwd_comm
+    input_backward = clock.run(product + loss + 2 * norm, 2 * kept, weights) + bwd_comm
+    weight_backward = clock.run(product, 0, 2 * weights)
     return forward, input_backward, weight_backward, fwd_comm + bwd_comm, 3 * product + 2 * loss + 3 * norm
 
 
@@ -249,5 +253,7 @@ def stage_times(
                                            sharded_loss=loss_sharded(resolved, styles), weights=root_weights[1],
                                            has_head=bb.has_head)
             f, i, w, comm, flops = f + hf, i + hi, w + hw, comm + hc, flops + hflops
+        # What a stage's forward and backward calls cost a microbatch outside its layers, half in each.
+        f, i = f + hardware.microbatch_overhead_s / 2, i + hardware.microbatch_overhead_s / 2
         out.append(StageTimes(f, i, w, comm, flops, kv, ep_comm))
     return out

@@ -79,8 +79,13 @@ def test_a_calibrated_profile_reads_back():
     hw = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found, name="here")))
     assert hw.name == "here" and hw.flops("float32") == 5e10 and hw.inter_node == hw.intra_node
     assert hw.layer_overhead_s == 0  # not measured: not modelled
-    found["layer_overhead_s"] = 0.0025
-    assert Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found))).layer_overhead_s == 0.0025
+    assert hw.activation_bandwidth is None and hw.microbatch_overhead_s == 0 and hw.memory_reserve_gib == 0
+    found.update(layer_overhead_s=0.0025, activation_bandwidth=6e9, microbatch_overhead_s=0.004)
+    measured = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found)))
+    assert (measured.layer_overhead_s, measured.activation_bandwidth, measured.microbatch_overhead_s) == (0.0025, 6e9, 0.004)
+    found["gpu"] = True  # a GPU's profile keeps the runtime's reserve, as the shipped ones
+    gpu = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found)))
+    assert (gpu.memory_reserve_gib, gpu.fragmentation) == (3.0, 0.05)
 
 
 def test_rewrite_calibrate_measures_this_machine(tmp_path):
@@ -91,6 +96,9 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     hw = load_hardware(out)
     assert hw.devices_per_node == 2 and hw.flops("float32") > 1e8 and hw.intra_node.latency > 0
     assert 0 < hw.layer_overhead_s < 1  # eager CPU dispatch: milliseconds per layer, not seconds
+    assert 0 < hw.microbatch_overhead_s < 1 and hw.memory_reserve_gib == 0
+    # The elementwise operators move activations slower than a large copy does (when the FLOPs leave any time).
+    assert hw.activation_bandwidth is None or 0 < hw.activation_bandwidth < hw.memory_bandwidth
     bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "at least 2" in bad.stderr

@@ -83,6 +83,33 @@ def test_a_layer_overhead_costs_each_layer_a_third_in_each_of_f_i_w(llama):
     assert one - predict_step(_resolved(llama, m=1), llama, UNIT, batch_size=8).step_s == pytest.approx(4 * 0.003)
 
 
+def test_activations_move_at_their_own_bandwidth_and_a_microbatch_costs_its_calls(llama):
+    from rewrite.estimate.activations import plan_sizes
+    from rewrite.estimate.layer_activations import end_bytes, layer_bytes
+
+    resolved = _resolved(llama)
+    (t,) = stage_times(resolved, llama, UNIT)
+    slow = UNIT.model_copy(update={"activation_bandwidth": 1e9})  # activations at 1 GB/s, weights still free
+    (a,) = stage_times(resolved, llama, slow)
+    z = plan_sizes(resolved, llama)
+    kept = [layer_bytes(z, attention_split=False, mlp_split=False, first=i == 0)[0] for i in range(4)]
+    embed, end = z.tokens * z.dtype_bytes * z.hidden, end_bytes(z, has_head=True, loss_parallel=False)
+    # Each layer writes what it keeps in F (2x: written, read back) and reads it in I (3x); the embedding's
+    # output twice each way; the head's kept bytes twice in F and in I.
+    assert a.forward - t.forward == pytest.approx((2 * sum(kept) + 2 * embed + 2 * end) / 1e9)
+    assert a.input_backward - t.input_backward == pytest.approx((3 * sum(kept) + 2 * end) / 1e9)
+    assert a.weight_backward - t.weight_backward == pytest.approx(2 * embed / 1e9)
+    called = UNIT.model_copy(update={"microbatch_overhead_s": 0.004})
+    (c,) = stage_times(resolved, llama, called)
+    assert (c.forward - t.forward, c.input_backward - t.input_backward) == pytest.approx((0.002, 0.002))
+    assert c.weight_backward == t.weight_backward and c.flops == t.flops
+    # Paid by every stage, on every microbatch: 8 microbatches over 2 stages cost 8 x 4 ms more in all,
+    # the pipeline's fill and drain adding one stage's share.
+    two = _resolved(llama, pp=2, m=8)
+    extra = predict_step(two, llama, called).step_s - predict_step(two, llama, UNIT).step_s
+    assert extra == pytest.approx((8 + 1) * 0.004)
+
+
 def test_one_all_reduce_and_the_tp_collectives_of_a_layer(llama):
     link = Link(bandwidth=1e9, latency=1e-3)
     assert all_reduce_s(1e9, 4, link, 0.5) == pytest.approx(2 * 3 * 1e-3 + 2 * 3 / 4 * 1e9 / 0.5e9)
