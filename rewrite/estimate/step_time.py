@@ -26,7 +26,8 @@ from torch import nn
 from ..models.flops import TRAINING, head_flops, layer_flops
 from ..binding.params import held_parameters
 from ..binding.resolve import ResolvedPlan
-from ..schedules import bubble, plan_table, simulate, splits_backward
+from ..schedules import plan_table, splits_backward
+from ..schedules.simulate import Summary, bubble_of, simulate_summary
 from .activations import activation_problem, compute_dtype, plan_sizes
 from .collectives import groups_link, p2p_s
 from .layer_activations import Sizes
@@ -146,13 +147,11 @@ def predict_step(
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp and cp rank its sequence chunk)
     table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)
     sim = _simulated(run, table, times, dpt, (sharding, split, reduce), hop, hw, G, sim_cache)
-    span = max(end for _, end in sim.values())
     ends, worst_dp, worst_opt = [], 0.0, 0.0
-    for r, row in enumerate(table):
-        window = sim[row[-1]][1] - sim[row[-1]][0] if row else 0.0
+    for r, last in enumerate(sim.last):  # a row's actions run one after another: its last ends last
+        window = last[1] - last[0] if last else 0.0
         exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, master.itemsize, reduce)
-        end = sim[row[-1]][1] if row else 0.0  # a row's actions run one after another: its last ends last
-        ends.append(end + exposed + optimizer)
+        ends.append((last[1] if last else 0.0) + exposed + optimizer)
         worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)
     step = max(ends)
     sequences = dp * m * batch_size
@@ -162,14 +161,16 @@ def predict_step(
     return StepPrediction(
         step_s=step, tokens_per_s=sequences * z.seq_len / step / world,
         mfu=flops / (step * world * hw.flops(str(compute).removeprefix("torch."))),
-        bubble=bubble(table, sim), pipeline_s=span, dp_s=worst_dp, optimizer_s=worst_opt, stages=tuple(times),
+        bubble=bubble_of(sim, len(table)), pipeline_s=sim.span, dp_s=worst_dp, optimizer_s=worst_opt,
+        stages=tuple(times),
     )
 
 
 def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tuple[str, bool, str], hop: int,
-               hw: Hardware, G: int, sim_cache: dict | None) -> dict:
-    """The schedule table simulated with the stages' durations and the transfers between pp ranks: each
-    action's (start, end). `dp_mode`: (sharding, split backward, reduce)."""
+               hw: Hardware, G: int, sim_cache: dict | None) -> Summary:
+    """The schedule table simulated with the stages' durations and the transfers between pp ranks, in brief
+    (`schedules.simulate.Summary`: each rank's last action, the span, the busy time). `dp_mode`: (sharding,
+    split backward, reduce)."""
     sharding, split, reduce = dp_mode
     plan, eff = run.plan, hw.efficiency.collective
 
@@ -190,9 +191,9 @@ def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tupl
     hops = {pair for s in range(1, len(times)) for pair in ((run.stage_rank[s - 1], run.stage_rank[s]),
                                                               (run.stage_rank[s], run.stage_rank[s - 1]))}
     delays = {(a, b): hop_s(a, b) for a, b in hops if a != b}
-    sim, stuck = simulate(table, run.stage_rank, costs, delays)
-    if stuck:
-        raise ValueError("the schedule table deadlocks: " + "; ".join(stuck))
+    sim = simulate_summary(table, run.stage_rank, costs, delays)
+    if sim.stuck:
+        raise ValueError("the schedule table deadlocks: " + "; ".join(sim.stuck))
     if sim_cache is not None:
         sim_cache[key] = (table, sim)
     return sim

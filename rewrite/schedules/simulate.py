@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .actions import Action, Table, needs
 
-__all__ = ["simulate", "bubble", "layout"]
+__all__ = ["simulate", "simulate_summary", "Summary", "bubble", "bubble_of", "layout"]
 
 
 def layout(table: Table, stage_rank: Sequence[int] | None) -> tuple[tuple[int, ...], bool]:
@@ -45,6 +45,32 @@ def simulate(table: Table, stage_rank: Sequence[int] | None = None,
         The times, and one problem per stuck rank naming its first cell that cannot run
         (empty when the table runs to the end).
     """
+    run, starts, ends = _timed(table, stage_rank, cost, delay)
+    return dict(zip(run.actions, zip(starts, ends))), list(run.stuck)
+
+
+Summary = namedtuple("Summary", "last span busy stuck")
+Summary.__doc__ = """A simulated table in brief: each rank's last action's (start, end) (None for an empty row), the
+span (the latest end), the busy time (every action's end less its start, summed in the order they run),
+and the stuck ranks' problems."""
+
+
+def simulate_summary(table: Table, stage_rank: Sequence[int] | None = None, cost=None, delay=None) -> Summary:
+    """`simulate`'s times in brief (`Summary`), for a caller that reads only each rank's end, the span and the
+    bubble: no action is hashed into a mapping. `bubble_of(summary, ranks)` is `bubble`'s figure."""
+    run, starts, ends = _timed(table, stage_rank, cost, delay)
+    last = [None if i < 0 else (starts[i], ends[i]) for i in run.last]
+    busy = sum(e - b for b, e in zip(starts, ends))
+    return Summary(last, max(ends, default=0.0), busy, list(run.stuck))
+
+
+def bubble_of(summary: Summary, ranks: int) -> float:
+    """`bubble` of a table of `ranks` rows from its `Summary`."""
+    return 1 - summary.busy / (ranks * summary.span) if summary.span else 0.0
+
+
+def _timed(table: Table, stage_rank, cost, delay) -> tuple[_Run, list[float], list[float]]:
+    """The run order of `table` and each action's start and end in it (`simulate`'s arguments)."""
     stage_rank, _ = layout(table, stage_rank)
     run = _order(table, stage_rank)
     if callable(cost):
@@ -68,11 +94,11 @@ def simulate(table: Table, stage_rank: Sequence[int] | None = None,
         free[r] = start + d
         starts.append(start)
         ends.append(start + d)
-    return dict(zip(run.actions, zip(starts, ends))), list(run.stuck)
+    return run, starts, ends
 
 
 # A table's actions in the order they can run, what each waits for, and where it gets stuck.
-_Run = namedtuple("_Run", "actions ranks provider crossing stuck keys pairs")
+_Run = namedtuple("_Run", "actions ranks provider crossing stuck keys pairs last")
 
 _RUNS: dict[tuple, tuple] = {}  # (id(table), stage_rank) -> (table, its _Run): a search times the same tables often
 
@@ -82,7 +108,8 @@ def _order(table: Table, stage_rank: tuple[int, ...]) -> _Run:
     have run or none can. Independent of durations, so found once per table and placement: `provider` is,
     per action, the position (in this order) of the action whose end it waits for (-1: none), and
     `crossing` the `needs` it waits for from another rank (None: none, or on its own rank); `keys` each
-    action's (kind, stage), `pairs` the (from, to) pp ranks of its crossing."""
+    action's (kind, stage), `pairs` the (from, to) pp ranks of its crossing, `last` each rank's last
+    action's position (-1: none)."""
     held = _RUNS.get((id(table), stage_rank))
     if held is not None and held[0] is table:
         return held[1]
@@ -118,7 +145,10 @@ def _order(table: Table, stage_rank: tuple[int, ...]) -> _Run:
     keys = [(a.kind, a.stage) for a in actions]  # what a duration per (kind, stage) is looked up by
     pairs = [None if need is None else (stage_rank[need.stage], stage_rank[a.stage])  # a transfer's ranks
              for need, a in zip(crossing, actions)]
-    run = _Run(actions, ranks, provider, crossing, tuple(stuck), keys, pairs)
+    last = [-1] * pp  # each rank's last action's position: its row runs in order
+    for i, r in enumerate(ranks):
+        last[r] = i
+    run = _Run(actions, ranks, provider, crossing, tuple(stuck), keys, pairs, last)
     if len(_RUNS) > 1024:
         _RUNS.clear()
     _RUNS[id(table), stage_rank] = (table, run)

@@ -95,8 +95,10 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     assert run.returncode == 0, run.stderr
     hw = load_hardware(out)
     assert hw.devices_per_node == 2 and hw.flops("float32") > 1e8 and hw.intra_node.latency > 0
-    assert 0 < hw.layer_overhead_s < 1  # eager CPU dispatch: milliseconds per layer, not seconds
-    assert 0 < hw.microbatch_overhead_s < 1 and hw.memory_reserve_gib == 0
+    # Eager CPU dispatch: milliseconds per layer and microbatch, not seconds. The two are fitted apart (a
+    # layer's intercept, a microbatch's remainder), so on a busy machine either may come out 0, not both.
+    assert 0 <= hw.layer_overhead_s < 1 and 0 <= hw.microbatch_overhead_s < 1
+    assert hw.layer_overhead_s + hw.microbatch_overhead_s > 0 and hw.memory_reserve_gib == 0
     # The elementwise operators move activations slower than a large copy does (when the FLOPs leave any time).
     assert hw.activation_bandwidth is None or 0 < hw.activation_bandwidth < hw.memory_bandwidth
     bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "1"], cwd=ROOT,
