@@ -10,6 +10,7 @@ import pytest
 import rewrite
 from rewrite.schedules import (
     SCHEDULES,
+    bubble,
     build_table,
     format_table,
     parse_row,
@@ -77,6 +78,22 @@ def test_simulated_times_follow_dependencies():
     # Stage 1 starts F0 when stage 0 has finished it; stage 0's B0 waits for stage 1's.
     assert times[stage1[0]][0] == times[stage0[0]][1]
     assert times[stage0[2]][0] >= times[stage1[1]][1]
+
+
+def test_a_simulation_in_brief_holds_what_the_full_one_does():
+    from rewrite.schedules.simulate import bubble_of, simulate_summary
+
+    for name, pp, k, m in (("afab", 2, 1, 4), ("1f1b", 4, 1, 8), ("interleaved-1f1b", 2, 2, 4), ("zero-bubble", 3, 1, 6),
+                           ("zbv", 2, 2, 4)):
+        table, stage_rank = build_table(name, pp, m, k), placement(name, pp, k)
+        cost = {(kind, s): 1.0 + 0.1 * s + {"F": 0, "B": 1, "I": 0.5, "W": 0.4}[kind]
+                for kind in "FBIW" for s in range(pp * k)}
+        delay = {(a, b): 0.05 * (1 + a) for a in range(pp) for b in range(pp) if a != b}
+        times, stuck = simulate(table, stage_rank, cost, delay)
+        brief = simulate_summary(table, stage_rank, cost, delay)
+        assert brief.last == [times[row[-1]] for row in table], name
+        assert brief.span == max(end for _, end in times.values()) and brief.stuck == stuck == []
+        assert bubble_of(brief, pp) == bubble(table, times) > 0, name  # the same figure, bit for bit
 
 
 def test_a_plan_carries_its_table_inline_or_in_a_csv_file(tmp_path):
