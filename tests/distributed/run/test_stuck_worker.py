@@ -22,9 +22,10 @@ TIMEOUT_S = 8
 TORCHRUN_GRACE_S = 30  # torchrun's SIGTERM -> SIGKILL wait for a worker after another failed (torch 2.13)
 MARGIN_S = 20
 # Where rank 0 can be when rank 1 stops: a transfer to or from it (pp), an action (FSDP2's gathers and reduces
-# run inside them at dp), or one of the step's all-reduces.
+# run inside them at dp), one of the step's all-reduces, or the stop-signal check between steps.
 WHERE = (r"(recv [FB]\d+ for stage 0 from rank 1|the step's last sends, to rank 1|[FBIW]\d+ of stage 0"
-         r"|the data-parallel gradient reduce over dp|the .+ all-reduce over every rank|the step's input checks .+)")
+         r"|the data-parallel gradient reduce over dp|the .+ all-reduce over every rank|the step's input checks .+"
+         r"|the stop-signal check \(an all-reduce over every rank\))")
 
 
 class _Run:
