@@ -10,7 +10,8 @@ profile with that many ranks at once; every plan the search space holds for the 
 sharding, switches, checkpointing) is predicted on it (`estimate.step_time.predict_step`);
 `rewrite.suggest_plans` picks its top plan. Measured: the top pick, the best of every other
 mesh, and plans spread over the predicted range, at least 8, all in the same processes,
-taking turns step by step (a step: `run_schedule` and an AdamW update); each is predicted too
+taking turns step by step (a step as `rewrite plan --measure` times it: `run_schedule`, the
+gradient norm clipped, an AdamW update); each is predicted too
 without the profile's terms per token and per microbatch, beside. Targets: the median
 |measured / predicted - 1| within 10 %, every plan within 20 %, Spearman correlation of predicted
 and measured >= 0.9, the top pick's measured step within 5 % of the best measured. Writes the
@@ -23,7 +24,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import torch
 
 import rewrite
 from bench import common
@@ -31,6 +31,7 @@ from rewrite.estimate.memory import SHARDINGS, rank_memory
 from rewrite.estimate.search_space import (CHECKPOINTING, SCHEDULES_BY_STAGES, bind, binds_sp, meshes,
                                            microbatch_counts, variant)
 from rewrite.run.calibrate import calibrate, profile_yaml
+from rewrite.run.measure import timing_step
 from rewrite.schedules import schedule_rules
 
 SEQ, BATCH, MEASURED = 128, 16, 10
@@ -103,22 +104,11 @@ def measure(rank: int, world: int, chosen: list[dict], warmup: int, steps: int) 
 
 
 def _step(candidate: dict):
-    stage = rewrite.apply_plan(common.model(), candidate["plan"])
-    m, b = candidate["plan"]["pipeline"]["microbatches"], candidate["batch_size"]
-    gen = torch.Generator().manual_seed(0)
+    """A training step of the candidate as `rewrite plan --measure` times it (`run.measure.timing_step`)."""
+    plan = rewrite.load_plan(candidate["plan"])
+    stage = rewrite.apply_plan(common.model(), plan)
     vocab = common.build_config(common.MODEL).vocab_size
-    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=gen)
-    mine = tokens[stage.mesh.dp_rank * m * b:(stage.mesh.dp_rank + 1) * m * b]  # this replica's share
-    ids = [mine[i * b:(i + 1) * b, :-1].contiguous() for i in range(m)]
-    targets = [mine[i * b:(i + 1) * b, 1:].contiguous() for i in range(m)]
-    optimizer = torch.optim.AdamW(stage.module.parameters(), lr=1e-4)
-
-    def step():
-        rewrite.run_schedule(stage, ids, targets)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    return timing_step(stage, plan, candidate["batch_size"], SEQ, vocab)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .flag_words import in_flags
+from .plan_measure import add_measure_flags
 
 __all__ = ["add_hardware_flags", "add_plan_parser", "add_calibrate_parser", "plan_file_text", "BAD_ARGUMENTS"]
 
@@ -49,6 +50,7 @@ def add_plan_parser(sub) -> None:
                       help="write the best plan here (default: ./plan.yaml, or the next free plan-N.yaml; when stdout "
                       "is not a terminal, the plan alone is printed there and the table goes to stderr)")
     plan.add_argument("--json", action="store_true", help='print {"candidates": [...]} ranked by step_s instead of tables')
+    add_measure_flags(plan)
     plan.set_defaults(func=_cmd_plan)
 
 
@@ -68,6 +70,8 @@ def _fail(message: str, status: int) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ..estimate.hardware import load_hardware
     from ..estimate.search import NoPlanFits, check_arguments, suggest_plans
+    from .launch import LaunchError
+    from .plan_measure import measure_problem, measure_top, measured_table, write_profile
     from .presets import load_config
 
     try:
@@ -78,6 +82,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         kwargs = dict(world=args.world, device_memory=args.device_memory, gpus_per_node=args.gpus_per_node,
                       seq_len=args.seq_len, global_batch=args.global_batch)
         check_arguments(**kwargs)
+        problem = measure_problem(args, hardware)
+        if problem:
+            raise ValueError(problem)
     except ValueError as exc:  # a bad argument: one line, no traceback
         return _fail(str(exc), BAD_ARGUMENTS)
     model, max_cp = _planned_model(config)
@@ -87,19 +94,32 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _fail(str(exc), 1)
     except ValueError as exc:  # a device memory within the profile's reserve
         return _fail(str(exc), BAD_ARGUMENTS)
-    best = found[0]
+    try:
+        measured = measure_top(found, args, hardware, model) if args.measure else None
+    except LaunchError as exc:
+        return _fail(f"--measure: {exc}", 1)
+    wrote = write_profile(measured, args, hardware) if measured and args.profile else None
+    best = found[measured.fastest] if measured else found[0]
+    timed = measured.timed[measured.fastest].median_s if measured else None
     if args.json:
         if args.out:
-            Path(args.out).write_text(plan_file_text(best, args, hardware, name=args.out))
-        sys.stdout.write(json.dumps({"candidates": [c.as_dict() for c in found]}, indent=2) + "\n")
+            Path(args.out).write_text(plan_file_text(best, args, hardware, name=args.out, measured_s=timed))
+        data = {"candidates": [c.as_dict() for c in found]}
+        if measured:
+            data["measured"] = measured.as_dict()
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        if wrote:
+            print(wrote, file=sys.stderr)
         return 0
     table = format_candidates(found[: args.top], hardware=hardware, total=len(found), args=args)
+    if measured:
+        table += "\n\n" + measured_table(measured, args) + (f"\n{wrote}" if wrote else "")
     if not args.out and not sys.stdout.isatty():  # `rewrite plan ... > mine.yaml`: the plan alone on stdout
         print(table, file=sys.stderr)
-        sys.stdout.write(plan_file_text(best, args, hardware, name=_stdout_file() or "PLAN.yaml"))
+        sys.stdout.write(plan_file_text(best, args, hardware, name=_stdout_file() or "PLAN.yaml", measured_s=timed))
         return 0
     out = args.out or _free_name()
-    Path(out).write_text(plan_file_text(best, args, hardware, name=out))
+    Path(out).write_text(plan_file_text(best, args, hardware, name=out, measured_s=timed))
     print(table)
     print()
     print(f"wrote {out}" if args.out else f"wrote {out} (--out FILE names another)")
@@ -171,10 +191,10 @@ def _dp_text(plan) -> str:
     return f"{dpp.sharding}, per {dpp.reduce}" if plan.mesh.dp * plan.mesh.cp > 1 else "-"
 
 
-def plan_file_text(best, args: argparse.Namespace, profile, *, name: str) -> str:
-    """The best candidate as a commented plan file `name`: what it predicts on `profile` (a `Hardware`) and the
-    commands that run and show it, both with the compute dtype the search counted (`best.dtype`), so that they
-    run and print what was planned."""
+def plan_file_text(best, args: argparse.Namespace, profile, *, name: str, measured_s: float | None = None) -> str:
+    """The best candidate as a commented plan file `name`: what it predicts on `profile` (a `Hardware`), what a
+    step measured (`measured_s`, by `--measure`), and the commands that run and show it, both with the compute
+    dtype the search counted (`best.dtype`), so that they run and print what was planned."""
     plan, pipe, hardware = best.plan, best.plan.pipeline, profile.name
     world = plan.mesh.world_size
     dtype = f" --dtype {best.dtype}"
@@ -187,6 +207,8 @@ def plan_file_text(best, args: argparse.Namespace, profile, *, name: str) -> str
         f"# Predicted on {hardware}: a step of {best.step_s:.3g} s ({plan.mesh.dp * pipe.microbatches * best.batch_size} "
         f"sequences of {pipe.seq_len} tokens), {best.tokens_per_s:,.0f} tokens/s per device, MFU {best.mfu:.0%}, "
         f"bubble {best.bubble:.0%};",
+        *([f"# measured here by --measure {args.measure}: {measured_s:.3g} s a step on {world} local ranks, the fastest "
+           "of the plans timed;"] if measured_s is not None else []),
         f"# the busiest rank holds {best.peak_bytes / 1024**3:.2f} GiB at its peak (weights, gradients, AdamW, activations;"
         f" float32 weights computed in {best.dtype}), within {profile.usable_text(args.device_memory)}.",
         f"#   rewrite show {name} --model {args.model} --batch-size {best.batch_size}{dtype} --hardware {hardware}",

@@ -1,0 +1,60 @@
+"""`rewrite plan --measure K` end to end: the top plans timed on 2 local ranks, the fastest measured written
+as the plan, the corrected profile written and read back by the next `plan`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rewrite.estimate.hardware import load_hardware
+from tests.paths import ROOT
+from tests.unit.run.test_cli import rewrite_cmd
+
+JOB = ("--model", "tiny-llama", "--world", "2", "--seq-len", "32", "--global-batch", "4")
+ROW = re.compile(r"^\s+(\d)\s+(.+?)\s{2,}(\S+)\s+(\S+) \((\S+)-(\S+)\)\s+(\S+)\s+(\S+)$", re.MULTILINE)
+
+
+def test_measure_times_the_top_plans_keeps_the_fastest_and_corrects_the_profile(tmp_path):
+    plan, profile = tmp_path / "plan.yaml", tmp_path / "here.yaml"
+    run = subprocess.run(
+        [sys.executable, "-m", "rewrite", "plan", *JOB, "--hardware", "cpu", "--measure", "3", "--measure-steps", "2",
+         "--profile", str(profile), "--out", str(plan)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # Before it starts: what it will do and about how long; then a line per plan timed (stderr is not a terminal).
+    assert re.search(r"^measuring the top 3 plans on 2 local ranks \(CPU\), 1 warm-up \+ 2 steps each: about \S+ s",
+                     run.stderr, re.MULTILINE), run.stderr
+    assert re.findall(r"^timed plan (\d)/3, step 3/3", run.stderr, re.MULTILINE) == ["1", "2", "3"], run.stderr
+    assert "Measured here (2 local ranks, median of 2 steps after a warm-up" in run.stdout
+    rows = {int(m[0]): m for m in ROW.findall(run.stdout)}
+    assert sorted(rows) == [1, 2, 3], run.stdout
+    for _, summary, predicted, measured, low, high, ratio, corrected in rows.values():
+        assert float(low) <= float(measured) <= float(high) and float(measured) > 0
+        assert float(ratio) == pytest.approx(float(measured) / float(predicted), abs=0.01 + 0.01 * float(ratio))
+    fastest = min(rows, key=lambda i: float(rows[i][3]))
+    assert f"fastest measured: #{fastest}" in run.stdout and "(fastest measured)" in rows[fastest][1]
+    assert re.search(r"^correction: compute x\S+, communication x\S+ \((fitted|one scale: .+)\); the corrected "
+                     r"predictions are within \d+% of the measured steps", run.stdout, re.MULTILINE), run.stdout
+    # The plan written is the fastest measured, and says what it measured.
+    text = plan.read_text()
+    summary = rows[fastest][1].removesuffix(" (fastest measured)")
+    assert f"# {summary}.\n" in text
+    assert f"# measured here by --measure 3: {rows[fastest][3]} s a step on 2 local ranks" in text
+    assert yaml.safe_load(text)["mesh"]  # a plan file
+    # The corrected profile reads back, and the next search predicts what the table called corrected.
+    assert f"wrote {profile}: plan with it next time here (--hardware {profile})" in run.stdout
+    hw = load_hardware(profile)
+    assert hw.name == "cpu-measured"
+    assert profile.read_text().startswith("# cpu-measured: cpu corrected by `rewrite plan --model tiny-llama --world 2")
+    again = rewrite_cmd("plan", *JOB, "--hardware", str(profile), "--json")
+    assert again.returncode == 0, again.stderr
+    predicted = {c["summary"]: c["step_s"] for c in json.loads(again.stdout)["candidates"]}
+    for _, summary, *_, corrected in rows.values():
+        name = summary.removesuffix(" (fastest measured)")
+        assert predicted[name] == pytest.approx(float(corrected), rel=6e-3), name
