@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .agreement import describe_ranks, raise_problems, ranks_by_value, share
 from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as register_context_parallel
@@ -34,6 +34,7 @@ from .plan.loading import load_plan_for
 from .tensor_parallel.partial_grads import StepSums
 from .schedules import splits_backward
 from .tensor_parallel.apply import apply_tensor_parallel
+from .tensor_parallel.layers import RowParallelLinear
 from .tensor_parallel.sequence_model import sequence_state
 from .errors import InputError
 
@@ -173,22 +174,55 @@ def weights_checksum(model: nn.Module, *, samples: int = 256) -> str:
 def apply_activation_checkpointing(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
     """Wrap the forward of every module of `model` the plan's rules matched in torch's non-reentrant
     checkpoint (its inputs kept, its forward run again in the backward; under split backwards B recomputes,
-    W reuses); returns their paths. The module's `forward` is wrapped in place, so hooks on the module
-    (FSDP2's gathers, the tests' counters) stay outside the checkpointed region and run once per call."""
-    done = []
+    W reuses), op by op where the plan says 'selective' (`selective_policy`); returns their paths. The
+    module's `forward` is wrapped in place, so hooks on the module (FSDP2's gathers, the tests' counters)
+    stay outside the checkpointed region and run once per call."""
+    done, selective = [], set(resolved.selective)
     for path in resolved.recomputed:
         try:
             module = model.get_submodule(path)
         except AttributeError:
             continue  # carved away: another pipeline rank holds it
-        module.forward = _checkpointed(module.forward)
+        if path in selective:
+            for sub in module.modules():  # a kept product must not change: the row layers sum a copy
+                if isinstance(sub, RowParallelLinear):
+                    sub.sums_in_place = False
+        module.forward = _checkpointed(module.forward, selective=path in selective)
         done.append(path)
     return done
 
 
-def _checkpointed(forward):
+def _checkpointed(forward, *, selective: bool):
+    context = {"context_fn": selective_contexts} if selective else {}
+
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
 
     run.__wrapped__ = forward
     return run
+
+
+# Selective checkpointing keeps these outputs: the attention kernels' (recomputing them costs the most per
+# byte) and every other matrix product's, counted from the first of each checkpointed call (torchtitan's
+# default op-level policy; it counts `mm` alone, here `addmm` too, so that a layer with biases keeps alike).
+_ATTENTION_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+_PRODUCTS = frozenset((torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
+
+
+def selective_contexts():
+    """The forward and recompute contexts of one selectively checkpointed call: a fresh count of its
+    products, the same in the forward and again in the recompute."""
+    counts = {False: 0, True: 0}  # products seen so far, in the forward and in the recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _PRODUCTS:
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+        else:
+            keep = op in _ATTENTION_OPS
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

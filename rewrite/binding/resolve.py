@@ -62,6 +62,7 @@ class ResolvedPlan:
     costs: Costs | None = None  # estimated compute per part, for pipeline.seq_len tokens; "hf" only
     stage_rank: tuple[int, ...] = (0,)  # the pp rank holding each stage
     recomputed: tuple[str, ...] = ()  # modules whose activations are recomputed (activation_checkpointing)
+    selective: tuple[str, ...] = ()  # of those, the ones checkpointed op by op ('selective')
     warnings: tuple[str, ...] = ()  # valid, but worth a line at `validate` and `show` (a rule that changes nothing)
     experts: tuple[ExpertSpec, ...] = ()  # fused experts modules split over mesh.ep (each checked, ep > 1 or not)
 
@@ -105,17 +106,22 @@ class ResolvedPlan:
         return max((s.replicas for s in self.shards), default=1)
 
 
-def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list[str], list[str]]:
-    """Modules `activation_checkpointing` matches (the outermost of nested matches), and problems."""
-    names, hits, problems = [n for n in modules if n], [], []
-    for pattern in plan.activation_checkpointing:
+def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list[str], list[str], list[str]]:
+    """Modules `activation_checkpointing` matches (the outermost of nested matches), those of them checkpointed
+    'selective', and problems (a pattern matching nothing; a module two patterns give different modes)."""
+    names, modes, problems = [n for n in modules if n], {}, []
+    for pattern, mode in plan.activation_checkpointing.items():
         found = [n for n in names if match_pattern(pattern, n)]
         if not found:
             problems.append(f"{plan.where('activation_checkpointing', pattern)}activation_checkpointing[{pattern!r}] "
                             f"matches no module{closest(pattern, names)}")
-        hits += found
-    hits = list(dict.fromkeys(hits))
-    return [n for n in hits if not any(n.startswith(h + ".") for h in hits)], problems
+        for name in found:
+            first = modes.setdefault(name, (pattern, mode))
+            if first[1] != mode:
+                problems.append(f"{plan.where('activation_checkpointing', pattern)}activation_checkpointing[{pattern!r}] "
+                                f"makes {name} {mode!r}, but {first[0]!r} makes it {first[1]!r}: give each module one mode")
+    outer = [n for n in modes if not any(n.startswith(h + ".") for h in modes)]
+    return outer, [n for n in outer if modes[n][1] == "selective"], list(dict.fromkeys(problems))
 
 
 def resolve(plan: ParallelPlan | str | Path | dict, model: nn.Module, *, world_size: int | None = None) -> ResolvedPlan:
@@ -153,7 +159,7 @@ def resolve_with(steps: BindSteps, plan: ParallelPlan | str | Path | dict, *, wo
     shards, tp_problems, notes = steps.shards(rules)
     modules = steps.modules()
     experts, expert_issues = expert_problems(plan, model, modules)
-    recomputed, ac_problems = _recomputed(plan, modules)
+    recomputed, selective, ac_problems = _recomputed(plan, modules)
     bb = find_backbone(model)
     cut = _hf_cut(steps, plan, bb, rules, shards) if bb is not None else _fx_cut(plan, model)
     problems += list(tp_problems) + list(expert_issues) + ac_problems
@@ -166,7 +172,8 @@ def resolve_with(steps: BindSteps, plan: ParallelPlan | str | Path | dict, *, wo
         shards=tuple(shards), stages=_stage_specs(steps, plan, cut, shards, experts), cut_points=tuple(cut.cuts),
         total_params=total, total_bytes=total_bytes, layer_indices=tuple(tuple(ls) for ls in cut.layer_sets),
         costs=cut.costs, stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
-        recomputed=tuple(recomputed), warnings=tuple(collapse_repeats(list(notes))), experts=experts)
+        recomputed=tuple(recomputed), selective=tuple(selective), warnings=tuple(collapse_repeats(list(notes))),
+        experts=experts)
 
 
 @dataclass

@@ -60,7 +60,16 @@ A module matched by activation_checkpointing (a decoder layer, or its input_laye
 self_attn, post_attention_layernorm or mlp) keeps only its input, B h per token: C tokens
 (the model's first layer under sequence_parallel keeps T: it splits its own input). While
 its backward runs, its forward runs again and holds its full activations: the largest
-recomputed module of a rank counts once, not per microbatch.
+recomputed module of a rank counts once, not per microbatch. Checkpointed 'selective', it
+keeps besides every other matrix product's output from the first of its call, and the
+attention kernel's output and float32 log-sum-exp. A layer calls q, k, v, o, gate, up, down:
+
+    products          T B a d / t', T B g r d / t' (twice), T B h        q, k, v; o's partial sums
+                      R B i / tm (twice), R B h                          gate, up; down's partial sums
+    kept              q, v, gate, down (the 1st, 3rd, 5th, 7th) + T (B a d + 4 a) / t'
+    a part alone      its own products counted from its first: self_attn q and v, mlp gate and down
+
+(estimated for layers of exactly these projections, without context parallelism: `selective_problem`).
 
 Under cp each stage also keeps, per microbatch, the additive masks of its rank's two query chunks
 (`context_parallel.attention`: one tensor per chunk shared by the layers): chunks of L = s / (2 c)
@@ -86,9 +95,11 @@ from ..models.blocks import LAYER_PARTS
 from ..models.flops import EXPERT_VALUES, config_size, moe_shape
 from ..models.latent_shape import LatentShape, latent_attention_bytes, latent_shape
 
-__all__ = ["Sizes", "layer_bytes", "end_bytes"]
+__all__ = ["Sizes", "layer_bytes", "end_bytes", "SELECTIVE", "selective_products"]
 
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
+SELECTIVE = "~"  # marks a part checkpointed 'selective' in `layer_bytes`' recomputed ("~" alone: the whole layer)
+_ATTENTION, _MLP = LAYER_PARTS[1], LAYER_PARTS[3]
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,27 @@ def _routed(z: Sizes, tm: int = 1) -> int:
     return z.top_k * (z.expert_values * B * z.expert_width // tm + 2 * B * z.hidden + 36) + 16
 
 
+def selective_products(z: Sizes, parts: Collection[str], *, attention_split: bool = True, mlp_split: bool = True
+                       ) -> tuple[int, float]:
+    """(bytes kept, share of the forward's projection FLOPs run again) of `parts` of a layer checkpointed
+    'selective': every other product from the first of the call, and the attention kernel's output."""
+    B, h, d, a, i = z.dtype_bytes, z.hidden, z.head_dim, z.heads, z.intermediate
+    ta, tm, T, R = (z.tp if attention_split else 1), (z.tp if mlp_split else 1), z.tokens, z.mlp_rows
+    g = z.kv_heads * (z.kv_replicas if attention_split else 1)
+    products, flops = [], []  # bytes and FLOPs of each product, in the order the layer calls them
+    if _ATTENTION in parts:
+        for width in (a * d, g * d, g * d):  # q, k, v
+            products.append(T * B * width // ta)
+            flops.append(T * h * width / ta)
+        products.append(T * B * h)  # o's partial sums (under tp), before they are summed
+        flops.append(T * a * d * h / ta)
+    if _MLP in parts:
+        products += [R * B * i // tm] * 2 + [R * B * h]  # gate, up; down's partial sums
+        flops += [R * h * i / tm] * 3
+    kept = sum(products[0::2]) + (T * (B * a * d + F32 * a) // ta if _ATTENTION in parts else 0)
+    return kept, sum(flops[1::2]) / sum(flops) if flops else 0.0
+
+
 def layer_bytes(
     z: Sizes, *, attention_split: bool = True, mlp_split: bool = True, shared_split: bool | None = None,
     first: bool = False, recomputed: Collection[str] = (),
@@ -208,22 +240,34 @@ def layer_bytes(
         attention_split, mlp_split: the block's linears are split over tp (t' = t).
         shared_split: a mixture of experts' shared experts are split over tp (t_s = t); None: as the MLP.
         first: the model's first layer (under sequence parallelism its input is whole).
-        recomputed: "" for the whole layer, or names in `models.blocks.LAYER_PARTS`, checkpointed.
+        recomputed: "" for the whole layer, or names in `models.blocks.LAYER_PARTS`, checkpointed;
+            each prefixed `SELECTIVE` where checkpointed 'selective'.
 
     Example:
         >>> z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=256, seq_len=16)
-        >>> layer_bytes(z), layer_bytes(z, recomputed=[""])
-        ((74368, 0), (4096, 74368))
+        >>> layer_bytes(z), layer_bytes(z, recomputed=[""]), layer_bytes(z, recomputed=["~"])
+        ((74368, 0), (4096, 74368), (27136, 74368))
     """
     shared = mlp_split if shared_split is None else shared_split
     parts = _parts(z, attention_split=attention_split, mlp_split=mlp_split, shared_split=shared)
+    splits = {"attention_split": attention_split, "mlp_split": mlp_split}
     # A checkpointed module keeps its input: the layer's (whole for the first under sequence
     # parallelism), or a part's, which under sequence parallelism is a rank's chunk.
     layer_input = (z.tokens if first else z.chunk) * z.dtype_bytes * z.hidden
-    if "" in recomputed:
-        return layer_input, sum(parts.values())
-    kept = sum(z.chunk * z.dtype_bytes * z.hidden if name in recomputed else size for name, size in parts.items())
-    return kept, max((parts[name] for name in recomputed if name in parts), default=0)
+    whole = {name.removeprefix(SELECTIVE) for name in recomputed} & {""}
+    if whole:
+        kept = selective_products(z, LAYER_PARTS, **splits)[0] if SELECTIVE in recomputed else 0
+        return layer_input + kept, sum(parts.values())
+    kept = 0
+    for name, size in parts.items():
+        if name in recomputed:
+            kept += z.chunk * z.dtype_bytes * z.hidden
+        elif SELECTIVE + name in recomputed:
+            kept += z.chunk * z.dtype_bytes * z.hidden + selective_products(z, [name], **splits)[0]
+        else:
+            kept += size
+    return kept, max((parts[n.removeprefix(SELECTIVE)] for n in recomputed if n.removeprefix(SELECTIVE) in parts),
+                     default=0)
 
 
 def end_bytes(z: Sizes, *, has_head: bool = True, loss_parallel: bool = False) -> int:

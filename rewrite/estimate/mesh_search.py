@@ -135,6 +135,8 @@ def _first_fit(bound: Bound, *, G, limit, n, frugal) -> Candidate | None:
     """Fit only: the first candidate of this binding that fits (no times)."""
     for group in _groups(bound, n, frugal):
         for mode in CHECKPOINTING[-1:] if frugal else CHECKPOINTING:
+            if not bound.allows(mode):
+                continue
             params_fit, peak = _fits(bound, group, mode, n // group[1], limit)
             if not params_fit:
                 break  # the parameters alone do not fit: checkpointing cannot help
@@ -154,6 +156,8 @@ def _fastest(bounds: list[Bound], hw, *, G, limit, n) -> Candidate | None:
     heap, best, best_key = [], None, None
 
     def push(order, bound, group, mode_index):
+        while not bound.allows(CHECKPOINTING[mode_index]):  # the last mode is always estimated
+            mode_index += 1
         low = bound.lower_bound(*group, CHECKPOINTING[mode_index], n // group[1], hw, G)
         heapq.heappush(heap, (low, order, mode_index, group, bound))
 

@@ -14,9 +14,11 @@ from torch import nn
 from ..binding.experts import TP_STYLE
 from ..models.blocks import ATTENTION, LATENT_ATTENTION, LAYER_PARTS, MLP, PACKED_MLP
 from ..plan.styles import COLUMN_STYLES, SPLIT_OUTPUT_STYLES
+from .layer_activations import SELECTIVE
 from ..binding.resolve import ResolvedPlan
 
-__all__ = ["activation_problem", "Styles", "shard_styles", "block_splits", "layer_kinds", "loss_sharded", "recomputed_parts"]
+__all__ = ["activation_problem", "selective_problem", "Styles", "shard_styles", "block_splits", "layer_kinds",
+           "loss_sharded", "recomputed_parts"]
 
 
 _INDEX = re.compile(r"(?:^|\.)\d+(?=\.)")
@@ -93,7 +95,7 @@ def layer_kinds(resolved: ResolvedPlan, styles: Styles) -> list[list[tuple[int, 
     """Per stage, per decoder layer in order: (its index, `block_splits`, its checkpointed parts as
     `recomputed_parts` gives them). Found once per stage split and checkpointing of a binding's styles:
     a search reads them for every candidate."""
-    key = (resolved.layer_indices, resolved.recomputed)
+    key = (resolved.layer_indices, resolved.recomputed, resolved.selective)
     if key not in styles.kinds:
         bb, recomputed = resolved.backbone, recomputed_parts(resolved)
         styles.kinds[key] = [[(i, block_splits(styles, bb.layer(i)), frozenset(recomputed.get(i, ()))) for i in layers]
@@ -109,15 +111,15 @@ def loss_sharded(resolved: ResolvedPlan, styles: dict[str, str]) -> bool:
 
 def recomputed_parts(resolved: ResolvedPlan) -> dict[int, set[str]]:
     """Per decoder layer index: {""} when the layer is checkpointed whole, else its checkpointed parts
-    (`LAYER_PARTS`); layers with none are left out."""
-    bb, found = resolved.backbone, {}
+    (`LAYER_PARTS`), each prefixed `SELECTIVE` where checkpointed 'selective'; layers with none are left out."""
+    bb, found, selective = resolved.backbone, {}, set(resolved.selective)
     prefix = bb.layers + "."
     for fqn in resolved.recomputed:
         if not fqn.startswith(prefix):
             continue
         index, _, part = fqn[len(prefix):].partition(".")
         if index.isdigit() and (not part or part in LAYER_PARTS):
-            found.setdefault(int(index), set()).add(part)
+            found.setdefault(int(index), set()).add(SELECTIVE + part if fqn in selective else part)
     return found
 
 
@@ -139,4 +141,27 @@ def activation_problem(resolved: ResolvedPlan, model: nn.Module) -> str | None:
             f"activations are estimated for LLaMA-shaped layers (self_attn, then mlp); {type(layer).__name__} "
             f"holds {', '.join(layer._modules)}"
         )
+    if resolved.selective:
+        return selective_problem(model, cp=resolved.plan.mesh.cp)
     return None
+
+
+def selective_problem(model: nn.Module, *, cp: int = 1) -> str | None:
+    """Why the activations of layers checkpointed 'selective' are not estimated for `model` (at `cp` context-
+    parallel ranks), or None: the estimate counts the products of q/k/v/o and gate/up/down projections
+    (`layer_activations.selective_products`), with one attention kernel a call."""
+    from ..models.hf_decoder import find_backbone
+
+    layer = model.get_submodule(find_backbone(model).layer(0))
+    want = {ATTENTION.layer_part: (*ATTENTION.inputs, ATTENTION.output), MLP.layer_part: (*MLP.inputs, MLP.output)}
+    missing = [f"{part}.{name}" for part, names in want.items() for name in names
+               if not isinstance(getattr(getattr(layer, part, None), name, None), nn.Linear)]
+    extra = [f"{part}.{name}" for part in want for name, sub in getattr(layer, part)._modules.items()
+             if isinstance(sub, nn.Linear) and name not in want[part]]
+    why = (f"its layers have no linear {', '.join(missing)}" if missing else
+           f"its layers also project in {', '.join(extra)}" if extra else
+           "context parallelism runs the attention kernel once per chunk" if cp > 1 else None)
+    return (f"activations under 'selective' checkpointing are estimated for layers of q/k/v/o and gate/up/down "
+            f"projections alone; {type(model).__name__}: {why}") if why else None
+
+

@@ -6,7 +6,7 @@ accepts) and each choice of
 vocab + loss parallelism and sequence parallelism the plan is bound once (`auto` cuts, per
 virtual-stage count; for a mixture of experts computed in its parameters' dtype, per ep dividing
 dp x tp and the experts: the best of each mesh may split its experts); schedules, microbatch counts, data-parallel sharding and activation
-checkpointing (off, every other layer, every layer) vary on that binding. Each candidate's
+checkpointing (off, selective where it is estimated, every other layer, every layer) vary on that binding. Each candidate's
 memory is `estimate.memory.rank_memory`'s, its time `estimate.step_time.predict_step`'s.
 Checkpointing only adds time, so a candidate takes the least of it that fits.
 """

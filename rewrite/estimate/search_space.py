@@ -19,6 +19,7 @@ from ..plan.schema import PlanError
 from ..schedules import placement, splits_backward
 from .activations import compute_dtype, place_peaks, plan_sizes, stage_activations
 from .layer_activations import Sizes
+from .plan_parts import selective_problem
 from .dp_time import DpTime
 from .hardware import Hardware
 from .param_memory import footprint, param_sums, rank_parameters, reduce_as_run
@@ -29,7 +30,9 @@ from .step_time import stage_parameters
 __all__ = ["CHECKPOINTING", "SCHEDULES_BY_STAGES", "Bound", "divisors", "microbatch_counts", "meshes", "bind", "binds_sp",
            "variant", "checkpointed", "collector_paused", "expert_count"]
 
-CHECKPOINTING = ("off", "every other layer", "every layer")  # in the order tried: each adds recompute
+# In the order tried, each adding recompute: 'selective' runs a layer's elementwise work and every other product
+# again, half the layers run everything again, then all of them.
+CHECKPOINTING = ("off", "selective", "every other layer", "every layer")
 SCHEDULES_BY_STAGES = {1: ("1f1b", "afab", "zero-bubble"), 2: ("interleaved-1f1b", "zbv", "zero-bubble")}
 
 
@@ -52,8 +55,9 @@ def checkpointed(resolved: ResolvedPlan, mode: str) -> tuple[dict, tuple[str, ..
     indices = [i for s in resolved.layer_indices for i in s]
     if mode == "off":
         return {}, ()
-    if mode == "every layer":
-        return {f"{bb.layers}.*": "full"}, tuple(bb.layer(i) for i in sorted(indices))
+    if mode in ("every layer", "selective"):
+        return ({f"{bb.layers}.*": "selective" if mode == "selective" else "full"},
+                tuple(bb.layer(i) for i in sorted(indices)))
     even = sorted(i for i in indices if i % 2 == 0)  # `*4` matches 4, 14, 24 ...: the even indices by last digit
     return {f"{bb.layers}.*{d}": "full" for d in sorted({i % 10 for i in even})}, tuple(bb.layer(i) for i in even)
 
@@ -128,7 +132,7 @@ def variant(base: ResolvedPlan, *, schedule: str, microbatches: int, sharding: s
         "data_parallel": plan.data_parallel.model_copy(update={"sharding": sharding, "reduce": reduce}),
         "activation_checkpointing": patterns,
     })
-    return dataclasses.replace(base, plan=new, recomputed=layers,
+    return dataclasses.replace(base, plan=new, recomputed=layers, selective=layers if checkpointing == "selective" else (),
                                stage_rank=placement(schedule, base.pp, pipe.virtual_stages))
 
 
@@ -157,6 +161,15 @@ class Bound:
         self._tails: dict = {}  # the same and the placement -> each rank's least tail
         self.dtype_bytes = compute_dtype(model).itemsize  # the master weights'
         self.mixed = self.compute.itemsize < self.dtype_bytes  # `footprint`'s compute_bytes, else None
+        self._selective: bool | None = twin._selective if same else None
+
+    def allows(self, mode: str) -> bool:
+        """Whether the estimates take this checkpointing mode on the binding (`plan_parts.selective_problem`)."""
+        if mode != "selective":
+            return True
+        if self._selective is None:
+            self._selective = selective_problem(self.model, cp=self.base.plan.mesh.cp) is None
+        return self._selective
 
     def dp_time(self, hw: Hardware, G: int) -> DpTime:
         """The binding's `DpTime` (one hardware and node size a search)."""

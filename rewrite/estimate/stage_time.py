@@ -51,11 +51,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.blocks import ATTENTION, MLP
+from ..models.blocks import ATTENTION, LAYER_PARTS, MLP
 from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
 from ..binding.resolve import ResolvedPlan
 from .activations import compute_dtype, plan_sizes
-from .layer_activations import F32, Sizes, end_bytes, layer_bytes
+from .layer_activations import F32, SELECTIVE, Sizes, end_bytes, layer_bytes, selective_products
 from .plan_parts import layer_kinds, loss_sharded, shard_styles
 from ..plan.ranks import Shape, expert_groups
 from .collectives import all_gather_s, all_reduce_s, all_to_all_s
@@ -164,9 +164,25 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *,
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
     share = 1.0 if "" in recomputed else len(recomputed & {ATTENTION.layer_part, MLP.layer_part}) / 2
     input_backward += share * forward
+    # Checkpointed 'selective': its elementwise work, collectives and the products it did not keep again.
+    for unit, weight, again in _selective_units(z, recomputed, splits, proj, mlp):
+        input_backward += clock.run(again + weight * norms, weight * 2 * kept, 0) + weight * (fwd_comm + clock.overhead)
+        share += weight
     tp_comm = fwd_comm + bwd_comm + share * fwd_comm
     flops = (proj + scores + mlp + norms) + (proj + 2 * scores + mlp + 2 * norms) + (proj + mlp)
     return forward, input_backward, weight_backward, tp_comm, flops, (2 + share) * kv, (2 + share) * ep
+
+
+def _selective_units(z: Sizes, recomputed: set[str], splits: dict, proj: float, mlp: float):
+    """(unit, its share of the layer, the projection FLOPs it runs again) for each part of a layer checkpointed
+    'selective' (`layer_activations.selective_products`): the whole layer, or self_attn and mlp alone."""
+    units = {"": (LAYER_PARTS, 1.0, proj + mlp), ATTENTION.layer_part: ([ATTENTION.layer_part], 0.5, proj),
+             MLP.layer_part: ([MLP.layer_part], 0.5, mlp)}
+    wanted = {"": True} if SELECTIVE in recomputed else {p: True for p in units if p and SELECTIVE + p in recomputed}
+    for unit in wanted:
+        parts, weight, flops = units[unit]
+        _, again = selective_products(z, parts, attention_split=splits["attention_split"], mlp_split=splits["mlp_split"])
+        yield unit, weight, again * flops
 
 
 def _routed_layers(resolved: ResolvedPlan) -> set[int]:

@@ -110,11 +110,13 @@ class ParallelPlan(StrictModel):
     data_parallel: Annotated[
         DataParallel, Field(description="How the mesh.dp replicas share parameters (torch DDP-style or FSDP2).")
     ] = DataParallel()
-    activation_checkpointing: Annotated[dict[Pattern, Literal["full"]], Field(description=(
+    activation_checkpointing: Annotated[dict[Pattern, Literal["full", "selective"]], Field(description=(
         "Module-path pattern -> mode. 'full': the matched modules keep only their inputs from the "
         "forward and run it again in the backward (torch's non-reentrant torch.utils.checkpoint), "
-        "trading compute for activation memory; e.g. {'model.layers.*': full}. Works with tp, pp, "
-        "dp and every schedule."))] = {}
+        "trading compute for activation memory; e.g. {'model.layers.*': full}. 'selective': op-level, "
+        "as torchtitan's default policy: the attention kernels' outputs and every other matrix product's "
+        "(the first, third, ... of each call) are kept as well, the rest run again (torch's selective "
+        "checkpoint contexts). Works with tp, pp, dp and every schedule."))] = {}
     loss_parallel: Annotated[bool, Field(description=(
         "With the LM head sharded as 'column': the runner's cross-entropy works on vocabulary "
         "shards (max, sum of exponentials and target logit reduced over tp), never building full "

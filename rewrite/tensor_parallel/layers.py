@@ -195,6 +195,8 @@ class RowParallelLinear(_ParallelLinear):
         torch.Size([2, 5, 64])
     """
 
+    sums_in_place = True  # False inside a selectively checkpointed module, which may keep the product it sums
+
     def __init__(
         self,
         in_features: int,
@@ -251,7 +253,7 @@ class RowParallelLinear(_ParallelLinear):
             # Each rank adds the bias to its own tokens only: its gradient sums over tp (f).
             bias = None if self.bias is None else copy_to_parallel(self.bias, self.group)
         else:
-            y = reduce_from_parallel(partial, self.group, inplace=True)  # (..., out)
+            y = reduce_from_parallel(partial, self.group, inplace=self.sums_in_place)  # (..., out)
             bias = self.bias
         return y if bias is None else y + bias
 

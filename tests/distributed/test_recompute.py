@@ -1,4 +1,5 @@
-"""activation_checkpointing: the same loss and gradients, with the matched modules run again in the backward."""
+"""activation_checkpointing, 'full' and 'selective': the same loss and gradients, with the matched modules run
+again in the backward."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.multiproc import run
 from tests.reference import expected_shard
 
 AC = {"model.layers.*": "full"}
+MODES = ("full", "selective")
 
 
 def _count_mlp_calls(model) -> dict:
@@ -27,17 +29,17 @@ def _count_mlp_calls(model) -> dict:
     return calls
 
 
-def _case(rank: int, plan: dict, m: int = 3) -> str:
+def _case(rank: int, plan: dict, mode: str, m: int = 3) -> str:
     config = build_config("tiny-llama")
     model = build_model(config, seed=3)
     reference = copy.deepcopy(model)
-    stage = rewrite.apply_plan(model, {**plan, "activation_checkpointing": AC})
+    stage = rewrite.apply_plan(model, {**plan, "activation_checkpointing": {"model.layers.*": mode}})
     calls = _count_mlp_calls(model)
     dp = plan.get("mesh", {}).get("dp", 1)
     ids, targets = _batch(config, m * dp)
     mine = slice(stage.dp_rank * m, (stage.dp_rank + 1) * m)
     loss = rewrite.run_schedule(stage, ids[mine], targets[mine])
-    name = f"rank {rank} {plan}"
+    name = f"rank {rank} {mode} {plan}"
     assert_close(f"{name} loss", loss, reference_step(reference, ids, targets))
     ref = dict(reference.named_parameters())
     for pname, param in model.named_parameters():
@@ -49,8 +51,10 @@ def _case(rank: int, plan: dict, m: int = 3) -> str:
 
 
 def _every(rank: int, ws: int) -> list[str]:
-    out = [_case(rank, plan) for plan in (
-        {"mesh": {"tp": 2}, "tensor_parallel": rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel},
+    tp = rewrite.load_plan("plans/llama-tp2.yaml").tensor_parallel
+    out = [_case(rank, plan, mode) for mode in MODES for plan in (
+        {"mesh": {"tp": 2}, "tensor_parallel": tp},
+        {"mesh": {"tp": 2}, "tensor_parallel": tp, "sequence_parallel": True},
         {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 3}},
         {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "virtual_stages": 2, "microbatches": 3}},
         {"mesh": {"pp": 2}, "pipeline": {"schedule": "zero-bubble", "microbatches": 3}},
@@ -82,8 +86,13 @@ def test_a_pattern_that_matches_nothing_is_refused():
 
     with pytest.raises(rewrite.PlanError, match=r"activation_checkpointing\['model.layer.\*'\] matches no module"):
         rewrite.resolve({"activation_checkpointing": {"model.layer.*": "full"}}, build_model("tiny-llama", device="meta"))
-    with pytest.raises(rewrite.PlanError, match=r"activation_checkpointing\['model.layers.\*'\]: Input should be 'full' \(found 'selective'\)"):
-        rewrite.load_plan({"activation_checkpointing": {"model.layers.*": "selective"}})
+    with pytest.raises(rewrite.PlanError, match=r"activation_checkpointing\['model.layers.\*'\]: Input should be 'full' or "
+                       r"'selective' \(found 'partial'\)"):
+        rewrite.load_plan({"activation_checkpointing": {"model.layers.*": "partial"}})
+    with pytest.raises(rewrite.PlanError, match=r"activation_checkpointing\['model.layers.1'\] makes model.layers.1 "
+                       r"'selective', but 'model.layers.\*' makes it 'full': give each module one mode"):
+        rewrite.resolve({"activation_checkpointing": {"model.layers.*": "full", "model.layers.1": "selective"}},
+                        build_model("tiny-llama", device="meta"))
     from rewrite.run.show.report import format_plan
 
     text = format_plan(rewrite.resolve({"activation_checkpointing": AC}, build_model("tiny-llama", device="meta")))

@@ -176,8 +176,9 @@ def show_data(
 
     Returns:
         {"plan", "description", "model", "mesh", "experts", "experts_over_tp", "pipeline", "data_parallel",
-        "tensor_parallel", "kv_replicas", "sharded_modules", "recomputed", "recomputed_modules", "stages", "memory",
-        "whole_model", "warnings"}; `experts`: the modules split over mesh.ep > 1, each {"module",
+        "tensor_parallel", "kv_replicas", "sharded_modules", "recomputed", "recomputed_modules", "selective",
+        "selective_modules", "stages", "memory", "whole_model", "warnings"}; `recomputed`: the modules checkpointed
+        'full', `selective`: those checkpointed 'selective'; `experts`: the modules split over mesh.ep > 1, each {"module",
         "experts", "per_rank"}; `experts_over_tp`: those with each expert split over tp, each {"module",
         "experts", "features": {tensor: {"dim", "parts"}}}; memory sizes are bytes, replica 0's ranks (the other replicas hold
         the same); with `hardware` also "predicted": {"hardware", "step_s", "tokens_per_s" (per
@@ -216,8 +217,10 @@ def show_data(
         "tensor_parallel": tp_entries(resolved, model),
         "kv_replicas": resolved.kv_replicas,
         "sharded_modules": len(resolved.shards),
-        "recomputed": collapse_names(resolved.recomputed),
-        "recomputed_modules": len(resolved.recomputed),
+        "recomputed": collapse_names([n for n in resolved.recomputed if n not in resolved.selective]),
+        "recomputed_modules": len(resolved.recomputed) - len(resolved.selective),
+        "selective": collapse_names(resolved.selective),
+        "selective_modules": len(resolved.selective),
         "stages": stage_entries(resolved),
         "memory": memory,
         "whole_model": {"params": resolved.total_params, "bytes": resolved.total_bytes},

@@ -204,6 +204,12 @@ def render_text(data: dict) -> str:
             f"Activation checkpointing: {data['recomputed_modules']} modules keep only their inputs and run their "
             f"forward again in the backward ({', '.join(data['recomputed'])})"
         )
+    if data["selective"]:
+        out.append(
+            f"Selective activation checkpointing: {data['selective_modules']} modules keep their inputs, their "
+            f"attention kernels' and every other product's outputs, and run the rest again in the backward "
+            f"({', '.join(data['selective'])})"
+        )
     out += ["", *_pipeline_lines(data), "", *memory_lines(data)]
     whole = data["whole_model"]
     out.append(f"  whole model: {whole['params']:,} parameters, {format_bytes(whole['bytes'])}")
