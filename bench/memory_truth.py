@@ -65,9 +65,11 @@ def variants(path: Path, meta, *, schedules=SCHEDULES, checkpointing=CHECKPOINTI
 
 
 def _estimate(resolved, meta) -> dict:
-    """(pp_rank, tp_rank) -> the estimated figures, in bytes; every replica alike."""
+    """(pp_rank, tp_rank) -> the estimated figures, in bytes; every replica alike. Activations: what is kept and
+    recomputed (`RankActivations.peak`), as measured here: the loss's transient buffers, which the memory
+    estimate adds at its peak, are not saved tensors."""
     acts = rank_activations(resolved, meta, batch_size=common.MB)
-    return {(m.pp_rank, m.tp_rank): {"activations": m.activations, "recompute": acts[m.pp_rank].recompute,
+    return {(m.pp_rank, m.tp_rank): {"activations": acts[m.pp_rank].peak, "recompute": acts[m.pp_rank].recompute,
                                      "params": m.weights, "grads": m.grads, "adamw": m.adamw}
             for m in rank_memory(resolved, meta, batch_size=common.MB)}
 

@@ -24,7 +24,7 @@ from torch import nn
 from ..binding.resolve import ResolvedPlan
 from ..schedules import peak_in_flight, plan_table
 from ..schedules.table import alive_counts
-from .layer_activations import Sizes, end_bytes, layer_bytes
+from .layer_activations import Sizes, end_bytes, layer_bytes, loss_peak_bytes
 from .plan_parts import activation_problem, layer_kinds, loss_sharded, shard_styles
 
 __all__ = [
@@ -42,6 +42,12 @@ class RankActivations:
     in_flight: int  # the most (microbatch, stage) pairs alive at once in the schedule
     recompute: int  # bytes the largest recomputed module holds again during its backward (0: none)
     peak: int  # the estimate: the most bytes alive at once, recompute included
+    loss: int = 0  # bytes the loss holds at its peak beyond what it keeps (`loss_peak_bytes`; the last stage's rank)
+
+    @property
+    def top(self) -> int:
+        """The peak with the loss's: its buffers come while the kept bytes are alive, before any recompute."""
+        return self.peak + max(self.loss - self.recompute, 0)
 
 
 def compute_dtype(model: nn.Module, given: str | torch.dtype | None = None) -> torch.dtype:
@@ -109,16 +115,17 @@ def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: in
 
 
 def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
-                      dtype: str | torch.dtype | None = None, sizes: Sizes | None = None) -> tuple[list[int], list[int]]:
-    """Per stage: the bytes one microbatch keeps until its backward, and the bytes its largest recomputed
-    module holds again during the backward. Independent of the schedule and the microbatch count: a
+                      dtype: str | torch.dtype | None = None, sizes: Sizes | None = None) -> tuple[list[int], list[int], list[int]]:
+    """Per stage: the bytes one microbatch keeps until its backward, the bytes its largest recomputed
+    module holds again during the backward, and the bytes its loss holds at its peak beyond what it keeps
+    (`loss_peak_bytes`: the last stage). Independent of the schedule and the microbatch count: a
     search computes them once per batch size and checkpointing (`place_activations` adds the schedule).
     `sizes`: `plan_sizes` of this plan, batch size and dtype, when the caller has them."""
     bb = resolved.backbone
     z = sizes or plan_sizes(resolved, model, batch_size=batch_size, dtype=dtype)
     styles = shard_styles(resolved)
     last = resolved.num_stages - 1
-    kept, rebuilt, memo = [], [], {}
+    kept, rebuilt, loss, memo = [], [], [], {}
     for stage, kinds in enumerate(layer_kinds(resolved, styles)):
         k_sum, r_max = 0, 0
         for i, splits, parts in kinds:
@@ -127,34 +134,39 @@ def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: i
                 memo[key] = layer_bytes(z, **splits, first=i == 0, recomputed=parts)
             k, r = memo[key]
             k_sum, r_max = k_sum + k, max(r_max, r)
+        sharded = loss_sharded(resolved, styles)
+        loss.append(loss_peak_bytes(z, has_head=bb.has_head, loss_parallel=sharded) if stage == last else 0)
         if stage == last:
-            k_sum += end_bytes(z, has_head=bb.has_head, loss_parallel=loss_sharded(resolved, styles))
+            k_sum += end_bytes(z, has_head=bb.has_head, loss_parallel=sharded)
         else:
             k_sum += z.chunk * z.dtype_bytes * z.hidden  # the output, held for its backward
         k_sum += z.mask_bytes
         kept.append(k_sum)
         rebuilt.append(r_max)
-    return kept, rebuilt
+    return kept, rebuilt, loss
 
 
-def place_activations(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int]) -> list[RankActivations]:
+def place_activations(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int], loss: list[int]
+                      ) -> list[RankActivations]:
     """Each pp rank's `RankActivations` from `stage_activations`, under the plan's schedule table and placement."""
-    return [RankActivations(r, held, peak_in_flight(row), recompute, _peak(row, held) + recompute)
-            for r, row, held, recompute in _placed(resolved, kept, rebuilt)]
+    return [RankActivations(r, held, peak_in_flight(row), recompute, _peak(row, held) + recompute, top)
+            for r, row, held, recompute, top in _placed(resolved, kept, rebuilt, loss)]
 
 
-def place_peaks(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int]) -> list[int]:
-    """`place_activations`' peaks alone (what a plan search compares with the device memory)."""
-    return [_peak(row, held) + recompute for _, row, held, recompute in _placed(resolved, kept, rebuilt)]
+def place_peaks(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int], loss: list[int]) -> list[int]:
+    """`place_activations`' peaks with the loss's (`RankActivations.top`: what a plan search compares with the
+    device memory)."""
+    return [_peak(row, held) + max(recompute, top) for _, row, held, recompute, top in _placed(resolved, kept, rebuilt, loss)]
 
 
-def _placed(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int]):
-    """Per pp rank: (rank, its table row, bytes per held stage, its largest recompute)."""
+def _placed(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int], loss: list[int]):
+    """Per pp rank: (rank, its table row, bytes per held stage, its largest recompute, its loss's peak)."""
     pipe = resolved.plan.pipeline
     table = plan_table(pipe.schedule, pipe.table, resolved.pp, pipe.virtual_stages, pipe.microbatches)
     for pp_rank, row in enumerate(table):
         held = {s: kept[s] for s in resolved.rank_stages(pp_rank)}
-        yield pp_rank, row, held, max((rebuilt[s] for s in held), default=0)
+        yield (pp_rank, row, held, max((rebuilt[s] for s in held), default=0),
+               max((loss[s] for s in held), default=0))
 
 
 def _peak(row, stage_bytes: dict[int, int]) -> int:

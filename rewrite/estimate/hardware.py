@@ -120,7 +120,7 @@ def default_dtype(hardware: Hardware) -> str:
 
 
 def load_hardware(source: str | Path | Hardware) -> Hardware:
-    """A hardware profile by name (`HARDWARE_NAMES`: h100-sxm, h200, a100-80g, cpu) or from a YAML file.
+    """A hardware profile by name (`HARDWARE_NAMES`: h100-sxm, h100-96g, h200, a100-80g, cpu) or from a YAML file.
 
     Raises:
         ValueError: neither a shipped name nor a readable file, or a file that is not a valid

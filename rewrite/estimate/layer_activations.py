@@ -95,7 +95,7 @@ from ..models.blocks import LAYER_PARTS
 from ..models.flops import EXPERT_VALUES, config_size, moe_shape
 from ..models.latent_shape import LatentShape, latent_attention_bytes, latent_shape
 
-__all__ = ["Sizes", "layer_bytes", "end_bytes", "SELECTIVE", "selective_products"]
+__all__ = ["Sizes", "layer_bytes", "end_bytes", "loss_peak_bytes", "SELECTIVE", "selective_products"]
 
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
 SELECTIVE = "~"  # marks a part checkpointed 'selective' in `layer_bytes`' recomputed ("~" alone: the whole layer)
@@ -284,3 +284,18 @@ def end_bytes(z: Sizes, *, has_head: bool = True, loss_parallel: bool = False) -
     if loss_parallel:
         return out + z.tokens * (z.dtype_bytes * z.vocab // z.tp + F32)
     return out + F32 * z.tokens * z.vocab
+
+
+def loss_peak_bytes(z: Sizes, *, has_head: bool = True, loss_parallel: bool = False) -> int:
+    """What the plain loss holds at its peak beyond what `end_bytes` counts: in its backward, beside the
+    float32 log-probabilities it kept, the gradient reaching them and the one it hands to the logits,
+    float32 [T, V] each: 8 T V (its forward's peak, the logits, their float32 copy and the log-probabilities,
+    is lower). Torch's caching allocator reuses them, but the peak has them all. 0 without a head, and
+    with loss_parallel (the vocabulary-parallel loss's buffers are not counted).
+
+    Example:
+        >>> z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=256, seq_len=16)
+        >>> loss_peak_bytes(z)
+        131072
+    """
+    return 0 if not has_head or loss_parallel else 2 * F32 * z.tokens * z.vocab

@@ -42,7 +42,7 @@ class RankMemory:
     grads: int
     adamw: int
     gathered: int  # what a step adds: gathered parameters and whole gradients over dp x cp, else autocast's casts
-    activations: int | None  # None: not estimated (`activations.activation_problem`, or no model given)
+    activations: int | None  # at the peak, the loss's buffers included (`RankActivations.top`); None: not estimated
     in_flight: int | None  # the most (microbatch, stage) pairs alive at once on the rank
     cp_rank: int = 0
 
@@ -125,7 +125,7 @@ def rank_memory(
                 out.append(RankMemory(
                     rank=mesh.shape.rank(Coords(pp=pp_rank, cp=c, tp=t)), pp_rank=pp_rank, tp_rank=t,
                     stages=resolved.rank_stages(pp_rank), params=foot.params, weights=foot.weights, grads=foot.grads,
-                    adamw=foot.adamw, gathered=foot.peak - foot.at_rest, activations=None if act is None else act.peak,
+                    adamw=foot.adamw, gathered=foot.peak - foot.at_rest, activations=None if act is None else act.top,
                     in_flight=None if act is None else act.in_flight, cp_rank=c,
                 ))
     return out

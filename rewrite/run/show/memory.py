@@ -10,7 +10,8 @@ from .columns import format_bytes, format_table, span
 __all__ = ["UNCOUNTED", "memory_table", "memory_notes", "memory_lines"]
 
 # What the activation estimate leaves out; the options table says the same.
-UNCOUNTED = "SDPA attention, transient buffers not counted (rewrite.estimate.activations)"
+UNCOUNTED = ("SDPA attention, the plain loss's float32 gradients at its peak counted, other transient buffers not "
+             "(rewrite.estimate.activations)")
 
 
 def _gib(limit_bytes: float) -> str:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import rewrite
 from rewrite.estimate.activations import Sizes, end_bytes, layer_bytes, rank_activations
@@ -144,3 +145,27 @@ def test_shipped_sequence_parallel_plan():
         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert plain.returncode == 0 and "Tensor-parallel options" not in plain.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_peak_is_what_the_estimate_adds(dtype):
+    """The runner's loss on [2, 256] tokens x 1,000 logits: the most bytes its forward and backward hold at once
+    (the profiler's allocations) are the float32 log-probabilities it keeps and the two float32 gradients at its
+    backward's peak (`loss_peak_bytes`); the logits themselves are the head's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rewrite.estimate.layer_activations import F32, loss_peak_bytes
+    from rewrite.pipeline.loss import causal_lm_loss
+
+    z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=1000, seq_len=256, batch_size=2)
+    logits = torch.randn(2, 256, 1000, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 1000, (2, 256))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        causal_lm_loss(logits, targets).backward()
+    live = peak = 0
+    for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    assert peak == pytest.approx(F32 * z.tokens * z.vocab + loss_peak_bytes(z), rel=1e-3)
+    assert loss_peak_bytes(z, loss_parallel=True) == loss_peak_bytes(z, has_head=False) == 0

@@ -14,7 +14,7 @@ from tests.paths import ROOT
 
 
 def test_the_shipped_profiles_load_and_cite_a_source_for_every_number():
-    assert set(HARDWARE_NAMES) == {"h100-sxm", "h200", "a100-80g", "cpu"}
+    assert set(HARDWARE_NAMES) == {"h100-sxm", "h100-96g", "h200", "a100-80g", "cpu"}
     for name in HARDWARE_NAMES:
         hw = load_hardware(name)
         assert isinstance(hw, Hardware) and hw.name == name
@@ -26,7 +26,7 @@ def test_the_shipped_profiles_load_and_cite_a_source_for_every_number():
             indent = len(line) - len(line.lstrip())
             parent = next((p for p in reversed(lines[:i]) if p.strip() and len(p) - len(p.lstrip()) < indent), "")
             assert "#" in line or (indent and "#" in parent), f"{name}: no source for {line.strip()!r}"
-    assert all(load_hardware(n).layer_overhead_s == 0 for n in ("h100-sxm", "h200", "a100-80g"))
+    assert all(load_hardware(n).layer_overhead_s == 0 for n in ("h100-sxm", "h100-96g", "h200", "a100-80g"))
     assert 0 < load_hardware("cpu").layer_overhead_s < 0.01  # eager dispatch, measured
     h100 = load_hardware("h100-sxm")
     assert h100.peak_flops["bfloat16"] == 989.4e12 and h100.devices_per_node == 8
@@ -34,7 +34,7 @@ def test_the_shipped_profiles_load_and_cite_a_source_for_every_number():
 
 
 def test_a_device_leaves_tensors_its_memory_less_the_reserve_and_fragmentation(tmp_path):
-    for name in ("h100-sxm", "h200", "a100-80g"):  # a GPU keeps the runtime's context and NCCL's buffers apart
+    for name in ("h100-sxm", "h100-96g", "h200", "a100-80g"):  # a GPU keeps the runtime's context and NCCL's buffers apart
         hw = load_hardware(name)
         assert hw.memory_reserve_gib > 0 and 0 < hw.fragmentation < 1
         assert hw.usable_gib() == pytest.approx((hw.memory_gib - hw.memory_reserve_gib) * (1 - hw.fragmentation))
@@ -61,7 +61,7 @@ def test_a_profile_file_works_where_a_name_does(tmp_path):
 
 
 def test_bad_profiles_and_names_are_refused_with_the_fix(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown hardware 'h1000': use one of a100-80g, cpu, h100-sxm, h200"):
+    with pytest.raises(ValueError, match=r"unknown hardware 'h1000': use one of a100-80g, cpu, h100-96g, h100-sxm, h200"):
         load_hardware("h1000")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmemory_gib: -1\n")
