@@ -110,12 +110,13 @@ def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list
     """Modules `activation_checkpointing` matches (the outermost of nested matches), those of them checkpointed
     'selective', and problems (a pattern matching nothing; a module two patterns give different modes)."""
     names, modes, problems = [n for n in modules if n], {}, []
-    for pattern, mode in plan.activation_checkpointing.items():
+    for pattern, value in plan.activation_checkpointing.items():
+        mode, every = (value, 1) if isinstance(value, str) else (value.mode, value.every)
         found = [n for n in names if match_pattern(pattern, n)]
         if not found:
             problems.append(f"{plan.where('activation_checkpointing', pattern)}activation_checkpointing[{pattern!r}] "
                             f"matches no module{closest(pattern, names)}")
-        for name in found:
+        for name in found[::every]:  # the first of every `every`, in the model's order
             first = modes.setdefault(name, (pattern, mode))
             if first[1] != mode:
                 problems.append(f"{plan.where('activation_checkpointing', pattern)}activation_checkpointing[{pattern!r}] "

@@ -15,7 +15,7 @@ from ..schedules import SCHEDULE_NAMES, schedule_rules
 from ..values import is_count
 from .files import PlanError, dotted, key_lines, line_of, read_plan_file, read_table_file, short
 from .pipeline_schema import CUT_POINT_KINDS, Pipeline, cut_point_problems, schedule_fit, unknown_schedule
-from .schema import DataParallel, MeshSpec, ParallelPlan
+from .schema import CHECKPOINT_KINDS, Checkpointing, DataParallel, MeshSpec, ParallelPlan
 from .size_checks import by_line
 from .patterns import match_pattern, unmatched_problem
 
@@ -28,6 +28,8 @@ def _problems(exc: ValidationError, nodes: Any, data: dict) -> list[str]:
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
         if len(loc) > 2 and loc[:2] == ("pipeline", "cut_points") and loc[2] in CUT_POINT_KINDS:
             loc = loc[:2] + loc[3:]
+        if len(loc) > 2 and loc[0] == "activation_checkpointing" and loc[2] in CHECKPOINT_KINDS:
+            loc = loc[:2] + loc[3:]  # which kind of value it was taken for: a mode, or a mapping of one
         if loc and loc[-1] == "[key]":
             loc = loc[:-1]  # the key of a mapping failed: report it at the key itself
         line = line_of(nodes, loc) if nodes is not None else None
@@ -47,7 +49,9 @@ def _problems(exc: ValidationError, nodes: Any, data: dict) -> list[str]:
 def _suggest_key(loc: tuple) -> str:
     """'; did you mean ...?' for an unknown key at `loc`, else the keys allowed there."""
     section = {(): ParallelPlan, ("mesh",): MeshSpec, ("pipeline",): Pipeline, ("data_parallel",): DataParallel}
-    fields = section[tuple(loc[:-1])].model_fields if tuple(loc[:-1]) in section else {}
+    where = ("activation_checkpointing",) if loc[:1] == ("activation_checkpointing",) and len(loc) == 3 else loc[:-1]
+    fields = {**section, ("activation_checkpointing",): Checkpointing}.get(tuple(where), None)
+    fields = fields.model_fields if fields is not None else {}
     close = difflib.get_close_matches(str(loc[-1]), list(fields), n=1)
     return f"; did you mean {close[0]!r}?" if close else f"; allowed here: {', '.join(fields)}"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, PrivateAttr, model_serializer, model_validator
+from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_serializer, model_validator
 
 from .files import PlanError
 from .ranks import Shape, length_problem
@@ -13,7 +13,7 @@ from .styles import Style
 from .pipeline_schema import Count, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
 from ..schedules import splits_backward
 
-__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError"]
+__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError", "Checkpointing", "CHECKPOINT_KINDS"]
 
 
 class MeshSpec(StrictModel):
@@ -73,6 +73,25 @@ class MeshSpec(StrictModel):
         return self.shape.text()
 
 
+CheckpointMode = Literal["full", "selective"]
+
+
+class Checkpointing(StrictModel):
+    """A checkpointing mode for some of the modules a pattern matches."""
+
+    mode: Annotated[CheckpointMode, Field(description="'full' or 'selective', as the short form.")] = "full"
+    every: Annotated[Count, Field(description=(
+        "Checkpoint the first of every `every` matched modules, in the model's order (1: all of them)."))] = 1
+
+
+# A mode alone, or a mapping of one: the two kinds told apart first, so a bad value gets its kind's one message.
+CHECKPOINT_KINDS = ("mode", "mapping")
+CheckpointValue = Annotated[
+    Annotated[CheckpointMode, Tag("mode")] | Annotated[Checkpointing, Tag("mapping")],
+    Discriminator(lambda v: "mapping" if isinstance(v, dict | Checkpointing) else "mode"),
+]
+
+
 class DataParallel(StrictModel):
     """How data-parallel replicas hold parameters, gradients and optimizer state (mesh.dp > 1)."""
 
@@ -110,13 +129,14 @@ class ParallelPlan(StrictModel):
     data_parallel: Annotated[
         DataParallel, Field(description="How the mesh.dp replicas share parameters (torch DDP-style or FSDP2).")
     ] = DataParallel()
-    activation_checkpointing: Annotated[dict[Pattern, Literal["full", "selective"]], Field(description=(
+    activation_checkpointing: Annotated[dict[Pattern, CheckpointValue], Field(description=(
         "Module-path pattern -> mode. 'full': the matched modules keep only their inputs from the "
         "forward and run it again in the backward (torch's non-reentrant torch.utils.checkpoint), "
         "trading compute for activation memory; e.g. {'model.layers.*': full}. 'selective': op-level, "
         "as torchtitan's default policy: the attention kernels' outputs and every other matrix product's "
         "(the first, third, ... of each call) are kept as well, the rest run again (torch's selective "
-        "checkpoint contexts). Works with tp, pp, dp and every schedule."))] = {}
+        "checkpoint contexts). {mode: full, every: k}: the first of every k modules the pattern matches, "
+        "in the model's order (every: 2, every other layer). Works with tp, pp, dp and every schedule."))] = {}
     loss_parallel: Annotated[bool, Field(description=(
         "With the LM head sharded as 'column': the runner's cross-entropy works on vocabulary "
         "shards (max, sum of exponentials and target logit reduced over tp), never building full "

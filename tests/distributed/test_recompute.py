@@ -98,3 +98,33 @@ def test_a_pattern_that_matches_nothing_is_refused():
     text = format_plan(rewrite.resolve({"activation_checkpointing": AC}, build_model("tiny-llama", device="meta")))
     assert "Activation checkpointing: 4 modules keep only their inputs and run their forward again in the backward " \
         "(model.layers.0-3)" in " ".join(text.split())  # layers alike in one name; prose wraps at 100 columns
+
+
+def test_every_kth_matched_module_and_its_refusals():
+    import pytest
+
+    from rewrite.estimate.activations import rank_activations
+    from rewrite.estimate.search_space import checkpointed
+
+    meta = build_model("tiny-llama", device="meta")
+    for every, picked in ((1, [0, 1, 2, 3]), (2, [0, 2]), (3, [0, 3]), (5, [0])):
+        resolved = rewrite.resolve({"activation_checkpointing": {"model.layers.*": {"mode": "full", "every": every}}}, meta)
+        assert resolved.recomputed == tuple(f"model.layers.{i}" for i in picked) and not resolved.selective
+    both = rewrite.resolve({"activation_checkpointing": {"model.layers.*": {"mode": "selective", "every": 2}}}, meta)
+    assert both.selective == both.recomputed == ("model.layers.0", "model.layers.2")
+    # every: 2 is the search's 'every other layer', written its own way: the same estimate.
+    patterns, layers = checkpointed(rewrite.resolve({}, meta), "every other layer")
+    mine = rewrite.resolve({"activation_checkpointing": {"model.layers.*": {"every": 2}}}, meta)
+    assert layers == mine.recomputed
+    assert rank_activations(rewrite.resolve({"activation_checkpointing": patterns}, meta), meta) == \
+        rank_activations(mine, meta)
+    bad = [
+        ("partial", r"\['model.layers.\*'\]: Input should be 'full' or 'selective' \(found 'partial'\)"),
+        (3, r"\['model.layers.\*'\]: Input should be 'full' or 'selective' \(found 3\)"),
+        ({"every": 0}, r"\['model.layers.\*'\].every: Input should be greater than or equal to 1 \(found 0\)"),
+        ({"evry": 2}, r"\['model.layers.\*'\].evry: unknown key 'evry'; did you mean 'every'\?"),
+        ({"mode": "x"}, r"\['model.layers.\*'\].mode: Input should be 'full' or 'selective' \(found 'x'\)"),
+    ]
+    for value, message in bad:  # one line each, at the value's own place
+        with pytest.raises(rewrite.PlanError, match=r"plan: 1 problem\n  activation_checkpointing" + message + "$"):
+            rewrite.load_plan({"activation_checkpointing": {"model.layers.*": value}})
