@@ -1,7 +1,7 @@
 """`rewrite plan --measure K` on the bench model, and what its corrected profile does for the next plan.
 
     .venv/bin/python -m bench.plan_measure                 # about 8 minutes on 2 cores
-    .venv/bin/python -m bench.plan_measure --worlds 2 --measure 4
+    .venv/bin/python -m bench.plan_measure --worlds 2 --measure 4 --model bench-qwen3-moe
 
 For each world (local ranks, one thread each): `rewrite calibrate` measures this machine; `rewrite
 plan --measure K --profile corrected.yaml` times its top K plans for the bench model (seq_len 128, a
@@ -27,9 +27,9 @@ from rewrite.run.calibrate import calibrate, profile_yaml
 SEQ, BATCH = 128, 16
 
 
-def plan(world: int, hardware: Path, measure: int, profile: Path | None) -> dict:
+def plan(model: str, world: int, hardware: Path, measure: int, profile: Path | None) -> dict:
     """`rewrite plan --measure` as a user runs it; its JSON."""
-    cmd = [sys.executable, "-m", "rewrite", "plan", "--model", common.MODEL, "--world", str(world), "--seq-len",
+    cmd = [sys.executable, "-m", "rewrite", "plan", "--model", model, "--world", str(world), "--seq-len",
            str(SEQ), "--global-batch", str(BATCH), "--hardware", str(hardware), "--measure", str(measure), "--json",
            *(["--profile", str(profile)] if profile else [])]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -48,17 +48,18 @@ def summary(found: dict) -> dict:
             "top_pick_over_fastest": plans[0]["measured_s"] / min(p["measured_s"] for p in plans)}
 
 
-def run_world(world: int, measure: int) -> dict:
+def run_world(model: str, world: int, measure: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         calibrated, corrected = Path(folder) / "calibrated.yaml", Path(folder) / "corrected.yaml"
         calibrated.write_text(profile_yaml(calibrate(world), name=f"this machine, {world} ranks"))
-        first = summary(plan(world, calibrated, measure, corrected))
-        second = summary(plan(world, corrected, measure, None))
-        return {"world": world, "first": first, "second": second, "corrected_profile": corrected.read_text()}
+        first = summary(plan(model, world, calibrated, measure, corrected))
+        second = summary(plan(model, world, corrected, measure, None))
+        return {"model": model, "world": world, "first": first, "second": second,
+                "corrected_profile": corrected.read_text()}
 
 
 def table(res: dict) -> str:
-    lines = [f"world {res['world']}"]
+    lines = [f"{res['model']}, world {res['world']}"]
     for name, what in (("first", "calibrated profile"), ("second", "the profile the first run corrected")):
         r = res[name]
         lines += ["", f"{name} run, on {what}: scales compute x{r['scales']['compute']:.3g}, communication "
@@ -76,15 +77,17 @@ def table(res: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=common.MODEL, help="a preset or config (default %(default)s)")
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--measure", type=int, default=4)
-    parser.add_argument("--out", default="bench/results.json", help="its 'plan_measure' entry is replaced")
+    parser.add_argument("--out", default="bench/results.json",
+                        help="its 'plan_measure' entry (a list per model: 'plan_measure bench-qwen3-moe', ...) is replaced")
     args = parser.parse_args()
-    found = []
-    for world in (int(w) for w in args.worlds.split(",")):
-        found.append(run_world(world, args.measure))
-        print(table(found[-1]) + "\n", flush=True)
-    common.save_result(args.out, "plan_measure", found)
+    found = [run_world(args.model, int(w), args.measure) for w in args.worlds.split(",")]
+    for res in found:
+        print(table(res) + "\n", flush=True)
+    key = "plan_measure" if args.model == common.MODEL else f"plan_measure {args.model}"
+    common.save_result(args.out, key, found)
 
 
 if __name__ == "__main__":
