@@ -54,7 +54,7 @@ def prediction_parts(resolved, model, hardware: Hardware, **options) -> Parts:
     """`predict_step(resolved, model, hardware, **options)` and the same on links that cost nothing."""
     from .step_time import predict_step
 
-    free = hardware.model_copy(update={"intra_node": _FREE, "inter_node": _FREE})
+    free = hardware.model_copy(update={"intra_node": _FREE, "inter_node": _FREE, "collective_times": {}})
     return Parts(predict_step(resolved, model, hardware, **options).step_s,
                  predict_step(resolved, model, free, **options).step_s)
 
@@ -100,7 +100,8 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
     `inter_node`: those the measured plans used) `scales.communication` times slower.
 
     Compute: the matmul rate (efficiency.matmul, or the peak past an efficiency of 1), memory and activation
-    bandwidth, the fixed costs per layer and per microbatch. A link: its latency and bandwidth alike.
+    bandwidth, the fixed costs per layer and per microbatch. A link: its latency and bandwidth alike; the
+    intra-node link, the collectives' measured times too (measured on one node).
     """
     a, b = scales.compute, scales.communication
     matmul = hardware.efficiency.matmul / a
@@ -117,6 +118,9 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
     for name in links:
         link = getattr(hardware, name)
         update[name] = Link(bandwidth=link.bandwidth / b, latency=link.latency * b)
+    if "intra_node" in links:
+        update["collective_times"] = {kind: {n: {size: t * b for size, t in curve.items()} for n, curve in by_n.items()}
+                                      for kind, by_n in hardware.collective_times.items()}
     name = hardware.name if hardware.name.endswith("-measured") else f"{hardware.name}-measured"
     return Hardware.model_validate({**hardware.model_dump(), **{k: _plain(v) for k, v in update.items()}, "name": name})
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..plan.ranks import expert_groups
 from ..binding.resolve import ResolvedPlan
-from .collectives import all_gather_s, all_reduce_s, groups_link, reduce_scatter_s
+from .collectives import collective_s, groups_link
 from .hardware import Hardware
 
 __all__ = ["DpTime", "DDP_BUCKET", "ADAMW_TRAFFIC", "EXPERTS"]
@@ -35,7 +35,7 @@ class DpTime:
         float32 weights in bfloat16); gradients reduce in the stored dtype. The group is every rank
         holding the same parameters: the dp replicas times the cp ranks (`dp` below counts them all)."""
         shape = resolved.plan.mesh.shape
-        self.dp, self.hw, self.eff = shape.dp * shape.cp, hw, hw.efficiency.collective
+        self.dp, self.hw = shape.dp * shape.cp, hw
         self.gathered = gathered
         self.link = groups_link(hw, shape.along("dp", "cp"), gpus_per_node)
         replicas = expert_groups(shape)[1]
@@ -54,7 +54,7 @@ class DpTime:
         self._reduces: dict = {}  # (sharding, stage) -> (sum, least) of its units' reduces
 
     def _ag(self, nbytes: float) -> float:
-        return all_gather_s(nbytes * self.gathered, self.dp, self.link, self.eff)
+        return collective_s(self.hw, "all_gather", nbytes * self.gathered, self.dp, self.link)
 
     def sharding(self, resolved: ResolvedPlan) -> str | None:
         """The plan's data-parallel sharding, None without data parallelism."""
@@ -65,8 +65,8 @@ class DpTime:
         return reduce == "microbatch" and sharding is not None and not split
 
     def _reduce(self, nbytes: float, sharding: str) -> float:
-        fn = all_reduce_s if sharding == "replicate" else reduce_scatter_s
-        return fn(nbytes, self.dp, self.link, self.eff)
+        kind = "all_reduce" if sharding == "replicate" else "reduce_scatter"
+        return collective_s(self.hw, kind, nbytes, self.dp, self.link)
 
     def per_microbatch(self, sharding: str | None, split: bool) -> bool:
         """Whether each F and B gathers its stage's units again (full sharding, whole backwards)."""
@@ -98,7 +98,7 @@ class DpTime:
         """(data-parallel seconds exposed after a rank's last action, AdamW's seconds) for a rank holding
         `stages`. `window`: that action's duration, beside which the gradients reduce; an infinite one
         gives the least exposed. Under `reduce: microbatch` the backwards reduced as they went (`costs`)."""
-        dp, link, eff = self.dp, self.link, self.eff
+        hw, dp, link = self.hw, self.dp, self.link
         held = sum(self._held[s] for s in stages)
         exposed = 0.0
         if sharding == "grad_op" or (sharding == "full" and split):  # gathered once, beside the first forward
@@ -108,12 +108,13 @@ class DpTime:
         # The step's one reduce, beside the last backward; reduced per microbatch, each backward's
         # duration already holds its own (`costs`).
         if sharding == "replicate" and not self.reduces_each(sharding, split, reduce):
-            whole = all_reduce_s(held, dp, link, eff)
-            exposed += max(whole - window, all_reduce_s(min(held, DDP_BUCKET), dp, link, eff))
+            whole = collective_s(hw, "all_reduce", held, dp, link)
+            exposed += max(whole - window, collective_s(hw, "all_reduce", min(held, DDP_BUCKET), dp, link))
         elif sharding is not None and not self.reduces_each(sharding, split, reduce):
             last_unit = min((self._smallest[s] for s in stages if self._smallest[s] is not None), default=0)
-            exposed += max(reduce_scatter_s(held, dp, link, eff) - window, reduce_scatter_s(last_unit, dp, link, eff))
+            exposed += max(collective_s(hw, "reduce_scatter", held, dp, link) - window,
+                           collective_s(hw, "reduce_scatter", last_unit, dp, link))
         experts = sum(self.experts[s] for s in stages)  # reduced after the dense gradients, nothing beside it
-        exposed += all_reduce_s(experts, self.expert_replicas, self.expert_link, eff)
+        exposed += collective_s(hw, "all_reduce", experts, self.expert_replicas, self.expert_link)
         held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1) + experts / dtype_bytes
         return exposed, held_elems * (3 * dtype_bytes + ADAMW_TRAFFIC) / self.hw.memory_bandwidth

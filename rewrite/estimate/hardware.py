@@ -6,10 +6,10 @@ search (`search`) read; shipped as YAML in `profiles/`, `rewrite calibrate` writ
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["Link", "Efficiency", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
 
@@ -18,6 +18,12 @@ HARDWARE_NAMES = tuple(sorted(p.stem for p in PROFILES.glob("*.yaml")))
 
 _Positive = Annotated[float, Field(gt=0)]
 _Fraction = Annotated[float, Field(gt=0, le=1)]
+# What a run's collectives are, as `rewrite calibrate` times them (`estimate.collectives.collective_s` reads them):
+# on activations, the tensor-parallel layers' own `sum`, `gather` and `scatter` (sequence and context
+# parallelism) and the experts' `all_to_all`; on parameters and gradients, torch's `all_reduce` (DDP, replicate,
+# expert replicas), `all_gather` and `reduce_scatter` (FSDP2).
+CollectiveKind = Literal["sum", "gather", "scatter", "all_to_all", "all_reduce", "all_gather", "reduce_scatter"]
+_Curve = dict[Annotated[int, Field(gt=0)], Annotated[float, Field(ge=0)]]
 
 
 class _Strict(BaseModel):
@@ -64,11 +70,26 @@ class Hardware(_Strict):
     microbatch_overhead_s: Annotated[float, Field(ge=0, description=(
         "seconds a stage spends on each microbatch outside its decoder layers' operators: the forward and "
         "backward calls, the embedding, head and loss modules' dispatch (0: not modelled)"))] = 0.0
+    collective_times: Annotated[dict[CollectiveKind, dict[Annotated[int, Field(ge=2)], _Curve]], Field(description=(
+        "seconds each collective took as a run makes it, by kind, group size and bytes (the summed tensor; the "
+        "gathered or scattered whole; what one rank sends to all), every group of that size on one node at once; "
+        "between the sizes measured, interpolated. Missing kinds and sizes, and groups across nodes: the ring "
+        "formulas on the links"))] = {}
     memory_reserve_gib: Annotated[float, Field(ge=0, description=(
         "GiB of each device's memory that tensors never get: the runtime's context and the communication "
         "library's buffers"))] = 0.0
     fragmentation: Annotated[float, Field(ge=0, lt=1, description=(
         "share of the rest the allocator cannot hand out at the peak: fragmentation and cached blocks"))] = 0.0
+
+    @field_validator("collective_times")
+    @classmethod
+    def _sorted_by_size(cls, tables: dict) -> dict:  # `collective_s` walks each curve by growing size
+        for kind, by_n in tables.items():
+            for n, curve in by_n.items():
+                if len(curve) < 2:
+                    raise ValueError(f"{kind}.{n} holds {len(curve)} size(s): give at least two ({{bytes: seconds}}), "
+                                     "or leave the group size out to use the ring formula")
+        return {kind: {n: dict(sorted(curve.items())) for n, curve in by_n.items()} for kind, by_n in tables.items()}
 
     @model_validator(mode="after")
     def _reserve_below_memory(self) -> Hardware:

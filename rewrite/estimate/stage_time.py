@@ -58,7 +58,7 @@ from .activations import compute_dtype, plan_sizes
 from .layer_activations import F32, SELECTIVE, Sizes, end_bytes, layer_bytes, selective_products
 from .plan_parts import layer_kinds, loss_sharded, shard_styles
 from ..plan.ranks import Shape, expert_groups
-from .collectives import all_gather_s, all_reduce_s, all_to_all_s
+from .collectives import collective_s
 from .hardware import Hardware
 
 __all__ = ["StageTimes", "stage_times"]
@@ -96,9 +96,10 @@ class _Clock:
     def __init__(self, hardware: Hardware, dtype: str, tp: int, link, cp: int = 1, cp_link=None, ep: int = 1,
                  ep_link=None) -> None:
         self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
-        self.bandwidth, self.tp, self.link, self.eff = hardware.memory_bandwidth, tp, link, hardware.efficiency.collective
+        self.bandwidth, self.tp, self.link = hardware.memory_bandwidth, tp, link
         self.act_bandwidth = hardware.activation_bandwidth or hardware.memory_bandwidth
         self.cp, self.cp_link, self.ep, self.ep_link = cp, cp_link, ep, ep_link
+        self.hardware = hardware
         self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
 
     def run(self, flops: float, activation_bytes: float, weight_bytes: float = 0.0) -> float:
@@ -107,17 +108,20 @@ class _Clock:
             return flops / self.rate + (activation_bytes + weight_bytes) / self.bandwidth
         return flops / self.rate + activation_bytes / self.act_bandwidth + weight_bytes / self.bandwidth
 
-    def all_reduce(self, nbytes: float) -> float:
-        return all_reduce_s(nbytes, self.tp, self.link, self.eff)
+    def all_reduce(self, nbytes: float) -> float:  # a sum of `nbytes` over the tp group
+        return collective_s(self.hardware, "sum", nbytes, self.tp, self.link)
 
-    def gather(self, nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` whole
-        return all_gather_s(nbytes, self.tp, self.link, self.eff) if self.tp > 1 else 0.0
+    def gather(self, nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` whole: their mean
+        if self.tp <= 1:
+            return 0.0
+        return (collective_s(self.hardware, "gather", nbytes, self.tp, self.link)
+                + collective_s(self.hardware, "scatter", nbytes, self.tp, self.link)) / 2
 
-    def cp_gather(self, nbytes: float) -> float:  # the same over the cp group
-        return all_gather_s(nbytes, self.cp, self.cp_link, self.eff) if self.cp > 1 else 0.0
+    def cp_gather(self, nbytes: float) -> float:  # an all-gather over the cp group
+        return collective_s(self.hardware, "gather", nbytes, self.cp, self.cp_link)
 
     def exchange(self, nbytes: float) -> float:  # an all-to-all of what one rank sends, over the ep group
-        return all_to_all_s(nbytes, self.ep, self.ep_link, self.eff) if self.ep > 1 else 0.0
+        return collective_s(self.hardware, "all_to_all", nbytes, self.ep, self.ep_link)
 
 
 def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *, first: bool, recomputed: set[str],

@@ -3,8 +3,9 @@
 N local ranks (one torch thread each, as `rewrite train` runs them on CPU) measure at once:
 matmul throughput at transformer shapes, memory bandwidth, a decoder layer's fixed cost and its
 elementwise operators' bandwidth (a layer timed at two token counts), a microbatch's cost outside
-its layers, then point-to-point and all-reduce times between them on the current backend; latency
-and bandwidth are fitted to the times.
+its layers, then point-to-point and all-reduce times between them on the current backend (latency
+and bandwidth are fitted to the times), and each collective a run makes by size and group
+(`calibrate_links`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from ..lent import lend
+from .calibrate_links import collective_lines, collective_times
 
 __all__ = ["calibrate", "device_rates", "profile_yaml"]
 
@@ -99,6 +101,7 @@ def _measure(repeats: int) -> dict:
         reduce[size] = _best(lambda: dist.all_reduce(buf), repeats, sync=sync)
         lend(buf)
     out["p2p"], out["all_reduce"] = p2p, reduce
+    out["collective_times"] = collective_times(device, 2 * repeats)  # medians of many: short calls, noisy
     if cuda:
         out["memory_bytes"] = torch.cuda.mem_get_info(device)[1]
     return out
@@ -194,6 +197,7 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0) ->
         "flops": flops, "memory_bandwidth": bandwidth, "latency": latency, "link": link, "collective": efficiency,
         "memory_gib": memory / 1024**3, "world": world, "layer_overhead_s": overhead,
         "activation_bandwidth": activation, "microbatch_overhead_s": outside, "gpu": "memory_bytes" in results[0],
+        "collective_times": results[0]["collective_times"],
         "measured": {"p2p": results[0]["p2p"], "all_reduce": reduce, "layer_s": results[0].get("layer_times")},
     }
 
@@ -254,6 +258,7 @@ layer_overhead_s: {found.get('layer_overhead_s', 0.0):.3g}   # measured: a decod
 {_activation_line(found)}
 microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measured: a 1-layer model's forward + backward on one sequence of {SEQUENCE} tokens beyond its layer and head FLOPs
 {_reserve_lines(found)}
+{collective_lines(found.get("collective_times", {}))}
 efficiency:
   matmul: 1.0               # the peak above is what the matmuls reached
   collective: {found['collective']:.3f}          # all-reduce of the largest message against a ring at the p2p bandwidth

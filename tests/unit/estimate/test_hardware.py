@@ -101,6 +101,11 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     assert hw.layer_overhead_s + hw.microbatch_overhead_s > 0 and hw.memory_reserve_gib == 0
     # The elementwise operators move activations slower than a large copy does (when the FLOPs leave any time).
     assert hw.activation_bandwidth is None or 0 < hw.activation_bandwidth < hw.memory_bandwidth
+    # Each collective a run makes, timed over the 2 ranks at every size, never cheaper for more bytes.
+    assert set(hw.collective_times) == {"sum", "gather", "scatter", "all_to_all", "all_reduce", "all_gather", "reduce_scatter"}
+    for kind, by_n in hw.collective_times.items():
+        times = list(by_n[2].values())
+        assert list(by_n) == [2] and len(times) == 5 and 0 < times[0] and times == sorted(times), kind
     bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "at least 2" in bad.stderr
