@@ -39,6 +39,8 @@ PLANS = {  # name: (plan, sequences per microbatch)
                                 "pipeline": {"schedule": "1f1b", "microbatches": 1, "seq_len": SEQ}}, 8),
     "dp2 grad_op afab 8 x 1": ({"mesh": {"dp": 2}, "data_parallel": {"sharding": "grad_op"},
                                 "pipeline": {"schedule": "afab", "microbatches": 8, "seq_len": SEQ}}, 1),
+    "pp2 zero-bubble 4 x 4": ({"mesh": {"pp": 2}, "pipeline": {"schedule": "zero-bubble", "microbatches": 4,
+                                                               "seq_len": SEQ, "cut_points": "auto"}}, 4),
 }
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
@@ -67,7 +69,7 @@ def _flops(event) -> float:
 
 def profiled(rank: int, world: int, name: str) -> dict:
     plan, b = _plan(name)
-    step = _step({"plan": plan, "batch_size": b})
+    step = _step(common.MODEL, {"plan": plan, "batch_size": b})
     step()
     plain = common.timed(step, warmup=0, steps=3)
     start = time.perf_counter()
