@@ -9,6 +9,10 @@ Experts split over ep (`step_time.stage_parameters`' unit `EXPERTS`) are neither
 reduce-scattered: after the dense reduction their gradients are all-reduced over the ranks holding
 the same experts ((dp / ep) x cp, `plan.ranks.expert_groups`), nothing beside it, and AdamW reads
 them whole.
+
+A collective beside compute hides `overlap` of the shorter of the two (the profile's measured share:
+1 where the collective runs on its own engine, as NCCL beside kernels; about 0 on CPU ranks, where
+gloo's threads take the cores the compute needs): beside(a, b) = a + b - overlap * min(a, b).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class DpTime:
         holding the same parameters: the dp replicas times the cp ranks (`dp` below counts them all)."""
         shape = resolved.plan.mesh.shape
         self.dp, self.hw = shape.dp * shape.cp, hw
+        self.overlap = hw.overlap
         self.gathered = gathered
         self.link = groups_link(hw, shape.along("dp", "cp"), gpus_per_node)
         replicas = expert_groups(shape)[1]
@@ -73,8 +78,8 @@ class DpTime:
         return sharding == "full" and not split
 
     def costs(self, times: list, sharding: str | None, split: bool, reduce: str = "step") -> dict[tuple[str, int], float]:
-        """Each (kind, stage)'s duration: its compute, or the collectives beside it when they take longer,
-        plus what nothing hides: the first unit's gather (per-microbatch gathers), the last unit's reduce
+        """Each (kind, stage)'s duration: its compute and the collectives beside it (`beside`), plus what
+        nothing hides: the first unit's gather (per-microbatch gathers), the last unit's reduce
         (a backward that reduces its units, `reduce: microbatch`)."""
         gathers, reduces = self.per_microbatch(sharding, split), self.reduces_each(sharding, split, reduce)
         out = {}
@@ -89,8 +94,17 @@ class DpTime:
                         self._reduces[sharding, s] = (sum(rss), min(rss, default=0.0))
                     total, least = self._reduces[sharding, s]
                     beside, unhidden = beside + total, unhidden + least
-                out[kind, s] = max(base, beside) + unhidden
+                out[kind, s] = self.beside(base, beside) + unhidden
         return out
+
+    def beside(self, compute: float, collectives: float) -> float:
+        """Seconds for `compute` and `collectives` run side by side: the longer, plus what `overlap` leaves
+        of the shorter (the longer of the two where the overlap is whole)."""
+        return compute + self.exposed(compute, collectives)
+
+    def exposed(self, compute: float, collectives: float) -> float:
+        """What `collectives` add to `compute` beside them (`compute` may be infinite: the least they add)."""
+        return collectives - self.overlap * min(compute, collectives)
 
     def tail(self, stages: tuple[int, ...], times: list, sharding: str | None, split: bool,
              window: float, dtype_bytes: int, reduce: str = "step") -> tuple[float, float]:
@@ -104,15 +118,15 @@ class DpTime:
         if sharding == "grad_op" or (sharding == "full" and split):  # gathered once, beside the first forward
             for st in stages:
                 total, first = self._gathers[st]
-                exposed += max(0.0, total - times[st].forward) + first
+                exposed += self.exposed(times[st].forward, total) + first
         # The step's one reduce, beside the last backward; reduced per microbatch, each backward's
         # duration already holds its own (`costs`).
         if sharding == "replicate" and not self.reduces_each(sharding, split, reduce):
             whole = collective_s(hw, "all_reduce", held, dp, link)
-            exposed += max(whole - window, collective_s(hw, "all_reduce", min(held, DDP_BUCKET), dp, link))
+            exposed += max(self.exposed(window, whole), collective_s(hw, "all_reduce", min(held, DDP_BUCKET), dp, link))
         elif sharding is not None and not self.reduces_each(sharding, split, reduce):
             last_unit = min((self._smallest[s] for s in stages if self._smallest[s] is not None), default=0)
-            exposed += max(collective_s(hw, "reduce_scatter", held, dp, link) - window,
+            exposed += max(self.exposed(window, collective_s(hw, "reduce_scatter", held, dp, link)),
                            collective_s(hw, "reduce_scatter", last_unit, dp, link))
         experts = sum(self.experts[s] for s in stages)  # reduced after the dense gradients, nothing beside it
         exposed += collective_s(hw, "all_reduce", experts, self.expert_replicas, self.expert_link)

@@ -75,6 +75,10 @@ class Hardware(_Strict):
         "gathered or scattered whole; what one rank sends to all), every group of that size on one node at once; "
         "between the sizes measured, interpolated. Missing kinds and sizes, and groups across nodes: the ring "
         "formulas on the links"))] = {}
+    overlap: Annotated[float, Field(ge=0, le=1, description=(
+        "share of the shorter of a data-parallel collective and the compute beside it that running them side "
+        "by side hides: 1 where collectives run on their own engine (NCCL beside kernels), about 0 where they "
+        "take the cores the compute needs (gloo on CPU ranks)"))] = 1.0
     memory_reserve_gib: Annotated[float, Field(ge=0, description=(
         "GiB of each device's memory that tensors never get: the runtime's context and the communication "
         "library's buffers"))] = 0.0

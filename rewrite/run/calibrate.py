@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..lent import lend
-from .calibrate_links import collective_lines, collective_times
+from .calibrate_links import collective_lines, collective_times, overlap_share
 
 __all__ = ["calibrate", "device_rates", "profile_yaml"]
 
@@ -102,6 +102,7 @@ def _measure(repeats: int) -> dict:
         lend(buf)
     out["p2p"], out["all_reduce"] = p2p, reduce
     out["collective_times"] = collective_times(device, 2 * repeats)  # medians of many: short calls, noisy
+    out["overlap"] = overlap_share(device, repeats)
     if cuda:
         out["memory_bytes"] = torch.cuda.mem_get_info(device)[1]
     return out
@@ -197,7 +198,7 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0) ->
         "flops": flops, "memory_bandwidth": bandwidth, "latency": latency, "link": link, "collective": efficiency,
         "memory_gib": memory / 1024**3, "world": world, "layer_overhead_s": overhead,
         "activation_bandwidth": activation, "microbatch_overhead_s": outside, "gpu": "memory_bytes" in results[0],
-        "collective_times": results[0]["collective_times"],
+        "collective_times": results[0]["collective_times"], "overlap": statistics.mean(r["overlap"] for r in results),
         "measured": {"p2p": results[0]["p2p"], "all_reduce": reduce, "layer_s": results[0].get("layer_times")},
     }
 
@@ -259,6 +260,7 @@ layer_overhead_s: {found.get('layer_overhead_s', 0.0):.3g}   # measured: a decod
 microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measured: a 1-layer model's forward + backward on one sequence of {SEQUENCE} tokens beyond its layer and head FLOPs
 {_reserve_lines(found)}
 {collective_lines(found.get("collective_times", {}))}
+overlap: {found.get("overlap", 1.0):.2f}               # {"measured: a reduce-scatter beside as long a run of matmuls, against each alone" if "overlap" in found else "not measured: collectives beside compute hide behind it"}
 efficiency:
   matmul: 1.0               # the peak above is what the matmuls reached
   collective: {found['collective']:.3f}          # all-reduce of the largest message against a ring at the p2p bandwidth

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 
-__all__ = ["COLLECTIVE_BYTES", "collective_times", "collective_lines"]
+__all__ = ["COLLECTIVE_BYTES", "collective_times", "collective_lines", "overlap_share"]
 
 COLLECTIVE_BYTES = (4 * 1024, 64 * 1024, 512 * 1024, 4 * 1024**2, 16 * 1024**2)
 
@@ -54,17 +54,25 @@ def collective_times(device, repeats: int, sizes: tuple[int, ...] = COLLECTIVE_B
         mine = groups[rank // n]
         for nbytes in sizes:
             for kind, op in _ops(mine, n, nbytes, device).items():
-                op()  # once untimed: buffers and connections set up
-                sync()
-                times = []
-                for _ in range(repeats):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    op()
-                    sync()
-                    times.append(time.perf_counter() - start)
-                out.setdefault(kind, {}).setdefault(n, {})[nbytes] = statistics.median(times)
+                out.setdefault(kind, {}).setdefault(n, {})[nbytes] = _together(op, repeats, sync)
     return {kind: {n: _rising(curve) for n, curve in by_n.items()} for kind, by_n in out.items()}
+
+
+def _together(fn, repeats: int, sync) -> float:
+    """The median of `repeats` timings of `fn`, every rank starting each after a barrier (once untimed
+    first: buffers and connections set up)."""
+    import torch.distributed as dist
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _rising(curve: dict[int, float]) -> dict[int, float]:
@@ -79,6 +87,50 @@ def _rising(curve: dict[int, float]) -> dict[int, float]:
         least = min(least, curve[nbytes])
         out[nbytes] = least
     return dict(sorted(out.items()))
+
+
+def overlap_share(device, repeats: int, nbytes: int = 16 * 1024**2) -> float:
+    """The share of the shorter of a collective and compute beside it that running them together hides
+    (`Hardware.overlap`): FSDP2's reduce-scatter of `nbytes` over the world, started asynchronously
+    beside as many matmuls as take about as long, against each alone; in [0, 1]."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = dist.get_world_size()
+    whole = torch.zeros(nbytes // 4 // n * n, dtype=torch.float32, device=device)
+    part = torch.empty(whole.numel() // n, dtype=torch.float32, device=device)
+    a, b = (torch.randn(512, 512, device=device) for _ in range(2))
+
+    def timed(fn) -> float:
+        return _together(fn, repeats, sync)
+
+    collective = timed(lambda: dist.reduce_scatter_single(part, whole))
+    one = timed(lambda: a @ b)
+    count = max(1, round(collective / max(one, 1e-9)))
+    count = _agreed(count, device)
+
+    def compute():
+        for _ in range(count):
+            a @ b
+
+    def both():
+        work = dist.reduce_scatter_single(part, whole, async_op=True)
+        compute()
+        work.wait()
+
+    alone, together = timed(compute), timed(both)
+    return min(max((alone + collective - together) / min(alone, collective), 0.0), 1.0)
+
+
+def _agreed(count: int, device) -> int:
+    """The largest of the ranks' `count`s: every rank runs the same number of matmuls."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def collective_lines(tables: dict) -> str:

@@ -106,6 +106,7 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     for kind, by_n in hw.collective_times.items():
         times = list(by_n[2].values())
         assert list(by_n) == [2] and len(times) == 5 and 0 < times[0] and times == sorted(times), kind
+    assert 0 <= hw.overlap <= 1  # gloo's threads share the ranks' cores: little or nothing hidden
     bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "at least 2" in bad.stderr

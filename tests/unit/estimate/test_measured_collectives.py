@@ -94,6 +94,33 @@ def test_a_calibrated_profile_carries_its_collectives_and_keeps_them_rising():
              "memory_gib": 12.0, "world": 4, "measured": {"p2p": {4: 1e-4}, "all_reduce": {4: 2e-4}},
              "collective_times": {"sum": {2: CURVE, 4: {1024: 0.02, 65536: 0.3}}, "all_gather": {4: CURVE}}}
     hw = Hardware.model_validate(yaml.safe_load(profile_yaml(found, name="here")))
-    assert hw.collective_times == found["collective_times"]
+    assert hw.collective_times == found["collective_times"] and hw.overlap == 1.0  # not measured: hidden
+    found["overlap"] = 0.04
+    assert Hardware.model_validate(yaml.safe_load(profile_yaml(found))).overlap == 0.04
     assert collective_lines({}).startswith("collective_times: {}")
     assert load_hardware("h100-sxm").collective_times == {}  # the shipped GPU profiles: the formulas
+
+
+def test_collectives_beside_compute_hide_the_profiles_overlap_of_it(llama):
+    """grad_op over dp 2, 4 microbatches reduced per microbatch: each backward lasts its compute and its
+    units' reduce-scatters side by side, b + r - overlap * min(b, r), plus the smallest unit's reduce."""
+    from rewrite.estimate.collectives import reduce_scatter_s
+
+    for overlap in (1.0, 0.5, 0.0):
+        hw = UNIT.model_copy(update={"overlap": overlap})
+        resolved = _resolved(llama, dp=2, m=4, data_parallel={"sharding": "grad_op", "reduce": "microbatch"})
+        (t,) = stage_times(resolved, llama, hw)
+        units = stage_parameters(resolved, llama)[0]
+        reduces = [reduce_scatter_s(b, 2, UNIT.intra_node, 1.0) for b in units[0].values()]
+        r = sum(reduces)
+        each = t.backward + r - overlap * min(t.backward, r) + min(reduces)
+        assert predict_step(resolved, llama, hw).pipeline_s == pytest.approx(4 * t.forward + 4 * each)
+        dpt = DpTime(resolved, units, hw, 8)
+        assert dpt.exposed(float("inf"), 2.0) == pytest.approx(2.0 * (1 - overlap))  # the least it adds: finite
+        assert dpt.beside(3.0, 2.0) == pytest.approx(5.0 - 2.0 * overlap)
+    # Once a step, beside the last backward: nothing hidden on a CPU-like profile, all of it on a GPU's.
+    step = _resolved(llama, dp=2, data_parallel={"sharding": "grad_op"})
+    hidden, none = (predict_step(step, llama, UNIT.model_copy(update={"overlap": f})) for f in (1.0, 0.0))
+    assert none.dp_s > hidden.dp_s and none.step_s > hidden.step_s
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        Hardware.model_validate({**UNIT.model_dump(), "overlap": 1.5})
