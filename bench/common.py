@@ -208,6 +208,16 @@ class _NoGroup:
         return self.fn(*args)
 
 
+def add_model_flag(parser) -> None:
+    """`--model`: the preset or config a bench runs on (default the bench LLaMA)."""
+    parser.add_argument("--model", default=MODEL, help="a preset or config (default %(default)s)")
+
+
+def result_key(name: str, model: str) -> str:
+    """The results file's entry for bench `name` on `model`: `name` for the bench LLaMA, `name MODEL` else."""
+    return name if model == MODEL else f"{name} {model}"
+
+
 def save_result(out: str | Path, key: str, value) -> None:
     """Replace the `key` entry of the results file `out` (JSON; made if missing), keeping the others."""
     path = Path(out)

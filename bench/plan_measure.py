@@ -77,7 +77,7 @@ def table(res: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=common.MODEL, help="a preset or config (default %(default)s)")
+    common.add_model_flag(parser)
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--measure", type=int, default=4)
     parser.add_argument("--out", default="bench/results.json",
@@ -86,8 +86,7 @@ def main() -> None:
     found = [run_world(args.model, int(w), args.measure) for w in args.worlds.split(",")]
     for res in found:
         print(table(res) + "\n", flush=True)
-    key = "plan_measure" if args.model == common.MODEL else f"plan_measure {args.model}"
-    common.save_result(args.out, key, found)
+    common.save_result(args.out, common.result_key("plan_measure", args.model), found)
 
 
 if __name__ == "__main__":

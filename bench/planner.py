@@ -198,7 +198,7 @@ def table(res: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=common.MODEL, help="a preset or config (default %(default)s)")
+    common.add_model_flag(parser)
     parser.add_argument("--worlds", default="2,4", help="comma-separated local rank counts")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -209,7 +209,7 @@ def main() -> None:
     for world in (int(w) for w in args.worlds.split(",")):
         found.append(run_world(args.model, world, args.warmup, args.steps))
         print(table(found[-1]) + "\n", flush=True)
-    common.save_result(args.out, "planner" if args.model == common.MODEL else f"planner {args.model}", found)
+    common.save_result(args.out, common.result_key("planner", args.model), found)
 
 
 if __name__ == "__main__":
