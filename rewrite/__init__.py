@@ -36,6 +36,7 @@ from .plan.loading import load_plan
 from .plan.schema import MeshSpec, ParallelPlan, PlanError
 from .binding.tp_rules import ShardSpec
 from .rewriter import apply_plan
+from .lora import LoraLinear, put_adapters
 from .run.launch import LaunchError, launch
 from .tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .tensor_parallel.loss import vocab_parallel_cross_entropy
@@ -51,6 +52,8 @@ __all__ = [
     # applying it, running steps
     "apply_plan", "Stage", "microbatches", "run_schedule", "causal_lm_loss", "returns_token_sums", "takes_logit_shards",
     "LogitShard", "clip_grad_norm_", "TimelineEvent", "gather_timeline", "plot_timeline",
+    # low-rank adapters
+    "LoraLinear", "put_adapters",
     # checkpoints
     "from_pretrained", "save_pretrained", "save_training_state", "load_training_state", "latest_checkpoint",
     "export_checkpoint",

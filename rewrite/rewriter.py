@@ -1,7 +1,7 @@
 """Applying a plan: in-place module surgery on every rank.
 
 `apply_plan` binds the plan, lets the ranks agree on what they were given (one collective, before any
-group is made), builds the mesh, swaps in the parallel layers, carves out this rank's stages, wraps
+group is made), builds the mesh, puts on the plan's LoRA adapters, swaps in the parallel layers, carves out this rank's stages, wraps
 recomputation and data parallelism around them, and marks each parameter with its split.
 """
 
@@ -20,6 +20,7 @@ from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as re
 from .context_parallel.family import context_parallel_problem
 from .data_parallel import apply_data_parallel
 from .expert_parallel import ExpertSums, RouterLoss, apply_expert_parallel, expert_parameters
+from .lora import apply_lora
 from .models.names import first_names
 from .models.router_loss import router_loss_parts
 from .mesh import build_mesh, check_world
@@ -92,6 +93,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     if mesh.cp > 1:
         register_context_parallel()
         model.set_attn_implementation(CONTEXT_PARALLEL)  # its layers call it; the stage passes each its shard
+    apply_lora(model, resolved)  # on the whole model: the parallel layers take their slices of the adapters
     if mesh.tp > 1:
         apply_tensor_parallel(model, resolved, mesh.tp_group, kv_group=mesh.kv_group)
     # FSDP2 casts the weights it gathers, not the experts it leaves alone: those cast themselves.

@@ -27,8 +27,8 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
     """The part of the unsharded `full` that parameter `name` of a rewritten `model` should hold.
 
     Column: the output rows, each of `parts` packed blocks cut into tp / replicas slices, a rank
-    holding slice rank // replicas of every block, blocks in order. Row: the weight's input
-    columns cut into tp slices (the bias whole). Vocab: the embedding rows cut into tp slices.
+    holding slice rank // replicas of every block, blocks in order (a LoRA B alike, A whole). Row: the
+    weight's input columns cut into tp slices (a LoRA A alike; the bias and B whole). Vocab: the embedding rows cut into tp slices.
     Fused experts split over ep: every tensor's experts (dim 0; each block of them) cut into ep slices, the rank
     of the expert-parallel group holding its slice. A bare per-head parameter split with its module's heads
     (attention sinks): its rows cut into tp slices, as the module's column layers' group. Anything else is whole.
@@ -40,12 +40,14 @@ def expected_shard(model: nn.Module, name: str, full: torch.Tensor) -> torch.Ten
         rank, size = _place(column.group)
         return full.chunk(size)[rank]
     if isinstance(owner, ColumnParallelLinear):
+        if leaf == "lora_A":  # a LoRA adapter's A [r, in]: whole beside the split output features
+            return full
         rank, size = _place(owner.group)
         slices = size // owner.replicas
         return torch.cat([block.chunk(slices)[rank // owner.replicas] for block in full.chunk(owner.parts)])
     if isinstance(owner, RowParallelLinear):
         rank, size = _place(owner.group)
-        return full if leaf == "bias" else full.chunk(size, dim=1)[rank]
+        return full if leaf in ("bias", "lora_B") else full.chunk(size, dim=1)[rank]
     if isinstance(owner, VocabParallelEmbedding):
         rank, size = _place(owner.group)
         return full.chunk(size)[rank]

@@ -20,6 +20,7 @@ from ..plan.size_checks import PipelineShape, by_line, stage_count, world_proble
 from .cuts import fx_stages
 from ..plan.patterns import closest, match_pattern
 from .experts import ExpertSpec, expert_problems
+from .lora_targets import lora_targets
 from .shard_layout import TensorSplit, state_split
 from .tp_rules import ShardSpec, TpRules
 from ..plan.wording import collapse_repeats
@@ -65,6 +66,7 @@ class ResolvedPlan:
     selective: tuple[str, ...] = ()  # of those, the ones checkpointed op by op ('selective')
     warnings: tuple[str, ...] = ()  # valid, but worth a line at `validate` and `show` (a rule that changes nothing)
     experts: tuple[ExpertSpec, ...] = ()  # fused experts modules split over mesh.ep (each checked, ep > 1 or not)
+    lora_targets: tuple[str, ...] = ()  # the linear layers that get LoRA adapters (plan.lora), in model order
 
     @property
     def num_stages(self) -> int:
@@ -162,19 +164,23 @@ def resolve_with(steps: BindSteps, plan: ParallelPlan | str | Path | dict, *, wo
     experts, expert_issues = expert_problems(plan, model, modules)
     recomputed, selective, ac_problems = _recomputed(plan, modules)
     bb = find_backbone(model)
+    adapted, lora_problems = lora_targets(plan, modules, bb)
     cut = _hf_cut(steps, plan, bb, rules, shards) if bb is not None else _fx_cut(plan, model)
-    problems += list(tp_problems) + list(expert_issues) + ac_problems
+    problems += list(tp_problems) + list(expert_issues) + ac_problems + lora_problems
     problems += cut.problems + option_problems(plan, model, bb, list(shards))
     if problems:
         raise PlanError(plan.source, by_line(collapse_repeats(problems)))
     total, total_bytes = steps.totals()
+    if plan.lora is not None:  # the estimates' parameter walk sees every weight as trained
+        notes = (*notes, "lora: memory and step-time estimates count every weight as trained (gradients and "
+                         "optimizer state included), not the adapters alone: an upper bound for this plan")
     return ResolvedPlan(
         plan=plan, model_name=type(model).__name__, kind="hf" if bb is not None else "fx", backbone=bb,
         shards=tuple(shards), stages=_stage_specs(steps, plan, cut, shards, experts), cut_points=tuple(cut.cuts),
         total_params=total, total_bytes=total_bytes, layer_indices=tuple(tuple(ls) for ls in cut.layer_sets),
         costs=cut.costs, stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
         recomputed=tuple(recomputed), selective=tuple(selective), warnings=tuple(collapse_repeats(list(notes))),
-        experts=experts)
+        experts=experts, lora_targets=adapted)
 
 
 @dataclass

@@ -7,6 +7,8 @@ order (`replicas` neighbouring ranks hold the same slice: a k/v projection past 
 
     column weight, bias  dim 0, slices tp / replicas, parts 1 or 2   (output features)
     row weight           dim 1, slices tp                            (input features; bias whole)
+    column lora_B        as the weight; lora_A whole                 (a LoRA adapter, docs/lora.md)
+    row lora_A           as the weight; lora_B whole
     vocab weight         dim 0, slices tp                            (rows of the vocabulary)
     experts' tensors     dim 0, slices ep, over "ep"                 (experts; ep rank r holds slice r)
 
@@ -119,12 +121,19 @@ def split_of(param: torch.Tensor) -> ParamSplit:
 
 
 def split_dim(style: str, leaf: str) -> int | None:
-    """The dim along which a tensor-parallel style splits its module's tensor `leaf`; None: whole."""
+    """The dim along which a tensor-parallel style splits its module's tensor `leaf`; None: whole.
+
+    A LoRA adapter (`lora_A` [r, in], `lora_B` [out, r]) is split as its layer's weight where it shares the
+    weight's split dimension: a column layer's B by output features (A whole), a row layer's A by input
+    features (B whole)."""
     info = STYLE_INFO.get(style)
-    if info is None or leaf not in ("weight", "bias"):
+    if info is None or leaf not in ("weight", "bias", "lora_A", "lora_B"):
         return None
+    column = info.layer == "column"
     if leaf == "bias":  # a column layer's bias is split with its output features; a row layer's is whole
-        return 0 if info.layer == "column" else None
+        return 0 if column else None
+    if leaf.startswith("lora_"):
+        return 0 if column and leaf == "lora_B" else 1 if info.layer == "row" and leaf == "lora_A" else None
     return info.weight_dim  # vocab: rows of the vocabulary
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from ..binding.resolve import ResolvedPlan, resolve
 from ..errors import CheckpointError
 from ..models.names import canonical_names
+from ..lora.missing import lora_not_built
 from ..plan.ranks import expert_place
 from ..plan.schema import ParallelPlan, PlanError
 from . import swap
@@ -161,6 +162,9 @@ class ReadPlan:
 def plan_read(read: ReadPlan, directory: Path, plan: ParallelPlan, dtype: torch.dtype | None) -> None:
     """Fill `read` as it goes (what was found before an exception is kept): the configs, the plan bound to a
     meta model, and every file and tensor this rank needs checked."""
+    if plan.lora is not None:
+        raise ValueError(lora_not_built(plan, "reading the base model with from_pretrained (load it whole, then "
+                                              "apply_plan)"))
     at = plan.mesh.shape.coords(dist.get_rank())
     directory = swap.current(directory)  # the old checkpoint, if a save was killed mid-swap
     config, read.generation = _read_configs(directory)

@@ -21,6 +21,7 @@ from ..agreement import agree, share
 from ..lent import lend
 from ..mesh import check_world
 from ..pipeline.stage import Stage
+from ..lora.missing import lora_not_built
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan
 from . import swap
@@ -94,6 +95,8 @@ def _save_problems(model, plan: ParallelPlan, stage: Stage | None, directory: Pa
             problems, entries = save_problems(model, plan, rank, stage)
         except Exception as exc:  # a rank that raised alone would leave the others waiting
             problems.append(f"checking the model against the plan: {type(exc).__name__}: {exc}")
+    if plan.lora is not None:
+        problems.append(lora_not_built(plan, "saving a Hugging Face checkpoint (merged, or the adapters in PEFT's format)"))
     if directory.exists() and not directory.is_dir():
         problems.append(f"{directory} exists and is not a directory; pass a directory path")
     try:

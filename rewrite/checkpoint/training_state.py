@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from ..lora.missing import lora_not_built
 from ..agreement import agree, raise_problems, share
 from ..pipeline.stage import Stage
 from ..values import is_count, is_int
@@ -119,6 +120,8 @@ def _save_problems(directory: Path, stage: Stage, optimizer, scheduler, extra, s
                    ) -> tuple[list[str], Any, dict, dict]:
     """This rank's problems with the arguments and state, the step, and the model's and optimizer's boxes."""
     problems, boxes, moments = [], {}, {}
+    if stage.resolved.plan.lora is not None:
+        problems.append(lora_not_built(stage.resolved.plan, "saving or loading a training state"))
     try:
         latest = latest_checkpoint(directory)
         if step is None:
@@ -234,6 +237,8 @@ def load_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
             path = found[1]
         else:
             path = step_dir(directory, step)
+        if stage.resolved.plan.lora is not None:
+            raise CheckpointError(lora_not_built(stage.resolved.plan, "saving or loading a training state"))
         stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
         if not allow_other_model and (changed := model_change(path, stage.model)):
             problems.append(f"{path} was written for another model: {changed}; load it into the model it was "

@@ -10,10 +10,11 @@ from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_s
 from .files import PlanError
 from .ranks import Shape, length_problem
 from .styles import Style
+from .lora_schema import Lora
 from .pipeline_schema import Count, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
 from ..schedules import splits_backward
 
-__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError", "Checkpointing", "CHECKPOINT_KINDS"]
+__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError", "Checkpointing", "CHECKPOINT_KINDS", "Lora"]
 
 
 class MeshSpec(StrictModel):
@@ -145,6 +146,10 @@ class ParallelPlan(StrictModel):
         "Between the tensor-parallel attention and MLP blocks, split the hidden states along the "
         "sequence over tp: norms and residual adds run on 1/tp of the tokens, each block "
         "all-gathers its input and reduce-scatters its output (HF LLaMA-family models)."))] = False
+    lora: Annotated[Lora | None, Field(description=(
+        "Train low-rank adapters on the target linear layers, every other weight frozen (PEFT's LoRA). Under "
+        "tensor parallelism each adapter is split as its layer is (see docs/lora.md). None: train every weight."
+        ))] = None
     _source: str = PrivateAttr(default="plan")  # file the plan was read from, for messages
     _lines: dict = PrivateAttr(default_factory=dict)  # (key, key, ...) -> line in that file
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
+from ..lora.missing import lora_not_built
 from ..plan.loading import load_plan, load_plan_for
 from ..plan.schema import ParallelPlan, PlanError
 from ..plan.wording import either
@@ -157,6 +158,8 @@ def setting_problems(config, plan, model_config) -> list[str]:
             f"{plan.source}: mesh {plan.mesh.shape_text()} needs {plan.mesh.world_size} processes, "
             f"but {world} {'was' if world == 1 else 'were'} started; run `torchrun --nproc-per-node {plan.mesh.world_size} ...` or change the mesh"
         )
+    if plan.lora is not None:
+        problems.append(lora_not_built(plan, "training with `rewrite train` (its states, resume and export)"))
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(config, name) < 1:
             problems.append(f"--{name.replace('_', '-')} is {getattr(config, name)}; use 1 or more")

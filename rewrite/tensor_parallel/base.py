@@ -10,9 +10,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..binding.lora_targets import is_lora_linear
 from ..binding.shard_layout import TensorSplit
+from ..lora.adapter import lora_delta
 from ..values import check_count
-from .comm import group_rank, group_size
+from .comm import copy_to_parallel, group_rank, group_size
 
 
 def _check_divisible(cls: str, dim: str, size: int, world: int) -> None:
@@ -76,6 +78,33 @@ class _ParallelLinear(nn.Module):
             self.bias = nn.Parameter(self.shard_of("bias", zeros).clone())
         else:
             self.register_parameter("bias", None)
+        self.register_parameter("lora_A", None)  # a LoRA adapter's factors, when it carries one (`_adapt`)
+        self.register_parameter("lora_B", None)
+        self.partial: dict[str, object] = self._partial_groups()
+
+    def _partial_groups(self) -> dict[str, object]:
+        """Parameter name -> the group its gradient is a partial sum over (overridden by each layer)."""
+        return {}
+
+    def summed(self, name: str) -> torch.Tensor | None:
+        """Parameter `name` as the forward uses it: wrapped so that a backward outside a step sums its partial
+        gradient over its group."""
+        tensor, group = getattr(self, name), self.partial.get(name)
+        return tensor if tensor is None or group is None or self.deferred else copy_to_parallel(tensor, group)
+
+    def adapter(self, x: torch.Tensor, *, full_in: int | None = None, offset: int = 0) -> torch.Tensor:
+        """The LoRA adapter's addition for this rank's input `x` (`lora.lora_delta`)."""
+        return lora_delta(x, self.summed("lora_A"), self.summed("lora_B"), scaling=self.lora_scaling,
+                          dropout=self.lora_dropout, training=self.training, full_in=full_in, offset=offset)
+
+    def _adapt(self, linear: nn.Module) -> None:
+        """Take this rank's slices of `linear`'s LoRA adapter (`rewrite.lora.LoraLinear`)."""
+        for name in ("lora_A", "lora_B"):
+            whole = getattr(linear, name)
+            setattr(self, name, nn.Parameter(self.shard_of(name, whole.detach()).clone(),
+                                             requires_grad=whole.requires_grad))
+        self.lora_scaling, self.lora_dropout = linear.lora_scaling, linear.lora_dropout
+        self.partial = self._partial_groups()
 
     def split(self, name: str) -> TensorSplit:
         """How parameter `name` is split over the group."""
@@ -96,4 +125,6 @@ class _ParallelLinear(nn.Module):
         if linear.bias is not None:
             layer.bias = nn.Parameter(layer.shard_of("bias", linear.bias.detach()).clone(),
                                       requires_grad=linear.bias.requires_grad)
+        if is_lora_linear(linear):
+            layer._adapt(linear)
         return layer

@@ -63,8 +63,6 @@ class ColumnParallelLinear(_ParallelLinear):
         torch.Size([2, 5, 128])
     """
 
-    deferred = False  # replicas > 1, inside a step that sums their gradients once (`partial_grads.StepSums`)
-
     def __init__(
         self,
         in_features: int,
@@ -130,11 +128,14 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward_shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's `(..., out / tp)` slice of the output, whatever `gather_output` says."""
         x = self.input_copy(x)  # f: identity here, all-reduce of dL/dx in backward
-        weight, bias = self.weight, self.bias
-        if self.replicas > 1 and not self.deferred:  # each holder's gradient is its own query heads' share: f sums them
-            weight = copy_to_parallel(weight, self.replica_group)
-            bias = None if bias is None else copy_to_parallel(bias, self.replica_group)
-        return F.linear(x, weight, bias)
+        y = F.linear(x, self.summed("weight"), self.summed("bias"))
+        return y if self.lora_A is None else y + self.adapter(x)  # (..., out / tp): A whole, B this rank's rows
+
+    def _partial_groups(self) -> dict[str, ProcessGroup]:
+        """Past the kv heads each holder's gradient of its slice is its own query heads' share (summed over the
+        replicas); an adapter's whole A gets a share from each rank's rows of B (summed over tp)."""
+        partial = dict.fromkeys(("weight", "bias", "lora_B"), self.replica_group) if self.replicas > 1 else {}
+        return {**partial, "lora_A": self.group}
 
     def extra_repr(self) -> str:
         return (
@@ -248,6 +249,8 @@ class RowParallelLinear(_ParallelLinear):
                 f"got shape {tuple(x.shape)}. Pass input_is_parallel=False to split a full input."
             )
         partial = F.linear(x, self.weight)  # (..., out), this rank's share of the sum
+        if self.lora_A is not None:  # A's columns for this rank's input features, B whole: its share too
+            partial = partial + self.adapter(x, full_in=self.in_features, offset=self.tp_rank * self.in_per_rank)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(partial, self.group)  # (b, ceil(s / tp), out)
             # Each rank adds the bias to its own tokens only: its gradient sums over tp (f).
@@ -256,6 +259,10 @@ class RowParallelLinear(_ParallelLinear):
             y = reduce_from_parallel(partial, self.group, inplace=self.sums_in_place)  # (..., out)
             bias = self.bias
         return y if bias is None else y + bias
+
+    def _partial_groups(self) -> dict[str, ProcessGroup]:
+        """An adapter's whole B gets a share from each rank's input features (summed over tp)."""
+        return {"lora_B": self.group}
 
     def extra_repr(self) -> str:
         return (

@@ -4,7 +4,8 @@ Qwen3's per-head `q_norm`/`k_norm` run on each rank's own heads, and under seque
 norm runs on each rank's own tokens, so each rank's weight gradient is a partial sum. A hook on each such
 parameter (`Tensor.register_hook`: handed a backward's whole gradient of the parameter, every use summed,
 before it is accumulated) sums it over the tp group. A k/v projection past its kv heads
-(`ColumnParallelLinear(replicas=r)`) is the same over its replica group.
+(`ColumnParallelLinear(replicas=r)`) is the same over its replica group, and a LoRA adapter's factor held
+whole beside its layer's split one (a column layer's A, a row layer's B) over tp.
 
 A training step does better (`StepSums`): its backwards only accumulate the partial gradients, and one
 sum per group at the step's end completes them all: one collective per step, not per parameter and backward.
@@ -18,7 +19,7 @@ from torch.distributed import ProcessGroup
 
 from ..grad_finish import GradFinish, flat_sum
 from . import comm
-from .layers import ColumnParallelLinear
+from .base import _ParallelLinear
 from .mixins import add_mixin
 
 __all__ = ["make_grad_allreduce", "GradAllReduce", "StepSums"]
@@ -71,7 +72,7 @@ def make_grad_allreduce(module: nn.Module, group: ProcessGroup) -> nn.Module:
 
 class StepSums(GradFinish):
     """One step's partial gradients in `root` (`GradAllReduce` modules, replicated k/v
-    projections), summed over their group once.
+    projections, adapters' whole factors), summed over their group once.
 
     `begin()` sets aside the (complete) gradients they already hold and defers the modules'
     sums; `end()` lifts the deferral (call it however the step ends); `finish()` sums the step's
@@ -85,7 +86,7 @@ class StepSums(GradFinish):
     doing = "the sum of partial gradients over tp"
 
     def __init__(self, root: nn.Module):
-        self.modules = [m for m in root.modules() if _partial_group(m) is not None]
+        self.modules = [m for m in root.modules() if _partial_params(m)]
         self.stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
 
     def __bool__(self) -> bool:
@@ -94,9 +95,9 @@ class StepSums(GradFinish):
     def _params(self) -> dict[ProcessGroup, list[nn.Parameter]]:
         groups: dict[ProcessGroup, list[nn.Parameter]] = {}
         for m in self.modules:
-            for p in m.parameters(recurse=False):  # the registered parameters: FSDP2's sharded ones between uses
+            for p, group in _partial_params(m):
                 if p.requires_grad:
-                    groups.setdefault(_partial_group(m), []).append(p)
+                    groups.setdefault(group, []).append(p)
         return groups
 
     def begin(self) -> None:
@@ -122,10 +123,11 @@ class StepSums(GradFinish):
         self.stash = []
 
 
-def _partial_group(module: nn.Module) -> ProcessGroup | None:
-    """The group `module`'s parameter gradients are partial over, if they are."""
+def _partial_params(module: nn.Module) -> list[tuple[nn.Parameter, ProcessGroup]]:
+    """`module`'s own parameters whose gradients are partial, each with the group they are partial over: the
+    registered ones (FSDP2's sharded ones between uses)."""
     if isinstance(module, GradAllReduce):
-        return module.tp_group
-    if isinstance(module, ColumnParallelLinear) and module.replicas > 1:
-        return module.replica_group
-    return None
+        return [(p, module.tp_group) for p in module.parameters(recurse=False)]
+    if isinstance(module, _ParallelLinear):
+        return [(p, group) for name, group in module.partial.items() if (p := getattr(module, name)) is not None]
+    return []

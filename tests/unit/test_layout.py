@@ -31,6 +31,7 @@ LEVELS = {
     "binding": 1.5,  # what a plan binds to on a model: resolve, tp rules and shapes, shard layout, stage cuts
     "estimate": 2,  # numbers only: activations, memory, stage balance
     "mesh": 2,  # the only place process groups are made (the rank formula is plan.ranks)
+    "lora": 2.5,  # low-rank adapters: their arithmetic, the plain layer carrying one, putting a plan's on
     "tensor_parallel": 3,
     "expert_parallel": 3.2,  # experts split over ep, the all-to-all token dispatch, their gradients
     "context_parallel": 3.5,  # sequence shards, the K/V all-gather, the attention function
