@@ -79,12 +79,16 @@ class Stacked:
         return []
 
 
-Source = tuple[Path, str] | Stacked  # (safetensors file, tensor name in it), or pieces per expert
+# (safetensors file, tensor name in it), pieces per expert, or anything else that reads an entry's slice
+# itself (`read(entry)`) and says where it reads first (`order`): a LoRA adapter's factors (`adapter_read`).
+Source = tuple[Path, str] | Stacked
 
 
 def file_order(source: Source) -> tuple[Path, str]:
     """Where `source` is read from first: reads sorted by it go through the files in order."""
-    return source.pieces[0][0] if isinstance(source, Stacked) else source
+    if isinstance(source, Stacked):
+        return source.pieces[0][0]
+    return source if isinstance(source, tuple) else source.order
 
 
 def _mapping(model: nn.Module, *, legacy: bool):

@@ -9,6 +9,7 @@ import torch
 
 from .layout import meta_model
 from .pieces import Piece
+from .lora_state import LORA_FILE
 from .safe_reader import load_pieces, read_metadata
 from .training_state import latest_checkpoint, saved_steps, step_dir
 from ..errors import CheckpointError
@@ -70,6 +71,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     from transformers import AutoConfig
 
     path, out_dir = checkpoint_path(checkpoint, step), Path(out_dir)
+    if (path / LORA_FILE).is_file():
+        raise CheckpointError(f"{path} holds a LoRA training state (the adapters only): exporting it (merged into "
+                              "its base, or the adapters in PEFT's format) is not built yet (docs/lora.md)")
     stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
     config = AutoConfig.from_pretrained(path)
     floats = {md.properties.dtype for k, md in stored.items() if k.startswith("model/") and md.properties.dtype.is_floating_point}

@@ -9,7 +9,7 @@ import json
 import math
 import struct
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -20,10 +20,12 @@ from torch import nn
 from ..binding.resolve import ResolvedPlan, resolve
 from ..errors import CheckpointError
 from ..models.names import canonical_names
-from ..lora.missing import lora_not_built
+from ..binding.lora_targets import is_adapter
+from ..lora.apply import apply_lora
 from ..plan.ranks import expert_place
 from ..plan.schema import ParallelPlan, PlanError
 from . import swap
+from .adapter_read import adapter_sources
 from .disk_layout import Source, Stacked, stored_keys, stored_names
 from .layout import INDEX, SAVE_ID, SINGLE, Entry, meta_model, stage_entries
 
@@ -159,28 +161,39 @@ class ReadPlan:
     dtype: torch.dtype | None = None  # cast to on load; None keeps the stored one
 
 
-def plan_read(read: ReadPlan, directory: Path, plan: ParallelPlan, dtype: torch.dtype | None) -> None:
+def plan_read(read: ReadPlan, directory: Path, plan: ParallelPlan, dtype: torch.dtype | None,
+              adapter: Path | None = None) -> None:
     """Fill `read` as it goes (what was found before an exception is kept): the configs, the plan bound to a
-    meta model, and every file and tensor this rank needs checked."""
-    if plan.lora is not None:
-        raise ValueError(lora_not_built(plan, "reading the base model with from_pretrained (load it whole, then "
-                                              "apply_plan)"))
+    meta model, and every file and tensor this rank needs checked; a LoRA plan's adapters from `adapter` (a
+    PEFT adapter directory), else drawn fresh."""
+    if adapter is not None and plan.lora is None:
+        raise CheckpointError(f"adapter={str(adapter)!r}: the plan has no lora section to train or run it under; "
+                              "add one of the adapter's rank and alpha")
     at = plan.mesh.shape.coords(dist.get_rank())
     directory = swap.current(directory)  # the old checkpoint, if a save was killed mid-swap
     config, read.generation = _read_configs(directory)
     read.meta = meta = meta_model(config)
     resolved = _resolve(plan, meta, directory, config)
-    read.entries = stage_entries(meta, resolved, at.pp, at.tp, expert_place(plan.mesh.shape, at)[0])
     weight_map, index_id = weight_map_of(directory)
     stored, read.problems = stored_names(meta, weight_map, directory)  # transformers' on-disk layout
-    read.sources, found = _check_sources(directory, weight_map, read.entries, stored)
+    apply_lora(meta, resolved)  # on the meta device: the adapters get their tensors as the weights do
+    read.entries = stage_entries(meta, resolved, at.pp, at.tp, expert_place(plan.mesh.shape, at)[0])
+    base = [e for e in read.entries if not is_adapter(e.name)]
+    read.sources, found = _check_sources(directory, weight_map, base, stored)
     read.problems += found
+    if plan.lora is not None:
+        adapters, found = adapter_sources(plan, resolved, read.entries, adapter)
+        read.sources.update(adapters)
+        read.problems += found
     headers = read_headers(directory, weight_map.values())  # every file: all ranks decide alike
     read.problems += save_id_problems(directory, headers, index_id)
     keys = {**model_keys(meta, weight_map), **{k: weight_map[k] for k in stored_keys(stored)}}
     read.dtype, read.note = load_dtype(headers, keys, config, dtype)
     # The one floating dtype the model holds once loaded: the cast's, else the one stored (None: none stored).
     read.floats = read.dtype if read.dtype is not None else next(iter(_stored_floats(headers, keys)[1]), None)
+    for name, source in read.sources.items():  # adapters in the base's dtype
+        if is_adapter(name):
+            read.sources[name] = replace(source, dtype=read.floats)
 
 
 def _read_configs(directory: Path):

@@ -23,7 +23,7 @@ from ..pipeline.stage import Stage
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan
 from ..rewriter import apply_plan
-from .disk_layout import Source, Stacked, file_order
+from .disk_layout import Source, file_order
 from .headers import ReadPlan, plan_read
 from .layout import Entry
 from .pieces import parameter_names
@@ -32,7 +32,8 @@ from ..errors import CheckpointError
 __all__ = ["from_pretrained"]
 
 def from_pretrained(directory: str | Path, plan: ParallelPlan | str | Path | dict, *, device: str | torch.device = "cpu",
-                    dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None) -> Stage:
+                    dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None,
+                    adapter: str | Path | None = None) -> Stage:
     """Build a Hugging Face checkpoint's model already rewritten by `plan`, this rank's part only.
 
     Collective: every rank calls it with the same arguments. The model is built and the plan
@@ -51,6 +52,9 @@ def from_pretrained(directory: str | Path, plan: ParallelPlan | str | Path | dic
         dtype: cast floating tensors to it; None keeps the stored dtype when there is one.
         compute_dtype: `apply_plan`'s: compute in it over the `dtype` master weights
             (float32 weights, torch.bfloat16 compute: the mixed-precision recipe).
+        adapter: a PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) for a
+            plan with `lora` of its rank and alpha: each rank reads its slices of the adapters. None with
+            `lora`: adapters drawn fresh (docs/lora.md).
 
     Returns:
         This rank's `Stage`, as `apply_plan` returns it.
@@ -71,7 +75,7 @@ def from_pretrained(directory: str | Path, plan: ParallelPlan | str | Path | dic
     what = f"from_pretrained({str(directory)!r}, {plan.source})"
     read = ReadPlan()
     try:
-        plan_read(read, directory, plan, dtype)
+        plan_read(read, directory, plan, dtype, None if adapter is None else Path(adapter))
     except ValueError as exc:
         read.problems.append(str(exc))
     except Exception as exc:  # anything else too: a rank that raised alone would leave the others waiting
@@ -170,7 +174,7 @@ def _read_each(reads: list[tuple[str, Any]], by_name: dict[str, Entry], sources:
 @contextmanager
 def reading(source: Source, entry: Entry):
     """This rank's slice of the tensor `source` holds (a view of the file, valid inside the block)."""
-    if isinstance(source, Stacked):
+    if not isinstance(source, tuple):  # reads its slice itself: pieces per expert, a LoRA adapter's factor
         yield source.read(entry)
         return
     path, key = source

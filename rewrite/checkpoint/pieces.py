@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..pipeline.stage import Stage
 from ..errors import CheckpointError, InputError
+from .lora_state import kept_in_state
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like", "optimizer_pieces",
            "fresh_optimizer_pieces", "fit_problems"]
@@ -119,10 +120,13 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot:
 
 
 def model_pieces(stage: Stage) -> dict[str, Piece]:
-    """Every tensor of this rank's state dict (tied ones under each name), as a box of the whole model's."""
+    """Every tensor of this rank's state dict (tied ones under each name), as a box of the whole model's; under a
+    LoRA plan the adapters' only (`lora_state.kept_in_state`)."""
     tp_rank, ep_rank = stage.mesh.tp_rank, stage.mesh.ep_rank
     out = {}
     for name, tensor in stage.model.state_dict(keep_vars=True).items():
+        if not kept_in_state(stage, name):
+            continue
         split = stage.resolved.split_of(name)
         out[name] = _box(name, tensor, split.dim, split.slices, split.slot(split.holder(tp_rank, ep_rank)), split.parts)
     return out

@@ -4,7 +4,9 @@
       latest              names the newest complete checkpoint; written last, atomically
       step-00000040/      torch.distributed.checkpoint files (each rank wrote its own boxes)
       step-00000050/      config.json (+ tokenizer) so that `export` needs nothing else, and
-                          model.json: the model the state was written for (`model_mark`)
+                          model.json: the model the state was written for (`model_mark`);
+                          lora.json under a LoRA plan: its settings and the frozen base's
+                          fingerprint (the state holds the adapters and their moments only)
 
 Tensors are stored as whole tensors cut into the boxes each rank held (`pieces`), so a checkpoint
 loads under any other plan of the same model. A save killed half-way leaves `latest` naming the
@@ -13,6 +15,7 @@ previous checkpoint; the next save of that step starts over.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -23,11 +26,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
-from ..lora.missing import lora_not_built
 from ..agreement import agree, raise_problems, share
 from ..pipeline.stage import Stage
 from ..values import is_count, is_int
 from .finite import NonFiniteState, nonfinite_problems
+from .lora_state import LORA_FILE, base_problem, base_sums, lora_record, state_kind_problems
 from .model_mark import model_change, write_mark
 from .pieces import PieceSavePlanner, fit_problems, fresh_optimizer_pieces, model_pieces, optimizer_pieces, plain_data_problems
 from .safe_reader import load_pieces, read_metadata
@@ -92,10 +95,12 @@ def save_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
     problems, step, boxes, moments = _save_problems(directory, stage, optimizer, scheduler, extra, step, keep)
     what = f"save_training_state({str(directory)!r})"
     view = space_view(directory, {**boxes, **moments}) if not problems else None
-    gathered = share((problems, nonfinite_problems(stage, optimizer), view))  # the first collective
-    raise_problems([found for found, _, _ in gathered], what)
-    raise_problems([diverged for _, diverged, _ in gathered], what, NonFiniteState)
-    needs = space_needs([v for _, _, v in gathered])
+    sums = base_sums(stage) if stage.resolved.plan.lora is not None and not problems else None
+    gathered = share((problems, nonfinite_problems(stage, optimizer), view, sums))  # the first collective
+    raise_problems([found for found, *_ in gathered], what)
+    raise_problems([diverged for _, diverged, *_ in gathered], what, NonFiniteState)
+    record = lora_record(stage, [s for *_, s in gathered]) if sums is not None else None
+    needs = space_needs([v for _, _, v, _ in gathered])
     if too_big := space_problems(needs, directory):
         raise CheckpointWriteError(f"{what}: " + "; ".join(too_big))
     path = step_dir(directory, step)
@@ -104,7 +109,7 @@ def save_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
     dist.barrier()
     failed, interrupted = _write(_state(stage, optimizer, scheduler, extra, step, boxes, moments), path)
     if dist.get_rank() == 0:
-        failed = failed or _finish(stage, directory, path, step, keep, tokenizer)
+        failed = failed or _finish(stage, directory, path, step, keep, tokenizer, record)
     failed = share(failed)[0]  # rank 0's word: no rank goes on before `latest` names this one, or all raise
     if interrupted:  # Ctrl-C during the write: the partial goes, the interrupt goes on
         _after_failure(directory, path)
@@ -120,8 +125,6 @@ def _save_problems(directory: Path, stage: Stage, optimizer, scheduler, extra, s
                    ) -> tuple[list[str], Any, dict, dict]:
     """This rank's problems with the arguments and state, the step, and the model's and optimizer's boxes."""
     problems, boxes, moments = [], {}, {}
-    if stage.resolved.plan.lora is not None:
-        problems.append(lora_not_built(stage.resolved.plan, "saving or loading a training state"))
     try:
         latest = latest_checkpoint(directory)
         if step is None:
@@ -173,10 +176,14 @@ def _write(state: dict, path: Path) -> tuple[str | None, bool]:
     return failed, interrupted
 
 
-def _finish(stage: Stage, directory: Path, path: Path, step: int, keep: int | None, tokenizer: Any) -> str | None:
-    """Rank 0, once every rank wrote its tensors: the mark, config and tokenizer, `latest`, pruning; the error."""
+def _finish(stage: Stage, directory: Path, path: Path, step: int, keep: int | None, tokenizer: Any,
+            record: dict | None) -> str | None:
+    """Rank 0, once every rank wrote its tensors: the mark (and a LoRA run's record), config and tokenizer,
+    `latest`, pruning; the error."""
     try:
         write_mark(path, stage.model)
+        if record is not None:
+            (path / LORA_FILE).write_text(json.dumps(record, indent=1) + "\n")
         config = getattr(stage.model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(path)
@@ -237,22 +244,25 @@ def load_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
             path = found[1]
         else:
             path = step_dir(directory, step)
-        if stage.resolved.plan.lora is not None:
-            raise CheckpointError(lora_not_built(stage.resolved.plan, "saving or loading a training state"))
         stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
+        kind = state_kind_problems(path, stage, stored)  # a LoRA state as a full one, or the reverse
         if not allow_other_model and (changed := model_change(path, stage.model)):
             problems.append(f"{path} was written for another model: {changed}; load it into the model it was "
                             "written for, or pass allow_other_model=True to load it into this one on purpose")
         state = {f"model/{name}": box for name, box in model_pieces(stage).items()}
         moments, fresh = fresh_optimizer_pieces(stage, optimizer, state, stored)
         state.update(moments)
-        problems += fit_problems(state, stored)
+        problems += kind or fit_problems(state, stored)
         state.update({key: None for key in ("optim_groups", "scheduler", "extra", "run")})
         if f"rng/{rank}" in stored:
             state[f"rng/{rank}"] = None
     except (ValueError, OSError) as exc:
         problems.append(str(exc))
     agree(problems, f"load_training_state({str(directory)!r})", error=CheckpointError)  # the first collective
+    if stage.resolved.plan.lora is not None and not allow_other_model:
+        if other := base_problem(path, stage, share(base_sums(stage))):  # every rank alike: the same sums
+            raise CheckpointError(f"load_training_state({str(directory)!r}): {path}: {other}; resume onto the base "
+                                  "model it was trained on, or pass allow_other_model=True to load it onto this one")
     load_pieces(state, path)
     groups = state["optim_groups"]
     if len(groups) != len(optimizer.param_groups):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["LoraLinear", "lora_delta", "init_adapter"]
+__all__ = ["LoraLinear", "lora_delta", "init_adapter", "drawn"]
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, scaling: float, dropout: float,
@@ -39,13 +39,23 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, scaling: fl
 def init_adapter(a: torch.Tensor, b: torch.Tensor, fqn: str) -> None:
     """PEFT's initialisation, in place: A Kaiming-uniform (as nn.Linear's weight), B zero, so a fresh adapter
     adds nothing. A's draw depends only on torch's seed and the layer's path: any plan, any rank draws the
-    same adapter for the same layer. On the meta device nothing is drawn (a loader fills it in)."""
+    same adapter for the same layer. On the meta device nothing is drawn (a loader fills it in: `drawn`)."""
     if a.is_meta:
         return
-    gen = torch.Generator(device=a.device).manual_seed((torch.initial_seed() + zlib.crc32(fqn.encode())) % 2**63)
     with torch.no_grad():
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        a.copy_(drawn(f"{fqn}.lora_A", tuple(a.shape)))
         b.zero_()
+
+
+def drawn(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole fresh factor `name` (`<layer>.lora_A` or `.lora_B`) of `shape`, in float32 on the CPU, as
+    `init_adapter` draws it."""
+    layer, _, leaf = name.rpartition(".")
+    factor = torch.zeros(shape)
+    if leaf == "lora_A":
+        gen = torch.Generator().manual_seed((torch.initial_seed() + zlib.crc32(layer.encode())) % 2**63)
+        nn.init.kaiming_uniform_(factor, a=math.sqrt(5), generator=gen)
+    return factor
 
 
 class LoraLinear(nn.Linear):

@@ -17,8 +17,10 @@ from ..binding.lora_targets import is_lora_linear
 from ..errors import InputError
 from .adapter import LoraLinear
 
-__all__ = ["peft_name", "from_peft_name", "put_adapters"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_name", "from_peft_name", "put_adapters"]
 
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's adapter directory: its config,
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # and its tensors
 _PREFIX = "base_model.model."
 _PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<layer>.+)\.(?P<leaf>lora_[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 

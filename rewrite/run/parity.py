@@ -24,7 +24,7 @@ class Parity:
     max_dloss: float  # |loss - reference loss|
     max_dgrad: float  # max |grad - reference grad| over every element (sharded: the matching slice)
     num_params: int  # distinct parameters of the model compared, over all ranks
-    total_params: int  # parameters the model has (num_params should equal it)
+    total_params: int  # parameters the model trains (num_params should equal it)
 
     def line(self) -> str:
         """The one line rank 0 prints."""
@@ -83,5 +83,5 @@ def parity_check(
     lend(stats)
     every = share(compared)
     ids = {id(ref[n]) for names in every for n in names}  # tied weights count once
-    total = len(dict(reference.named_parameters()))
+    total = len({id(p) for p in reference.parameters() if p.requires_grad})  # what is trained (a LoRA run: adapters)
     return Parity(float(stats[0]), float(stats[1]), len(ids), total)

@@ -27,8 +27,8 @@ from .presets import load_config
 from .progress import Progress, plot_loss, write_outputs
 from .show.columns import format_bytes
 from .train_loop import Steps, data_key, run_steps
-from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, model_source, pick_device,
-                          setting_problems, train_plan)
+from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, lora_plan, model_source,
+                          pick_device, setting_problems, train_plan)
 from .tuning_data import is_tuning_file
 
 __all__ = [
@@ -80,6 +80,9 @@ class TrainConfig:
     dtype: str | None = None  # compute dtype over float32 weights, gradients and AdamW state: float32 or bfloat16
     # (FSDP2's mixed precision where dp shards, else autocast); None: bfloat16 on a GPU, float32 on the CPU
     max_grad_norm: float | None = None  # clip gradients to this global norm (over tp, pp and dp); None: no clipping
+    lora_rank: int | None = None  # train LoRA adapters of this rank (the plan's `lora`, default targets), the rest frozen
+    lora_alpha: float | None = None  # with lora_rank: the adapters' alpha (scale alpha / rank); None: the rank
+    adapter: str | None = None  # a PEFT adapter directory to start the adapters from (with --model DIR, a lora plan)
     on_nonfinite: str = "stop"  # a step with a nan/inf loss or gradient norm is never applied: stop the run, or skip it
     skip_limit: int = 5  # under on_nonfinite="skip": this many non-finite steps in a row stop the run
     on_save_error: str = "stop"  # a save that does not fit or fails (removed, latest untouched): stop, or continue
@@ -145,7 +148,7 @@ class Run:
 def _start(config: TrainConfig) -> Run:
     """The plan, data, stage and optimizer of a run, the training state resumed; every setting checked first, on
     every rank alike."""
-    plan = train_plan(config)
+    plan, lora_problems = lora_plan(config, train_plan(config))
     source = model_source(config.model)
     try:
         model_config = load_config(config.model)
@@ -153,7 +156,10 @@ def _start(config: TrainConfig) -> Run:
         raise TrainConfigError(f"rewrite train: cannot start:\n  {exc}") from None
     device, _ = pick_device(config.device)
     dtype = compute_dtype_for(device, config.dtype)
-    problems = setting_problems(config, plan, model_config)
+    problems = lora_problems + setting_problems(config, plan, model_config)
+    if config.adapter is not None and source.kind != "checkpoint":
+        problems.append(f"--adapter {config.adapter}: an adapter is trained on a base model's weights; pass that "
+                        "base as --model DIR (a Hugging Face checkpoint directory)")
     if config.parity and dtype != "float32":
         problems.append(f"--parity compares step 1 with one process in float32 to 1e-5, and this run computes in "
                         f"{dtype}: add --dtype float32, or leave --parity out")
@@ -165,9 +171,11 @@ def _start(config: TrainConfig) -> Run:
     parity = config.parity
     if parity is None:
         parity = source.kind != "checkpoint" and device.type == "cpu" and dtype == "float32"
-    built = build_stage(source, plan, device=device, seed=config.seed, parity=parity and resume is None, dtype=dtype)
+    built = build_stage(source, plan, device=device, seed=config.seed, parity=parity and resume is None, dtype=dtype,
+                        adapter=config.adapter)
     lr = config.lr if config.lr is not None else LOADED_LR if source.trained else RANDOM_LR
-    optimizer = torch.optim.AdamW(built.stage.parameters(), lr=lr, weight_decay=config.weight_decay)
+    trained = [p for p in built.stage.parameters() if p.requires_grad]  # under a LoRA plan, the adapters
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=config.weight_decay)
     warmup = max(1, config.warmup)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     sequences = plan.pipeline.microbatches * plan.mesh.dp * config.batch_size
@@ -197,7 +205,8 @@ def _resume(run: Run, config: TrainConfig) -> None:
         raise TrainConfigError(f"rewrite train: cannot resume: {run.resume[1]} was written for another model: "
                                f"{run.transplant}; pass the --model it was written for, or --allow-other-model to "
                                "load it into this one on purpose")
-    extra = load_training_state(config.ckpt, run.stage, run.optimizer, run.schedule, allow_other_model=True)
+    extra = load_training_state(config.ckpt, run.stage, run.optimizer, run.schedule,
+                                allow_other_model=config.allow_other_model)  # the base of a LoRA state too
     run.first, run.cursor = extra["step"] + 1, extra["cursor"]
     run.changed = [f"{k} {extra['data'][k]!r} -> {v!r}" for k, v in data_key(config).items()
                    if k in extra.get("data", {}) and extra["data"][k] != v]
@@ -218,6 +227,10 @@ def _announce(run: Run, config: TrainConfig, log: Progress) -> None:
         f"{plural(m, 'microbatch')} x {config.batch_size} x {config.seq_len} {run.data.what} per step"
         + (f" and replica ({dp} replicas, {plan.data_parallel.sharding} sharding)" if dp > 1 else "")
     )
+    if (lora := plan.lora) is not None:
+        log.write(f"LoRA: adapters of rank {lora.rank} (scale {lora.scaling:g}) on "
+                  f"{plural(len(run.stage.resolved.lora_targets), 'linear layer')}, "
+                  f"{'read from ' + config.adapter if config.adapter else 'fresh (B zero)'}; every other weight frozen")
     if hasattr(run.data, "per_step"):
         log.write(run.data.per_step(run.sequences))
     if built.reference is not None:

@@ -75,6 +75,13 @@ FLAGS = [
          {"dest": "train_dtype", "choices": DTYPES}),
     Flag("max_grad_norm", "--max-grad-norm", "clip gradients to this norm of the whole model (over tp, pp and dp)",
          {"type": float, "metavar": "NORM"}),
+    Flag("lora_rank", "--lora-rank", "train LoRA adapters of rank R on every decoder layer's attention and MLP "
+         "projections, every other weight frozen (the plan's `lora` section; docs/lora.md)",
+         {"type": int, "metavar": "R"}),
+    Flag("lora_alpha", "--lora-alpha", "with --lora-rank: the adapters' alpha, their scale alpha / R (default: R)",
+         {"type": float, "metavar": "ALPHA"}),
+    Flag("adapter", "--adapter", "start the adapters from a PEFT LoRA adapter directory (adapter_config.json, "
+         "adapter_model.safetensors) trained on --model DIR", {"metavar": "DIR"}),
     Flag("on_nonfinite", "--on-nonfinite", "a step whose loss or gradient norm is nan or inf is never applied "
          "nor saved: stop the run (exit 1, naming the last finite checkpoint) or skip the step (default "
          "%(default)s)", {"choices": ON_NONFINITE}),

@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
 from ..lora.missing import lora_not_built
 from ..plan.loading import load_plan, load_plan_for
+from ..plan.lora_schema import Lora
 from ..plan.schema import ParallelPlan, PlanError
 from ..plan.wording import either
 from ..values import is_count
@@ -107,10 +109,12 @@ def compute_dtype_for(device: torch.device, given: str | None) -> str:
 
 
 def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, parity: bool,
-                dtype: str = "float32") -> Built:
+                dtype: str = "float32", adapter: str | None = None) -> Built:
     """This rank's stage of the model under `plan` (collective), and what the run reports about it.
 
-    Float32 master weights, computed in `dtype` (`apply_plan`'s compute_dtype)."""
+    Float32 master weights, computed in `dtype` (`apply_plan`'s compute_dtype). Under a LoRA plan the adapters
+    come from `adapter` (a PEFT adapter directory, with a checkpoint's weights) or are drawn; the parity
+    reference carries the same."""
     from ..checkpoint.hf_load import from_pretrained
     from ..rewriter import apply_plan
 
@@ -129,12 +133,42 @@ def build_stage(source: ModelSource, plan, *, device: torch.device, seed: int, p
 
             reference = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32)
         stage = from_pretrained(source.directory, plan, device=device, dtype=torch.float32,  # float32 master weights
-                                compute_dtype=getattr(torch, dtype))
+                                compute_dtype=getattr(torch, dtype), adapter=adapter)
     else:
         model = build_model(config, seed=seed, device=device)
         reference = copy.deepcopy(model) if parity else None
         stage = apply_plan(model, plan, compute_dtype=getattr(torch, dtype))
+    if reference is not None and plan.lora is not None:
+        _adapt_reference(reference, plan, adapter)
     return Built(stage, model_class, total, reference, tokenizer)
+
+
+def _adapt_reference(reference: nn.Module, plan, adapter: str | None) -> None:
+    """The parity reference with the run's adapters: read from `adapter`, else drawn as `apply_plan` draws them."""
+    from safetensors.torch import load_file
+
+    from ..binding.resolve import resolve
+    from ..lora import apply_lora, put_adapters
+    from ..lora.peft_format import ADAPTER_WEIGHTS
+
+    if adapter is not None:
+        put_adapters(reference, load_file(str(Path(adapter) / ADAPTER_WEIGHTS)))
+    apply_lora(reference, resolve(plan, reference))
+
+
+def lora_plan(config, plan: ParallelPlan) -> tuple[ParallelPlan, list[str]]:
+    """`plan` with the `lora` section `--lora-rank` / `--lora-alpha` ask for, and problems with them."""
+    if config.lora_rank is None:
+        flags = [f for f, v in (("--lora-alpha", config.lora_alpha),) if v is not None]
+        return plan, [f"{flags[0]} needs --lora-rank R" for _ in flags[:1]]
+    if plan.lora is not None:
+        return plan, [f"{plan.source} has a lora section and --lora-rank was given too; give the adapters' settings once"]
+    try:
+        lora = Lora(rank=config.lora_rank, alpha=config.lora_alpha)
+    except ValueError as exc:
+        first = exc.errors()[0] if hasattr(exc, "errors") else {"msg": str(exc), "loc": ("rank",)}
+        return plan, [f"--lora-{first['loc'][0]}: {first['msg']}"]
+    return plan.model_copy(update={"lora": lora}), []
 
 
 def train_plan(config) -> ParallelPlan:
@@ -158,8 +192,11 @@ def setting_problems(config, plan, model_config) -> list[str]:
             f"{plan.source}: mesh {plan.mesh.shape_text()} needs {plan.mesh.world_size} processes, "
             f"but {world} {'was' if world == 1 else 'were'} started; run `torchrun --nproc-per-node {plan.mesh.world_size} ...` or change the mesh"
         )
-    if plan.lora is not None:
-        problems.append(lora_not_built(plan, "training with `rewrite train` (its states, resume and export)"))
+    if plan.lora is not None and config.export:
+        problems.append(lora_not_built(plan, "--export (the adapters merged, or in PEFT's format)"))
+    if config.adapter is not None and plan.lora is None:
+        problems.append(f"--adapter {config.adapter}: the run trains no adapters; add --lora-rank R (the adapter's "
+                        "rank) or a lora section to the plan")
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(config, name) < 1:
             problems.append(f"--{name.replace('_', '-')} is {getattr(config, name)}; use 1 or more")

@@ -50,10 +50,18 @@ def master(
 
 
 class _ParallelLinear(nn.Module):
-    """What both layers share: group bookkeeping, slicing, building from nn.Linear."""
+    """What both layers share: group bookkeeping, slicing, building from nn.Linear, a LoRA adapter.
+
+    Some parameters' gradients are partial sums over a group (`partial`: name -> group): a replicated k/v
+    slice's over its replicas, an adapter's whole factor over tp. Outside a training step each backward
+    sums them (Megatron's f on the parameter); inside one (`deferred`) the step sums them once at its end
+    (`partial_grads.StepSums`).
+    """
 
     _split = ""  # "out_features" (column) or "in_features" (row)
     replicas = 1  # tp ranks holding the same slice (a column k/v projection past its kv heads)
+    deferred = False  # inside a step that sums the partial gradients once (`partial_grads.StepSums`)
+    lora_scaling, lora_dropout = 1.0, 0.0  # a LoRA adapter's, when the layer carries one
 
     def _build(self, in_features, out_features, bias, master_weight, group, device, dtype) -> None:
         cls = type(self).__name__

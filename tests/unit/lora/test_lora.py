@@ -178,3 +178,19 @@ def test_lora_linear_keeps_the_linears_own_parameters():
     layer = LoraLinear.from_linear(linear, rank=2, scaling=2.0, dropout=0.0)
     assert layer.weight is linear.weight and layer.bias is linear.bias
     assert layer.lora_A.shape == (2, 6) and layer.lora_B.shape == (4, 2) and "lora rank=2" in repr(layer)
+
+
+def test_train_flags_make_the_lora_section():
+    from types import SimpleNamespace
+
+    from rewrite.run.train_setup import lora_plan
+
+    plain, with_lora = rewrite.load_plan({}), rewrite.load_plan(_plan())
+    flags = lambda rank=None, alpha=None: SimpleNamespace(lora_rank=rank, lora_alpha=alpha)  # noqa: E731
+    plan, problems = lora_plan(flags(8, 16.0), plain)
+    assert (plan.lora.rank, plan.lora.scaling, problems) == (8, 2.0, [])
+    assert lora_plan(flags(), plain) == (plain, [])
+    assert lora_plan(flags(alpha=4.0), plain)[1] == ["--lora-alpha needs --lora-rank R"]
+    assert "--lora-rank: Input should be greater than or equal to 1" in lora_plan(flags(0), plain)[1][0]
+    assert "--lora-alpha: Input should be greater than 0" in lora_plan(flags(4, -1.0), plain)[1][0]
+    assert "has a lora section and --lora-rank was given too" in lora_plan(flags(4), with_lora)[1][0]
