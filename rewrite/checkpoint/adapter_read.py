@@ -33,6 +33,7 @@ class Drawn:
     """A fresh adapter factor: drawn whole (the same on every rank, for any plan), this rank's slice kept."""
 
     name: str
+    seed: int = 0  # the plan's lora.seed
     dtype: torch.dtype | None = None
 
     @property
@@ -40,7 +41,7 @@ class Drawn:
         return Path(""), self.name
 
     def read(self, entry: Entry) -> torch.Tensor:
-        return _slices(drawn(self.name, entry.full_shape), entry).to(self.dtype or torch.float32)
+        return _slices(drawn(self.name, entry.full_shape, self.seed), entry).to(self.dtype or torch.float32)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def adapter_sources(plan: ParallelPlan, resolved: ResolvedPlan, entries: list[En
     adapter directory that is not PEFT's, of another rank or scale, or not covering the plan's targets."""
     wanted = [e for e in entries if is_adapter(e.name)]
     if adapter is None:
-        return {e.name: Drawn(e.name) for e in wanted}, []
+        return {e.name: Drawn(e.name, plan.lora.seed) for e in wanted}, []
     problems = _config_problems(plan, adapter)
     weights = adapter / ADAPTER_WEIGHTS
     try:

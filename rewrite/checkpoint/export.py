@@ -9,7 +9,7 @@ import torch
 
 from .layout import meta_model
 from .pieces import Piece
-from .lora_state import LORA_FILE
+from .adapter_export import export_adapter, lora_record_of, merge_into
 from .safe_reader import load_pieces, read_metadata
 from .training_state import latest_checkpoint, saved_steps, step_dir
 from ..errors import CheckpointError
@@ -46,8 +46,12 @@ def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
     return path
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None) -> Path:
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int | None = None,
+                      adapter_only: bool = False, base: str | Path | None = None) -> Path:
     """Write the model of a training checkpoint as a plain Hugging Face checkpoint, with its tokenizer.
+
+    A LoRA training state (adapters only) is written as a PEFT adapter directory (`adapter_only=True`), or
+    merged into `base`, the Hugging Face checkpoint it was trained on (docs/lora.md).
 
     No collective (under torchrun, call it on one rank): the whole model is built on the CPU from
     the checkpoint's `config.json`, every tensor read whole from the boxes the training ranks wrote
@@ -63,7 +67,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
         `out_dir`.
 
     Raises:
-        ValueError: no complete checkpoint, or one that does not cover the model of its config.
+        ValueError: no complete checkpoint, or one that does not cover the model of its config; a LoRA state
+            with neither `adapter_only` nor `base`, or merged into another base; those options on a full state.
 
     Example:
         >>> rewrite.export_checkpoint("ckpt", "out/model")
@@ -71,9 +76,20 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
     from transformers import AutoConfig
 
     path, out_dir = checkpoint_path(checkpoint, step), Path(out_dir)
-    if (path / LORA_FILE).is_file():
-        raise CheckpointError(f"{path} holds a LoRA training state (the adapters only): exporting it (merged into "
-                              "its base, or the adapters in PEFT's format) is not built yet (docs/lora.md)")
+    record = lora_record_of(path)
+    if record is None and (adapter_only or base is not None):
+        raise CheckpointError(f"{path} is a full training state, not a LoRA one: export it without "
+                              "adapter_only / base (--adapter-only / --merge)")
+    if record is not None:
+        if adapter_only == (base is not None):
+            raise CheckpointError(f"{path} holds a LoRA training state (the adapters only): export the adapters "
+                                  "(adapter_only=True, --adapter-only) or merge them into the base they were "
+                                  "trained on (base=DIR, --merge DIR)")
+        if adapter_only:
+            return export_adapter(path, out_dir, record)
+        merge_into(path, out_dir, record, base)
+        _copy_tokenizer(Path(base), out_dir)
+        return out_dir
     stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
     config = AutoConfig.from_pretrained(path)
     floats = {md.properties.dtype for k, md in stored.items() if k.startswith("model/") and md.properties.dtype.is_floating_point}
@@ -89,8 +105,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, step: int 
         warnings.simplefilter("ignore", UserWarning)
         load_pieces(state, path, no_dist=True)
     model.save_pretrained(out_dir)
-    if any((path / name).is_file() for name in _TOKENIZER_FILES):
+    _copy_tokenizer(path, out_dir)
+    return out_dir
+
+
+def _copy_tokenizer(source: Path, out_dir: Path) -> None:
+    """The tokenizer saved at `source`, if any, saved again at `out_dir`."""
+    if any((source / name).is_file() for name in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(path).save_pretrained(out_dir)
-    return out_dir
+        AutoTokenizer.from_pretrained(source).save_pretrained(out_dir)

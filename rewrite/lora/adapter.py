@@ -36,24 +36,25 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, scaling: fl
     return F.linear(F.linear(x, a), b) * scaling
 
 
-def init_adapter(a: torch.Tensor, b: torch.Tensor, fqn: str) -> None:
+def init_adapter(a: torch.Tensor, b: torch.Tensor, fqn: str, seed: int = 0) -> None:
     """PEFT's initialisation, in place: A Kaiming-uniform (as nn.Linear's weight), B zero, so a fresh adapter
-    adds nothing. A's draw depends only on torch's seed and the layer's path: any plan, any rank draws the
-    same adapter for the same layer. On the meta device nothing is drawn (a loader fills it in: `drawn`)."""
+    adds nothing. A's draw depends only on `seed` (the plan's `lora.seed`) and the layer's path, never on a
+    process's random state: every plan, every rank draws the same adapter for the same layer. On the meta
+    device nothing is drawn (a loader fills it in: `drawn`)."""
     if a.is_meta:
         return
     with torch.no_grad():
-        a.copy_(drawn(f"{fqn}.lora_A", tuple(a.shape)))
+        a.copy_(drawn(f"{fqn}.lora_A", tuple(a.shape), seed))
         b.zero_()
 
 
-def drawn(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def drawn(name: str, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     """The whole fresh factor `name` (`<layer>.lora_A` or `.lora_B`) of `shape`, in float32 on the CPU, as
     `init_adapter` draws it."""
     layer, _, leaf = name.rpartition(".")
     factor = torch.zeros(shape)
     if leaf == "lora_A":
-        gen = torch.Generator().manual_seed((torch.initial_seed() + zlib.crc32(layer.encode())) % 2**63)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(layer.encode())) % 2**63)
         nn.init.kaiming_uniform_(factor, a=math.sqrt(5), generator=gen)
     return factor
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..binding.lora_targets import is_adapter, is_lora_linear
 from ..binding.resolve import ResolvedPlan
 from .adapter import LoraLinear, init_adapter
 
-__all__ = ["apply_lora", "adapter_parameters"]
+__all__ = ["apply_lora", "adapter_parameters", "merge_adapters"]
 
 
 def apply_lora(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
@@ -29,7 +30,7 @@ def apply_lora(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
             linear.lora_scaling, linear.lora_dropout = lora.scaling, lora.dropout
             continue
         layer = LoraLinear.from_linear(linear, rank=lora.rank, scaling=lora.scaling, dropout=lora.dropout)
-        init_adapter(layer.lora_A, layer.lora_B, fqn)
+        init_adapter(layer.lora_A, layer.lora_B, fqn, lora.seed)
         setattr(parent, leaf, layer)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
@@ -39,3 +40,22 @@ def apply_lora(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The adapters' parameters of `model` by path (`lora_A`, `lora_B` of each adapted layer)."""
     return {name: param for name, param in model.named_parameters() if is_adapter(name)}
+
+
+def merge_adapters(model: nn.Module) -> list[str]:
+    """Fold each adapter into its layer's weight, in place (`W + scaling * B A`, computed in float32, stored in
+    W's dtype, as PEFT's `merge_and_unload`): every `LoraLinear` becomes a plain nn.Linear. Returns their paths.
+    A whole (unsplit) model only."""
+    merged = []
+    for fqn, module in list(model.named_modules()):
+        if not isinstance(module, LoraLinear):
+            continue
+        with torch.no_grad():
+            delta = (module.lora_B.float() @ module.lora_A.float()) * module.lora_scaling
+            module.weight.add_(delta.to(module.weight.dtype))
+        plain = nn.Linear(module.in_features, module.out_features, module.bias is not None, device="meta")
+        plain.weight, plain.bias = module.weight, module.bias
+        parent, _, leaf = fqn.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, plain)
+        merged.append(fqn)
+    return merged

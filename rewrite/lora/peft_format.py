@@ -8,6 +8,7 @@ self_attn.q_proj.lora_A.weight` (and `lora_B.weight`); in memory its modules add
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from collections.abc import Mapping
 
 import torch
@@ -17,7 +18,7 @@ from ..binding.lora_targets import is_lora_linear
 from ..errors import InputError
 from .adapter import LoraLinear
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_name", "from_peft_name", "put_adapters"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "peft_name", "from_peft_name", "put_adapters", "peft_config"]
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's adapter directory: its config,
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # and its tensors
@@ -80,3 +81,20 @@ def put_adapters(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, scali
             linear.lora_B.copy_(b)
         done.append(layer)
     return done
+
+
+def peft_config(*, rank: int, alpha: float, dropout: float, targets: Iterable[str], linears: Iterable[str],
+                base: str | None = None) -> dict:
+    """PEFT's `adapter_config.json` for adapters of `rank` and `alpha` on the layers `targets`, in a model whose
+    linear layers are `linears` (paths). PEFT matches a list of names by each path's last part: the leaf names
+    when they pick exactly `targets`, else a pattern matching exactly those paths."""
+    targets, linears = sorted(targets), list(linears)
+    leaves = sorted({t.rpartition(".")[2] for t in targets})
+    if sorted(f for f in linears if f.rpartition(".")[2] in leaves) == targets:
+        target_modules: list[str] | str = leaves
+    else:
+        target_modules = "^(" + "|".join(re.escape(t) for t in targets) + ")$"
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+            "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": target_modules, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "inference_mode": True, "modules_to_save": None}

@@ -23,6 +23,9 @@ class Lora(StrictModel):
         "Dropout on the adapters' input while training (PEFT's lora_dropout), 0 <= p < 1. Under tensor "
         "parallelism a rank draws the mask of the whole input and uses its slice, so the ranks of a stage, "
         "seeded alike, drop what one process would."))] = 0.0
+    seed: Annotated[int, Field(ge=0, strict=True, description=(
+        "Fresh adapters' A is drawn from this seed and the layer's path (B starts at zero): the same on every "
+        "rank and under every plan, whatever each process's random state."))] = 0
     targets: Annotated[list[Pattern] | None, Field(description=(
         "Module-path patterns of the linear layers that get adapters (`*` within one path segment). Default: "
         "every decoder layer's attention and MLP projections (q/k/v/o, gate/up/down, fused gate_up, latent "

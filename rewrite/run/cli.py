@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CKPT_DIR", help="a run's --ckpt directory (its latest step) or a step-N directory")
     export.add_argument("out", metavar="OUT_DIR", help="where the Hugging Face checkpoint and tokenizer go")
     export.add_argument("--step", type=int, default=None, help="export step N instead of the latest")
+    export.add_argument("--adapter-only", action="store_true", help="a LoRA run's state: write its adapters as a "
+                        "PEFT adapter directory (adapter_config.json, adapter_model.safetensors)")
+    export.add_argument("--merge", metavar="BASE_DIR", default=None, help="a LoRA run's state: merge its adapters "
+                        "into BASE_DIR, the Hugging Face checkpoint they were trained on, and write that model")
     export.set_defaults(func=cmd_export)
 
     init = sub.add_parser("init-model", help="a small Hugging Face model directory (random weights + BPE tokenizer)")

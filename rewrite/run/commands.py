@@ -145,10 +145,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..checkpoint.state_dirs import STEP_DIR
 
     source = checkpoint_path(args.checkpoint, args.step)
-    out = export_checkpoint(source, args.out)
+    out = export_checkpoint(source, args.out, adapter_only=args.adapter_only, base=args.merge)
     step = STEP_DIR.match(source.name)
     which = f"step {int(step[1])} ({source})" if step else str(source)
-    print(f"wrote {out} from {which}: loads with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    loads = (f"peft.PeftModel.from_pretrained(base, {str(out)!r})" if args.adapter_only
+             else f"AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(f"wrote {out} from {which}: loads with {loads}")
     return 0
 
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
-from ..lora.missing import lora_not_built
 from ..plan.loading import load_plan, load_plan_for
 from ..plan.lora_schema import Lora
 from ..plan.schema import ParallelPlan, PlanError
@@ -192,8 +191,9 @@ def setting_problems(config, plan, model_config) -> list[str]:
             f"{plan.source}: mesh {plan.mesh.shape_text()} needs {plan.mesh.world_size} processes, "
             f"but {world} {'was' if world == 1 else 'were'} started; run `torchrun --nproc-per-node {plan.mesh.world_size} ...` or change the mesh"
         )
-    if plan.lora is not None and config.export:
-        problems.append(lora_not_built(plan, "--export (the adapters merged, or in PEFT's format)"))
+    if plan.lora is not None and config.export and not config.ckpt:
+        problems.append(f"--export {config.export}: a LoRA run exports its adapters (PEFT's format) from its last "
+                        "training state; add --ckpt DIR")
     if config.adapter is not None and plan.lora is None:
         problems.append(f"--adapter {config.adapter}: the run trains no adapters; add --lora-rank R (the adapter's "
                         "rank) or a lora section to the plan")

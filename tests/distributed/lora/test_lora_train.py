@@ -32,15 +32,38 @@ def _refused(config: TrainConfig) -> str:
     raise AssertionError(f"rewrite train started: {config}")
 
 
+def _trained_logits(tmp: Path) -> dict:
+    """The straight run's model read back (its base, its last state) and the exported adapter under PEFT: the
+    same logits."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import rewrite
+
+    stage = rewrite.from_pretrained(tmp / "base", {**rewrite.load_plan(TP2).model_dump(mode="json", exclude_none=True),
+                                                   "lora": {"rank": 4, "alpha": 8.0}})
+    trained = [p for p in stage.parameters() if p.requires_grad]
+    rewrite.load_training_state(tmp / "straight" / "ckpt", stage, torch.optim.AdamW(trained))
+    ids = torch.randint(0, stage.model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = stage.model(input_ids=ids).logits
+        twin = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp / "base"), tmp / "exported")
+        theirs = twin(input_ids=ids).logits
+    return {"logits": float((ours - theirs).abs().max()), "ids": ids, "ours": ours}
+
+
 def _runs(rank: int, world: int, tmp: str) -> dict:
     tmp, found = Path(tmp), {}
-    straight = train(_config(tmp, TP2, "straight", 4, parity=True))
+    straight = train(_config(tmp, TP2, "straight", 4, parity=True, export=str(tmp / "exported")))
     found["parity"], found["straight"] = straight["parity"], straight["losses"]
+    found["exported"] = _trained_logits(tmp)
     resumed = train(_config(tmp, TP2, "resumed", 2))["losses"] + train(_config(tmp, PP2, "resumed", 4))["losses"]
     found["resumed"] = resumed
     found["full plan"] = _refused(_config(tmp, PP2, "resumed", 6, lora_rank=None, lora_alpha=None, adapter=None))
     found["other base"] = _refused(_config(tmp, PP2, "resumed", 6, model=str(tmp / "other")))
-    found["export"] = _refused(_config(tmp, TP2, "export", 1, export=str(tmp / "hf")))
+    found["export"] = _refused(_config(tmp, TP2, "export", 1, export=str(tmp / "hf"), ckpt=None, resume=False,
+                                       save_every=0))
     found["adapter alone"] = _refused(_config(tmp, TP2, "alone", 1, lora_rank=None, lora_alpha=None))
     return found
 
@@ -64,5 +87,34 @@ def test_train_lora_from_a_peft_adapter_resumes_under_another_plan(tmp_path):
     assert len(straight) == len(resumed) == 4 and max(abs(a - b) for a, b in zip(straight, resumed)) < 1e-5, found
     assert "holds a LoRA training state" in found["full plan"], found["full plan"]
     assert "trained on another base model" in found["other base"], found["other base"]
-    assert "--export" in found["export"] and "not built yet" in found["export"], found["export"]
+    assert "a LoRA run exports its adapters (PEFT's format) from its last training state; add --ckpt" in found[
+        "export"], found["export"]
+    assert found["exported"]["logits"] < 1e-5, found["exported"]
     assert "the run trains no adapters" in found["adapter alone"], found["adapter alone"]
+    _merged_is_the_trained_model(tmp_path, found["exported"])
+
+
+def _merged_is_the_trained_model(tmp: Path, exported: dict) -> None:
+    """`rewrite export --merge BASE` writes a plain checkpoint computing what the adapted model computes;
+    `--adapter-only` what `train --export` wrote; each refused where it does not apply."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import rewrite
+
+    ckpt = tmp / "straight" / "ckpt"
+    cli = [sys.executable, "-m", "rewrite", "export", str(ckpt)]
+    subprocess.run([*cli, str(tmp / "merged"), "--merge", str(tmp / "base")], check=True, capture_output=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp / "merged")
+    with torch.no_grad():
+        assert float((merged(input_ids=exported["ids"]).logits - exported["ours"]).abs().max()) < 1e-5
+    rewrite.export_checkpoint(ckpt, tmp / "again", adapter_only=True)
+    assert (tmp / "again" / "adapter_model.safetensors").read_bytes() == (
+        tmp / "exported" / "adapter_model.safetensors").read_bytes()
+    for options, words in [({}, "export the adapters"), ({"base": tmp / "other"}, "is not the base"),
+                           ({"adapter_only": True, "base": tmp / "base"}, "export the adapters")]:
+        with pytest.raises(rewrite.CheckpointError, match=words):
+            rewrite.export_checkpoint(ckpt, tmp / "refused", **options)

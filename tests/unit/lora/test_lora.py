@@ -32,7 +32,7 @@ def _plan(**lora) -> dict:
 
 def test_the_plan_section_checks_each_field():
     plan = rewrite.load_plan(_plan(alpha=16))
-    assert (plan.lora.rank, plan.lora.scaling, plan.lora.dropout, plan.lora.targets) == (4, 4.0, 0.0, None)
+    assert (plan.lora.rank, plan.lora.scaling, plan.lora.dropout, plan.lora.targets, plan.lora.seed) == (4, 4.0, 0.0, None, 0)
     assert rewrite.load_plan(_plan()).lora.scaling == 1.0  # alpha defaults to the rank
     assert rewrite.load_plan(plan.to_yaml() and __import__("yaml").safe_load(plan.to_yaml())) == plan
     for bad, words in [({"rank": 0}, "rank"), ({"rank": 4, "alpha": 0}, "alpha"), ({"rank": 4, "dropout": 1.0}, "dropout"),
@@ -194,3 +194,15 @@ def test_train_flags_make_the_lora_section():
     assert "--lora-rank: Input should be greater than or equal to 1" in lora_plan(flags(0), plain)[1][0]
     assert "--lora-alpha: Input should be greater than 0" in lora_plan(flags(4, -1.0), plain)[1][0]
     assert "has a lora section and --lora-rank was given too" in lora_plan(flags(4), with_lora)[1][0]
+
+
+def test_fresh_adapters_follow_the_plans_seed_not_the_process():
+    model, again, other = tiny(), tiny(), tiny()
+    torch.manual_seed(123)  # a process seeded otherwise draws the same adapters
+    apply_lora(model, rewrite.resolve(_plan(), model))
+    torch.manual_seed(7)
+    apply_lora(again, rewrite.resolve(_plan(), again))
+    apply_lora(other, rewrite.resolve(_plan(seed=1), other))
+    a = model.model.layers[0].self_attn.q_proj.lora_A
+    assert torch.equal(a, again.model.layers[0].self_attn.q_proj.lora_A)
+    assert not torch.equal(a, other.model.layers[0].self_attn.q_proj.lora_A)
