@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from ..models.blocks import ATTENTION, LATENT_ATTENTION, MLP, PACKED_MLP
 from ..models.hf_decoder import Backbone
 from ..plan.patterns import closest, match_pattern
 from ..plan.schema import ParallelPlan
+from .params import HeldParameter
+from .shard_layout import tensor_split
 
-__all__ = ["DEFAULT_LEAVES", "lora_targets", "is_adapter", "is_lora_linear"]
+__all__ = ["DEFAULT_LEAVES", "lora_targets", "is_adapter", "is_lora_linear", "with_adapters"]
 
 # A decoder layer's projections that get adapters unless the plan lists its own targets.
 DEFAULT_LEAVES = tuple(dict.fromkeys((*ATTENTION.members, *LATENT_ATTENTION.members, *MLP.members,
@@ -92,3 +96,27 @@ def _checked(targets: list[str], modules: dict[str, nn.Module], rank: int, carri
         missing = sorted(set(targets) - set(carried))
         problems.append(f"{at}lora: the model carries adapters, but not on {missing[0]}; load them all or none")
     return tuple(targets), problems
+
+
+def with_adapters(helds: list[list[HeldParameter]], sets: tuple[tuple[str, ...], ...], targets: tuple[str, ...],
+                  rank: int, shards, modules: dict[str, nn.Module]) -> list[list[HeldParameter]]:
+    """Each stage's held parameters under a LoRA plan: every one frozen, and the adapters of the `targets` the
+    stage holds added, each split as its layer's style splits it (`shard_layout.split_dim`). New lists: the
+    given ones may be a plan search's, kept for other plans."""
+    by_fqn = {s.fqn: s for s in (shards.values() if isinstance(shards, dict) else shards)}
+    out = []
+    for held, modules_here in zip(helds, sets):
+        frozen = [p if is_adapter(p.name) else replace(p, trained=False) for p in held]
+        names = {p.name for p in held}
+        for fqn in targets:
+            if not any(m == "" or fqn == m or fqn.startswith(m + ".") for m in modules_here):
+                continue
+            linear = modules[fqn]
+            size = linear.weight.element_size()
+            for leaf, whole in (("lora_A", (rank, linear.in_features)), ("lora_B", (linear.out_features, rank))):
+                if f"{fqn}.{leaf}" not in names:  # adapters the model already carries are in `held`
+                    shape = tensor_split(by_fqn.get(fqn), leaf).local_shape(whole)
+                    name = f"{fqn}.{leaf}"  # its own identity: one parameter, counted once per rank
+                    frozen.append(HeldParameter(name, shape, size, ident=hash(name)))
+        out.append(frozen)
+    return out

@@ -26,6 +26,7 @@ class HeldParameter:
     element_size: int  # bytes per element
     ident: int = field(default=0, compare=False, repr=False)  # id() of the parameter: one tied to another is one
     by_expert: bool = False  # experts split over ep (its shape a rank's E / ep): never sharded over dp
+    trained: bool = True  # has a gradient and optimizer state (under a LoRA plan, only the adapters do)
 
     @property
     def nbytes(self) -> int:

@@ -20,7 +20,7 @@ from ..plan.size_checks import PipelineShape, by_line, stage_count, world_proble
 from .cuts import fx_stages
 from ..plan.patterns import closest, match_pattern
 from .experts import ExpertSpec, expert_problems
-from .lora_targets import lora_targets
+from .lora_targets import lora_targets, with_adapters
 from .shard_layout import TensorSplit, state_split
 from .tp_rules import ShardSpec, TpRules
 from ..plan.wording import collapse_repeats
@@ -171,12 +171,9 @@ def resolve_with(steps: BindSteps, plan: ParallelPlan | str | Path | dict, *, wo
     if problems:
         raise PlanError(plan.source, by_line(collapse_repeats(problems)))
     total, total_bytes = steps.totals()
-    if plan.lora is not None:  # the estimates' parameter walk sees every weight as trained
-        notes = (*notes, "lora: memory and step-time estimates count every weight as trained (gradients and "
-                         "optimizer state included), not the adapters alone: an upper bound for this plan")
     return ResolvedPlan(
         plan=plan, model_name=type(model).__name__, kind="hf" if bb is not None else "fx", backbone=bb,
-        shards=tuple(shards), stages=_stage_specs(steps, plan, cut, shards, experts), cut_points=tuple(cut.cuts),
+        shards=tuple(shards), stages=_stage_specs(steps, plan, cut, shards, experts, adapted), cut_points=tuple(cut.cuts),
         total_params=total, total_bytes=total_bytes, layer_indices=tuple(tuple(ls) for ls in cut.layer_sets),
         costs=cut.costs, stage_rank=placement(plan.pipeline.schedule, plan.mesh.pp, plan.pipeline.virtual_stages),
         recomputed=tuple(recomputed), selective=tuple(selective), warnings=tuple(collapse_repeats(list(notes))),
@@ -237,12 +234,16 @@ def _fx_cut(plan: ParallelPlan, model: nn.Module) -> _Cut:
     return _Cut(module_sets, [], module_sets, cuts, None, stage_problems)
 
 
-def _stage_specs(steps: BindSteps, plan: ParallelPlan, cut: _Cut, shards: tuple, experts: tuple
-                 ) -> tuple[StageSpec, ...]:
-    """Each stage's modules, layers, compute share and the parameters one of its ranks holds."""
+def _stage_specs(steps: BindSteps, plan: ParallelPlan, cut: _Cut, shards: tuple, experts: tuple,
+                 adapted: tuple[str, ...] = ()) -> tuple[StageSpec, ...]:
+    """Each stage's modules, layers, compute share and the parameters one of its ranks holds (a LoRA plan's
+    adapters among them, every other parameter frozen: `lora_targets.with_adapters`)."""
     costs = cut.costs
     shares = costs.shares([len(ls) for ls in cut.layer_sets]) if costs else [None] * len(cut.module_sets)
     sets = tuple(map(tuple, cut.module_sets if stage_count(plan) > 1 else [[""]]))
+    helds = steps.held(sets, shards, experts)
+    if plan.lora is not None:
+        helds = with_adapters(helds, sets, adapted, plan.lora.rank, shards, steps.modules())
     return tuple(StageSpec(s, tuple(cut.module_sets[s]), tuple(cut.layer_names[s]), sum(p.numel for p in held),
                            sum(p.nbytes for p in held), shares[s], tuple(held))
-                 for s, held in enumerate(steps.held(sets, shards, experts)))
+                 for s, held in enumerate(helds))

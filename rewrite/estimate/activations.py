@@ -82,7 +82,17 @@ def plan_sizes(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,
         cp=plan.mesh.cp,
         # ep over tp ranks holding the same tokens; under sequence parallelism each holds its part already
         routed_split=resolved.tp if plan.mesh.ep > 1 and resolved.experts and not plan.sequence_parallel else 1,
+        **lora_sizes(resolved),
     )
+
+
+def lora_sizes(resolved: ResolvedPlan) -> dict:
+    """The `Sizes` fields of a LoRA plan: its rank, the projections carrying adapters, whether they drop."""
+    lora = resolved.plan.lora
+    if lora is None:
+        return {}
+    return {"lora_rank": lora.rank, "lora_dropout": lora.dropout > 0,
+            "lora_leaves": frozenset(t.rpartition(".")[2] for t in resolved.lora_targets)}
 
 
 def rank_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: int = 1,

@@ -21,6 +21,7 @@ from ..plan.ranks import expert_groups
 from ..binding.resolve import ResolvedPlan
 from .collectives import collective_s, groups_link
 from .hardware import Hardware
+from .param_memory import param_unit
 
 __all__ = ["DpTime", "DDP_BUCKET", "ADAMW_TRAFFIC", "EXPERTS"]
 
@@ -54,8 +55,12 @@ class DpTime:
         # Per stage, what each step's costs read: (sum, first) of its gathers, its bytes and smallest unit.
         self._gathers = {s: (sum(ags), ags[0] if ags else 0.0) for s, ags in self.gather.items()}
         self._layer_gathers = {s: (sum(ags), ags[0] if ags else 0.0) for s, ags in self.layers_only.items()}
-        self._held = [sum(u.values()) for u in self.units]
-        self._smallest = [min(u.values(), default=None) for u in self.units]
+        # What has gradients to reduce and AdamW state to update: everything, or a LoRA plan's adapters.
+        self.grad_units = _trained_units(resolved) if resolved.plan.lora is not None else self.units
+        if resolved.plan.lora is not None:
+            self.experts = [0 for _ in units]  # frozen: no gradient to reduce
+        self._held = [sum(u.values()) for u in self.grad_units]
+        self._smallest = [min(u.values(), default=None) for u in self.grad_units]
         self._reduces: dict = {}  # (sharding, stage) -> (sum, least) of its units' reduces
 
     def _ag(self, nbytes: float) -> float:
@@ -90,7 +95,7 @@ class DpTime:
                     beside, unhidden = (self._gathers if kind == "F" else self._layer_gathers)[s]
                 if reduces and kind == "B":
                     if (sharding, s) not in self._reduces:
-                        rss = [self._reduce(b, sharding) for b in self.units[s].values()]
+                        rss = [self._reduce(b, sharding) for b in self.grad_units[s].values()]
                         self._reduces[sharding, s] = (sum(rss), min(rss, default=0.0))
                     total, least = self._reduces[sharding, s]
                     beside, unhidden = beside + total, unhidden + least
@@ -132,3 +137,16 @@ class DpTime:
         exposed += collective_s(hw, "all_reduce", experts, self.expert_replicas, self.expert_link)
         held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1) + experts / dtype_bytes
         return exposed, held_elems * (3 * dtype_bytes + ADAMW_TRAFFIC) / self.hw.memory_bandwidth
+
+
+def _trained_units(resolved: ResolvedPlan) -> list[dict[str, int]]:
+    """Per stage, FSDP2 unit -> bytes on a rank of its trained parameters (a LoRA plan's adapters)."""
+    out = []
+    for spec in resolved.stages:
+        layers, units = frozenset(spec.layers), {}
+        for p in spec.held:
+            if p.trained and not p.by_expert:
+                unit = param_unit(p.name, layers)
+                units[unit] = units.get(unit, 0) + p.nbytes
+        out.append(units)
+    return out

@@ -91,7 +91,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from ..models.blocks import LAYER_PARTS
+from ..models.blocks import ATTENTION, LAYER_PARTS, MLP, PACKED_MLP
 from ..models.flops import EXPERT_VALUES, config_size, moe_shape
 from ..models.latent_shape import LatentShape, latent_attention_bytes, latent_shape
 
@@ -126,6 +126,9 @@ class Sizes:
     expert_values: int = 4  # n: values an expert keeps per routed row and intermediate feature
     routed_split: int = 1  # u: ranks sharing out a replica's tokens before their experts (ep borrowing tp: t)
     latent: LatentShape | None = None  # multi-head latent attention's shape (DeepSeek's MLA), else None
+    lora_rank: int = 0  # r_l: LoRA adapters' rank (0: every weight trained, no adapters)
+    lora_leaves: frozenset[str] = frozenset()  # the projections (by name) in each layer that carry one
+    lora_dropout: bool = False  # the adapters drop their input: a dropped copy and its mask kept per adapter
 
     @classmethod
     def of(cls, config, *, seq_len: int, **run) -> Sizes:
@@ -170,8 +173,9 @@ class Sizes:
 
 
 def _norm(z: Sizes, tokens: int) -> int:
-    # float32 input, normalised values in the dtype, float32 1/rms per token.
-    return tokens * (F32 * z.hidden + z.dtype_bytes * z.hidden + F32)
+    # float32 input, normalised values in the dtype (for the weight's gradient: none when frozen, under LoRA),
+    # float32 1/rms per token.
+    return tokens * (F32 * z.hidden + (0 if z.lora_rank else z.dtype_bytes * z.hidden) + F32)
 
 
 def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool, shared_split: bool = False) -> dict[str, int]:
@@ -185,9 +189,28 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool, shared_split: bo
         attention = T * B * h + latent_attention_bytes(z.latent, tokens=T, kv_tokens=kv_tokens, heads=a,
                                                        dtype_bytes=B, tp=ta)
     if z.qk_norm:
-        attention += T * ((F32 + B) * (a + g) * d + F32 * (a + g)) // ta
+        attention += T * ((F32 + (0 if z.lora_rank else B)) * (a + g) * d + F32 * (a + g)) // ta  # frozen: no B
     mlp = _moe(z, tm, z.tp if shared_split else 1) if z.top_k else R * B * h + 4 * R * B * z.intermediate // tm
+    if z.lora_rank:
+        attention += lora_bytes(z, ATTENTION.inputs, ATTENTION.output, a * d // ta)
+        mlp += 0 if z.top_k else lora_bytes(z, (*MLP.inputs, *PACKED_MLP.inputs), MLP.output, z.intermediate // tm)
     return dict(zip(LAYER_PARTS, (_norm(z, z.chunk), attention, _norm(z, z.chunk), mlp)))
+
+
+def lora_bytes(z: Sizes, inputs: tuple[str, ...], output: str, output_in: int) -> int:
+    """What a block's LoRA adapters change in what it keeps: each adapter its `[rows, r]` product for B's
+    gradient (its input, which A's gradient reads, is the one the block keeps for its weights' gradients in
+    full training). With dropout each keeps its dropped copy of the input and the mask instead, and the
+    inputs only the frozen layers read are let go. `output_in`: the row layer's input features on a rank.
+    Measured against autograd's saved tensors (tests/unit/lora): a LLaMA layer's, exactly as the full layer
+    is estimated. A block's frozen layer without an adapter keeps nothing for its weight: an upper bound."""
+    rows, B = z.mlp_rows, z.dtype_bytes
+    widths = [z.hidden for name in inputs if name in z.lora_leaves] + ([output_in] if output in z.lora_leaves else [])
+    kept = len(widths) * rows * z.lora_rank * B
+    if not z.lora_dropout:
+        return kept
+    freed = (z.hidden if any(n in z.lora_leaves for n in inputs) else 0) + (output_in if output in z.lora_leaves else 0)
+    return kept + rows * B * (2 * sum(widths) - freed)
 
 
 def _moe(z: Sizes, tm: int, ts: int) -> int:

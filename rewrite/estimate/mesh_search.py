@@ -58,9 +58,10 @@ class Candidate:
 
 
 def best_per_mesh(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: bool = False,
-            dtype: str | None = None, max_cp: int | None = 1) -> dict:
+            dtype: str | None = None, max_cp: int | None = 1, lora: dict | None = None) -> dict:
     """The best fitting candidate per (dp, pp, cp, tp); `timed` False: fit only (unit
-    times), `frugal`: the least memory per mesh only (full sharding, every layer checkpointed)."""
+    times), `frugal`: the least memory per mesh only (full sharding, every layer checkpointed); `lora`: every
+    plan's `lora` section (the adapters trained, every other weight frozen)."""
     from ..models.hf_decoder import find_backbone
 
     num_layers = find_backbone(model).num_layers
@@ -79,7 +80,7 @@ def best_per_mesh(model, hw, *, world, G, limit, seq_len, batch, timed: bool, fr
         stages = (2, 1) if pp > 1 and 2 * pp <= num_layers and not frugal else (1,)
         for vocab_loss, k, ep in itertools.product(switches, stages, eps):
             base = bind(model, dp=dp, pp=pp, tp=tp, k=k, vocab_loss=vocab_loss, sp=False, seq_len=seq_len,
-                        steps=binds, cp=cp, ep=ep)
+                        steps=binds, cp=cp, ep=ep, lora=lora)
             if isinstance(base, str):
                 continue
             problem = activation_problem(base, model)

@@ -69,7 +69,8 @@ def _dp_shard(shape: tuple[int, ...], dp: int) -> int:
 
 @dataclass(frozen=True)
 class ParamSums:
-    """One rank's parameters summed for `footprint`: whole, and as FSDP2 shards over dp (per unit)."""
+    """One rank's parameters summed for `footprint`: whole, and as FSDP2 shards over dp (per unit); of those,
+    the trained ones (with gradients and AdamW state: all of them, or a LoRA plan's adapters)."""
 
     dp: int
     whole: int  # elements
@@ -77,18 +78,27 @@ class ParamSums:
     held: int  # elements of the dp shards
     held_bytes: int
     unit_bytes: tuple[tuple[str | None, int], ...]  # per FSDP2 unit, of the dp shards
+    trained: tuple[int, int, int, int] | None = None  # (whole, whole_bytes, held, held_bytes) trained; None: all
+
+    @property
+    def taught(self) -> tuple[int, int, int, int]:
+        """(whole, whole_bytes, held, held_bytes) of the trained parameters."""
+        return self.trained or (self.whole, self.whole_bytes, self.held, self.held_bytes)
 
 
 def param_sums(params: list[tuple], dp: int) -> ParamSums:
-    """`footprint`'s sums of (shape, bytes per element[, unit]) parameters: one pass over them."""
+    """`footprint`'s sums of (shape, bytes per element[, unit[, trained]]) parameters: one pass over them."""
     whole = whole_bytes = held = held_bytes = 0
+    taught = [0, 0, 0, 0]
     units: dict = {}
     for p in params:
         count, shard = math.prod(p[0]), _dp_shard(p[0], dp)
         unit = p[2] if len(p) > 2 else None
         whole, whole_bytes = whole + count, whole_bytes + count * p[1]
         held, held_bytes, units[unit] = held + shard, held_bytes + shard * p[1], units.get(unit, 0) + shard * p[1]
-    return ParamSums(dp, whole, whole_bytes, held, held_bytes, tuple(units.items()))
+        if len(p) < 4 or p[3]:
+            taught = [taught[0] + count, taught[1] + count * p[1], taught[2] + shard, taught[3] + shard * p[1]]
+    return ParamSums(dp, whole, whole_bytes, held, held_bytes, tuple(units.items()), tuple(taught))
 
 
 def footprint(
@@ -98,9 +108,10 @@ def footprint(
     """One rank's parameter memory for one data-parallel sharding.
 
     Args:
-        params: (shape on this rank after tensor parallelism, bytes per element[, unit])
+        params: (shape on this rank after tensor parallelism, bytes per element[, unit[, trained]])
             of each parameter the rank holds, each once; `unit` names the FSDP2 unit it
-            belongs to (a decoder layer, or the root), default one unit for all. Or their
+            belongs to (a decoder layer, or the root), default one unit for all; `trained` (default
+            True) whether it has a gradient and AdamW state (a LoRA plan's frozen weights have neither). Or their
             `param_sums` for this dp, which a search sizes once for every sharding.
         dp: data-parallel replicas; 1 shares nothing (the sharding is then ignored).
         sharding: `full`, `grad_op` or `replicate` (`data_parallel.sharding`).
@@ -135,12 +146,13 @@ def footprint(
     if z.dp != dp:
         raise ValueError(f"parameter sums made for dp {z.dp}, asked for dp {dp}")
     whole, whole_bytes = z.whole, z.whole_bytes
+    t_whole, t_bytes, t_held, t_held_bytes = z.taught  # what has gradients and AdamW state
     mixed = compute_bytes is not None and compute_bytes * whole < whole_bytes
     if dp == 1 or sharding == "replicate":
         gathered = whole_bytes if dp > 1 else 0  # replicate's second copy: DDP's buckets, or FSDP2's gathered one
         cast = compute_bytes * whole if mixed else 0  # autocast's cached casts of the weights
-        return Footprint(whole, whole_bytes, whole_bytes, ADAMW_BYTES * whole,
-                         2 * whole_bytes + ADAMW_BYTES * whole + gathered + cast)
+        return Footprint(whole, whole_bytes, t_bytes, ADAMW_BYTES * t_whole,
+                         whole_bytes + t_bytes + ADAMW_BYTES * t_whole + gathered + cast)
     if reduce not in REDUCES:
         raise ValueError(f"data_parallel.reduce {reduce!r}: use one of {', '.join(REDUCES)}")
     held, held_bytes = z.held, z.held_bytes
@@ -151,9 +163,10 @@ def footprint(
     if mixed and held_bytes:  # FSDP2 gathers in the compute dtype
         gathered = gathered * compute_bytes * held // held_bytes
     # The root's whole gradients live through each backward (its unit reduces when the backward ends).
-    grads = held_bytes + one_at_a_time if reduce == "microbatch" else whole_bytes
-    return Footprint(held, held_bytes, held_bytes, ADAMW_BYTES * held,
-                     held_bytes + ADAMW_BYTES * held + gathered + grads)
+    share = t_held_bytes / held_bytes if held_bytes else 1.0  # of a unit's gradients, the trained part
+    grads = t_held_bytes + int(share * one_at_a_time) if reduce == "microbatch" else t_bytes
+    return Footprint(held, held_bytes, t_held_bytes, ADAMW_BYTES * t_held,
+                     held_bytes + ADAMW_BYTES * t_held + gathered + grads)
 
 
 def reduce_as_run(reduce: str, *, microbatches: int, virtual_stages: int, split: bool) -> str:
@@ -166,7 +179,8 @@ def reduce_as_run(reduce: str, *, microbatches: int, virtual_stages: int, split:
 
 def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int, *, by_expert: bool = False
                     ) -> list[tuple[tuple[int, ...], int, str]]:
-    """(shape on the rank, bytes per element, FSDP2 unit) of every parameter pp rank `pp_rank` holds, each once.
+    """(shape on the rank, bytes per element, FSDP2 unit, trained) of every parameter pp rank `pp_rank` holds, each
+    once (trained: with gradients and AdamW state; under a LoRA plan only the adapters).
 
     Every tp rank of a stage holds the same shapes; a parameter shared by two modules
     the rank holds (tied embeddings on one rank) counts once. The unit is the decoder
@@ -179,7 +193,7 @@ def rank_parameters(resolved: ResolvedPlan, model: nn.Module, pp_rank: int, *, b
     if held is None:  # a ResolvedPlan built by hand, without its stages' parameters
         modules = resolved.rank_modules(pp_rank) if resolved.pp > 1 else ("",)
         held = held_parameters(model, modules, resolved.shards)
-    return [(p.shape, p.element_size, param_unit(p.name, layers)) for p in held if p.by_expert == by_expert]
+    return [(p.shape, p.element_size, param_unit(p.name, layers), p.trained) for p in held if p.by_expert == by_expert]
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a plan search asks for the same names under the same layers often
@@ -240,5 +254,7 @@ def rank_footprints(resolved: ResolvedPlan, model: nn.Module | None = None, *, s
     for r in range(resolved.pp):
         stages = [resolved.stages[s] for s in resolved.rank_stages(r)]
         count, nbytes = sum(s.param_count for s in stages), sum(s.param_bytes for s in stages)
-        out.append(footprint(ParamSums(1, count, nbytes, count, nbytes, ()), compute_bytes=compute))
+        trained = [p for s in stages for p in s.held if p.trained] if resolved.plan.lora is not None else None
+        taught = None if trained is None else (sum(p.numel for p in trained), sum(p.nbytes for p in trained)) * 2
+        out.append(footprint(ParamSums(1, count, nbytes, count, nbytes, (), taught), compute_bytes=compute))
     return out

@@ -83,6 +83,7 @@ def suggest_plans(
     hardware: Hardware | str = "h100-sxm",
     dtype: str | None = None,
     max_cp: int | None = None,
+    lora: dict | None = None,
 ) -> list[Candidate]:
     """The plans that fit, fastest first by predicted step time: the best of each (dp, pp, cp, tp).
 
@@ -105,6 +106,9 @@ def suggest_plans(
             world and seq_len allow); 1 leaves context parallelism out, as for a family whose attention
             it cannot run (`rewrite.context_parallel.family.context_parallel_problem`; `rewrite plan`
             checks it).
+        lora: a plan's `lora` section (`{"rank": 16}`): every candidate trains LoRA adapters with the other
+            weights frozen (gradients and AdamW state for the adapters only, no weight gradients for the
+            frozen layers; docs/lora.md).
 
     Returns:
         One `Candidate` per (dp, pp, cp, tp) that fits, ranked by `step_s`: for each, the schedule,
@@ -134,13 +138,13 @@ def suggest_plans(
     batch = global_batch or 4 * world
     with collector_paused():
         best = best_per_mesh(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True,
-                             dtype=dtype, max_cp=max_cp)
+                             dtype=dtype, max_cp=max_cp, lora=lora)
         if not best:
             raise NoPlanFits(
                 f"no plan fits: no layout of {world} device(s) with {hw.usable_text(device_memory)} each holds "
                 f"{type(model).__name__} at {seq_len} tokens x {batch} sequences",
                 _advice(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, dtype=dtype,
-                        max_cp=max_cp),
+                        max_cp=max_cp, lora=lora),
             )
     ranked = sorted((dataclasses.replace(c, dtype=dtype) for c in best.values()), key=lambda c: c.step_s)
     _verify(ranked[0], model, dtype)
@@ -156,10 +160,10 @@ def _verify(best: Candidate, model: nn.Module, dtype: str) -> None:
                            f"{peak}: a bug in rewrite.estimate.search")
 
 
-def _advice(model, hw, *, world, G, limit, seq_len, batch, dtype, max_cp) -> str:
+def _advice(model, hw, *, world, G, limit, seq_len, batch, dtype, max_cp, lora) -> str:
     """What would fit: the sequence length on this world, else the smallest world (doubling, up to 64x)."""
     fits = lambda **kw: bool(best_per_mesh(model, hw, G=G, limit=limit, timed=False, frugal=True,  # noqa: E731
-                                           dtype=dtype, max_cp=max_cp, **kw))
+                                           dtype=dtype, max_cp=max_cp, lora=lora, **kw))
     if fits(world=world, seq_len=1, batch=batch):  # the parameters fit: some sequence length does
         s = seq_len // 2
         while s > 1 and not fits(world=world, seq_len=s, batch=batch):

@@ -90,10 +90,10 @@ def expert_count(model: nn.Module) -> int | None:
 
 
 def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, steps: BindSteps | None = None, cp: int = 1,
-         ep: int = 1) -> ResolvedPlan | str:
+         ep: int = 1, lora: dict | None = None) -> ResolvedPlan | str:
     """The mesh and switches bound to the model (the reason it does not bind, as text); `steps`: the binding
     steps kept across the binds of one search (`bind_memo.MemoSteps(model)`). `ep` > 1: the experts split as the
-    family's ep plan says."""
+    family's ep plan says. `lora`: the plan's `lora` section."""
     try:
         rules = _rules(model, tp, vocab_loss)
         if ep > 1:
@@ -104,7 +104,7 @@ def bind(model, *, dp, pp, tp, k, vocab_loss, sp, seq_len, steps: BindSteps | No
             "tensor_parallel": rules,
             "pipeline": {"schedule": SCHEDULES_BY_STAGES[k][0], "virtual_stages": k, "seq_len": seq_len,
                          **({"cut_points": "auto"} if pp > 1 else {})},
-            "loss_parallel": vocab_loss, "sequence_parallel": sp,
+            "loss_parallel": vocab_loss, "sequence_parallel": sp, **({"lora": lora} if lora else {}),
         }
         return resolve_with(steps or BindSteps(model), load_plan(data))
     except (PlanError, ValueError) as exc:

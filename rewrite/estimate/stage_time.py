@@ -161,10 +161,15 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *,
     # The routed rows to their experts' ranks and back (each way once in F, once more in I).
     rows = z.tokens * z.top_k * z.dtype_bytes // u if experts_split else 0
     ep = clock.exchange(rows * (z.hidden + 1)) + clock.exchange(rows * z.hidden)
-    forward = clock.run(proj + scores + mlp + norms, 2 * kept, weights) + fwd_comm + kv + ep + clock.overhead
-    input_backward = (clock.run(proj + 2 * scores + mlp + 2 * norms, 3 * kept, weights) + bwd_comm + kv + ep
-                      + clock.overhead)
-    weight_backward = clock.run(proj + mlp, 0, 2 * weights) + clock.overhead
+    # LoRA: each adapter's two products in F, again in I (through B, then A) and in W (their gradients); the
+    # frozen weights get none, so W computes the adapters' alone.
+    adapters = lora_flops(z, ta, tm, kv_share) if z.lora_rank else 0.0
+    trained = adapters if z.lora_rank else proj + mlp
+    forward = (clock.run(proj + scores + mlp + norms + adapters, 2 * kept, weights) + fwd_comm + kv + ep
+               + clock.overhead)
+    input_backward = (clock.run(proj + 2 * scores + mlp + 2 * norms + adapters, 3 * kept, weights) + bwd_comm + kv
+                      + ep + clock.overhead)
+    weight_backward = clock.run(trained, 0, 0 if z.lora_rank else 2 * weights) + clock.overhead
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
     share = 1.0 if "" in recomputed else len(recomputed & {ATTENTION.layer_part, MLP.layer_part}) / 2
     input_backward += share * forward
@@ -173,7 +178,7 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *,
         input_backward += clock.run(again + weight * norms, weight * 2 * kept, 0) + weight * (fwd_comm + clock.overhead)
         share += weight
     tp_comm = fwd_comm + bwd_comm + share * fwd_comm
-    flops = (proj + scores + mlp + norms) + (proj + 2 * scores + mlp + 2 * norms) + (proj + mlp)
+    flops = (proj + scores + mlp + norms + adapters) + (proj + 2 * scores + mlp + 2 * norms + adapters) + trained
     return forward, input_backward, weight_backward, tp_comm, flops, (2 + share) * kv, (2 + share) * ep
 
 
@@ -214,8 +219,20 @@ def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool
         fwd_comm += clock.gather(T * 2 * F32 * t) if sharded_loss else clock.gather(T * V * B)
     forward = clock.run(product + loss + norm, 2 * kept, weights) + fwd_comm
     input_backward = clock.run(product + loss + 2 * norm, 2 * kept, weights) + bwd_comm
-    weight_backward = clock.run(product, 0, 2 * weights)
-    return forward, input_backward, weight_backward, fwd_comm + bwd_comm, 3 * product + 2 * loss + 3 * norm
+    trained = 0 if z.lora_rank else product  # a frozen head (LoRA) computes no weight gradient
+    weight_backward = clock.run(trained, 0, 2 * weights if trained else 0)
+    return forward, input_backward, weight_backward, fwd_comm + bwd_comm, 2 * product + trained + 2 * loss + 3 * norm
+
+
+def lora_flops(z: Sizes, ta: int, tm: int, kv_share: int) -> float:
+    """One forward's FLOPs of a layer's LoRA adapters on a rank: `2 rows r (in + out)` each, a column layer's A
+    whole and B its rows, a row layer's A its input features and B whole (`ta`, `tm`: the blocks' tp split)."""
+    h, d, r, rows = z.hidden, z.head_dim, z.lora_rank, z.mlp_rows
+    q, kv, i = z.heads * d // ta, z.kv_heads * kv_share * d // ta, z.intermediate // tm
+    widths = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+    if not z.top_k:  # a dense MLP (adapters on routed experts are refused)
+        widths.update(gate_proj=h + i, up_proj=h + i, down_proj=i + h, gate_up_proj=h + 2 * i)
+    return 2.0 * rows * r * sum(w for name, w in widths.items() if name in z.lora_leaves)
 
 
 def stage_times(

@@ -45,6 +45,11 @@ def add_plan_parser(sub) -> None:
                       help="compute dtype over float32 weights, gradients and AdamW state, as `rewrite train --dtype` "
                       "runs it (default: bfloat16 on a profile whose bfloat16 peak passes its float32 one, a GPU's; "
                       "else float32)")
+    plan.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                      help="plan LoRA training: adapters of rank R on every layer's projections, every other weight "
+                      "frozen (gradients and AdamW state for the adapters only; docs/lora.md)")
+    plan.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",
+                      help="with --lora-rank: the adapters' alpha (written into the plan; default: R)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table printed (default %(default)s)")
     plan.add_argument("--out", default=None, metavar="FILE",
                       help="write the best plan here (default: ./plan.yaml, or the next free plan-N.yaml; when stdout "
@@ -60,6 +65,22 @@ def add_calibrate_parser(sub) -> None:
     cal.add_argument("--out", default=None, metavar="FILE", help="write the profile here (default: print it)")
     cal.add_argument("--name", default="calibrated", help="the profile's name (default %(default)s)")
     cal.set_defaults(func=_cmd_calibrate)
+
+
+def _lora_section(args: argparse.Namespace) -> dict | None:
+    """The plans' `lora` section that --lora-rank / --lora-alpha ask for (None: full training)."""
+    from ..plan.lora_schema import Lora
+
+    if args.lora_rank is None:
+        if args.lora_alpha is not None:
+            raise ValueError("--lora-alpha needs --lora-rank R")
+        return None
+    try:
+        return Lora(rank=args.lora_rank, alpha=args.lora_alpha).model_dump(exclude_none=True, exclude_defaults=True) | {
+            "rank": args.lora_rank}
+    except ValueError as exc:
+        first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": ("rank",), "msg": str(exc)}
+        raise ValueError(f"--lora-{first['loc'][0]}: {first['msg']}") from None
 
 
 def _fail(message: str, status: int) -> int:
@@ -85,11 +106,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         problem = measure_problem(args, hardware)
         if problem:
             raise ValueError(problem)
+        lora = _lora_section(args)
     except ValueError as exc:  # a bad argument: one line, no traceback
         return _fail(str(exc), BAD_ARGUMENTS)
     model, max_cp = _planned_model(config)
     try:
-        found = suggest_plans(model, hardware=hardware, dtype=args.dtype, max_cp=max_cp, **kwargs)
+        found = suggest_plans(model, hardware=hardware, dtype=args.dtype, max_cp=max_cp, lora=lora, **kwargs)
     except NoPlanFits as exc:
         return _fail(str(exc), 1)
     except ValueError as exc:  # a device memory within the profile's reserve

@@ -224,12 +224,24 @@ def show_data(
         "stages": stage_entries(resolved),
         "memory": memory,
         "whole_model": {"params": resolved.total_params, "bytes": resolved.total_bytes},
+        "lora": _lora_entry(resolved, model),
         "warnings": list(warnings or []),
     }
     if hardware is not None:
         out["predicted"] = predicted(resolved, model, hardware, batch_size=batch_size, seq_len=seq_len,
                                      microbatches=microbatches, gpus_per_node=gpus_per_node, dtype=dtype)
     return out
+
+
+def _lora_entry(resolved: ResolvedPlan, model: nn.Module | None) -> dict | None:
+    """A LoRA plan's adapters: rank, scale, dropout, the adapted layers and (with the model) their parameters."""
+    lora = resolved.plan.lora
+    if lora is None:
+        return None
+    linears = [model.get_submodule(t) for t in resolved.lora_targets] if model is not None else []
+    return {"rank": lora.rank, "scaling": lora.scaling, "dropout": lora.dropout,
+            "targets": collapse_names(resolved.lora_targets), "layers": len(resolved.lora_targets),
+            "params": sum(lora.rank * (m.in_features + m.out_features) for m in linears) if linears else None}
 
 
 def _pipeline_entry(resolved: ResolvedPlan, *, batch_size: int, seq_len: int | None, microbatches: int | None) -> dict:

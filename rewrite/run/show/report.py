@@ -210,6 +210,12 @@ def render_text(data: dict) -> str:
             f"attention kernels' and every other product's outputs, and run the rest again in the backward "
             f"({', '.join(data['selective'])})"
         )
+    if (lora := data.get("lora")) is not None:
+        count = f", {lora['params']:,} parameters trained" if lora["params"] is not None else ""
+        out.append(f"LoRA: adapters of rank {lora['rank']} (scale {lora['scaling']:g}"
+                   + (f", dropout {lora['dropout']:g}" if lora["dropout"] else "")
+                   + f") on {lora['layers']} linear layers{count}, every other weight frozen: gradients and AdamW "
+                   f"state for the adapters only ({', '.join(lora['targets'])})")
     out += ["", *_pipeline_lines(data), "", *memory_lines(data)]
     whole = data["whole_model"]
     out.append(f"  whole model: {whole['params']:,} parameters, {format_bytes(whole['bytes'])}")

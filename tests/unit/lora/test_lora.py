@@ -48,7 +48,6 @@ def test_default_targets_are_every_layers_projections():
     assert resolved.lora_targets == tuple(f"model.layers.{i}.{part}.{p}" for i in range(2) for part, p in
                                           [("self_attn", p) if p.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
                                            else ("mlp", p) for p in PROJECTIONS])
-    assert any(w.startswith("lora:") for w in resolved.warnings), resolved.warnings  # estimates: an upper bound
     chosen = rewrite.resolve(_plan(targets=["model.layers.*.self_attn.q_proj", "model.layers.1.mlp.down_proj"]), model)
     assert chosen.lora_targets == ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj",
                                    "model.layers.1.mlp.down_proj")
