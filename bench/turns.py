@@ -56,9 +56,10 @@ def _build(rank: int, world: int, side: str):
     return module, step
 
 
-def side_times(rank: int, world: int, side: str, warmup: int, steps: int) -> list[float]:
-    """Seconds per step of one side, run alone in these processes."""
-    module, step = _build(rank, world, side)
+def side_times(rank: int, world: int, build, side: str, warmup: int, steps: int) -> list[float]:
+    """Seconds per step of one side (`build(rank, world, side)` gives its module and step), run alone in these
+    processes."""
+    module, step = build(rank, world, side)
     times = []
     for i in range(warmup + steps):
         t = common.timed(step, warmup=0, steps=1)[0]
@@ -68,16 +69,17 @@ def side_times(rank: int, world: int, side: str, warmup: int, steps: int) -> lis
     return times
 
 
-def measure(pairs: list[str], rounds: int, warmup: int, steps: int) -> dict:
+def measure(pairs: list[str], rounds: int, warmup: int, steps: int, *, sides: dict = PAIRS, build=_build) -> dict:
+    """Each pair of `sides` (name -> (ours, theirs)) in turns, fresh processes a run (`build` makes a side)."""
     out = {name: {"ours_s": [], "torch_s": [], "ratios": []} for name in pairs}
     for r in range(rounds):
         for name in pairs:
-            order = PAIRS[name] if r % 2 == 0 else PAIRS[name][::-1]
+            order = sides[name] if r % 2 == 0 else sides[name][::-1]
             median = {}
             for side in order:
-                runs = common.launch(side_times, WORLD, side, warmup, steps)
+                runs = common.launch(side_times, WORLD, build, side, warmup, steps)
                 median[side] = statistics.median(max(step) for step in zip(*runs))  # the slower rank per step
-            ours, theirs = (median[side] for side in PAIRS[name])
+            ours, theirs = (median[side] for side in sides[name])
             out[name]["ours_s"].append(ours)
             out[name]["torch_s"].append(theirs)
             out[name]["ratios"].append(ours / theirs)

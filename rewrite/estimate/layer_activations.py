@@ -94,6 +94,7 @@ from dataclasses import dataclass
 from ..models.blocks import ATTENTION, LAYER_PARTS, MLP, PACKED_MLP
 from ..models.flops import EXPERT_VALUES, config_size, moe_shape
 from ..models.latent_shape import LatentShape, latent_attention_bytes, latent_shape
+from .lora_costs import lora_bytes
 
 __all__ = ["Sizes", "layer_bytes", "end_bytes", "loss_peak_bytes", "SELECTIVE", "selective_products"]
 
@@ -195,22 +196,6 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool, shared_split: bo
         attention += lora_bytes(z, ATTENTION.inputs, ATTENTION.output, a * d // ta)
         mlp += 0 if z.top_k else lora_bytes(z, (*MLP.inputs, *PACKED_MLP.inputs), MLP.output, z.intermediate // tm)
     return dict(zip(LAYER_PARTS, (_norm(z, z.chunk), attention, _norm(z, z.chunk), mlp)))
-
-
-def lora_bytes(z: Sizes, inputs: tuple[str, ...], output: str, output_in: int) -> int:
-    """What a block's LoRA adapters change in what it keeps: each adapter its `[rows, r]` product for B's
-    gradient (its input, which A's gradient reads, is the one the block keeps for its weights' gradients in
-    full training). With dropout each keeps its dropped copy of the input and the mask instead, and the
-    inputs only the frozen layers read are let go. `output_in`: the row layer's input features on a rank.
-    Measured against autograd's saved tensors (tests/unit/lora): a LLaMA layer's, exactly as the full layer
-    is estimated. A block's frozen layer without an adapter keeps nothing for its weight: an upper bound."""
-    rows, B = z.mlp_rows, z.dtype_bytes
-    widths = [z.hidden for name in inputs if name in z.lora_leaves] + ([output_in] if output in z.lora_leaves else [])
-    kept = len(widths) * rows * z.lora_rank * B
-    if not z.lora_dropout:
-        return kept
-    freed = (z.hidden if any(n in z.lora_leaves for n in inputs) else 0) + (output_in if output in z.lora_leaves else 0)
-    return kept + rows * B * (2 * sum(widths) - freed)
 
 
 def _moe(z: Sizes, tm: int, ts: int) -> int:

@@ -56,6 +56,7 @@ from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
 from ..binding.resolve import ResolvedPlan
 from .activations import compute_dtype, plan_sizes
 from .layer_activations import F32, SELECTIVE, Sizes, end_bytes, layer_bytes, selective_products
+from .lora_costs import lora_flops
 from .plan_parts import layer_kinds, loss_sharded, shard_styles
 from ..plan.ranks import Shape, expert_groups
 from .collectives import collective_s
@@ -222,17 +223,6 @@ def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool
     trained = 0 if z.lora_rank else product  # a frozen head (LoRA) computes no weight gradient
     weight_backward = clock.run(trained, 0, 2 * weights if trained else 0)
     return forward, input_backward, weight_backward, fwd_comm + bwd_comm, 2 * product + trained + 2 * loss + 3 * norm
-
-
-def lora_flops(z: Sizes, ta: int, tm: int, kv_share: int) -> float:
-    """One forward's FLOPs of a layer's LoRA adapters on a rank: `2 rows r (in + out)` each, a column layer's A
-    whole and B its rows, a row layer's A its input features and B whole (`ta`, `tm`: the blocks' tp split)."""
-    h, d, r, rows = z.hidden, z.head_dim, z.lora_rank, z.mlp_rows
-    q, kv, i = z.heads * d // ta, z.kv_heads * kv_share * d // ta, z.intermediate // tm
-    widths = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
-    if not z.top_k:  # a dense MLP (adapters on routed experts are refused)
-        widths.update(gate_proj=h + i, up_proj=h + i, down_proj=i + h, gate_up_proj=h + 2 * i)
-    return 2.0 * rows * r * sum(w for name, w in widths.items() if name in z.lora_leaves)
 
 
 def stage_times(

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.model_mark import model_change
-from ..agreement import share
 from ..checkpoint.training_state import latest_checkpoint, load_training_state
 from ..pipeline.timeline import events_to_dicts, gather_timeline
 from ..plan.wording import plural
@@ -27,6 +26,7 @@ from .parity import Parity, parity_check
 from .presets import load_config
 from .progress import Progress, plot_loss, write_outputs
 from .show.columns import format_bytes
+from .train_export import export_trained
 from .train_loop import Steps, data_key, run_steps
 from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, lora_plan, model_source,
                           pick_device, setting_problems, train_plan)
@@ -118,7 +118,7 @@ def train(config: TrainConfig) -> dict:
     done = run_steps(run, config, log)
     log.close()
     if config.export:
-        _export(run.stage, run.plan, run.built.tokenizer, config.export, config.ckpt, config.steps)
+        export_trained(run.stage, run.plan, run.built.tokenizer, config.export, config.ckpt, config.steps)
     return _report(run, config, done)
 
 
@@ -282,32 +282,3 @@ def _recipe(dtype: str, stage) -> str:
         return dtype
     how = "FSDP2 mixed precision" if stage.precision.by == "fsdp" else "autocast"
     return f"{dtype} compute ({how}), float32 weights"
-
-
-def _export(stage, plan, tokenizer, out_dir: str, ckpt: str | None = None, last: int = 0) -> None:
-    """A plain Hugging Face checkpoint of the trained model (collective: each stage sends its part); a LoRA
-    run's adapters as a PEFT adapter directory, from the training state saved after the last step."""
-    from ..checkpoint.export import export_checkpoint
-    from ..checkpoint.hf_save import save_pretrained
-
-    if plan.lora is not None:
-        failed = None
-        if dist.get_rank() == 0:
-            try:
-                found = latest_checkpoint(ckpt)
-                if found is None or found[0] != last:
-                    raise ValueError(f"the latest training state in {ckpt} is "
-                                     f"{'none' if found is None else f'of step {found[0]}'}, the run ended at step "
-                                     f"{last}; export that step's with `rewrite export {ckpt} DIR --adapter-only`")
-                export_checkpoint(found[1], out_dir, adapter_only=True)
-            except (ValueError, OSError) as exc:
-                failed = str(exc)
-        failed = share(failed)[0]  # rank 0's word: every rank raises alike, none waits
-        if failed is not None:
-            raise TrainConfigError(f"rewrite train: --export {out_dir}: {failed}")
-    else:
-        save_pretrained(stage, plan, out_dir)
-    if dist.get_rank() == 0:
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-        print(f"exported {out_dir}", flush=True)
