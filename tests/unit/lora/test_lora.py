@@ -205,3 +205,15 @@ def test_fresh_adapters_follow_the_plans_seed_not_the_process():
     a = model.model.layers[0].self_attn.q_proj.lora_A
     assert torch.equal(a, again.model.layers[0].self_attn.q_proj.lora_A)
     assert not torch.equal(a, other.model.layers[0].self_attn.q_proj.lora_A)
+
+
+def test_the_adapters_trace_without_graph_breaks():
+    """What plans will compile: a layer with an adapter (dropout on) and a row rank's slice of one."""
+    layer = LoraLinear.from_linear(nn.Linear(16, 8), rank=4, scaling=2.0, dropout=0.1)
+    nn.init.normal_(layer.lora_A)
+    layer.train()
+    assert torch._dynamo.explain(layer)(torch.randn(2, 3, 16)).graph_break_count == 0
+    a, b = torch.randn(4, 8), torch.randn(8, 4)
+    row = torch._dynamo.explain(lambda x: lora_delta(x, a, b, scaling=2.0, dropout=0.1, training=True, full_in=16,
+                                                     offset=8))
+    assert row(torch.randn(2, 3, 8)).graph_break_count == 0
