@@ -19,7 +19,6 @@ bytes alive at once and the parameter, gradient and AdamW bytes held, against `r
 
 from __future__ import annotations
 
-import argparse
 from contextlib import contextmanager
 
 import torch
@@ -148,13 +147,8 @@ def profile() -> dict:
 
 
 def table(res: dict, rows: list[dict]) -> str:
-    lines = ["| pair | first, median s per round | second, median s per round | ratio per round | median ratio |",
-             "|---|---|---|---|---|"]
-    for name, r in res.items():
-        lines.append(f"| {name} | {', '.join(f'{t:.3f}' for t in r['ours_s'])} | "
-                     f"{', '.join(f'{t:.3f}' for t in r['torch_s'])} | {', '.join(f'{x:.2f}' for x in r['ratios'])} | "
-                     f"{r['ratio']:.2f} |")
-    lines += ["", "| case | rank | figure | measured MiB | estimated MiB | measured / estimated - 1 |", "|---|---|---|---|---|---|"]
+    lines = [turns.table(res, PAIRS, heads=("first", "second"), by_name=True), "",
+             "| case | rank | figure | measured MiB | estimated MiB | measured / estimated - 1 |", "|---|---|---|---|---|---|"]
     for row in rows:
         for k in ("params", "grads", "adamw", "activations"):
             lines.append(f"| {row['case']} | {row['rank']} | {k} | {row['measured'][k] / 2**20:.2f} | "
@@ -163,21 +157,13 @@ def table(res: dict, rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of {'; '.join(PAIRS)}")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--out", default="bench/results.json")
+    parser = turns.turn_flags(__doc__.splitlines()[0], PAIRS)
     parser.add_argument("--profile", action="store_true", help="only the one-process profile of a full and a LoRA step")
     args = parser.parse_args()
     if args.profile:
         common.save_result(args.out, "lora profile", profile())
         return
-    pairs = [p for p in args.pairs.split(",") if p]
-    unknown = [p for p in pairs if p not in PAIRS]
-    if unknown:
-        parser.error(f"unknown pair(s) {', '.join(unknown)}; choose from {'; '.join(PAIRS)}")
+    pairs = turns.chosen_pairs(parser, args, PAIRS)
     res = turns.measure(pairs, args.rounds, args.warmup, args.steps, sides=PAIRS, build=_build)
     rows = [row for rank_rows in common.launch(memory, WORLD) for row in rank_rows]
     print(table(res, rows))

@@ -89,30 +89,44 @@ def measure(pairs: list[str], rounds: int, warmup: int, steps: int, *, sides: di
     return out
 
 
-def table(res: dict) -> str:
-    lines = ["| pair | rewrite, median s per round | torch, median s per round | ratio per round | median ratio |",
-             "|---|---|---|---|---|"]
+def table(res: dict, sides: dict = PAIRS, *, heads: tuple[str, str] = ("rewrite", "torch"), by_name: bool = False
+          ) -> str:
+    """Markdown rows of `measure`'s result: each pair (labelled by its sides, or `by_name`) with its two sides'
+    seconds per round and their ratios."""
+    lines = [f"| pair | {heads[0]}, median s per round | {heads[1]}, median s per round | ratio per round | "
+             "median ratio |", "|---|---|---|---|---|"]
     for name, r in res.items():
-        ours, theirs = PAIRS[name]
-        lines.append(f"| {ours} / {theirs} | {', '.join(f'{t:.3f}' for t in r['ours_s'])} | "
+        label = name if by_name else " / ".join(sides[name])
+        lines.append(f"| {label} | {', '.join(f'{t:.3f}' for t in r['ours_s'])} | "
                      f"{', '.join(f'{t:.3f}' for t in r['torch_s'])} | {', '.join(f'{x:.2f}' for x in r['ratios'])} | "
                      f"{r['ratio']:.2f} |")
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated, of {', '.join(PAIRS)}")
+def turn_flags(description: str, sides: dict) -> argparse.ArgumentParser:
+    """A bench's parser for pairs taken in turns: --pairs (of `sides`), --rounds, --steps, --warmup, --out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--pairs", default=",".join(sides), help=f"comma-separated, of {'; '.join(sides)}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--out", default="bench/results.json")
-    args = parser.parse_args()
+    return parser
+
+
+def chosen_pairs(parser: argparse.ArgumentParser, args: argparse.Namespace, sides: dict) -> list[str]:
+    """The pairs --pairs names, each one of `sides` (else the parser's error)."""
     pairs = [p for p in args.pairs.split(",") if p]
-    unknown = [p for p in pairs if p not in PAIRS]
+    unknown = [p for p in pairs if p not in sides]
     if unknown:
-        parser.error(f"unknown pair(s) {', '.join(unknown)}; choose from {', '.join(PAIRS)}")
-    res = measure(pairs, args.rounds, args.warmup, args.steps)
+        parser.error(f"unknown pair(s) {', '.join(unknown)}; choose from {'; '.join(sides)}")
+    return pairs
+
+
+def main() -> None:
+    parser = turn_flags(__doc__.splitlines()[0], PAIRS)
+    args = parser.parse_args()
+    res = measure(chosen_pairs(parser, args, PAIRS), args.rounds, args.warmup, args.steps)
     print(table(res))
     common.save_result(args.out, "turns", {"rounds": args.rounds, "steps": args.steps, "pairs": res})
 
