@@ -8,7 +8,9 @@ On one CUDA device (or the CPU at tiny sizes, which is how the test suite keeps 
    the plain Hugging Face model's own forward under the same autocast: loss and every gradient;
 3. a Llama-3.2-1B-shaped model (random weights) at sequence 2048, trained a few steps in the
    recipe: tokens/s, MFU and peak memory (`torch.cuda.max_memory_allocated`) measured, against
-   what `rewrite show --hardware` predicts with the profile of step 1.
+   what `rewrite show --hardware` predicts with the profile of step 1; then the same compiled
+   (`compile`: inductor on the GPU, aot_eager on the CPU), its first step (the compile) timed, and
+   compiled tokens/s over eager's.
 """
 
 from __future__ import annotations
@@ -108,14 +110,15 @@ def switches(device: torch.device) -> list[dict]:
     return out
 
 
-def throughput(device: torch.device, profile_path: Path) -> dict:
-    """A 1B-shaped model (tiny on CPU) trained a few steps in the recipe, against `show`'s prediction."""
+def throughput(device: torch.device, profile_path: Path, compile: dict | None = None) -> dict:
+    """A 1B-shaped model (tiny on CPU) trained a few steps in the recipe (its blocks compiled with `compile`),
+    against `show`'s prediction."""
     from rewrite.estimate.step_time import model_flops
     from rewrite.run.show.data import show_data
 
     source, seq, batch, steps = SIZES[device.type]
     config = load_config(str(source)) if isinstance(source, Path) else build_config(source)
-    plan = {"pipeline": {"microbatches": 1, "seq_len": seq}}
+    plan = {"pipeline": {"microbatches": 1, "seq_len": seq}, **({"compile": compile} if compile else {})}
     meta = build_model(config, device="meta", dtype=torch.float32)
     shown = show_data(rewrite.resolve(plan, meta), meta, batch_size=batch, hardware=profile_path, dtype="bfloat16")
     model = build_model(config, seed=0, device=device, dtype=torch.float32)  # float32 master weights
@@ -127,7 +130,7 @@ def throughput(device: torch.device, profile_path: Path) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
+    times, losses, first = [], [], 0.0
     for i in range(2 + steps):  # two warm-up steps
         sync()
         start = time.perf_counter()
@@ -137,6 +140,8 @@ def throughput(device: torch.device, profile_path: Path) -> dict:
         sync()
         if i >= 2:
             times.append(time.perf_counter() - start)
+        elif i == 0:
+            first = time.perf_counter() - start  # compiled: the compile (or its cache's read) and a step
         losses.append(float(loss))
     step = statistics.median(times)
     hw = load_hardware(profile_path)
@@ -146,7 +151,7 @@ def throughput(device: torch.device, profile_path: Path) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {
         "config": str(source), "parameters": sum(p.numel() for p in model.parameters()), "seq_len": seq,
-        "batch": batch, "steps_timed": steps, "step_s": step, "tokens_per_s": batch * seq / step,
+        "batch": batch, "steps_timed": steps, "step_s": step, "first_step_s": first, "compile": compile, "tokens_per_s": batch * seq / step,
         "mfu": flops / hw.flops("bfloat16" if "bfloat16" in hw.peak_flops else "float32"),
         "peak_memory_bytes": peak, "losses": losses,
         "predicted": {"step_s": predicted.get("step_s"), "tokens_per_s": predicted.get("tokens_per_s"),
@@ -178,6 +183,10 @@ def main(argv: list[str] | None = None) -> dict:
         path, measured = profile(device, out_dir)
         result = {"device": measured["device"], "torch": torch.__version__, "profile_file": str(path),
                   "profile": measured, "switches": switches(device), "throughput": throughput(device, path)}
+        backend = "inductor" if cuda else "aot_eager"  # the CPU run checks the path at its tiny size, quickly
+        result["throughput_compiled"] = throughput(device, path, {"backend": backend})
+        result["compiled_over_eager"] = (result["throughput_compiled"]["tokens_per_s"]
+                                         / result["throughput"]["tokens_per_s"])
     finally:
         dist.destroy_process_group()
     result["seconds"] = time.perf_counter() - began

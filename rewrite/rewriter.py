@@ -2,7 +2,7 @@
 
 `apply_plan` binds the plan, lets the ranks agree on what they were given (one collective, before any
 group is made), builds the mesh, puts on the plan's LoRA adapters, swaps in the parallel layers, carves out this rank's stages, wraps
-recomputation and data parallelism around them, and marks each parameter with its split.
+recomputation, torch.compile (`compile`) and data parallelism around them, and marks each parameter with its split.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .compiled import apply_compile
 from .agreement import describe_ranks, raise_problems, ranks_by_value, share
 from .context_parallel.attention import NAME as CONTEXT_PARALLEL, register as register_context_parallel
 from .context_parallel.family import context_parallel_problem
@@ -103,6 +104,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
                                                         sequence=sequence_state(model) if mesh.tp > 1 else None)
     carved = carve_stage(model, resolved, mesh)
     recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
+    compiled = apply_compile(model, resolved)  # around recomputation, inside FSDP2's hooks
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)
     experts = expert_parameters(carved.module)
     carved, dp_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split, precision=precision,
@@ -113,6 +115,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     setattr(model, APPLIED, f"a stage of {plan.source}")
     stage = Stage(model=carved.model, module=carved.module, resolved=resolved, mesh=mesh, forward_fns=carved.forward_fns,
                   tied=carved.tied, grad_finish=tuple(f for f in finishers if f is not None), recomputed=recomputed,
+                  compiled=compiled,
                   logit_shard=carved.logit_shard, precision=precision, router_loss=router_loss)
     apply_param_splits(stage)  # after data parallelism: the parameters it put in place carry them
     return stage

@@ -18,7 +18,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "CHECKED_ON", "replicate", "finish_fsdp_backward", "prepare_ddp_for_backward", "ddp_reducer_finished",
-    "backward_input", "backward_weight", "ddp_ignore", "default_store", "buffer_persists",
+    "backward_input", "backward_weight", "ddp_ignore", "default_store", "buffer_persists", "traced_all_reduce",
+    "traced_all_gather", "traced_reduce_scatter", "untraceable_errors", "allow_side_effects_in_recomputed_graphs",
+    "keep_compile_caches", "inductor_default_cache_dir",
 ]
 
 CHECKED_ON = "2.13"
@@ -80,3 +82,58 @@ def default_store():
 def buffer_persists(module: nn.Module, name: str) -> bool:
     """Whether `module`'s own buffer `name` goes into its state dict (not registered with `persistent=False`)."""
     return name not in module._non_persistent_buffers_set
+
+
+# torch.compile: functional collectives (dynamo and inductor put them in the graph), the errors that mean a
+# block cannot be traced whole, dynamo's and inductor's switches, inductor's default cache directory.
+
+def traced_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of `x` over `group`, as a functional collective (a new tensor, traceable)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", group)
+
+
+def traced_all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim` in rank order, as a functional collective."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_gather_tensor(x, dim, group)
+
+
+def traced_reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's block along `dim` of the sum of `x` over `group`, as a functional collective."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.reduce_scatter_tensor(x, "sum", dim, group)
+
+
+def untraceable_errors() -> tuple[type[Exception], ...]:
+    """What dynamo raises while tracing a `fullgraph` function it cannot capture whole (a graph break; shapes that
+    depend on the data), before any of it runs."""
+    from torch._dynamo import exc
+
+    return exc.Unsupported, exc.UserError
+
+
+def allow_side_effects_in_recomputed_graphs() -> None:
+    """Let dynamo trace a checkpointed region with Python side effects, which the recomputation in the backward
+    does not repeat (torch refuses such a region unless told)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def keep_compile_caches() -> None:
+    """Have inductor keep its FX graph cache and AOT autograd's cache on disk (their defaults, made sure of)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+
+
+def inductor_default_cache_dir() -> str:
+    """The directory inductor caches in when TORCHINDUCTOR_CACHE_DIR is not set (it then sets the variable to it
+    itself, so its presence does not say the user chose it)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()

@@ -1,6 +1,13 @@
 """Suite-wide settings."""
 
 import gc
+import os
+import tempfile
+from pathlib import Path
+
+# Compiled blocks go to one cache for the whole suite (not the user's): a block compiled by one test is read
+# by the next that compiles the same graph.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "rewrite-tests-compile-cache"))
 
 LAUNCHES = "tests/distributed/run/"
 # Launches that stop, interrupt or time out ranks on purpose: a unit of their own, beside the other launches.

@@ -44,6 +44,7 @@ class Stage:
             the tied weights' sum (`pipeline.tied.TiedSums`); only those this rank needs.
         recomputed: modules recomputed in the backward (`activation_checkpointing`); their
             weight gradients come with the I, W is empty.
+        compiled: modules whose forward runs under torch.compile (`compile`; `rewrite.compiled`).
         logit_shard: the last stage's vocabulary slice of the logits (`loss_parallel`), else None.
         precision: computing in a lower dtype than the parameters' (`apply_plan(..., compute_dtype=)`:
             FSDP2's mixed precision or autocast); None computes in the parameters' dtype.
@@ -68,6 +69,7 @@ class Stage:
     clock: StepClock | None = None
     grad_finish: tuple[GradFinish, ...] = ()
     recomputed: tuple[str, ...] = ()
+    compiled: tuple[str, ...] = ()
     logit_shard: LogitShard | None = None
     precision: Precision | None = None
     router_loss: RouterLoss | None = None

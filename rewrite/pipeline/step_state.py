@@ -86,9 +86,11 @@ class StepState:
                           for i, x in enumerate(inputs)]
         self.targets = on_device(targets, self.device) if stage.is_last else targets
         self.place, self.last, me = stage.stage_rank, stage.num_stages - 1, stage.pp_rank
-        # I is input-only and W the rest, unless this rank recomputes activations: a split
-        # backward would recompute once per weight group, so I runs it whole and W is empty.
-        self.split = set() if stage.recomputed else {(a.mb, a.stage) for a in table[me] if a.kind == "I"}
+        # I is input-only and W the rest, unless this rank recomputes activations or compiles its blocks: a split
+        # backward would recompute once per weight group, and a compiled block's backward is one node that W
+        # would run again; so I runs it whole and W is empty.
+        whole = stage.recomputed or stage.compiled
+        self.split = set() if whole else {(a.mb, a.stage) for a in table[me] if a.kind == "I"}
         self.held: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (stage input, output or loss)
         self.deferred: dict[tuple[int, int], Deferred] = {}
         self.local: dict[tuple, torch.Tensor] = {}  # handed between two stages of this rank

@@ -10,11 +10,12 @@ from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_s
 from .files import PlanError
 from .ranks import Shape, length_problem
 from .styles import Style
+from .compile_schema import Compile
 from .lora_schema import Lora
 from .pipeline_schema import Count, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
 from ..schedules import splits_backward
 
-__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError", "Checkpointing", "CHECKPOINT_KINDS", "Lora"]
+__all__ = ["ParallelPlan", "MeshSpec", "DataParallel", "Pipeline", "PlanError", "Checkpointing", "CHECKPOINT_KINDS", "Lora", "Compile"]
 
 
 class MeshSpec(StrictModel):
@@ -150,6 +151,9 @@ class ParallelPlan(StrictModel):
         "Train low-rank adapters on the target linear layers, every other weight frozen (PEFT's LoRA). Under "
         "tensor parallelism each adapter is split as its layer is (see docs/lora.md). None: train every weight."
         ))] = None
+    compile: Annotated[Compile | None, Field(description=(
+        "torch.compile every decoder layer, the embedding and the head, each on its own, under any mesh "
+        "(see docs/compile.md): true, or its options. None or false: run eagerly."))] = None
     _source: str = PrivateAttr(default="plan")  # file the plan was read from, for messages
     _lines: dict = PrivateAttr(default_factory=dict)  # (key, key, ...) -> line in that file
 
@@ -162,6 +166,17 @@ class ParallelPlan(StrictModel):
         """'line 7: ' for the key at `loc` (e.g. 'tensor_parallel', pattern) in the plan file; '' for a dict."""
         line = self._lines.get(loc)
         return f"line {line}: " if line else ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _compile_switch(cls, data):
+        # `compile: true` is every default, `compile: false` no compile.
+        if isinstance(data, dict) and isinstance(data.get("compile"), bool):
+            data = {**data, "compile": {} if data["compile"] else None}
+        elif isinstance(data, dict) and not isinstance(data.get("compile"), (dict, Compile, type(None))):
+            raise ValueError(f"compile: use true, false or the options {{backend, mode, dynamic}}; found "
+                             f"{data['compile']!r}")
+        return data
 
     @model_validator(mode="after")
     def _pipeline_fits_mesh(self) -> ParallelPlan:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.model_mark import model_change
+from ..compiled import compile_cache_dir, use_compile_cache
 from ..checkpoint.training_state import latest_checkpoint, load_training_state
 from ..pipeline.timeline import events_to_dicts, gather_timeline
 from ..plan.wording import plural
@@ -28,7 +29,7 @@ from .progress import Progress, plot_loss, write_outputs
 from .show.columns import format_bytes
 from .train_export import export_trained
 from .train_loop import Steps, data_key, run_steps
-from .train_setup import (ByteBatches, TextBatches, build_stage, compute_dtype_for, lora_plan, model_source,
+from .train_setup import (ByteBatches, TextBatches, build_stage, compile_plan, compute_dtype_for, lora_plan, model_source,
                           pick_device, setting_problems, train_plan)
 from .tuning_data import is_tuning_file
 
@@ -83,6 +84,7 @@ class TrainConfig:
     max_grad_norm: float | None = None  # clip gradients to this global norm (over tp, pp and dp); None: no clipping
     lora_rank: int | None = None  # train LoRA adapters of this rank (the plan's `lora`, default targets), the rest frozen
     lora_alpha: float | None = None  # with lora_rank: the adapters' alpha (scale alpha / rank); None: the rank
+    compile: bool | None = None  # torch.compile the plan's blocks (True) or run eagerly (False); None: as the plan says
     adapter: str | None = None  # a PEFT adapter directory to start the adapters from (with --model DIR, a lora plan)
     on_nonfinite: str = "stop"  # a step with a nan/inf loss or gradient norm is never applied: stop the run, or skip it
     skip_limit: int = 5  # under on_nonfinite="skip": this many non-finite steps in a row stop the run
@@ -149,7 +151,7 @@ class Run:
 def _start(config: TrainConfig) -> Run:
     """The plan, data, stage and optimizer of a run, the training state resumed; every setting checked first, on
     every rank alike."""
-    plan, lora_problems = lora_plan(config, train_plan(config))
+    plan, lora_problems = lora_plan(config, compile_plan(config, train_plan(config)))
     source = model_source(config.model)
     try:
         model_config = load_config(config.model)
@@ -169,6 +171,8 @@ def _start(config: TrainConfig) -> Run:
     if problems:
         raise TrainConfigError("rewrite train: " + "\n  ".join(["cannot start:", *problems]))
     resume = latest_checkpoint(config.ckpt) if config.resume and config.ckpt else None
+    if plan.compile is not None:
+        use_compile_cache()  # before the first compile: the next run of this plan reads what this one compiles
     parity = config.parity
     if parity is None:
         parity = source.kind != "checkpoint" and device.type == "cpu" and dtype == "float32"
@@ -232,6 +236,10 @@ def _announce(run: Run, config: TrainConfig, log: Progress) -> None:
         log.write(f"LoRA: adapters of rank {lora.rank} (scale {lora.scaling:g}) on "
                   f"{plural(len(run.stage.resolved.lora_targets), 'linear layer')}, "
                   f"{'read from ' + config.adapter if config.adapter else 'fresh (B zero)'}; every other weight frozen")
+    if run.stage.compiled:
+        log.write(f"compile: {plural(len(run.stage.compiled), 'block')} under torch.compile "
+                  f"({plan.compile.backend}), compiled in the first step and kept in {compile_cache_dir()} for the "
+                  "next run; --no-compile runs eagerly")
     if hasattr(run.data, "per_step"):
         log.write(run.data.per_step(run.sequences))
     if built.reference is not None:

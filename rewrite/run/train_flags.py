@@ -80,6 +80,10 @@ FLAGS = [
          {"type": int, "metavar": "R"}),
     Flag("lora_alpha", "--lora-alpha", "with --lora-rank: the adapters' alpha, their scale alpha / R (default: R)",
          {"type": float, "metavar": "ALPHA"}),
+    Flag("compile", "--compile", "torch.compile every decoder layer, the embedding and the head (the plan's `compile`; "
+         "docs/compile.md)", {"dest": "compile", "action": "store_true", "default": None}),
+    Flag("compile", "--no-compile", "run eagerly, whatever the plan's `compile` says",
+         {"dest": "compile", "action": "store_false"}),
     Flag("adapter", "--adapter", "start the adapters from a PEFT LoRA adapter directory (adapter_config.json, "
          "adapter_model.safetensors) trained on --model DIR", {"metavar": "DIR"}),
     Flag("on_nonfinite", "--on-nonfinite", "a step whose loss or gradient norm is nan or inf is never applied "

@@ -120,4 +120,7 @@ def _step(run: Run, config: TrainConfig, step: int, reference, done: Steps, metr
         "peak_memory_bytes": peak_memory_bytes(run.device),
     })
     log.step(step, done.losses[-1], done.step_seconds[-1])
+    if step == run.first and stage.compiled:
+        log.write(f"step {step} took {done.step_seconds[-1]:.1f} s, compiling {len(stage.compiled)} blocks (read "
+                  "from the compile cache where an earlier run of this plan compiled them)")
     return reference

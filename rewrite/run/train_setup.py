@@ -15,6 +15,7 @@ from torch import nn
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
 from ..plan.loading import load_plan, load_plan_for
+from ..plan.compile_schema import Compile
 from ..plan.lora_schema import Lora
 from ..plan.schema import ParallelPlan, PlanError
 from ..plan.wording import either
@@ -168,6 +169,13 @@ def lora_plan(config, plan: ParallelPlan) -> tuple[ParallelPlan, list[str]]:
         first = exc.errors()[0] if hasattr(exc, "errors") else {"msg": str(exc), "loc": ("rank",)}
         return plan, [f"--lora-{first['loc'][0]}: {first['msg']}"]
     return plan.model_copy(update={"lora": lora}), []
+
+
+def compile_plan(config, plan: ParallelPlan) -> ParallelPlan:
+    """`plan` compiled (`--compile`: the plan's options, else torch.compile's defaults) or eager (`--no-compile`)."""
+    if config.compile is None or (config.compile and plan.compile is not None):
+        return plan
+    return plan.model_copy(update={"compile": Compile() if config.compile else None})
 
 
 def train_plan(config) -> ParallelPlan:

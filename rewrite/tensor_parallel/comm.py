@@ -13,8 +13,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..lent import lend
+from ..torch_internals import traced_all_gather, traced_all_reduce
 
-__all__ = ["all_reduce_sum", "group_rank", "group_size", "copy_to_parallel", "reduce_from_parallel",
+__all__ = ["all_reduce_sum", "traced", "group_rank", "group_size", "copy_to_parallel", "reduce_from_parallel",
            "gather_from_parallel", "scatter_to_parallel", "SharedInputCopy"]
 
 
@@ -59,8 +60,18 @@ def swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup 
         work.wait()
 
 
+def traced() -> bool:
+    """Whether torch.compile is tracing the caller: collectives then go through torch's functional
+    collectives, which dynamo and inductor put in the graph (the P2P swaps below would break it)."""
+    return torch.compiler.is_compiling()
+
+
+def _group(group: ProcessGroup | None) -> ProcessGroup:
+    return dist.group.WORLD if group is None else group
+
+
 def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Sum a contiguous `x` over `group`, in place; every rank ends with identical bits.
+    """Sum a contiguous `x` over `group`, in place (traced: into a new tensor); every rank ends with identical bits.
 
     On CPU with gloo and a power-of-two group, the sum is done by recursive doubling over P2P:
     log2(p) rounds in which partners swap their partial sums and add. On 2 cores this costs about
@@ -71,6 +82,8 @@ def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.
     size = group_size(group)
     if size == 1:
         return x
+    if traced():
+        return traced_all_reduce(x, _group(group))
     if not swaps(x, group):
         dist.all_reduce(x, group=group)
         return x
@@ -93,6 +106,8 @@ def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 
 def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    if traced():
+        return traced_all_gather(x.contiguous(), x.dim() - 1, _group(group))
     dense = x.contiguous()
     parts = [torch.empty_like(dense) for _ in range(group_size(group))]
     dist.all_gather(parts, dense, group=group)
@@ -126,7 +141,7 @@ class _ReduceFromParallel(torch.autograd.Function):
     def forward(ctx, x, group, inplace):
         # Row layers pass their private matmul output: reducing it in place saves a
         # copy of (..., out) per layer. Anything else is reduced on a copy.
-        if inplace and x.is_contiguous() and x._base is None and not (x.is_leaf and x.requires_grad):
+        if inplace and not traced() and x.is_contiguous() and x._base is None and not (x.is_leaf and x.requires_grad):
             ctx.mark_dirty(x)
         else:
             x = x.clone(memory_format=torch.contiguous_format)
@@ -196,7 +211,8 @@ class SharedInputCopy:
         if not (torch.is_grad_enabled() and x.requires_grad) or group_size(self.group) == 1:
             return x
         src = self._src() if self._src is not None else None
-        if src is x and self._out is not None and x._version == self._version:
+        # Traced, the version is not read (dynamo cannot guard on it); the graph orders any in-place change.
+        if src is x and self._out is not None and (traced() or x._version == self._version):
             return self._out
         out = _CopyToParallel.apply(x, self.group)
         self._src, self._out, self._version = weakref.ref(x), out, x._version

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .comm import group_rank, group_size, swap, swaps
+from ..torch_internals import traced_all_gather, traced_reduce_scatter
+from .comm import _group, group_rank, group_size, swap, swaps, traced
 
 __all__ = ["all_gather_into", "reduce_scatter_into"]
 
@@ -21,6 +22,8 @@ __all__ = ["all_gather_into", "reduce_scatter_into"]
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """`out` (p * n, ...) receives every rank's contiguous `x` (n, ...), in rank order; returns `out`."""
     size, rank = group_size(group), group_rank(group)
+    if traced():
+        return out.copy_(traced_all_gather(x, 0, _group(group)))
     if not swaps(x, group):
         dist.all_gather_single(out, x, group=group)
         return out
@@ -41,6 +44,8 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup 
     On the swap path `x` is used as scratch space (callers pass a private buffer).
     """
     size, rank = group_size(group), group_rank(group)
+    if traced():
+        return out.copy_(traced_reduce_scatter(x, 0, _group(group)))
     if not swaps(x, group):
         dist.reduce_scatter_single(out, x, group=group)
         return out

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rewrite.estimate.hardware import load_hardware
 from tests.paths import ROOT
 
@@ -29,3 +31,7 @@ def test_gpu_check_runs_on_the_cpu_and_says_everything_in_one_json(tmp_path):
     assert step["tokens_per_s"] > 0 and step["predicted"]["tokens_per_s"] > 0 and 0 < step["mfu"] < 1
     assert step["predicted"]["memory_bytes"] > 0 and step["peak_memory_bytes"] is None  # no allocator stats on CPU
     assert step["losses"][-1] < step["losses"][0]  # it trains
+    compiled = result["throughput_compiled"]
+    assert compiled["compile"] == {"backend": "aot_eager"} and step["compile"] is None
+    assert compiled["losses"][0] == pytest.approx(step["losses"][0], abs=1e-2)  # bfloat16 compute: its tolerance
+    assert compiled["first_step_s"] > 0 and result["compiled_over_eager"] > 0

@@ -37,6 +37,7 @@ LEVELS = {
     "context_parallel": 3.5,  # sequence shards, the K/V all-gather, the attention function
     "pipeline": 4,
     "data_parallel": 4.5,  # FSDP2 / replicate units and the once-per-step gradient sync
+    "compiled": 4.8,  # torch.compile on the plan's blocks, the compile cache
     "rewriter": 5,  # apply_plan: bind, then tp, then stages
     "checkpoint": 6,
     "train_step": 6,

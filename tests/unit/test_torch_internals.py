@@ -44,6 +44,16 @@ def test_every_private_name_used_is_there():
     assert hasattr(FSDPState, "_root_post_backward_final_callback")
     assert hasattr(torch._C._distributed_c10d.Reducer, "_check_reducer_finalized")
     assert hasattr(torch._C._distributed_c10d.Reducer, "prepare_for_backward")
+    from torch.distributed import _functional_collectives as funcol
+
+    assert all(callable(f) for f in (funcol.all_reduce, funcol.all_gather_tensor, funcol.reduce_scatter_tensor))
+    assert all(issubclass(e, Exception) for e in torch_internals.untraceable_errors())
+    assert hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")
+    assert isinstance(torch_internals.inductor_default_cache_dir(), str)
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    assert hasattr(inductor_config, "fx_graph_cache") and hasattr(functorch_config, "enable_autograd_cache")
 
 
 def test_a_buffer_registered_not_to_persist_is_told_apart():

@@ -225,12 +225,21 @@ def show_data(
         "memory": memory,
         "whole_model": {"params": resolved.total_params, "bytes": resolved.total_bytes},
         "lora": _lora_entry(resolved, model),
+        "compile": _compile_entry(resolved),
         "warnings": list(warnings or []),
     }
     if hardware is not None:
         out["predicted"] = predicted(resolved, model, hardware, batch_size=batch_size, seq_len=seq_len,
                                      microbatches=microbatches, gpus_per_node=gpus_per_node, dtype=dtype)
     return out
+
+
+def _compile_entry(resolved: ResolvedPlan) -> dict | None:
+    """What `compile` compiles, or None when the plan runs eagerly."""
+    from ...compiled import block_paths
+
+    options = resolved.plan.compile
+    return None if options is None else {**options.model_dump(), "blocks": collapse_names(block_paths(resolved))}
 
 
 def _lora_entry(resolved: ResolvedPlan, model: nn.Module | None) -> dict | None:
