@@ -10,7 +10,9 @@ The bench model in float32 on 2 ranks, one step of the global batch (`common.bat
 median over its steps of the slower rank's, after the warm-up steps (which compile: the first compile of a
 plan takes seconds, later runs read inductor's cache). Pairs, first / second:
 - each layout compiled (inductor, per block) against itself eager: tp 2, tp 2 + sp (`plans/llama-tp2-sp.yaml`:
-  vocabulary-parallel embedding and loss), pp 2 1f1b, pp 2 zbv, dp 2 `full`, cp 2 (target: tp 2 <= 0.95);
+  vocabulary-parallel embedding and loss), pp 2 1f1b, pp 2 zbv, dp 2 `full`, cp 2, and ep 2 (dp 2) on the
+  bench MoE (`bench-qwen3-moe`, each rank 4 rows of 256 tokens, as `bench.expert_parallel`) (target: tp 2
+  <= 0.95);
 - rewrite compiled against torch's own compiled equivalents (each <= 1.0): tp 2 against DTensor's
   `parallelize_module` with each decoder layer compiled; pp 2 1f1b against torch.distributed.pipelining's
   `Schedule1F1B` over hand-carved stages whose layers are compiled; dp 2 `full` against FSDP2 with each layer
@@ -26,14 +28,14 @@ import torch
 from torch import nn
 
 import rewrite
-from bench import common, dp, pp, turns
+from bench import common, dp, expert_parallel, pp, turns
 
 ROOT = Path(__file__).resolve().parents[1]
 
 WORLD = 2
 CP_SEQ = 4096
 COMPILE = {"backend": "inductor"}
-LAYOUTS = ("tp2", "tp2-sp", "pp2-1f1b", "pp2-zbv", "dp2-full", "cp2")
+LAYOUTS = ("tp2", "tp2-sp", "pp2-1f1b", "pp2-zbv", "dp2-full", "cp2", "ep2-moe")
 PAIRS = {
     **{layout: (f"{layout} compiled", f"{layout} eager") for layout in LAYOUTS},
     "tp2 / DTensor": ("tp2 compiled", "DTensor tp2 compiled"),
@@ -59,12 +61,17 @@ def _plan(layout: str, microbatches: int) -> dict:
         return {"mesh": {"pp": WORLD}, "pipeline": pipeline}
     if layout == "dp2-full":
         return {"mesh": {"dp": WORLD}, "data_parallel": {"sharding": "full"}, "pipeline": pipeline}
+    if layout == "ep2-moe":
+        return {"mesh": {"dp": WORLD, "ep": WORLD}, "tensor_parallel": expert_parallel.RULE, "pipeline": pipeline}
     return {"mesh": {"cp": WORLD}, "pipeline": {**pipeline, "seq_len": CP_SEQ}}
 
 
 def _batch(rank: int, layout: str):
     if layout == "dp2-full":
         return dp._mine(rank)
+    if layout == "ep2-moe":  # each rank its own 4 rows of 256 tokens, as bench.expert_parallel
+        ids = expert_parallel._rows(256, 4, WORLD)[rank]
+        return [ids[:, :-1].contiguous()], [ids[:, 1:].contiguous()]
     if layout == "cp2":
         ids = torch.randint(0, common.model().config.vocab_size, (1, CP_SEQ + 1), generator=torch.Generator().manual_seed(0))
         return [ids[:, :-1].contiguous()], [ids[:, 1:].contiguous()]
@@ -77,7 +84,8 @@ def _ours(rank: int, layout: str, compiled: bool):
     if compiled:
         plan["compile"] = COMPILE
     torch.manual_seed(0)
-    stage = rewrite.apply_plan(common.model(), plan)
+    model = common.build_model(expert_parallel.MODEL) if layout == "ep2-moe" else common.model()
+    stage = rewrite.apply_plan(model, plan)
     return stage.module, lambda: rewrite.run_schedule(stage, ids, targets)
 
 

@@ -12,7 +12,8 @@ Collectives inside a block (tensor parallelism's sums, gathers and reduce-scatte
 K/V all-gather) are traced as torch's functional collectives (`tensor_parallel.comm.traced`): no graph
 break. Each block compiles with `fullgraph=True`, so a break is an error at its first call; then (a model's
 own code dynamo cannot trace) the block runs eagerly from there on, after one warning naming the model and
-the reason, with the same results.
+the reason, with the same results. One split is made on purpose: a block holding experts split over ep
+compiles in two graphs around their token exchange, whose sizes depend on the routing.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ class CompiledForward:
     """A block's forward under torch.compile, falling back to the eager one (for good, with one warning) when
     dynamo cannot trace it whole."""
 
-    def __init__(self, forward, options: Compile, *, where: str):
-        self.eager, self.where = forward, where
+    def __init__(self, forward, options: Compile, *, where: str, fullgraph: bool = True):
+        self.eager, self.where, self.fullgraph = forward, where, fullgraph
         extra = {"mode": options.mode} if options.backend == "inductor" else {}
-        self.compiled = torch.compile(forward, backend=options.backend, dynamic=options.dynamic, fullgraph=True,
+        self.compiled = torch.compile(forward, backend=options.backend, dynamic=options.dynamic, fullgraph=fullgraph,
                                       **extra)
         self.broke: str | None = None  # why this block runs eagerly, once it does
         self.__wrapped__ = forward
@@ -60,6 +61,12 @@ class CompiledForward:
                 warnings.warn(f"compile: {self.where} (and any block that breaks alike) runs eagerly: torch.compile "
                               f"cannot trace it whole ({self.broke})", stacklevel=2)
             return self.eager(*args, **kwargs)
+
+
+def splits_at_dispatch(block: nn.Module) -> bool:
+    """Whether `block` holds experts split over ep: compiled in two graphs, split on purpose at their token
+    exchange, whose sizes depend on the routing (`expert_parallel.dispatch`); every other block is one graph."""
+    return any(getattr(m, "expert_shard", None) is not None for m in block.modules())
 
 
 def block_paths(resolved: ResolvedPlan) -> list[str]:
@@ -89,7 +96,8 @@ def apply_compile(model: nn.Module, resolved: ResolvedPlan) -> tuple[str, ...]:
             module = model.get_submodule(path)
         except AttributeError:
             continue  # carved away: another pipeline rank holds it
-        module.forward = CompiledForward(module.forward, options, where=f"{family}'s {path}")
+        module.forward = CompiledForward(module.forward, options, where=f"{family}'s {path}",
+                                         fullgraph=not splits_at_dispatch(module))
         done.append(path)
     return tuple(done)
 

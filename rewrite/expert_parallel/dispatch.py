@@ -140,6 +140,7 @@ class EveryTokenMixin(ShardedExperts):
         out = self._dispatched(split.take(blocks), *args, **kwargs).view(shard.total, split.count, hidden)
         return split.join(out).view(-1, hidden)
 
+    @torch.compiler.disable  # a compiled block is split here on purpose (`ExpertParallelMixin._dispatched`)
     def _dispatched(self, blocks: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """Blocks (E, T, H) to their experts' ranks and back: (E T, H)."""
         shard = self.expert_shard
@@ -169,6 +170,10 @@ class ExpertParallelMixin(ShardedExperts):
         mine = [split.take(t) for t in (hidden_states, top_k_index, top_k_weights)]
         return split.join(self._dispatched(*mine, *args, **kwargs))
 
+    # Under torch.compile a block is split here on purpose: how many rows each rank receives is known only after
+    # the count exchange (sizes that depend on the routing), so the exchange and the experts run eagerly between
+    # the block's graph before (attention, router) and after (the residual) (`rewrite.compiled`).
+    @torch.compiler.disable
     def _dispatched(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     *args, **kwargs) -> torch.Tensor:
         """Each (token, choice) row to its expert's rank and back, summed over the choices: (T, H)."""
