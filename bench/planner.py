@@ -4,6 +4,7 @@ ones, side by side, with a profile calibrated on this machine first.
     .venv/bin/python -m bench.planner                 # about 10 minutes on 2 cores
     .venv/bin/python -m bench.planner --worlds 2 --steps 3
     .venv/bin/python -m bench.planner --model bench-qwen3-moe   # a second family: a mixture of experts
+    .venv/bin/python -m bench.planner --compile --worlds 2       # every plan compiled, each beside itself eager
 
 For each world (2 and 4 local ranks, one thread each): `rewrite.run.calibrate` measures a
 profile with that many ranks at once; every plan the search space holds for the bench model
@@ -23,6 +24,7 @@ and measured >= 0.9, the top pick's measured step within 5 % of the best measure
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import rewrite
 from bench import common
 from rewrite.estimate.memory import SHARDINGS, rank_memory
 from rewrite.estimate.plan_parts import selective_problem
+from rewrite.plan.compile_schema import Compile
 from rewrite.estimate.search_space import (CHECKPOINTING, SCHEDULES_BY_STAGES, bind, binds_sp, divisors, expert_count,
                                            meshes, microbatch_counts, variant)
 from rewrite.run.calibrate import calibrate, profile_yaml
@@ -40,8 +43,9 @@ from rewrite.schedules import schedule_rules
 SEQ, BATCH, MEASURED = 128, 16, 10
 
 
-def every_plan(meta, hw, world: int) -> list[dict]:
-    """Every candidate of the search space on `world` ranks, predicted: plan, batch_size, step_s, peak."""
+def every_plan(meta, hw, world: int, compiled: bool = False) -> list[dict]:
+    """Every candidate of the search space on `world` ranks, predicted: plan, batch_size, step_s, peak;
+    `compiled`: each plan with `compile: true`."""
     out = []
     layers, experts = meta.config.num_hidden_layers, expert_count(meta)
     for dp, pp, cp, tp in meshes(world, world, layers):  # cp 1: the bench's 128 tokens are not worth splitting
@@ -55,6 +59,8 @@ def every_plan(meta, hw, world: int) -> list[dict]:
                         continue
                     bases = [base] + ([bind(meta, sp=True, **bind_with)] if tp > 1 and binds_sp(meta, base) else [])
                     for b in bases:
+                        if compiled:
+                            b = dataclasses.replace(b, plan=b.plan.model_copy(update={"compile": Compile()}))
                         out += _variants(b, meta, hw, n, k)
     return sorted(out, key=lambda c: c["step_s"])
 
@@ -97,6 +103,10 @@ def choose(every: list[dict], picks: list[rewrite.Candidate], count: int) -> lis
 
 def measure(rank: int, world: int, model: str, chosen: list[dict], warmup: int, steps: int) -> list[list[float]]:
     """Seconds of each step of each chosen plan, taking turns (every other round in reverse)."""
+    if any("compile" in c["plan"] for c in chosen):  # every plan's blocks compiled side by side in one process
+        import torch
+
+        torch._dynamo.config.recompile_limit = 8 * len(chosen)
     runs = [_step(model, c) for c in chosen]
     times: list[list[float]] = [[] for _ in chosen]
     for i in range(warmup + steps):
@@ -138,17 +148,18 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def run_world(model: str, world: int, warmup: int, steps: int) -> dict:
-    found = calibrate(world)
+def run_world(model: str, world: int, warmup: int, steps: int, compiled: bool = False) -> dict:
+    found = calibrate(world, compiled=compiled)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(profile_yaml(found, name=f"this machine, {world} ranks"))
     hw = rewrite.load_hardware(f.name)
     Path(f.name).unlink()
     meta = common.build_model(model, device="meta")
-    every = every_plan(meta, hw, world)
-    picks = rewrite.suggest_plans(meta, world=world, seq_len=SEQ, global_batch=BATCH, hardware=hw)
+    every = every_plan(meta, hw, world, compiled)
+    picks = rewrite.suggest_plans(meta, world=world, seq_len=SEQ, global_batch=BATCH, hardware=hw, compiled=compiled)
     chosen = choose(every, picks, MEASURED)
-    per_rank = common.launch(measure, world, model, chosen, warmup, steps)
+    twins = eager_twins(chosen, meta, hw) if compiled else []
+    per_rank = common.launch(measure, world, model, chosen + twins, warmup, steps)
     # The same plans with every collective priced by the ring formulas and hidden beside compute, as before
     # `calibrate` measured the times and the overlap.
     plain = hw.model_copy(update={"collective_times": {}, "overlap": 1.0})
@@ -161,15 +172,32 @@ def run_world(model: str, world: int, warmup: int, steps: int) -> dict:
                      "range_s": [min(slow), max(slow)], "peak_bytes": c["peak"], "top_pick": j == 0})
     best = min(r["measured_s"] for r in rows)
     measured = [r["measured_s"] for r in rows]
+    choices = []
+    for j, (c, e) in enumerate(zip(chosen, twins)):  # compiled against eager: predicted, then measured side by side
+        slow = [[max(r[k][i] for r in per_rank) for i in range(steps)] for k in (j, len(chosen) + j)]
+        choices.append({"summary": e["summary"], "predicted": c["step_s"] / e["step_s"],
+                        "measured": common.median(slow[0]) / common.median(slow[1])})
     return {
-        "model": model, "world": world, "profile": {k: v for k, v in found.items() if k not in ("measured", "collective_times")},
+        "model": model, "world": world, "compiled": compiled, "profile": {k: v for k, v in found.items() if k not in ("measured", "collective_times")},
         "collective_times": found["collective_times"], "candidates": len(every),
         "rows": rows, "top_pick_over_best": rows[0]["measured_s"] / best,
         "spearman": spearman([r["predicted_s"] for r in rows], measured),
         "spearman_plain": spearman([r["plain_s"] for r in rows], measured),
         "errors": errors([r["predicted_s"] for r in rows], measured),
         "errors_plain": errors([r["plain_s"] for r in rows], measured),
+        "compile_choices": choices,
     }
+
+
+def eager_twins(chosen: list[dict], meta, hw) -> list[dict]:
+    """Each compiled plan of `chosen` without `compile`, predicted: what the planner weighs it against."""
+    out = []
+    for c in chosen:
+        plan = {k: v for k, v in c["plan"].items() if k != "compile"}
+        resolved = rewrite.resolve(rewrite.load_plan(plan), meta)
+        out.append({**c, "plan": plan, "summary": c["summary"].removesuffix(", compiled"),
+                    "step_s": rewrite.predict_step(resolved, meta, hw, batch_size=c["batch_size"]).step_s})
+    return out
 
 
 def errors(predicted: list[float], measured: list[float]) -> dict:
@@ -179,7 +207,8 @@ def errors(predicted: list[float], measured: list[float]) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = [f"{res['model']}, world {res['world']}: {res['candidates']} candidates predicted, {len(res['rows'])} measured",
+    how = ", compiled" if res.get("compiled") else ""
+    lines = [f"{res['model']}{how}, world {res['world']}: {res['candidates']} candidates predicted, {len(res['rows'])} measured",
              "", "| plan | predicted (s) | measured (s), median (range) | measured / predicted | collectives by the ring "
              "formulas, hidden beside compute: predicted (s), ratio |", "|---|---|---|---|---|"]
     for r in sorted(res["rows"], key=lambda r: r["measured_s"]):
@@ -193,6 +222,11 @@ def table(res: dict) -> str:
                  f"median {e['median']:.0%}, worst {e['worst']:.0%} (targets 10 %, 20 %; collectives unmeasured "
                  f"{p['median']:.0%}, {p['worst']:.0%}); Spearman {res['spearman']:.2f} (target >= 0.9; "
                  f"collectives unmeasured {res['spearman_plain']:.2f})")
+    if choices := res.get("compile_choices"):
+        agree = sum((c["predicted"] < 1) == (c["measured"] < 1) for c in choices)
+        lines += ["", "| plan | compiled / eager, predicted | measured |", "|---|---|---|"]
+        lines += [f"| {c['summary']} | {c['predicted']:.2f} | {c['measured']:.2f} |" for c in choices]
+        lines.append(f"\ncompile or not: the prediction picks the faster side for {agree} of {len(choices)} plans")
     return "\n".join(lines)
 
 
@@ -204,12 +238,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--out", default="bench/results.json",
                         help="its 'planner' entry ('planner MODEL' for another model) is replaced")
+    parser.add_argument("--compile", action="store_true",
+                        help="every plan compiled (`compile: true`), predicted with the compiled terms calibrate "
+                        "measures, and each measured beside itself eager (compile or not, predicted against measured); "
+                        "the warm-up steps compile (their kernels cached)")
     args = parser.parse_args()
     found = []
     for world in (int(w) for w in args.worlds.split(",")):
-        found.append(run_world(args.model, world, args.warmup, args.steps))
+        found.append(run_world(args.model, world, args.warmup, args.steps, args.compile))
         print(table(found[-1]) + "\n", flush=True)
-    common.save_result(args.out, common.result_key("planner", args.model), found)
+    key = common.result_key("planner", args.model)
+    common.save_result(args.out, f"{key} compiled" if args.compile else key, found)
 
 
 if __name__ == "__main__":

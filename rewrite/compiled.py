@@ -51,6 +51,15 @@ class CompiledForward:
     def __call__(self, *args, **kwargs):
         if self.broke is not None:
             return self.eager(*args, **kwargs)
+        if _holds_cache(args, kwargs):
+            # A KV cache (transformers' forward makes one unless told `use_cache=False`): each layer reads its own
+            # slot of it, so every layer would compile a graph of its own, past torch's recompile limit. Steps
+            # pass none; a call with one (generation, a plain `model(ids)`) runs eagerly.
+            if _CACHED not in _WARNED:
+                _WARNED.add(_CACHED)
+                warnings.warn(f"compile: {self.where} and the other compiled blocks run eagerly when given a KV cache "
+                              "(pass use_cache=False to run them compiled; training steps pass none)", stacklevel=2)
+            return self.eager(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
         except untraceable_errors() as exc:
@@ -61,6 +70,16 @@ class CompiledForward:
                 warnings.warn(f"compile: {self.where} (and any block that breaks alike) runs eagerly: torch.compile "
                               f"cannot trace it whole ({self.broke})", stacklevel=2)
             return self.eager(*args, **kwargs)
+
+
+_CACHED = "a KV cache"
+
+
+def _holds_cache(args: tuple, kwargs: dict) -> bool:
+    """Whether a transformers KV cache is among a block's arguments."""
+    from transformers.cache_utils import Cache
+
+    return any(isinstance(value, Cache) for value in (*args, *kwargs.values()))
 
 
 def splits_at_dispatch(block: nn.Module) -> bool:

@@ -110,10 +110,11 @@ def traced_reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def untraceable_errors() -> tuple[type[Exception], ...]:
     """What dynamo raises while tracing a `fullgraph` function it cannot capture whole (a graph break; shapes that
-    depend on the data), before any of it runs."""
+    depend on the data; a graph past its recompile limit), before any of that call runs."""
     from torch._dynamo import exc
 
-    return exc.Unsupported, exc.UserError
+    # FailOnRecompileLimitHit: a block that needed more graphs than torch keeps for one function, under fullgraph.
+    return exc.Unsupported, exc.UserError, exc.FailOnRecompileLimitHit
 
 
 def allow_side_effects_in_recomputed_graphs() -> None:

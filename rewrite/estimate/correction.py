@@ -100,7 +100,7 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
     `inter_node`: those the measured plans used) `scales.communication` times slower.
 
     Compute: the matmul rate (efficiency.matmul, or the peak past an efficiency of 1), memory and activation
-    bandwidth, the fixed costs per layer and per microbatch. A link: its latency and bandwidth alike; the
+    bandwidth, the fixed costs per layer and per microbatch (a compiled step's too). A link: its latency and bandwidth alike; the
     intra-node link, the collectives' measured times too (measured on one node).
     """
     a, b = scales.compute, scales.communication
@@ -115,6 +115,11 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
         "activation_bandwidth": None if bandwidth is None else bandwidth / a,
         "layer_overhead_s": hardware.layer_overhead_s * a, "microbatch_overhead_s": hardware.microbatch_overhead_s * a,
     }
+    if hardware.compiled is not None:  # a compiled step's terms, rescaled alike
+        terms = hardware.compiled
+        update["compiled"] = terms.model_copy(update={
+            "layer_overhead_s": terms.layer_overhead_s * a, "microbatch_overhead_s": terms.microbatch_overhead_s * a,
+            "activation_bandwidth": None if terms.activation_bandwidth is None else terms.activation_bandwidth / a})
     for name in links:
         link = getattr(hardware, name)
         update[name] = Link(bandwidth=link.bandwidth / b, latency=link.latency * b)

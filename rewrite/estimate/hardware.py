@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["Link", "Efficiency", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
+__all__ = ["Link", "Efficiency", "CompiledCosts", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
 
 PROFILES = Path(__file__).with_name("profiles")
 HARDWARE_NAMES = tuple(sorted(p.stem for p in PROFILES.glob("*.yaml")))
@@ -42,6 +42,18 @@ class Efficiency(_Strict):
 
     matmul: Annotated[float, Field(gt=0, le=1, description="of the peak FLOP/s, at transformer shapes")]
     collective: Annotated[float, Field(gt=0, le=1, description="of the link bandwidth, for large messages")]
+
+
+class CompiledCosts(_Strict):
+    """What a decoder layer and a microbatch cost beyond their FLOPs when each block runs under torch.compile
+    (inductor): the same three terms as an eager step's, measured the same way (`rewrite calibrate`)."""
+
+    layer_overhead_s: Annotated[float, Field(ge=0, description="a compiled layer's fixed cost per microbatch")]
+    activation_bandwidth: Annotated[float | None, Field(gt=0, description=(
+        "bytes per second a compiled layer's fused elementwise kernels move the counted activations at; None: "
+        "the profile's memory_bandwidth"))] = None
+    microbatch_overhead_s: Annotated[float, Field(ge=0, description=(
+        "a microbatch's cost outside its compiled layers"))] = 0.0
 
 
 class Hardware(_Strict):
@@ -84,6 +96,17 @@ class Hardware(_Strict):
         "library's buffers"))] = 0.0
     fragmentation: Annotated[float, Field(ge=0, lt=1, description=(
         "share of the rest the allocator cannot hand out at the peak: fragmentation and cached blocks"))] = 0.0
+
+    compiled: Annotated[CompiledCosts | None, Field(description=(
+        "the fixed and elementwise terms of a step whose blocks are compiled (`compile` in the plan, inductor); "
+        "None: not measured, a compiled plan is charged the eager terms"))] = None
+
+    def stepping(self, compiled: bool) -> Hardware:
+        """The profile a step's compute is charged on: with `compiled` and measured compiled terms, those in place
+        of the eager ones; else this profile."""
+        if not compiled or self.compiled is None:
+            return self
+        return self.model_copy(update=self.compiled.model_dump())
 
     @field_validator("collective_times")
     @classmethod

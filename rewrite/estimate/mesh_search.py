@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..binding.resolve import ResolvedPlan
+from ..plan.compile_schema import Compile
 from ..plan.schema import ParallelPlan
 from ..schedules import splits_backward
 from .activations import activation_problem
@@ -46,7 +47,8 @@ class Candidate:
                 "dtype": self.dtype, "summary": self.summary()}
 
     def summary(self) -> str:
-        """`dp=2 x pp=2 x tp=2, 1f1b, 8 x 2 seqs, full, sp + vocab/loss, checkpointing off`."""
+        """`dp=2 x pp=2 x tp=2, 1f1b, 8 x 2 seqs, full, sp + vocab/loss, checkpointing off` (`, compiled` under
+        `compile`)."""
         plan, pipe = self.plan, self.plan.pipeline
         switches = [name for on, name in ((plan.sequence_parallel, "sp"), (plan.loss_parallel, "vocab/loss")) if on]
         k = f" x{pipe.virtual_stages} stages" if pipe.virtual_stages > 1 else ""
@@ -54,14 +56,17 @@ class Candidate:
         return (f"{plan.mesh.shape_text()}, {pipe.schedule}{k}, {pipe.microbatches} x {self.batch_size} seq, "
                 f"{plan.data_parallel.sharding if shared else 'no dp'}"
                 f"{' reduced per microbatch' if shared and plan.data_parallel.reduce == 'microbatch' else ''}, "
-                f"{' + '.join(switches) or 'no switches'}, checkpointing {self.checkpointing}")
+                f"{' + '.join(switches) or 'no switches'}, checkpointing {self.checkpointing}"
+                f"{', compiled' if plan.compile is not None else ''}")
 
 
 def best_per_mesh(model, hw, *, world, G, limit, seq_len, batch, timed: bool, frugal: bool = False,
-            dtype: str | None = None, max_cp: int | None = 1, lora: dict | None = None) -> dict:
+            dtype: str | None = None, max_cp: int | None = 1, lora: dict | None = None,
+            compiled: bool | None = False) -> dict:
     """The best fitting candidate per (dp, pp, cp, tp); `timed` False: fit only (unit
     times), `frugal`: the least memory per mesh only (full sharding, every layer checkpointed); `lora`: every
-    plan's `lora` section (the adapters trained, every other weight frozen)."""
+    plan's `lora` section (the adapters trained, every other weight frozen); `compiled`: every plan compiled
+    (`compile: true`), none (False), or each binding both ways, the faster kept (None)."""
     from ..models.hf_decoder import find_backbone
 
     num_layers = find_backbone(model).num_layers
@@ -94,6 +99,10 @@ def best_per_mesh(model, hw, *, world, G, limit, seq_len, batch, timed: bool, fr
                 # Sequence parallelism changes no shard or stage: the same binding with the switch on.
                 plan = base.plan.model_copy(update={"sequence_parallel": True})
                 bounds.append(Bound(dataclasses.replace(base, plan=plan), model, dtype, twin=plain))
+        if timed and compiled is not False:  # compiling moves no parameter: the same binding, timed apart
+            twins = [Bound(dataclasses.replace(b.base, plan=b.base.plan.model_copy(update={"compile": Compile()})),
+                           model, dtype, twin=b) for b in bounds]
+            bounds = twins if compiled else bounds + twins  # on a tie the eager plan, named first, stays
         if not timed:
             found = next(filter(None, (_first_fit(b, G=G, limit=limit, n=n, frugal=frugal) for b in bounds)), None)
         else:

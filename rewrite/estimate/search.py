@@ -84,6 +84,7 @@ def suggest_plans(
     dtype: str | None = None,
     max_cp: int | None = None,
     lora: dict | None = None,
+    compiled: bool | None = None,
 ) -> list[Candidate]:
     """The plans that fit, fastest first by predicted step time: the best of each (dp, pp, cp, tp).
 
@@ -109,6 +110,9 @@ def suggest_plans(
         lora: a plan's `lora` section (`{"rank": 16}`): every candidate trains LoRA adapters with the other
             weights frozen (gradients and AdamW state for the adapters only, no weight gradients for the
             frozen layers; docs/lora.md).
+        compiled: every plan compiled (`compile: true`: each block under torch.compile) or none (False); None
+            (default): each both ways where the profile holds measured compiled terms (`Hardware.compiled`,
+            `rewrite calibrate`), the faster kept, else eager.
 
     Returns:
         One `Candidate` per (dp, pp, cp, tp) that fits, ranked by `step_s`: for each, the schedule,
@@ -138,7 +142,8 @@ def suggest_plans(
     batch = global_batch or 4 * world
     with collector_paused():
         best = best_per_mesh(model, hw, world=world, G=G, limit=limit, seq_len=seq_len, batch=batch, timed=True,
-                             dtype=dtype, max_cp=max_cp, lora=lora)
+                             dtype=dtype, max_cp=max_cp, lora=lora,
+                             compiled=compiled if compiled is not None or hw.compiled is not None else False)
         if not best:
             raise NoPlanFits(
                 f"no plan fits: no layout of {world} device(s) with {hw.usable_text(device_memory)} each holds "

@@ -92,10 +92,13 @@ def _crossing(shape: Shape, gpus_per_node: int) -> tuple[bool, bool, bool]:
 
 
 class _Clock:
-    """Seconds for FLOPs and bytes on the profile's device, and for the tp and cp groups' collectives."""
+    """Seconds for FLOPs and bytes on the profile's device, and for the tp and cp groups' collectives. `traced`:
+    the blocks are compiled, their collectives torch's functional ones (`tensor_parallel.comm.traced`), which
+    run as torch's all_reduce, all_gather and reduce_scatter do."""
 
     def __init__(self, hardware: Hardware, dtype: str, tp: int, link, cp: int = 1, cp_link=None, ep: int = 1,
-                 ep_link=None) -> None:
+                 ep_link=None, traced: bool = False) -> None:
+        self.kinds = (("all_reduce", "all_gather", "reduce_scatter") if traced else ("sum", "gather", "scatter"))
         self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
         self.bandwidth, self.tp, self.link = hardware.memory_bandwidth, tp, link
         self.act_bandwidth = hardware.activation_bandwidth or hardware.memory_bandwidth
@@ -110,16 +113,16 @@ class _Clock:
         return flops / self.rate + activation_bytes / self.act_bandwidth + weight_bytes / self.bandwidth
 
     def all_reduce(self, nbytes: float) -> float:  # a sum of `nbytes` over the tp group
-        return collective_s(self.hardware, "sum", nbytes, self.tp, self.link)
+        return collective_s(self.hardware, self.kinds[0], nbytes, self.tp, self.link)
 
     def gather(self, nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` whole: their mean
         if self.tp <= 1:
             return 0.0
-        return (collective_s(self.hardware, "gather", nbytes, self.tp, self.link)
-                + collective_s(self.hardware, "scatter", nbytes, self.tp, self.link)) / 2
+        return (collective_s(self.hardware, self.kinds[1], nbytes, self.tp, self.link)
+                + collective_s(self.hardware, self.kinds[2], nbytes, self.tp, self.link)) / 2
 
     def cp_gather(self, nbytes: float) -> float:  # an all-gather over the cp group
-        return collective_s(self.hardware, "gather", nbytes, self.cp, self.cp_link)
+        return collective_s(self.hardware, self.kinds[1], nbytes, self.cp, self.cp_link)
 
     def exchange(self, nbytes: float) -> float:  # an all-to-all of what one rank sends, over the ep group
         return collective_s(self.hardware, "all_to_all", nbytes, self.ep, self.ep_link)
@@ -253,8 +256,10 @@ def stage_times(
     cp, ep = resolved.plan.mesh.cp, resolved.plan.mesh.ep
     tp_link, cp_link, ep_link = (hardware.inter_node if crossing else hardware.intra_node
                                  for crossing in _crossing(resolved.plan.mesh.shape, G))
+    compiled = resolved.plan.compile
+    hardware = hardware.stepping(compiled is not None and compiled.backend == "inductor")
     clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, tp_link,
-                   cp, cp_link, ep, ep_link)
+                   cp, cp_link, ep, ep_link, traced=compiled is not None)
     flop_parts = layer_flop_parts(config, seq_len=z.seq_len)
     routed_layers = _routed_layers(resolved) if ep > 1 else set()
     layer_weights = layer_weights or {}
@@ -282,5 +287,7 @@ def stage_times(
             f, i, w, comm, flops = f + hf, i + hi, w + hw, comm + hc, flops + hflops
         # What a stage's forward and backward calls cost a microbatch outside its layers, half in each.
         f, i = f + hardware.microbatch_overhead_s / 2, i + hardware.microbatch_overhead_s / 2
+        if compiled is not None:  # a compiled block's backward is one node: I runs it whole, W has nothing left
+            i, w = i + w, 0.0
         out.append(StageTimes(f, i, w, comm, flops, kv, ep_comm))
     return out

@@ -152,6 +152,8 @@ def _time_on_rank(model: str, jobs: list[Job], seq_len: int, warmup: int, steps:
         peaks.append(int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)
         del stage, step
         gc.collect()
+        if plan.compile is not None:  # the next plan's blocks compile afresh (not against this one's recompile limit)
+            torch.compiler.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     dist.barrier()

@@ -50,6 +50,9 @@ def add_plan_parser(sub) -> None:
                       "frozen (gradients and AdamW state for the adapters only; docs/lora.md)")
     plan.add_argument("--lora-alpha", type=float, default=None, metavar="ALPHA",
                       help="with --lora-rank: the adapters' alpha (written into the plan; default: R)")
+    plan.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                      help="plan every candidate compiled (`compile: true`) or none (default: each both ways where "
+                      "the profile holds compiled terms `rewrite calibrate` measured, the faster kept; else eager)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table printed (default %(default)s)")
     plan.add_argument("--out", default=None, metavar="FILE",
                       help="write the best plan here (default: ./plan.yaml, or the next free plan-N.yaml; when stdout "
@@ -64,6 +67,9 @@ def add_calibrate_parser(sub) -> None:
     cal.add_argument("--world", type=int, default=2, metavar="N", help="local ranks measured together (default %(default)s)")
     cal.add_argument("--out", default=None, metavar="FILE", help="write the profile here (default: print it)")
     cal.add_argument("--name", default="calibrated", help="the profile's name (default %(default)s)")
+    cal.add_argument("--compile", default=True, action=argparse.BooleanOptionalAction,
+                     help="measure a compiled layer too, what `rewrite plan` weighs `compile` by (default: on; the "
+                     "first compile takes about half a minute, cached for the next)")
     cal.set_defaults(func=_cmd_calibrate)
 
 
@@ -111,7 +117,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _fail(str(exc), BAD_ARGUMENTS)
     model, max_cp = _planned_model(config)
     try:
-        found = suggest_plans(model, hardware=hardware, dtype=args.dtype, max_cp=max_cp, lora=lora, **kwargs)
+        found = suggest_plans(model, hardware=hardware, dtype=args.dtype, max_cp=max_cp, lora=lora,
+                              compiled=args.compile, **kwargs)
     except NoPlanFits as exc:
         return _fail(str(exc), 1)
     except ValueError as exc:  # a device memory within the profile's reserve
@@ -175,7 +182,8 @@ def format_candidates(found, *, hardware, total: int, args: argparse.Namespace) 
     rows = []
     for i, c in enumerate(found, 1):
         plan, pipe = c.plan, c.plan.pipeline
-        switches = " + ".join(n for on, n in ((plan.sequence_parallel, "sp"), (plan.loss_parallel, "vocab/loss")) if on)
+        switches = " + ".join(n for on, n in ((plan.sequence_parallel, "sp"), (plan.loss_parallel, "vocab/loss"),
+                                             (plan.compile is not None, "compile")) if on)
         rows.append([
             str(i), plan.mesh.shape_text(), pipe.schedule + (f" x{pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""),
             f"{pipe.microbatches} x {c.batch_size}", _dp_text(plan),
@@ -245,7 +253,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     if args.world < 2:
         return _fail(f"--world {args.world}: calibrating the links needs at least 2 local ranks", BAD_ARGUMENTS)
-    text = profile_yaml(calibrate(args.world), name=args.name)
+    text = profile_yaml(calibrate(args.world, compiled=args.compile), name=args.name)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}: use it as --hardware {args.out}")

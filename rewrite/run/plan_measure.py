@@ -89,6 +89,13 @@ def measure_top(found: list, args: argparse.Namespace, hardware, model) -> Measu
     print(f"measuring the top {len(chosen)} plan{'s' * (len(chosen) > 1)} on {args.world} local ranks ({where}), "
           f"1 warm-up + {args.measure_steps} step{'s' * (args.measure_steps > 1)} each: about {guess:.3g} s by their "
           f"predicted steps on {hardware.name}, and the time to start the ranks and build each plan", file=sys.stderr)
+    compiled = sum(c.plan.compile is not None for c in chosen)
+    if compiled:
+        from ..compiled import use_compile_cache
+
+        kept = use_compile_cache()  # the ranks inherit it: kernels compiled once serve later runs
+        print(f"note: {compiled} of them compile their blocks in their warm-up step (up to a minute each on a CPU the "
+              f"first time; kept in {kept})", file=sys.stderr)
     if where == "CPU" and args.world > cores:
         print(f"note: {args.world} ranks share {cores} cores here, as a run of them would", file=sys.stderr)
     jobs = [Job(c.plan.model_dump(mode="json", exclude_none=True), c.batch_size, c.dtype) for c in chosen]

@@ -218,7 +218,8 @@ def render_text(data: dict) -> str:
                    f"state for the adapters only ({', '.join(lora['targets'])})")
     if (compiled := data.get("compile")) is not None:
         out.append(f"Compiled: each of {', '.join(compiled['blocks'])} on its own under torch.compile "
-                   f"({compiled['backend']}, mode {compiled['mode']}); the memory and step times below are eager's")
+                   f"({compiled['backend']}, mode {compiled['mode']}); memory as eager, step times with the profile's "
+                   "compiled terms where it has them")
     out += ["", *_pipeline_lines(data), "", *memory_lines(data)]
     whole = data["whole_model"]
     out.append(f"  whole model: {whole['params']:,} parameters, {format_bytes(whole['bytes'])}")

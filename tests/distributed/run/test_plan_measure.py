@@ -62,3 +62,20 @@ def test_measure_times_the_top_plans_keeps_the_fastest_and_corrects_the_profile(
     assert listed, (rows, predicted)
     for name, corrected in listed:
         assert predicted[name] == pytest.approx(float(corrected), rel=6e-3), name
+
+
+def test_measure_compiles_the_compiled_plans_each_afresh(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    run = subprocess.run(
+        [sys.executable, "-m", "rewrite", "plan", *JOB, "--hardware", "cpu", "--compile", "--measure", "2",
+         "--measure-steps", "1", "--out", str(plan)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^note: 2 of them compile their blocks in their warm-up step .*; kept in \S+\)$", run.stderr,
+                     re.MULTILINE), run.stderr
+    rows = ROW.findall(run.stdout)
+    assert len(rows) == 2 and all(", compiled" in summary for _, summary, *_ in rows), run.stdout
+    # Each plan's blocks compiled for it (torch's compiled code dropped between plans): no block fell back to eager,
+    # and torch never hit its recompile limit.
+    assert "runs eagerly" not in run.stderr and "recompile_limit" not in run.stderr, run.stderr[-3000:]
+    assert yaml.safe_load(plan.read_text())["compile"]["backend"] == "inductor"

@@ -92,6 +92,53 @@ def test_a_block_that_traces_whole_runs_compiled_with_the_same_result():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+def test_every_layer_of_a_deep_model_shares_one_graph_and_a_kv_cache_runs_eagerly():
+    """Past torch's recompile limit (8 graphs a function): the layers of a real model must share theirs."""
+    from torch._dynamo.utils import counters
+
+    from rewrite import compiled
+    from rewrite.compiled import apply_compile
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled._WARNED.clear()
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=12, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(LlamaConfig(**config))
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    model.load_state_dict(eager.state_dict())
+    apply_compile(model, rewrite.resolve({"compile": {"backend": "aot_eager"}}, model))
+    ids = torch.arange(8)[None]
+    want = eager(input_ids=ids, use_cache=False).logits
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = model(input_ids=ids, use_cache=False).logits  # as a step runs the layers: no cache
+        assert not [w for w in seen if "compile:" in str(w.message)]
+        # transformers makes a KV cache unless told not to: each layer would read its own slot of it, a graph each.
+        cached = model(input_ids=ids).logits
+        model(input_ids=ids)
+    said = [str(w.message) for w in seen if "compile:" in str(w.message)]
+    assert len(said) == 1 and "when given a KV cache (pass use_cache=False" in said[0], said
+    assert torch.allclose(got, want, atol=1e-5) and torch.allclose(cached, want, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]  # embedding, a layer, the head
+    assert all(model.get_submodule(p).forward.broke is None for p in ("model.embed_tokens", "model.layers.11"))
+
+
+def test_a_block_past_the_recompile_limit_runs_eagerly_after_one_warning():
+    from rewrite import compiled
+
+    torch._dynamo.reset()
+    compiled._WARNED.clear()
+    block = CompiledForward(lambda x: x * 2, Compile(backend="eager", dynamic=False), where="Toy's block")
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for n in range(1, 5):  # a graph per shape, static: the third is one too many
+            assert torch.equal(block(torch.ones(n)), torch.full((n,), 2.0))
+    said = [str(w.message) for w in seen if "compile:" in str(w.message)]
+    assert len(said) == 1 and "Toy's block" in said[0] and "runs eagerly" in said[0] and block.broke, said
+
+
 def test_train_flags_switch_the_plan_compile_on_and_off():
     eager, compiled = rewrite.load_plan({}), rewrite.load_plan({"compile": {"backend": "aot_eager"}})
     flags = lambda value: SimpleNamespace(compile=value)  # noqa: E731
