@@ -128,7 +128,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         return _fail(f"--measure: {exc}", 1)
     wrote = write_profile(measured, args, hardware) if measured and args.profile else None
-    best = found[measured.fastest] if measured else found[0]
+    best = measured.candidates[measured.fastest] if measured else found[0]
     timed = measured.timed[measured.fastest].median_s if measured else None
     if args.json:
         if args.out:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["add_measure_flags", "measure_problem", "Measured", "measure_top"]
+__all__ = ["add_measure_flags", "measure_problem", "Measured", "measure_top", "other_sides"]
 
 
 def add_measure_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,18 +57,26 @@ class Measured:
     parts: list  # `correction.Parts`, one per candidate
     scales: object  # `correction.Scales`
     profile: object  # the corrected `Hardware`
+    planned: int = 0  # how many of `candidates` are the planner's (the rest: the same plans the other way); 0: all
+
+    @property
+    def top(self) -> int:
+        """The planner's candidates timed, first in `candidates`."""
+        return self.planned or len(self.candidates)
 
     @property
     def fastest(self) -> int:
         return min(range(len(self.timed)), key=lambda i: self.timed[i].median_s)
 
     def as_dict(self) -> dict:
-        """`{"plans": [...], "fastest", "scales"}`: each plan timed (its rank in `candidates`, from 0) with its
-        predicted, measured (median and each step) and corrected seconds, and its peak on a GPU."""
+        """`{"plans": [...], "fastest", "scales"}`: each plan timed (its rank in `candidates`, from 0; a plan timed
+        the other way too: `"other_side_of"` its rank) with its predicted, measured (median and each step) and
+        corrected seconds, and its peak on a GPU."""
         s = self.scales
         return {
             "plans": [{"index": i, "summary": c.summary(), "predicted_s": c.step_s, "measured_s": t.median_s,
-                       "steps_s": list(t.steps_s), "corrected_s": s.corrected(p), "measured_peak_bytes": t.peak_bytes}
+                       "steps_s": list(t.steps_s), "corrected_s": s.corrected(p), "measured_peak_bytes": t.peak_bytes,
+                       **({"other_side_of": i - self.top} if i >= self.top else {})}
                       for i, (c, t, p) in enumerate(zip(self.candidates, self.timed, self.parts))],
             "fastest": self.fastest, "scales": {"compute": s.compute, "communication": s.communication, "how": s.how},
         }
@@ -82,11 +90,17 @@ def measure_top(found: list, args: argparse.Namespace, hardware, model) -> Measu
     from .measure import Job, time_plans
 
     chosen = found[: args.measure]
+    # Where the search weighed compiling (the profile's compiled terms, neither --compile nor --no-compile), each
+    # plan is timed the other way too: the faster side is then measured, not predicted.
+    both = getattr(args, "compile", None) is None and hardware.compiled is not None
+    chosen = chosen + (other_sides(chosen, model, hardware, args) if both else [])
     steps = 1 + args.measure_steps
     guess = sum(c.step_s for c in chosen) * steps
     cores = os.cpu_count() or 1
     where = "CPU" if _cpu_here() else "GPU"
-    print(f"measuring the top {len(chosen)} plan{'s' * (len(chosen) > 1)} on {args.world} local ranks ({where}), "
+    top = len(chosen) // 2 if both else len(chosen)
+    print(f"measuring the top {top} plan{'s' * (top > 1)}{', compiled and eager,' if both else ''} on {args.world} "
+          f"local ranks ({where}), "
           f"1 warm-up + {args.measure_steps} step{'s' * (args.measure_steps > 1)} each: about {guess:.3g} s by their "
           f"predicted steps on {hardware.name}, and the time to start the ranks and build each plan", file=sys.stderr)
     compiled = sum(c.plan.compile is not None for c in chosen)
@@ -107,7 +121,28 @@ def measure_top(found: list, args: argparse.Namespace, hardware, model) -> Measu
                               gpus_per_node=G) for c in chosen]
     scales = fit_scales(parts, [t.median_s for t in timed])
     links = ("intra_node",) if args.world <= G else ("intra_node", "inter_node")
-    return Measured(chosen, timed, parts, scales, scaled_profile(hardware, scales, links=links))
+    return Measured(chosen, timed, parts, scales, scaled_profile(hardware, scales, links=links),
+                    planned=top if both else 0)
+
+
+def other_sides(chosen: list, model, hardware, args: argparse.Namespace) -> list:
+    """Each candidate with `compile` switched (on where it was off, off where it was on), predicted on `hardware`;
+    its memory is the candidate's (compiling moves nothing the estimate counts)."""
+    import dataclasses
+
+    from ..binding.resolve import resolve
+    from ..estimate.step_time import predict_step
+    from ..plan.compile_schema import Compile
+
+    G = args.gpus_per_node or hardware.devices_per_node
+    out = []
+    for c in chosen:
+        plan = c.plan.model_copy(update={"compile": None if c.plan.compile is not None else Compile()})
+        got = predict_step(resolve(plan, model), model, hardware, batch_size=c.batch_size, dtype=c.dtype,
+                           gpus_per_node=G)
+        out.append(dataclasses.replace(c, plan=plan, step_s=got.step_s, tokens_per_s=got.tokens_per_s, mfu=got.mfu,
+                                       bubble=got.bubble))
+    return out
 
 
 def _cpu_here() -> bool:
@@ -148,27 +183,37 @@ def measured_table(found: Measured, args: argparse.Namespace) -> str:
 
     from .show.columns import format_table
 
-    rows = []
+    rows, top = [], found.top
     for i, (c, t, p) in enumerate(zip(found.candidates, found.timed, found.parts), 1):
         mark = " (fastest measured)" if i - 1 == found.fastest else ""
-        rows.append([str(i), c.summary() + mark, f"{c.step_s:.3g}", f"{t.median_s:.3g} ({min(t.steps_s):.3g}-"
+        rank = str(i) if i <= top else f"{i - top}'"  # plan N the other way: compiled or eager
+        rows.append([rank, c.summary() + mark, f"{c.step_s:.3g}", f"{t.median_s:.3g} ({min(t.steps_s):.3g}-"
                      f"{max(t.steps_s):.3g})", f"{t.median_s / c.step_s:.2f}", f"{found.scales.corrected(p):.3g}"])
-    best, top = found.timed[found.fastest].median_s, found.timed[0].median_s
+    best, first = found.timed[found.fastest].median_s, found.timed[0].median_s
     errors = [abs(t.median_s / found.scales.corrected(p) - 1) for t, p in zip(found.timed, found.parts)]
     s = found.scales
     lines = [
         f"Measured here ({args.world} local ranks, median of {args.measure_steps} step"
         f"{'s' * (args.measure_steps > 1)} after a warm-up; a step is its slowest rank's)",
         format_table(["#", "plan", "predicted s", "measured s (range)", "measured / predicted", "corrected s"], rows),
+        *([f"N': plan N the other way (compiled where it was eager, eager where compiled): compiled faster, measured, "
+           f"for {_compiled_wins(found, top)} of {top}"] if top < len(found.candidates) else []),
         "",
-        f"fastest measured: #{found.fastest + 1}" + (
+        f"fastest measured: #{rows[found.fastest][0]}" + (
             " (the planner's top pick)" if found.fastest == 0 else
-            f" ({best:.3g} s a step; the planner's top pick took {top:.3g} s, {top / best:.2f}x)"),
+            f" ({best:.3g} s a step; the planner's top pick took {first:.3g} s, {first / best:.2f}x)"),
         f"correction: compute x{s.compute:.3g}, communication x{s.communication:.3g} ({s.how}); the corrected "
         f"predictions are within {statistics.median(errors):.0%} of the measured steps at the median, "
         f"{max(errors):.0%} at worst",
     ]
     return "\n".join(lines)
+
+
+def _compiled_wins(found: Measured, top: int) -> int:
+    """Of the `top` plans measured both ways, how many ran faster compiled."""
+    times = [t.median_s for t in found.timed]
+    compiled = [c.plan.compile is not None for c in found.candidates]
+    return sum((times[j] < times[top + j]) == compiled[j] for j in range(top))
 
 
 def write_profile(found: Measured, args: argparse.Namespace, hardware) -> str:

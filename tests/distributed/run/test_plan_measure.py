@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from rewrite.estimate.hardware import load_hardware
+from rewrite.estimate.hardware import CompiledCosts, load_hardware
 from tests.paths import ROOT
 from tests.unit.run.test_cli import rewrite_cmd
 
@@ -64,18 +64,30 @@ def test_measure_times_the_top_plans_keeps_the_fastest_and_corrects_the_profile(
         assert predicted[name] == pytest.approx(float(corrected), rel=6e-3), name
 
 
-def test_measure_compiles_the_compiled_plans_each_afresh(tmp_path):
-    plan = tmp_path / "plan.yaml"
+def test_measure_times_each_plan_compiled_and_eager_where_the_search_weighed_both(tmp_path):
+    plan, profile = tmp_path / "plan.yaml", tmp_path / "compiled.yaml"
+    # The shipped CPU profile with compiled terms (as `rewrite calibrate` measures them): the search weighs both.
+    cpu = load_hardware("cpu")
+    profile.write_text(yaml.safe_dump(cpu.model_copy(update={"compiled": CompiledCosts(layer_overhead_s=0.0)}).model_dump()))
     run = subprocess.run(
-        [sys.executable, "-m", "rewrite", "plan", *JOB, "--hardware", "cpu", "--compile", "--measure", "2",
+        [sys.executable, "-m", "rewrite", "plan", *JOB, "--hardware", str(profile), "--measure", "2",
          "--measure-steps", "1", "--out", str(plan)],
         cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^measuring the top 2 plans, compiled and eager, on 2 local ranks", run.stderr, re.MULTILINE)
     assert re.search(r"^note: 2 of them compile their blocks in their warm-up step .*; kept in \S+\)$", run.stderr,
                      re.MULTILINE), run.stderr
-    rows = ROW.findall(run.stdout)
-    assert len(rows) == 2 and all(", compiled" in summary for _, summary, *_ in rows), run.stdout
-    # Each plan's blocks compiled for it (torch's compiled code dropped between plans): no block fell back to eager,
-    # and torch never hit its recompile limit.
+    rows = {rank: m for rank, *m in re.findall(r"^\s+(\d'?)\s+(.+?)\s{2,}(\S+)\s+(\S+) \(\S+-\S+\)\s+\S+\s+\S+$",
+                                                  run.stdout, re.MULTILINE)}
+    assert sorted(rows) == ["1", "1'", "2", "2'"], run.stdout
+    for n in ("1", "2"):  # the planner's plans compiled (cheaper layers in this profile), the same plans eager beside
+        planned, other = rows[n][0].removesuffix(" (fastest measured)"), rows[n + "'"][0].removesuffix(" (fastest measured)")
+        assert planned.endswith(", compiled") and other == planned.removesuffix(", compiled"), (planned, other)
+    faster = sum(float(rows[n][2]) < float(rows[n + "'"][2]) for n in ("1", "2"))
+    assert f"compiled faster, measured, for {faster} of 2" in run.stdout, run.stdout
+    # The fastest of the four is the plan written, compiled or not as it ran fastest.
+    fastest = min(rows, key=lambda r: float(rows[r][2]))
+    assert f"fastest measured: #{fastest}" in run.stdout and "(fastest measured)" in rows[fastest][0]
+    assert (", compiled" in rows[fastest][0]) == ("compile" in yaml.safe_load(plan.read_text()))
+    # Each compiled plan's blocks compiled for it: none fell back to eager, torch never hit its recompile limit.
     assert "runs eagerly" not in run.stderr and "recompile_limit" not in run.stderr, run.stderr[-3000:]
-    assert yaml.safe_load(plan.read_text())["compile"]["backend"] == "inductor"
