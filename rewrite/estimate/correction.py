@@ -7,7 +7,7 @@ not hidden behind compute). Measured steps of a few plans then give one scale fo
 by least squares on the relative error (every plan counts alike, whatever its length); where the
 plans do not tell the parts apart (their shares of communication alike, or a fit that would make a
 part free), one scale for both. The profile is rescaled accordingly: its compute terms by the first
-scale, the links the measured plans used by the second.
+scale, the links the measured plans used by the second (with the tp collectives' cost per call).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def prediction_parts(resolved, model, hardware: Hardware, **options) -> Parts:
     """`predict_step(resolved, model, hardware, **options)` and the same on links that cost nothing."""
     from .step_time import predict_step
 
-    free = hardware.model_copy(update={"intra_node": _FREE, "inter_node": _FREE, "collective_times": {}})
+    free = hardware.model_copy(update={"intra_node": _FREE, "inter_node": _FREE, "collective_times": {},
+                                       "call_overhead_s": {}})
     return Parts(predict_step(resolved, model, hardware, **options).step_s,
                  predict_step(resolved, model, free, **options).step_s)
 
@@ -101,7 +102,7 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
 
     Compute: the matmul rate (efficiency.matmul, or the peak past an efficiency of 1), memory and activation
     bandwidth, the fixed costs per layer and per microbatch (a compiled step's too). A link: its latency and bandwidth alike; the
-    intra-node link, the collectives' measured times too (measured on one node).
+    intra-node link, the collectives' measured times and cost per call too (measured on one node).
     """
     a, b = scales.compute, scales.communication
     matmul = hardware.efficiency.matmul / a
@@ -126,6 +127,7 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
     if "intra_node" in links:
         update["collective_times"] = {kind: {n: {size: t * b for size, t in curve.items()} for n, curve in by_n.items()}
                                       for kind, by_n in hardware.collective_times.items()}
+        update["call_overhead_s"] = {kind: t * b for kind, t in hardware.call_overhead_s.items()}
     name = hardware.name if hardware.name.endswith("-measured") else f"{hardware.name}-measured"
     return Hardware.model_validate({**hardware.model_dump(), **{k: _plain(v) for k, v in update.items()}, "name": name})
 

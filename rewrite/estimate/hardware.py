@@ -87,6 +87,17 @@ class Hardware(_Strict):
         "gathered or scattered whole; what one rank sends to all), every group of that size on one node at once; "
         "between the sizes measured, interpolated. Missing kinds and sizes, and groups across nodes: the ring "
         "formulas on the links"))] = {}
+    call_overhead_s: Annotated[dict[Literal["sum", "gather", "scatter"], Annotated[float, Field(ge=0)]], Field(
+        description=(
+            "seconds a tensor-parallel layer's own collective costs inside a step beyond its time alone "
+            "(`collective_times`), per call: the ranks' drift between the calls that bring them together and "
+            "the bookkeeping around them; fitted on a tp 2 decoder layer against this model (`rewrite "
+            "calibrate`: `sum` on a plain one, `gather` and `scatter` on a sequence-parallel one). Empty: "
+            "not modelled"))] = {}
+    cores_per_node: Annotated[int | None, Field(ge=1, description=(
+        "CPU cores a node's ranks share, each computing on one thread (a CPU profile, whose compute terms were "
+        "measured with devices_per_node ranks busy at once); where a plan's busy ranks outnumber them, each gets "
+        "its share, and a rank waiting frees its core. None: each rank has a device of its own"))] = None
     overlap: Annotated[float, Field(ge=0, le=1, description=(
         "share of the shorter of a data-parallel collective and the compute beside it that running them side "
         "by side hides: 1 where collectives run on their own engine (NCCL beside kernels), about 0 where they "

@@ -14,7 +14,8 @@ Memory traffic, at the bandwidth: F writes and reads back what the layer keeps f
 (`activations.layer_bytes`) and reads the weights; I reads it and writes as much again; W reads
 and accumulates the gradients (2x the weights). A checkpointed layer adds its forward to its I.
 A layer also costs the profile's fixed `layer_overhead_s` per microbatch (operator dispatch, which
-eager CPU runs pay in full), a third in each of F, I and W.
+eager CPU runs pay in full), a third in each of F, I and W, and each of its eager tp collectives the
+profile's `call_overhead_s` of its kind beyond the collective's own time (measured on a tp layer).
 Collectives per split block (attention, MLP) and microbatch, of T h B bytes:
     plain tp             F: 1 all-reduce (row out)           I: 1 all-reduce (column in)
     sequence parallel    F: all-gather in, reduce-scatter out; I: the same two in reverse
@@ -105,6 +106,9 @@ class _Clock:
         self.cp, self.cp_link, self.ep, self.ep_link = cp, cp_link, ep, ep_link
         self.hardware = hardware
         self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
+        # Each eager tp collective's cost beside the layer's compute, beyond its time alone (none traced).
+        calls = {} if traced else hardware.call_overhead_s
+        self.call = {kind: calls.get(kind, 0.0) for kind in self.kinds}
 
     def run(self, flops: float, activation_bytes: float, weight_bytes: float = 0.0) -> float:
         """FLOPs at the matmul rate, activations at the elementwise operators' bandwidth, weights at the memory's."""
@@ -112,14 +116,16 @@ class _Clock:
             return flops / self.rate + (activation_bytes + weight_bytes) / self.bandwidth
         return flops / self.rate + activation_bytes / self.act_bandwidth + weight_bytes / self.bandwidth
 
+    def _tp(self, kind: str, nbytes: float) -> float:
+        return collective_s(self.hardware, kind, nbytes, self.tp, self.link) + self.call[kind]
+
     def all_reduce(self, nbytes: float) -> float:  # a sum of `nbytes` over the tp group
-        return collective_s(self.hardware, self.kinds[0], nbytes, self.tp, self.link)
+        return self._tp(self.kinds[0], nbytes) if self.tp > 1 and nbytes > 0 else 0.0
 
     def gather(self, nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` whole: their mean
-        if self.tp <= 1:
+        if self.tp <= 1 or nbytes <= 0:
             return 0.0
-        return (collective_s(self.hardware, self.kinds[1], nbytes, self.tp, self.link)
-                + collective_s(self.hardware, self.kinds[2], nbytes, self.tp, self.link)) / 2
+        return (self._tp(self.kinds[1], nbytes) + self._tp(self.kinds[2], nbytes)) / 2
 
     def cp_gather(self, nbytes: float) -> float:  # an all-gather over the cp group
         return collective_s(self.hardware, self.kinds[1], nbytes, self.cp, self.cp_link)

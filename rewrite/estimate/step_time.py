@@ -13,7 +13,9 @@ and full / grad_op one reduce-scatter of the gradients beside the last backward;
 that backward is exposed, and at least the last unit's (or bucket's) share. Under
 `data_parallel.reduce: microbatch` every whole backward reduces its units beside itself instead,
 its last unit's reduce exposed. Then AdamW, bound by
-memory traffic over the parameters the rank holds. The step is the slowest rank's end.
+memory traffic over the parameters the rank holds. The step is the slowest rank's end. Where a CPU
+profile's ranks share fewer cores than they are (`cores_per_node`), the table's time follows the
+cores it keeps busy (`shared_cores`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from .dp_time import EXPERTS, DpTime
 from .memory import param_unit, with_run
 from .stage_time import StageTimes, stage_times
 
-__all__ = ["StepPrediction", "predict_step", "model_flops", "stage_parameters"]
+__all__ = ["StepPrediction", "predict_step", "model_flops", "stage_parameters", "shared_cores"]
 
 
 
@@ -147,23 +149,38 @@ def predict_step(
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp and cp rank its sequence chunk)
     table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)
     sim = _simulated(run, table, times, dpt, (sharding, split, reduce), hop, hw, G, sim_cache)
+    world = dp * pp * cp * tp
+    pace, busy_pace = shared_cores(hw, min(world, G), sim, len(table))
     ends, worst_dp, worst_opt = [], 0.0, 0.0
     for r, last in enumerate(sim.last):  # a row's actions run one after another: its last ends last
-        window = last[1] - last[0] if last else 0.0
+        window = (last[1] - last[0]) * pace if last else 0.0
         exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, master.itemsize, reduce)
-        ends.append((last[1] if last else 0.0) + exposed + optimizer)
+        ends.append((last[1] * pace if last else 0.0) + exposed + optimizer * busy_pace)
         worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)
     step = max(ends)
     sequences = dp * m * batch_size
     num_layers = sum(len(x) for x in run.layer_indices)
     flops = model_flops(model.config, seq_len=z.seq_len, num_layers=num_layers, has_head=run.backbone.has_head) * sequences
-    world = dp * pp * cp * tp
     return StepPrediction(
         step_s=step, tokens_per_s=sequences * z.seq_len / step / world,
         mfu=flops / (step * world * hw.flops(str(compute).removeprefix("torch."))),
-        bubble=bubble_of(sim, len(table)), pipeline_s=sim.span, dp_s=worst_dp, optimizer_s=worst_opt,
+        bubble=bubble_of(sim, len(table)), pipeline_s=sim.span * pace, dp_s=worst_dp, optimizer_s=worst_opt * busy_pace,
         stages=tuple(times),
     )
+
+
+def shared_cores(hw: Hardware, ranks: int, sim: Summary, rows: int) -> tuple[float, float]:
+    """(the simulated table's, every rank busy's) durations scaled for `ranks` ranks of a node sharing the profile's
+    `cores_per_node` C (1, 1 without). Its terms were measured with N = devices_per_node ranks busy, each at
+    s = min(1, C / N) of a core. The table then takes the longer of its work spread over the cores (each rank's busy
+    time, 1 - bubble of the span, times s n / min(C, n) for n ranks) and its span at a whole core each (s): a rank
+    waiting for another frees its core; every rank busy at once (AdamW) runs at min(1, C / n), s / that."""
+    cores = hw.cores_per_node
+    if cores is None:
+        return 1.0, 1.0
+    measured = min(1.0, cores / hw.devices_per_node)
+    busy = 1 - bubble_of(sim, rows)
+    return max(busy * measured * ranks / min(cores, ranks), measured), measured / min(1.0, cores / ranks)
 
 
 def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tuple[str, bool, str], hop: int,

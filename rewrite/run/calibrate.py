@@ -2,10 +2,10 @@
 
 N local ranks (one torch thread each, as `rewrite train` runs them on CPU) measure at once:
 matmul throughput at transformer shapes, memory bandwidth, a decoder layer's fixed cost and its
-elementwise operators' bandwidth, eager and compiled (`calibrate_layers`), a microbatch's cost outside
-its layers, then point-to-point and all-reduce times between them on the current backend (latency
-and bandwidth are fitted to the times), and each collective a run makes by size and group
-(`calibrate_links`).
+elementwise operators' bandwidth, eager and compiled, a microbatch's cost outside its layers, and a
+tp 2 layer's collectives beyond their time alone (`calibrate_layers`), then point-to-point and
+all-reduce times between them on the current backend (latency and bandwidth are fitted to the
+times), and each collective a run makes by size and group (`calibrate_links`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 
 from ..lent import lend
-from .calibrate_layers import ROWS, SEQUENCE, best_of, layer_costs, layer_terms
+from .calibrate_layers import ROWS, SEQUENCE, best_of, call_overheads, layer_costs, layer_terms, tp_call_times
 from .calibrate_links import collective_lines, collective_times, overlap_share
 
 __all__ = ["calibrate", "device_rates", "profile_yaml"]
@@ -66,6 +66,8 @@ def _measure(repeats: int, compiled: bool = True) -> dict:
     # On a GPU the host queues kernels ahead of the device, so dispatch hides behind compute: not modelled.
     out.update({"layer_overhead_s": 0.0, "activation_bandwidth": None, "microbatch_overhead_s": 0.0} if cuda
                else layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier))
+    if not cuda:  # a tp layer's collectives beyond their time alone (`Hardware.call_overhead_s`)
+        out["tp_calls"] = tp_call_times(repeats, together=dist.barrier)
     if compiled and not cuda:
         out["compiled"] = layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier,
                                        compiled=True)
@@ -128,14 +130,40 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, co
     ideal = share * big / link
     efficiency = min(1.0, ideal / max(reduce[big] - steps * latency, 1e-12))
     memory = results[0].get("memory_bytes") or _host_memory() / world
-    return {
+    gpu = "memory_bytes" in results[0]
+    found = {
         "flops": flops, "memory_bandwidth": bandwidth, "latency": latency, "link": link, "collective": efficiency,
-        "memory_gib": memory / 1024**3, "world": world, **layer_terms(results), "gpu": "memory_bytes" in results[0],
+        "memory_gib": memory / 1024**3, "world": world, **layer_terms(results), "gpu": gpu,
+        "cores": None if gpu else _cores(),
         "collective_times": results[0]["collective_times"], "overlap": statistics.mean(r["overlap"] for r in results),
         "compiled": layer_terms([r["compiled"] for r in results]) if "compiled" in results[0] else None,
         "measured": {"p2p": results[0]["p2p"], "all_reduce": reduce, "layer_s": results[0].get("layer_times"),
                      "compiled_layer_s": results[0]["compiled"]["layer_times"] if "compiled" in results[0] else None},
     }
+    if results[0].get("tp_calls"):  # each rank's figures, priced on the profile measured above; their mean
+        per_rank = [call_overheads(_profile(found), r["tp_calls"]) for r in results]
+        found["call_overhead_s"] = {kind: statistics.mean(r[kind] for r in per_rank) for kind in per_rank[0]}
+        found["measured"]["tp_calls"] = results[0]["tp_calls"]
+    return found
+
+
+def _profile(found: dict):
+    """The profile `found` describes, as `load_hardware` would read it."""
+    import yaml
+
+    from ..estimate.hardware import Hardware
+
+    return Hardware.model_validate(yaml.safe_load(profile_yaml(found)))
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on (what the ranks started here share)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _host_memory() -> float:
@@ -179,6 +207,22 @@ def _compiled_lines(found: dict) -> str:
             f"  microbatch_overhead_s: {terms['microbatch_overhead_s']:.3g}")
 
 
+def _cores_line(found: dict) -> str:
+    if not found.get("cores"):
+        return "cores_per_node: null        # each rank computes on a device of its own"
+    return (f"cores_per_node: {found['cores']}           # the CPU cores the ranks share (the compute terms were measured "
+            f"with {found['world']} ranks busy at once)")
+
+
+def _call_lines(found: dict) -> str:
+    calls = found.get("call_overhead_s")
+    if not calls:
+        why = "on a GPU" if found.get("gpu") else "(an odd number of ranks: no tp 2 groups)"
+        return f"call_overhead_s: {{}}          # not measured {why}"
+    return ("call_overhead_s:            # measured: a tp 2 model's collectives inside its layers (made against not "
+            "made, every pair at once) beyond their time alone, per call\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
+
+
 def profile_yaml(found: dict, *, name: str = "calibrated") -> str:
     """The measured profile as a commented YAML file that `load_hardware` reads."""
     world, when = found["world"], datetime.date.today().isoformat()
@@ -197,6 +241,7 @@ peak_flops:                 # measured: median of {len(MATMUL_SHAPES)} transform
 {flops}
 memory_bandwidth: {found['memory_bandwidth']:.4g}   # measured: a 128 MiB copy, bytes read + written per second
 devices_per_node: {world}         # the ranks measured together
+{_cores_line(found)}
 intra_node:                 # measured: point-to-point between ranks 0 and 1
   bandwidth: {found['link']:.4g}
   latency: {found['latency']:.4g}
@@ -208,6 +253,7 @@ layer_overhead_s: {found.get('layer_overhead_s', 0.0):.3g}   # measured: a decod
 microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measured: a 1-layer model's forward + backward on one sequence of {SEQUENCE} tokens beyond its layer and head FLOPs
 {_reserve_lines(found)}
 {collective_lines(found.get("collective_times", {}))}
+{_call_lines(found)}
 {_compiled_lines(found)}
 overlap: {found.get("overlap", 1.0):.2f}               # {"measured: a reduce-scatter beside as long a run of matmuls, against each alone" if "overlap" in found else "not measured: collectives beside compute hide behind it"}
 efficiency:

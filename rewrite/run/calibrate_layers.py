@@ -1,12 +1,14 @@
-"""What a decoder layer's forward and backward cost a microbatch beyond their FLOPs, eager or compiled, and a
-microbatch beyond its layers: the terms `rewrite calibrate` fits from a small LLaMA timed at several sizes."""
+"""What a decoder layer's forward and backward cost a microbatch beyond their FLOPs, eager or compiled, a
+microbatch beyond its layers, and a tensor-parallel layer's collectives beyond their time alone: the terms
+`rewrite calibrate` fits from a small LLaMA timed at several sizes."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 
-__all__ = ["ROWS", "SEQUENCE", "best_of", "layer_costs", "layer_terms"]
+__all__ = ["ROWS", "SEQUENCE", "best_of", "layer_costs", "layer_terms", "tp_layer_times", "call_overheads"]
 
 
 def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
@@ -97,3 +99,73 @@ def layer_terms(found: list[dict]) -> dict:
             "microbatch_overhead_s": statistics.mean(r["microbatch_overhead_s"] for r in found)}
 
 
+
+
+_TP_KINDS = {"sum": False, "gather": True}  # the collectives a tp 2 layer calls -> sequence parallelism
+TP_LAYERS, TP_SHAPE = 4, (4, 4)  # the tp models timed: 4 layers; 4 microbatches of 4 sequences of SEQUENCE tokens
+
+
+def _tp_plan(sequence_parallel: bool) -> dict:
+    from ..models.blocks import ATTENTION, MLP
+
+    rules = {f"model.layers.*.{block.layer_part}.{name}": "column" for block in (ATTENTION, MLP) for name in block.inputs}
+    rules.update({f"model.layers.*.{block.layer_part}.{block.output}": "row" for block in (ATTENTION, MLP)})
+    return {"mesh": {"tp": 2}, "tensor_parallel": rules, "sequence_parallel": sequence_parallel}
+
+
+def tp_call_times(repeats: int, together=None) -> dict[str, dict]:
+    """What a tp 2 model's collectives cost inside its forwards and backwards: {kind: {"real": s, "free": s,
+    "swaps": [bytes, ...]}} for a plain model (its collectives `sum`) and a sequence-parallel one (`gather`,
+    `scatter`), each timed with its collectives made and without (`tensor_parallel.comm.loopback`: the same
+    products, each rank alone), taking turns, the median of each; `swaps`: the pairwise swaps made. Every pair of
+    ranks (0-1, 2-3, ...) runs at once, as a run's tp groups do; {} for an odd world. Collective: every rank of the
+    default group calls it."""
+    import torch
+    import torch.distributed as dist
+
+    from ..binding.resolve import resolve
+    from ..tensor_parallel.apply import apply_tensor_parallel
+    from ..tensor_parallel.comm import loopback
+    from .presets import build_config, build_model
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % 2:
+        return {}
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group, out = pairs[rank // 2], {}
+    microbatches, rows = TP_SHAPE
+    ids = torch.zeros(rows, SEQUENCE, dtype=torch.long)
+    for kind, sequence_parallel in _TP_KINDS.items():
+        model = build_model(build_config("bench-llama", num_hidden_layers=TP_LAYERS))
+        apply_tensor_parallel(model, resolve(_tp_plan(sequence_parallel), model, world_size=2), group)
+
+        def step():
+            for _ in range(microbatches):
+                model(input_ids=ids, use_cache=False).logits.sum().backward()
+
+        times: dict = {"real": [], "free": []}
+        for i in range(max(repeats // 2, 2) + 1):  # the first round warms up, untimed
+            for way, made in times.items():
+                (together or (lambda: None))()
+                start = time.perf_counter()
+                with nullcontext([]) if way == "real" else loopback() as swaps:
+                    step()
+                if i:
+                    made.append(time.perf_counter() - start)
+        out[kind] = {way: statistics.median(t) for way, t in times.items()} | {"swaps": swaps}
+    return out
+
+
+def call_overheads(hardware, times: dict[str, dict]) -> dict[str, float]:
+    """The profile's `call_overhead_s` from `tp_call_times`: per kind, the time the collectives took inside the
+    layers (made against not made) beyond their time alone (each swap priced as `hardware` prices a 2-rank `sum`
+    of its bytes), per swap; never below 0. The sequence-parallel figure serves gathers and reduce-scatters alike."""
+    from ..estimate.collectives import collective_s
+
+    out = {}
+    for kind, found in times.items():
+        alone = sum(collective_s(hardware, "sum", nbytes, 2, hardware.intra_node) for nbytes in found["swaps"])
+        out[kind] = max((found["real"] - found["free"] - alone) / max(len(found["swaps"]), 1), 0.0)
+    if "gather" in out:
+        out["scatter"] = out["gather"]
+    return out

@@ -7,6 +7,7 @@ differentiated by plain autograd (the only hooks are the gradient sums of whole 
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from torch.distributed import ProcessGroup
 from ..lent import lend
 from ..torch_internals import traced_all_gather, traced_all_reduce
 
-__all__ = ["all_reduce_sum", "traced", "group_rank", "group_size", "copy_to_parallel", "reduce_from_parallel",
+__all__ = ["all_reduce_sum", "traced", "loopback", "group_rank", "group_size", "copy_to_parallel", "reduce_from_parallel",
            "gather_from_parallel", "scatter_to_parallel", "SharedInputCopy"]
 
 
@@ -52,8 +53,28 @@ def swaps(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     return x.device.type == "cpu" and not size & (size - 1) and dist.get_backend(group) == "gloo"
 
 
+_LOOPBACK: list | None = None  # inside `loopback`: the bytes of each swap not made
+
+
+@contextmanager
+def loopback():
+    """Within it the pairwise swaps move nothing: each rank receives its own tensor, so the results are wrong
+    and no rank waits for another. What a step's layers cost without their collectives, for timing
+    (`rewrite calibrate`); yields the list of the bytes each swap would have sent."""
+    global _LOOPBACK
+    outer, _LOOPBACK = _LOOPBACK, []
+    try:
+        yield _LOOPBACK
+    finally:
+        _LOOPBACK = outer
+
+
 def swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup | None) -> None:
     """Send `send` to group rank `peer` while receiving its tensor into `recv`."""
+    if _LOOPBACK is not None:
+        _LOOPBACK.append(send.numel() * send.element_size())
+        recv.copy_(send)
+        return
     peer = dist.get_global_rank(group, peer) if group is not None else peer
     ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
     for work in dist.batch_isend_irecv(ops):

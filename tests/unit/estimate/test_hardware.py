@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -107,6 +108,10 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
         times = list(by_n[2].values())
         assert list(by_n) == [2] and len(times) == 5 and 0 < times[0] and times == sorted(times), kind
     assert 0 <= hw.overlap <= 1  # gloo's threads share the ranks' cores: little or nothing hidden
+    # A tp 2 layer's collectives beyond their time alone, per call (0 where the noise leaves nothing), and the cores.
+    assert set(hw.call_overhead_s) == {"sum", "gather", "scatter"}
+    assert all(0 <= t < 0.1 for t in hw.call_overhead_s.values()) and hw.call_overhead_s["gather"] == hw.call_overhead_s["scatter"]
+    assert hw.cores_per_node == len(os.sched_getaffinity(0))
     # The same fit with the blocks compiled (inductor): its own terms, of the same order as eager's.
     compiled = hw.compiled
     assert compiled is not None and 0 <= compiled.layer_overhead_s < 1 and 0 <= compiled.microbatch_overhead_s < 1

@@ -1,0 +1,126 @@
+"""Two CPU terms `rewrite calibrate` measures: what a tensor-parallel layer's collective costs beyond its time alone
+(`call_overhead_s`, per call) and the cores a node's ranks share (`cores_per_node`), in the step model, the search's
+lower bound, `plan --measure`'s correction and the profile file."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+import rewrite
+from rewrite.estimate.correction import Scales, prediction_parts, scaled_profile
+from rewrite.estimate.hardware import Hardware
+from rewrite.estimate.stage_time import stage_times
+from rewrite.estimate.step_time import predict_step, shared_cores
+from rewrite.run.calibrate import profile_yaml
+from rewrite.run.calibrate_layers import call_overheads
+from rewrite.schedules.simulate import Summary
+from rewrite.tensor_parallel.comm import loopback, swap
+from tests.unit.estimate.test_step_time import UNIT, _resolved, llama  # noqa: F401 (a fixture)
+
+CALLS = {"sum": 0.01, "gather": 0.02, "scatter": 0.04}
+
+
+def _with(**update) -> Hardware:
+    return Hardware.model_validate({**UNIT.model_dump(), **update})
+
+
+def test_each_tp_collective_costs_its_kinds_call_overhead(llama):
+    """tiny-llama, 4 layers: a plain tp layer sums twice in F and twice in I; under sequence parallelism each block
+    gathers and reduce-scatters in F and again in I (their mean each); W calls nothing."""
+    for extra, calls in (({}, {"F": 8 * CALLS["sum"], "I": 8 * CALLS["sum"]}),
+                         ({"sequence_parallel": True}, {"F": 16 * 0.03, "I": 16 * 0.03})):
+        resolved = _resolved(llama, tp=2, **extra)
+        (base,), (priced,) = (stage_times(resolved, llama, hw) for hw in (UNIT, _with(call_overhead_s=CALLS)))
+        assert priced.forward - base.forward == pytest.approx(calls["F"])
+        assert priced.input_backward - base.input_backward == pytest.approx(calls["I"])
+        assert priced.weight_backward == base.weight_backward
+        assert priced.tp_comm - base.tp_comm == pytest.approx(calls["F"] + calls["I"])
+    # Checkpointed layers call again in their recomputed forward.
+    full = _resolved(llama, tp=2, activation_checkpointing={"model.layers.*": "full"})
+    (base,), (priced,) = (stage_times(full, llama, hw) for hw in (UNIT, _with(call_overhead_s=CALLS)))
+    assert priced.input_backward - base.input_backward == pytest.approx(16 * CALLS["sum"])
+    # No tp, or compiled blocks (torch's functional collectives: not measured): nothing added.
+    for resolved in (_resolved(llama), _resolved(llama, tp=2, compile=True)):
+        assert stage_times(resolved, llama, _with(call_overhead_s=CALLS)) == stage_times(resolved, llama, UNIT)
+
+
+def test_the_call_overhead_is_communication_to_plan_measure(llama):
+    hw = _with(call_overhead_s=CALLS)
+    parts, base = prediction_parts(_resolved(llama, tp=2), llama, hw), prediction_parts(_resolved(llama, tp=2), llama, UNIT)
+    assert parts.compute == pytest.approx(base.compute) and parts.communication > base.communication
+    assert scaled_profile(hw, Scales(1.0, 3.0, "fitted")).call_overhead_s == pytest.approx({k: 3 * t for k, t in CALLS.items()})
+    assert scaled_profile(hw, Scales(1.0, 3.0, "fitted"), links=("inter_node",)).call_overhead_s == CALLS
+
+
+def test_bad_terms_are_refused_by_name():
+    for update, words in (({"call_overhead_s": {"all_reduce": 0.1}}, "call_overhead_s.all_reduce"),
+                          ({"call_overhead_s": {"sum": -1.0}}, "greater than or equal to 0"),
+                          ({"cores_per_node": 0}, "cores_per_node")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            _with(**update)
+
+
+def test_ranks_sharing_cores_keep_them_busy():
+    """4 ranks measured together on 2 cores: each at half a core. The table takes the longer of its busy time
+    spread over the cores and its span at a whole core each."""
+    hw = _with(devices_per_node=4, cores_per_node=2)
+    span = lambda busy: Summary([(0.0, 10.0)] * 4, 10.0, busy, [])  # noqa: E731 (4 rows, span 10)
+    assert shared_cores(hw, 4, span(40.0), 4) == (1.0, 1.0)  # all busy throughout: as measured
+    assert shared_cores(hw, 4, span(30.0), 4) == (0.75, 1.0)  # a quarter idle: the others take its core
+    assert shared_cores(hw, 4, span(8.0), 4) == (0.5, 1.0)  # mostly idle: no faster than a whole core each
+    assert shared_cores(hw, 2, span(20.0), 2) == (0.5, 0.5)  # 2 ranks of the 4 measured: a core each
+    assert shared_cores(hw, 1, span(10.0), 1) == (0.5, 0.5)
+    assert shared_cores(_with(devices_per_node=2, cores_per_node=2), 2, span(5.0), 2) == (1.0, 1.0)  # a core each
+    assert shared_cores(UNIT, 8, span(1.0), 4) == (1.0, 1.0)  # devices of their own
+
+
+def test_a_pipeline_on_shared_cores_runs_at_its_busy_share(llama):
+    hw = _with(devices_per_node=4, cores_per_node=2)
+    pipeline = _resolved(llama, pp=4, m=16, schedule="1f1b")
+    alone, shared = predict_step(pipeline, llama, UNIT.model_copy(update={"devices_per_node": 4})), predict_step(
+        pipeline, llama, hw)
+    assert 0 < alone.bubble < 0.5
+    assert shared.pipeline_s == pytest.approx(alone.pipeline_s * (1 - alone.bubble))
+    assert shared.step_s < alone.step_s and shared.bubble == alone.bubble
+    replicas = _resolved(llama, dp=4, data_parallel={"sharding": "replicate"})  # no bubble: as measured
+    assert predict_step(replicas, llama, hw).step_s == pytest.approx(predict_step(replicas, llama, UNIT).step_s)
+
+
+def test_the_search_bound_holds_on_shared_cores(llama):
+    """The search refuses (as a bug) any prediction below its lower bound: sharing cores lowers both."""
+    hw = _with(devices_per_node=4, cores_per_node=2, memory_gib=64)
+    picks = rewrite.suggest_plans(llama, world=4, seq_len=16, global_batch=8, hardware=hw)
+    assert picks and all(p.step_s > 0 for p in picks)
+
+
+def test_calibrate_prices_the_calls_beyond_their_time_alone():
+    hw = _with(collective_times={"sum": {2: {1024: 0.001, 4096: 0.002}}})
+    times = {"sum": {"real": 1.0, "free": 0.5, "swaps": [1024] * 100},  # 0.5 s more made, 0.1 s of it alone
+             "gather": {"real": 0.6, "free": 0.59, "swaps": [4096] * 10}}  # less than alone: none
+    assert call_overheads(hw, times) == pytest.approx({"sum": 0.004, "gather": 0.0, "scatter": 0.0})
+    assert call_overheads(hw, {}) == {}
+
+
+def test_the_profile_file_carries_both_or_says_why_not():
+    found = {"flops": {"float32": 5e10}, "memory_bandwidth": 2e10, "latency": 1e-4, "link": 2e9, "collective": 0.6,
+             "memory_gib": 12.0, "world": 4, "measured": {"p2p": {4: 1e-4}, "all_reduce": {4: 2e-4}}}
+    hw = Hardware.model_validate(yaml.safe_load(profile_yaml(found)))
+    assert hw.call_overhead_s == {} and hw.cores_per_node is None
+    found.update(call_overhead_s=CALLS, cores=2)
+    hw = Hardware.model_validate(yaml.safe_load(profile_yaml(found)))
+    assert hw.call_overhead_s == CALLS and hw.cores_per_node == 2
+
+
+def test_loopback_moves_nothing_and_counts_the_bytes():
+    import torch
+
+    send, recv = torch.arange(6.0), torch.zeros(6)
+    with loopback() as swaps:  # no process group needed: nothing is sent
+        swap(send, recv, 1, None)
+        swap(send[:2], recv[:2], 1, None)
+    assert torch.equal(recv, send) and swaps == [24, 8]
+    with pytest.raises(ValueError):  # outside it, a swap needs its process group again
+        swap(send, recv, 1, None)
