@@ -67,6 +67,8 @@ def add_calibrate_parser(sub) -> None:
     cal.add_argument("--world", type=int, default=2, metavar="N", help="local ranks measured together (default %(default)s)")
     cal.add_argument("--out", default=None, metavar="FILE", help="write the profile here (default: print it)")
     cal.add_argument("--name", default="calibrated", help="the profile's name (default %(default)s)")
+    cal.add_argument("--repeats", type=int, default=10, metavar="N",
+                     help="timings of each measurement (default %(default)s; fewer: quicker and noisier)")
     cal.add_argument("--compile", default=True, action=argparse.BooleanOptionalAction,
                      help="measure a compiled layer too, what `rewrite plan` weighs `compile` by (default: on; the "
                      "first compile takes about half a minute, cached for the next)")
@@ -253,7 +255,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     if args.world < 2:
         return _fail(f"--world {args.world}: calibrating the links needs at least 2 local ranks", BAD_ARGUMENTS)
-    text = profile_yaml(calibrate(args.world, compiled=args.compile), name=args.name)
+    if args.repeats < 1:
+        return _fail(f"--repeats {args.repeats}: each measurement needs at least 1 timing", BAD_ARGUMENTS)
+    text = profile_yaml(calibrate(args.world, repeats=args.repeats, compiled=args.compile), name=args.name)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}: use it as --hardware {args.out}")

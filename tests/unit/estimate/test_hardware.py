@@ -91,7 +91,7 @@ def test_a_calibrated_profile_reads_back():
 
 def test_rewrite_calibrate_measures_this_machine(tmp_path):
     out = tmp_path / "here.yaml"
-    run = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "2", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "2", "--repeats", "3", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr
     hw = load_hardware(out)
@@ -119,3 +119,6 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "1", "--no-compile"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "at least 2" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--repeats", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "at least 1 timing" in bad.stderr
