@@ -13,8 +13,8 @@ sharding, switches, checkpointing) is predicted on it (`estimate.step_time.predi
 `rewrite.suggest_plans` picks its top plan. Measured: the top pick, the best of every other
 mesh, and plans spread over the predicted range, at least 8, all in the same processes,
 taking turns step by step (a step as `rewrite plan --measure` times it: `run_schedule`, the
-gradient norm clipped, an AdamW update); each is predicted too without the tensor-parallel
-collectives' cost per call (`call_overhead_s`) and the cores the ranks share (`cores_per_node`), beside. Targets: the median
+gradient norm clipped, an AdamW update); each is predicted too without the layers' collectives'
+cost per call (`call_overhead_s`: tp, cp and ep) and the cores the ranks share (`cores_per_node`), beside. Targets: the median
 |measured / predicted - 1| within 10 %, every plan within 20 %, Spearman correlation of predicted
 and measured >= 0.9, the top pick's measured step within 5 % of the best measured. Writes the
 "planner" entry of bench/results.json.
@@ -159,7 +159,7 @@ def run_world(model: str, world: int, warmup: int, steps: int, compiled: bool = 
     chosen = choose(every, picks, MEASURED)
     twins = eager_twins(chosen, meta, hw) if compiled else []
     per_rank = common.launch(measure, world, model, chosen + twins, warmup, steps)
-    # The same plans without the tp collectives' cost per call (`call_overhead_s`) and the cores the ranks share
+    # The same plans without the layers' collectives' cost per call (`call_overhead_s`) and the cores the ranks share
     # (`cores_per_node`), as before `calibrate` measured them.
     plain = hw.model_copy(update={"call_overhead_s": {}, "cores_per_node": None})
     rows = []
@@ -209,8 +209,8 @@ def errors(predicted: list[float], measured: list[float]) -> dict:
 def table(res: dict) -> str:
     how = ", compiled" if res.get("compiled") else ""
     lines = [f"{res['model']}{how}, world {res['world']}: {res['candidates']} candidates predicted, {len(res['rows'])} measured",
-             "", "| plan | predicted (s) | measured (s), median (range) | measured / predicted | without the tp "
-             "calls' cost and shared cores: predicted (s), ratio |", "|---|---|---|---|---|"]
+             "", "| plan | predicted (s) | measured (s), median (range) | measured / predicted | without the "
+             "collectives' cost per call and shared cores: predicted (s), ratio |", "|---|---|---|---|---|"]
     for r in sorted(res["rows"], key=lambda r: r["measured_s"]):
         mark = " **(top pick)**" if r["top_pick"] else ""
         lo, hi = r["range_s"]

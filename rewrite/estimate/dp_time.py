@@ -136,7 +136,7 @@ class DpTime:
         experts = sum(self.experts[s] for s in stages)  # reduced after the dense gradients, nothing beside it
         exposed += collective_s(hw, "all_reduce", experts, self.expert_replicas, self.expert_link)
         held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1) + experts / dtype_bytes
-        return exposed, held_elems * (3 * dtype_bytes + ADAMW_TRAFFIC) / self.hw.memory_bandwidth
+        return exposed, held_elems * (3 * dtype_bytes + ADAMW_TRAFFIC) / (hw.optimizer_bandwidth or hw.memory_bandwidth)
 
 
 def _trained_units(resolved: ResolvedPlan) -> list[dict[str, int]]:

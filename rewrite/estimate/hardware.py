@@ -82,6 +82,10 @@ class Hardware(_Strict):
     microbatch_overhead_s: Annotated[float, Field(ge=0, description=(
         "seconds a stage spends on each microbatch outside its decoder layers' operators: the forward and "
         "backward calls, the embedding, head and loss modules' dispatch (0: not modelled)"))] = 0.0
+    optimizer_bandwidth: Annotated[float | None, Field(gt=0, description=(
+        "bytes per second a step's end moves AdamW's counted traffic at (3 x the parameters' bytes + 16 per "
+        "trained element), the gradients' norm clipped included: torch's AdamW runs an operator at a time, each "
+        "reading and writing whole tensors; None: memory_bandwidth"))] = None
     collective_times: Annotated[dict[CollectiveKind, dict[Annotated[int, Field(ge=2)], _Curve]], Field(description=(
         "seconds each collective took as a run makes it, by kind, group size and bytes (the summed tensor; the "
         "gathered or scattered whole; what one rank sends to all), every group of that size on one node at once; "

@@ -15,7 +15,8 @@ Memory traffic, at the bandwidth: F writes and reads back what the layer keeps f
 and accumulates the gradients (2x the weights). A checkpointed layer adds its forward to its I.
 A layer also costs the profile's fixed `layer_overhead_s` per microbatch (operator dispatch, which
 eager CPU runs pay in full), a third in each of F, I and W, and each of its eager tp collectives the
-profile's `call_overhead_s` of its kind beyond the collective's own time (measured on a tp layer).
+profile's `call_overhead_s` of its kind beyond the collective's own time (measured on a tp layer; cp's
+gathers and reduce-scatters of keys and values, which go by the same exchanges, a `gather` each).
 Collectives per split block (attention, MLP) and microbatch, of T h B bytes:
     plain tp             F: 1 all-reduce (row out)           I: 1 all-reduce (column in)
     sequence parallel    F: all-gather in, reduce-scatter out; I: the same two in reverse
@@ -27,10 +28,12 @@ s x s, so a rank's (2 c + 1) L^2 pairs are charged (2 c + 1) / (2 c^2) of it (me
 4,096 tokens: the cp 2 step at 0.62x one process, this model 0.59x). Each
 layer all-gathers the keys and values of the whole sequence over the cp group in F, 2 b s g r d B / t'
 bytes, and reduce-scatters their gradients in I (again in a recomputed F).
-A layer whose experts are split over ep (e = mesh.ep) exchanges its routed rows in F (T k rows of
-h + 1 values out, their results back: 2 all-to-alls over the ep group, balanced routing), and their
-gradients again in I (again in a recomputed F): T k (2 h + 1) B bytes each way per pass, at the
-compute dtype (a family whose routing weights stay float32 under bfloat16 sends float32 rows).
+A layer whose experts are split over ep (e = mesh.ep) exchanges its routed rows in F (the rows' counts per
+expert, then T k rows of h + 1 values out, their results back: 3 all-to-alls over the ep group, balanced
+routing), and their gradients again in I (2; again 3 in a recomputed F): T k (2 h + 1) B bytes each way per
+pass, at the compute dtype (a family whose routing weights stay float32 under bfloat16 sends float32 rows).
+Each exchange blocks as a tp sum does and costs the profile's `call_overhead_s` `sum` beside its own time,
+compiled or not (a compiled block is split at it).
 When ep borrows tp ranks each tp rank takes 1/t of the tokens: its routed experts' FLOPs (6 T h k i_e)
 and rows divide by t, and the layer all-gathers the chunks' outputs over tp in F (T h B) and their
 tokens' and routing weights' gradients in I (T (h + k) B). Shared experts split over tp (a column inside
@@ -109,6 +112,7 @@ class _Clock:
         # Each eager tp collective's cost beside the layer's compute, beyond its time alone (none traced).
         calls = {} if traced else hardware.call_overhead_s
         self.call = {kind: calls.get(kind, 0.0) for kind in self.kinds}
+        self.ep_call = hardware.call_overhead_s.get("sum", 0.0)
 
     def run(self, flops: float, activation_bytes: float, weight_bytes: float = 0.0) -> float:
         """FLOPs at the matmul rate, activations at the elementwise operators' bandwidth, weights at the memory's."""
@@ -127,11 +131,14 @@ class _Clock:
             return 0.0
         return (self._tp(self.kinds[1], nbytes) + self._tp(self.kinds[2], nbytes)) / 2
 
-    def cp_gather(self, nbytes: float) -> float:  # an all-gather over the cp group
-        return collective_s(self.hardware, self.kinds[1], nbytes, self.cp, self.cp_link)
+    def cp_gather(self, nbytes: float) -> float:  # keys and values all-gathered over the cp group: a call each
+        if self.cp <= 1:
+            return 0.0
+        return collective_s(self.hardware, self.kinds[1], nbytes, self.cp, self.cp_link) + 2 * self.call[self.kinds[1]]
 
     def exchange(self, nbytes: float) -> float:  # an all-to-all of what one rank sends, over the ep group
-        return collective_s(self.hardware, "all_to_all", nbytes, self.ep, self.ep_link)
+        # Eager in a compiled step too (the block is split at it), and as blocking as a tp sum: its call cost.
+        return collective_s(self.hardware, "all_to_all", nbytes, self.ep, self.ep_link) + self.ep_call
 
 
 def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *, first: bool, recomputed: set[str],
@@ -168,14 +175,16 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *,
     if u > 1 and not on_parts:  # the chunks' outputs all-gathered over tp in F, their tokens' and weights' gradients in I
         fwd_comm += clock.gather(block)
         bwd_comm += clock.gather(z.tokens * z.dtype_bytes * (z.hidden + z.top_k))
-    # The routed rows to their experts' ranks and back (each way once in F, once more in I).
+    # The routed rows to their experts' ranks and back (each way once in F, once more in I); F first exchanges
+    # the rows' counts per expert (8 bytes each, a few per rank: latency).
     rows = z.tokens * z.top_k * z.dtype_bytes // u if experts_split else 0
-    ep = clock.exchange(rows * (z.hidden + 1)) + clock.exchange(rows * z.hidden)
+    ep = clock.exchange(rows * (z.hidden + 1)) + clock.exchange(rows * z.hidden) if rows else 0.0
+    ep_f = ep + clock.exchange(8 * clock.ep) if rows else 0.0
     # LoRA: each adapter's two products in F, again in I (through B, then A) and in W (their gradients); the
     # frozen weights get none, so W computes the adapters' alone.
     adapters = lora_flops(z, ta, tm, kv_share) if z.lora_rank else 0.0
     trained = adapters if z.lora_rank else proj + mlp
-    forward = (clock.run(proj + scores + mlp + norms + adapters, 2 * kept, weights) + fwd_comm + kv + ep
+    forward = (clock.run(proj + scores + mlp + norms + adapters, 2 * kept, weights) + fwd_comm + kv + ep_f
                + clock.overhead)
     input_backward = (clock.run(proj + 2 * scores + mlp + 2 * norms + adapters, 3 * kept, weights) + bwd_comm + kv
                       + ep + clock.overhead)
@@ -189,7 +198,7 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *,
         share += weight
     tp_comm = fwd_comm + bwd_comm + share * fwd_comm
     flops = (proj + scores + mlp + norms + adapters) + (proj + 2 * scores + mlp + 2 * norms + adapters) + trained
-    return forward, input_backward, weight_backward, tp_comm, flops, (2 + share) * kv, (2 + share) * ep
+    return forward, input_backward, weight_backward, tp_comm, flops, (2 + share) * kv, (1 + share) * ep_f + ep
 
 
 def _selective_units(z: Sizes, recomputed: set[str], splits: dict, proj: float, mlp: float):

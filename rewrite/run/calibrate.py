@@ -2,10 +2,11 @@
 
 N local ranks (one torch thread each, as `rewrite train` runs them on CPU) measure at once:
 matmul throughput at transformer shapes, memory bandwidth, a decoder layer's fixed cost and its
-elementwise operators' bandwidth, eager and compiled, a microbatch's cost outside its layers, and a
-tp 2 layer's collectives beyond their time alone (`calibrate_layers`), then point-to-point and
-all-reduce times between them on the current backend (latency and bandwidth are fitted to the
-times), and each collective a run makes by size and group (`calibrate_links`).
+elementwise operators' bandwidth, eager and compiled, a microbatch's cost outside its layers, a step's
+end (the gradients' norm and AdamW) and a tp 2 layer's collectives beyond their time alone
+(`calibrate_layers`), then point-to-point and all-reduce times between them on the current backend
+(latency and bandwidth are fitted to the times), and each collective a run makes by size and group
+(`calibrate_links`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import statistics
 from pathlib import Path
 
 from ..lent import lend
-from .calibrate_layers import ROWS, SEQUENCE, best_of, call_overheads, layer_costs, layer_terms, tp_call_times
+from .calibrate_layers import (OPTIMIZER_LAYERS, ROWS, SEQUENCE, best_of, call_overheads, layer_costs, layer_terms,
+                               optimizer_bandwidth, tp_call_times)
 from .calibrate_links import collective_lines, collective_times, overlap_share
 
 __all__ = ["calibrate", "device_rates", "profile_yaml"]
@@ -66,7 +68,8 @@ def _measure(repeats: int, compiled: bool = True) -> dict:
     # On a GPU the host queues kernels ahead of the device, so dispatch hides behind compute: not modelled.
     out.update({"layer_overhead_s": 0.0, "activation_bandwidth": None, "microbatch_overhead_s": 0.0} if cuda
                else layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier))
-    if not cuda:  # a tp layer's collectives beyond their time alone (`Hardware.call_overhead_s`)
+    if not cuda:  # a step's end, and a tp layer's collectives beyond their time alone (`Hardware.call_overhead_s`)
+        out["optimizer_bandwidth"] = optimizer_bandwidth(repeats, together=dist.barrier)
         out["tp_calls"] = tp_call_times(repeats, together=dist.barrier)
     if compiled and not cuda:
         out["compiled"] = layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier,
@@ -135,6 +138,7 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, co
         "flops": flops, "memory_bandwidth": bandwidth, "latency": latency, "link": link, "collective": efficiency,
         "memory_gib": memory / 1024**3, "world": world, **layer_terms(results), "gpu": gpu,
         "cores": None if gpu else _cores(),
+        "optimizer_bandwidth": statistics.mean(r["optimizer_bandwidth"] for r in results) if not gpu else None,
         "collective_times": results[0]["collective_times"], "overlap": statistics.mean(r["overlap"] for r in results),
         "compiled": layer_terms([r["compiled"] for r in results]) if "compiled" in results[0] else None,
         "measured": {"p2p": results[0]["p2p"], "all_reduce": reduce, "layer_s": results[0].get("layer_times"),
@@ -194,6 +198,15 @@ def _activation_line(found: dict) -> str:
             "activation bytes the model counts")
 
 
+def _optimizer_line(found: dict) -> str:
+    bandwidth = found.get("optimizer_bandwidth")
+    if not bandwidth:
+        where = " on a GPU" if found.get("gpu") else ""
+        return f"optimizer_bandwidth: null    # not measured{where}: AdamW's traffic is charged at memory_bandwidth"
+    return (f"optimizer_bandwidth: {bandwidth:.4g}   # measured: the gradients' norm clipped and AdamW's step on "
+            f"{OPTIMIZER_LAYERS} bench layers' parameters, every rank at once, over the traffic counted")
+
+
 def _compiled_lines(found: dict) -> str:
     terms = found.get("compiled")
     if not terms:
@@ -251,6 +264,7 @@ inter_node:                 # not measured (one machine): the same as intra_node
 layer_overhead_s: {found.get('layer_overhead_s', 0.0):.3g}   # measured: a decoder layer's forward + backward, its fixed part (3 layers against 1 on {ROWS[0]}-{ROWS[-1]} sequences of {SEQUENCE} tokens, fitted)
 {_activation_line(found)}
 microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measured: a 1-layer model's forward + backward on one sequence of {SEQUENCE} tokens beyond its layer and head FLOPs
+{_optimizer_line(found)}
 {_reserve_lines(found)}
 {collective_lines(found.get("collective_times", {}))}
 {_call_lines(found)}

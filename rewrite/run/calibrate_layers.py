@@ -1,6 +1,6 @@
 """What a decoder layer's forward and backward cost a microbatch beyond their FLOPs, eager or compiled, a
-microbatch beyond its layers, and a tensor-parallel layer's collectives beyond their time alone: the terms
-`rewrite calibrate` fits from a small LLaMA timed at several sizes."""
+microbatch beyond its layers, a tensor-parallel layer's collectives beyond their time alone, and a step's end
+(the gradients' norm and AdamW): the terms `rewrite calibrate` fits from a small LLaMA timed at several sizes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import statistics
 import time
 from contextlib import nullcontext
 
-__all__ = ["ROWS", "SEQUENCE", "best_of", "layer_costs", "layer_terms", "tp_layer_times", "call_overheads"]
+__all__ = ["ROWS", "SEQUENCE", "best_of", "layer_costs", "layer_terms", "optimizer_bandwidth", "tp_layer_times",
+           "call_overheads"]
 
 
 def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
@@ -99,6 +100,35 @@ def layer_terms(found: list[dict]) -> dict:
             "microbatch_overhead_s": statistics.mean(r["microbatch_overhead_s"] for r in found)}
 
 
+
+
+OPTIMIZER_LAYERS = 12  # the decoder layers whose parameters a step's end updates: ~8.7 M elements, past a CPU's caches
+
+
+def optimizer_bandwidth(repeats: int, together=None) -> float:
+    """Bytes per second of a step's end over the traffic the step-time model counts for it (`ADAMW_TRAFFIC` + 3 x 4
+    bytes per float32 element: `Hardware.optimizer_bandwidth`): the gradients' norm clipped a tensor at a time, as
+    `clip_grad_norm_` does, then torch's AdamW step (its default implementation for CPU tensors: an operator at a
+    time, each reading and writing whole tensors), on the parameters of OPTIMIZER_LAYERS decoder layers of the
+    bench model's shapes (hidden 256, intermediate 688). Measured on CPU ranks at about 3-4x a large copy's time
+    for the counted bytes."""
+    import torch
+
+    from ..estimate.dp_time import ADAMW_TRAFFIC
+    from .presets import build_config, build_model
+
+    layers = build_model(build_config("bench-llama", num_hidden_layers=OPTIMIZER_LAYERS)).model.layers
+    params = list(layers.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-5)
+
+    def end() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
+        optimizer.step()
+
+    elements = sum(p.numel() for p in params)
+    return elements * (3 * 4 + ADAMW_TRAFFIC) / best_of(end, repeats, together=together)
 
 
 _TP_KINDS = {"sum": False, "gather": True}  # the collectives a tp 2 layer calls -> sequence parallelism

@@ -1,6 +1,7 @@
-"""Two CPU terms `rewrite calibrate` measures: what a tensor-parallel layer's collective costs beyond its time alone
-(`call_overhead_s`, per call) and the cores a node's ranks share (`cores_per_node`), in the step model, the search's
-lower bound, `plan --measure`'s correction and the profile file."""
+"""CPU terms `rewrite calibrate` measures: what a tensor-parallel layer's collective costs beyond its time alone
+(`call_overhead_s`, per call), the cores a node's ranks share (`cores_per_node`) and the rate of a step's end
+(`optimizer_bandwidth`), in the step model, the search's lower bound, `plan --measure`'s correction and the profile
+file."""
 
 from __future__ import annotations
 
@@ -45,6 +46,36 @@ def test_each_tp_collective_costs_its_kinds_call_overhead(llama):
     # No tp, or compiled blocks (torch's functional collectives: not measured): nothing added.
     for resolved in (_resolved(llama), _resolved(llama, tp=2, compile=True)):
         assert stage_times(resolved, llama, _with(call_overhead_s=CALLS)) == stage_times(resolved, llama, UNIT)
+
+
+def test_cp_gathers_cost_a_gather_call_each(llama):
+    """cp 2: each layer gathers its keys and values in F and reduce-scatters their gradients in I, a call each (the
+    same exchanges as tp's); compiled blocks (torch's functional collectives) get none."""
+    plan = {"mesh": {"dp": 1, "pp": 1, "tp": 1, "cp": 2}, "pipeline": {"microbatches": 1, "seq_len": 16}}
+    resolved = rewrite.resolve(plan, llama)
+    (base,), (priced,) = (stage_times(resolved, llama, hw) for hw in (UNIT, _with(call_overhead_s=CALLS)))
+    assert priced.forward - base.forward == pytest.approx(4 * 2 * CALLS["gather"])
+    assert priced.input_backward - base.input_backward == pytest.approx(4 * 2 * CALLS["gather"])
+    assert priced.cp_comm - base.cp_comm == pytest.approx(2 * 4 * 2 * CALLS["gather"])
+    assert priced.tp_comm == base.tp_comm == 0
+    compiled = rewrite.resolve({**plan, "compile": True}, llama)
+    assert stage_times(compiled, llama, _with(call_overhead_s=CALLS)) == stage_times(compiled, llama, UNIT)
+
+
+def test_the_step_end_runs_at_the_optimizer_bandwidth(llama):
+    """AdamW's counted traffic, 3 x 4 + 16 bytes per float32 element a rank trains, at `optimizer_bandwidth` where
+    calibrate measured it (else memory_bandwidth); `plan --measure` rescales it with the compute."""
+    elements = sum(p.numel() for p in llama.parameters())
+    resolved = _resolved(llama)
+    base, slow = (predict_step(resolved, llama, hw) for hw in (UNIT, _with(optimizer_bandwidth=1e9)))
+    assert slow.optimizer_s == pytest.approx(elements * 28 / 1e9) and base.optimizer_s == pytest.approx(0, abs=1e-12)
+    assert slow.step_s - base.step_s == pytest.approx(slow.optimizer_s)
+    two = predict_step(_resolved(llama, pp=2, schedule="1f1b", m=2), llama, _with(optimizer_bandwidth=1e9))
+    assert two.optimizer_s < slow.optimizer_s  # a stage's parameters only
+    assert scaled_profile(_with(optimizer_bandwidth=1e9), Scales(2.0, 1.0, "fitted")).optimizer_bandwidth == 5e8
+    assert scaled_profile(UNIT, Scales(2.0, 1.0, "fitted")).optimizer_bandwidth is None
+    with pytest.raises(ValueError, match="optimizer_bandwidth"):
+        _with(optimizer_bandwidth=0)
 
 
 def test_the_call_overhead_is_communication_to_plan_measure(llama):

@@ -81,9 +81,11 @@ def test_a_calibrated_profile_reads_back():
     assert hw.name == "here" and hw.flops("float32") == 5e10 and hw.inter_node == hw.intra_node
     assert hw.layer_overhead_s == 0  # not measured: not modelled
     assert hw.activation_bandwidth is None and hw.microbatch_overhead_s == 0 and hw.memory_reserve_gib == 0
-    found.update(layer_overhead_s=0.0025, activation_bandwidth=6e9, microbatch_overhead_s=0.004)
+    assert hw.optimizer_bandwidth is None  # not measured: AdamW's traffic at memory_bandwidth
+    found.update(layer_overhead_s=0.0025, activation_bandwidth=6e9, microbatch_overhead_s=0.004, optimizer_bandwidth=5e9)
     measured = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found)))
     assert (measured.layer_overhead_s, measured.activation_bandwidth, measured.microbatch_overhead_s) == (0.0025, 6e9, 0.004)
+    assert measured.optimizer_bandwidth == 5e9
     found["gpu"] = True  # a GPU's profile keeps the runtime's reserve, as the shipped ones
     gpu = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found)))
     assert (gpu.memory_reserve_gib, gpu.fragmentation) == (3.0, 0.05)
@@ -112,6 +114,8 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     assert set(hw.call_overhead_s) == {"sum", "gather", "scatter"}
     assert all(0 <= t < 0.1 for t in hw.call_overhead_s.values()) and hw.call_overhead_s["gather"] == hw.call_overhead_s["scatter"]
     assert hw.cores_per_node == len(os.sched_getaffinity(0))
+    # A step's end (the gradients' norm and AdamW, an operator at a time) moves its counted bytes slower than a copy.
+    assert hw.optimizer_bandwidth is not None and 0 < hw.optimizer_bandwidth < hw.memory_bandwidth
     # The same fit with the blocks compiled (inductor): its own terms, of the same order as eager's.
     compiled = hw.compiled
     assert compiled is not None and 0 <= compiled.layer_overhead_s < 1 and 0 <= compiled.microbatch_overhead_s < 1

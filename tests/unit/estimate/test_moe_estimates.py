@@ -73,14 +73,24 @@ def test_the_step_time_counts_the_exchanges_and_the_experts_own_reduce():
     (ep,), (dense,) = stage_times(split, model, UNIT), stage_times(whole, model, UNIT)
     rows = 16 * 2 * 4  # T k B: a layer's routed rows, float32
     layer = all_to_all_s(rows * 65, 2, UNIT.intra_node, 1.0) + all_to_all_s(rows * 64, 2, UNIT.intra_node, 1.0)
-    assert ep.ep_comm == pytest.approx(4 * 2 * layer) and dense.ep_comm == 0
-    assert ep.forward == pytest.approx(dense.forward + 4 * layer)  # the same compute, and the exchanges
+    counts = all_to_all_s(16, 2, UNIT.intra_node, 1.0)  # F first exchanges the rows' counts per expert
+    assert ep.ep_comm == pytest.approx(4 * (2 * layer + counts)) and dense.ep_comm == 0
+    assert ep.forward == pytest.approx(dense.forward + 4 * (layer + counts))  # the same compute, and the exchanges
     assert ep.input_backward == pytest.approx(dense.input_backward + 4 * layer)
     assert ep.weight_backward == pytest.approx(dense.weight_backward)
+    # Each exchange blocks as a tp sum: the profile's cost per call of a sum, 3 in F and 2 in I, compiled or not.
+    calls = Hardware.model_validate({**UNIT.model_dump(), "call_overhead_s": {"sum": 0.01}})
+    for resolved in (split, rewrite.resolve({**base, "mesh": {"dp": 4, "ep": 2}, "tensor_parallel": RULE,
+                                             "compile": True}, model)):
+        (plain,), (priced,) = stage_times(resolved, model, UNIT), stage_times(resolved, model, calls)
+        assert priced.forward - plain.forward == pytest.approx(4 * 3 * 0.01)
+        assert priced.input_backward - plain.input_backward == pytest.approx(4 * 2 * 0.01)
+        assert priced.ep_comm - plain.ep_comm == pytest.approx(4 * 5 * 0.01)
     # Across nodes (one device a node) the exchange takes the network.
     (far,) = stage_times(split, model, UNIT, gpus_per_node=1)
-    assert far.ep_comm == pytest.approx(4 * 2 * (all_to_all_s(rows * 65, 2, UNIT.inter_node, 1.0)
-                                                 + all_to_all_s(rows * 64, 2, UNIT.inter_node, 1.0)))
+    assert far.ep_comm == pytest.approx(4 * (2 * (all_to_all_s(rows * 65, 2, UNIT.inter_node, 1.0)
+                                                  + all_to_all_s(rows * 64, 2, UNIT.inter_node, 1.0))
+                                             + all_to_all_s(16, 2, UNIT.inter_node, 1.0)))
     # The experts (2 of 4 a rank) leave FSDP2's units; their gradients are all-reduced over the 2 replicas
     # holding the same ones, after the dense reduce, and AdamW reads them whole.
     units = stage_parameters(split, model)[0]
@@ -168,7 +178,8 @@ def test_the_step_time_shares_the_tokens_out_when_ep_borrows_tp():
     routed = 6 * 16 * 64 * 2 * 32 * 4
     assert over_dp.flops - over_tp.flops == pytest.approx(3 * routed / 2)
     rows = 16 * 2 * 4 // 2  # T k B / t bytes, each row of h + 1 values out and h back, in F and in I
-    exchanges = 4 * 2 * sum(all_to_all_s(rows * n, 2, UNIT.intra_node, 1.0) for n in (65, 64))
+    exchanges = 4 * (2 * sum(all_to_all_s(rows * n, 2, UNIT.intra_node, 1.0) for n in (65, 64))
+                     + all_to_all_s(16, 2, UNIT.intra_node, 1.0))  # and the counts per expert in F
     assert over_tp.ep_comm == pytest.approx(exchanges) and over_tp.ep_comm < over_dp.ep_comm
     # ... and each layer all-gathers its output (T h B) in F and its inputs' gradients (T (h + k) B) in I.
     gathers = 4 * (all_gather_s(16 * 4 * 64, 2, UNIT.intra_node, 1.0) + all_gather_s(16 * 4 * 66, 2, UNIT.intra_node, 1.0))
