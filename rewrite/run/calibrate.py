@@ -198,11 +198,15 @@ def _activation_line(found: dict) -> str:
             "activation bytes the model counts")
 
 
+def _unmeasured(found: dict, line: str, why: str, then: str = "") -> str:
+    """The profile's `line` for a term calibrate did not measure: on a GPU, else `why`."""
+    return f"{line:<29}# not measured {'on a GPU' if found.get('gpu') else why}{then}"
+
+
 def _optimizer_line(found: dict) -> str:
     bandwidth = found.get("optimizer_bandwidth")
     if not bandwidth:
-        where = " on a GPU" if found.get("gpu") else ""
-        return f"optimizer_bandwidth: null    # not measured{where}: AdamW's traffic is charged at memory_bandwidth"
+        return _unmeasured(found, "optimizer_bandwidth: null", "here", ": AdamW's traffic is charged at memory_bandwidth")
     return (f"optimizer_bandwidth: {bandwidth:.4g}   # measured: the gradients' norm clipped and AdamW's step on "
             f"{OPTIMIZER_LAYERS} bench layers' parameters, every rank at once, over the traffic counted")
 
@@ -210,8 +214,8 @@ def _optimizer_line(found: dict) -> str:
 def _compiled_lines(found: dict) -> str:
     terms = found.get("compiled")
     if not terms:
-        why = "on a GPU" if found.get("gpu") else "(rewrite calibrate --no-compile)"
-        return f"compiled: null               # not measured {why}: a compiled plan is charged the eager terms above"
+        return _unmeasured(found, "compiled: null", "(rewrite calibrate --no-compile)",
+                           ": a compiled plan is charged the eager terms above")
     bandwidth = terms["activation_bandwidth"]
     return ("compiled:                   # measured: the same fit with the embedding, each layer and the head under "
             "torch.compile (inductor)\n"
@@ -230,8 +234,7 @@ def _cores_line(found: dict) -> str:
 def _call_lines(found: dict) -> str:
     calls = found.get("call_overhead_s")
     if not calls:
-        why = "on a GPU" if found.get("gpu") else "(an odd number of ranks: no tp 2 groups)"
-        return f"call_overhead_s: {{}}          # not measured {why}"
+        return _unmeasured(found, "call_overhead_s: {}", "(an odd number of ranks: no tp 2 groups)")
     return ("call_overhead_s:            # measured: a tp 2 model's collectives inside its layers (made against not "
             "made, every pair at once) beyond their time alone, per call\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
 
