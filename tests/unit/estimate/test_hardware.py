@@ -99,9 +99,9 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     hw = load_hardware(out)
     assert hw.devices_per_node == 2 and hw.flops("float32") > 1e8 and hw.intra_node.latency > 0
     # Eager CPU dispatch: milliseconds per layer and microbatch, not seconds. The two are fitted apart (a
-    # layer's intercept, a microbatch's remainder), so on a busy machine either may come out 0, not both.
-    assert 0 <= hw.layer_overhead_s < 1 and 0 <= hw.microbatch_overhead_s < 1
-    assert hw.layer_overhead_s + hw.microbatch_overhead_s > 0 and hw.memory_reserve_gib == 0
+    # layer's intercept, a microbatch's remainder) from 3 timings each, so on a busy machine either may come out 0,
+    # and both did once (the suite's other worker beside it): of these and the compiled fit's two, one is not (below).
+    assert 0 <= hw.layer_overhead_s < 1 and 0 <= hw.microbatch_overhead_s < 1 and hw.memory_reserve_gib == 0
     # The elementwise operators move activations slower than a large copy does (when the FLOPs leave any time).
     assert hw.activation_bandwidth is None or 0 < hw.activation_bandwidth < hw.memory_bandwidth
     # Each collective a run makes, timed over the 2 ranks at every size, never cheaper for more bytes.
@@ -119,6 +119,8 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     # The same fit with the blocks compiled (inductor): its own terms, of the same order as eager's.
     compiled = hw.compiled
     assert compiled is not None and 0 <= compiled.layer_overhead_s < 1 and 0 <= compiled.microbatch_overhead_s < 1
+    fixed = (hw.layer_overhead_s, hw.microbatch_overhead_s, compiled.layer_overhead_s, compiled.microbatch_overhead_s)
+    assert any(t > 0 for t in fixed), fixed
     assert compiled.activation_bandwidth is None or 0 < compiled.activation_bandwidth < hw.memory_bandwidth
     bad = subprocess.run([sys.executable, "-m", "rewrite", "calibrate", "--world", "1", "--no-compile"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
