@@ -14,7 +14,8 @@ sharding, switches, checkpointing) is predicted on it (`estimate.step_time.predi
 mesh, and plans spread over the predicted range, at least 8, all in the same processes,
 taking turns step by step (a step as `rewrite plan --measure` times it: `run_schedule`, the
 gradient norm clipped, an AdamW update); each is predicted too without the layers' collectives'
-cost per call (`call_overhead_s`: tp, cp and ep) and the cores the ranks share (`cores_per_node`), beside. Targets: the median
+cost per call (`call_overhead_s`: tp, cp and ep), FSDP2's work per unit (`unit_overhead_s`) and the cores
+the ranks share (`cores_per_node`), beside. Targets: the median
 |measured / predicted - 1| within 10 %, every plan within 20 %, Spearman correlation of predicted
 and measured >= 0.9, the top pick's measured step within 5 % of the best measured. Writes the
 "planner" entry of bench/results.json.
@@ -159,9 +160,9 @@ def run_world(model: str, world: int, warmup: int, steps: int, compiled: bool = 
     chosen = choose(every, picks, MEASURED)
     twins = eager_twins(chosen, meta, hw) if compiled else []
     per_rank = common.launch(measure, world, model, chosen + twins, warmup, steps)
-    # The same plans without the layers' collectives' cost per call (`call_overhead_s`) and the cores the ranks share
-    # (`cores_per_node`), as before `calibrate` measured them.
-    plain = hw.model_copy(update={"call_overhead_s": {}, "cores_per_node": None})
+    # The same plans without the layers' collectives' cost per call (`call_overhead_s`), FSDP2's per unit
+    # (`unit_overhead_s`) and the cores the ranks share (`cores_per_node`), as before `calibrate` measured them.
+    plain = hw.model_copy(update={"call_overhead_s": {}, "unit_overhead_s": {}, "cores_per_node": None})
     rows = []
     for j, c in enumerate(chosen):
         slow = [max(r[j][i] for r in per_rank) for i in range(steps)]  # a step is its slowest rank's

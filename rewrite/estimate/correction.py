@@ -55,7 +55,7 @@ def prediction_parts(resolved, model, hardware: Hardware, **options) -> Parts:
     from .step_time import predict_step
 
     free = hardware.model_copy(update={"intra_node": _FREE, "inter_node": _FREE, "collective_times": {},
-                                       "call_overhead_s": {}})
+                                       "call_overhead_s": {}, "unit_overhead_s": {}})
     return Parts(predict_step(resolved, model, hardware, **options).step_s,
                  predict_step(resolved, model, free, **options).step_s)
 
@@ -129,6 +129,7 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
         update["collective_times"] = {kind: {n: {size: t * b for size, t in curve.items()} for n, curve in by_n.items()}
                                       for kind, by_n in hardware.collective_times.items()}
         update["call_overhead_s"] = {kind: t * b for kind, t in hardware.call_overhead_s.items()}
+        update["unit_overhead_s"] = {kind: t * b for kind, t in hardware.unit_overhead_s.items()}
     name = hardware.name if hardware.name.endswith("-measured") else f"{hardware.name}-measured"
     return Hardware.model_validate({**hardware.model_dump(), **{k: _plain(v) for k, v in update.items()}, "name": name})
 

@@ -10,6 +10,11 @@ reduce-scattered: after the dense reduction their gradients are all-reduced over
 the same experts ((dp / ep) x cp, `plan.ranks.expert_groups`), nothing beside it, and AdamW reads
 them whole.
 
+FSDP2's own seconds per unit (`Hardware.unit_overhead_s`, measured on CPU ranks; none on a GPU, where the
+host queues the copies ahead of the device) run on the rank's thread, beside nothing: `pass` on every F and
+whole or input backward of a sharded stage (half each), `gather` on each unit's all-gather, `reduce` on each
+unit's reduce-scatter.
+
 A collective beside compute hides `overlap` of the shorter of the two (the profile's measured share:
 1 where the collective runs on its own engine, as NCCL beside kernels; about 0 on CPU ranks, where
 gloo's threads take the cores the compute needs): beside(a, b) = a + b - overlap * min(a, b).
@@ -62,6 +67,8 @@ class DpTime:
         self._held = [sum(u.values()) for u in self.grad_units]
         self._smallest = [min(u.values(), default=None) for u in self.grad_units]
         self._reduces: dict = {}  # (sharding, stage) -> (sum, least) of its units' reduces
+        calls = hw.unit_overhead_s  # FSDP2's own seconds per unit: a pass (its hooks), a gather, a reduce
+        self.unit_pass, self.unit_gather, self.unit_reduce = (calls.get(k, 0.0) for k in ("pass", "gather", "reduce"))
 
     def _ag(self, nbytes: float) -> float:
         return collective_s(self.hw, "all_gather", nbytes * self.gathered, self.dp, self.link)
@@ -87,18 +94,23 @@ class DpTime:
         nothing hides: the first unit's gather (per-microbatch gathers), the last unit's reduce
         (a backward that reduces its units, `reduce: microbatch`)."""
         gathers, reduces = self.per_microbatch(sharding, split), self.reduces_each(sharding, split, reduce)
+        sharded = sharding in ("full", "grad_op")
         out = {}
         for s, t in enumerate(times):
             for kind, base in (("F", t.forward), ("B", t.backward), ("I", t.input_backward), ("W", t.weight_backward)):
                 beside, unhidden = 0.0, 0.0
+                if sharded and kind != "W":  # FSDP2's hooks, half on the way in, half on the way back
+                    unhidden += len(self.units[s]) * self.unit_pass / 2
                 if gathers and kind != "W":
-                    beside, unhidden = (self._gathers if kind == "F" else self._layer_gathers)[s]
+                    units = self.units[s] if kind == "F" else self.layers_only[s]
+                    beside, first = (self._gathers if kind == "F" else self._layer_gathers)[s]
+                    unhidden += first + len(units) * self.unit_gather
                 if reduces and kind == "B":
                     if (sharding, s) not in self._reduces:
                         rss = [self._reduce(b, sharding) for b in self.grad_units[s].values()]
                         self._reduces[sharding, s] = (sum(rss), min(rss, default=0.0))
                     total, least = self._reduces[sharding, s]
-                    beside, unhidden = beside + total, unhidden + least
+                    beside, unhidden = beside + total, unhidden + least + len(self.grad_units[s]) * self.unit_reduce
                 out[kind, s] = self.beside(base, beside) + unhidden
         return out
 
@@ -123,7 +135,7 @@ class DpTime:
         if sharding == "grad_op" or (sharding == "full" and split):  # gathered once, beside the first forward
             for st in stages:
                 total, first = self._gathers[st]
-                exposed += self.exposed(times[st].forward, total) + first
+                exposed += self.exposed(times[st].forward, total) + first + len(self.units[st]) * self.unit_gather
         # The step's one reduce, beside the last backward; reduced per microbatch, each backward's
         # duration already holds its own (`costs`).
         if sharding == "replicate" and not self.reduces_each(sharding, split, reduce):
@@ -133,6 +145,7 @@ class DpTime:
             last_unit = min((self._smallest[s] for s in stages if self._smallest[s] is not None), default=0)
             exposed += max(self.exposed(window, collective_s(hw, "reduce_scatter", held, dp, link)),
                            collective_s(hw, "reduce_scatter", last_unit, dp, link))
+            exposed += sum(len(self.grad_units[s]) for s in stages) * self.unit_reduce
         experts = sum(self.experts[s] for s in stages)  # reduced after the dense gradients, nothing beside it
         exposed += collective_s(hw, "all_reduce", experts, self.expert_replicas, self.expert_link)
         held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1) + experts / dtype_bytes

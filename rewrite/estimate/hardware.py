@@ -98,6 +98,13 @@ class Hardware(_Strict):
             "the bookkeeping around them; fitted on a tp 2 decoder layer against this model (`rewrite "
             "calibrate`: `sum` on a plain one, `gather` and `scatter` on a sequence-parallel one). Empty: "
             "not modelled"))] = {}
+    unit_overhead_s: Annotated[dict[Literal["pass", "gather", "reduce"], Annotated[float, Field(ge=0)]], Field(
+        description=(
+            "seconds FSDP2 spends per data-parallel unit beyond its collectives' time alone: `pass` each "
+            "microbatch's forward and backward through a sharded unit (its hooks), `gather` each all-gather "
+            "(copying the shards in and the parameters out), `reduce` each reduce-scatter (the gradients in, the "
+            "shard out); fitted on a bench model under each sharding at two microbatch counts (`rewrite "
+            "calibrate`). Empty: not modelled"))] = {}
     cores_per_node: Annotated[int | None, Field(ge=1, description=(
         "CPU cores a node's ranks share, each computing on one thread (a CPU profile, whose compute terms were "
         "measured with devices_per_node ranks busy at once); where a plan's busy ranks outnumber them, each gets "

@@ -12,7 +12,9 @@ ranks holding the same parameters: `dp_time`) then adds, per rank, what torch do
 and full / grad_op one reduce-scatter of the gradients beside the last backward; what exceeds
 that backward is exposed, and at least the last unit's (or bucket's) share. Under
 `data_parallel.reduce: microbatch` every whole backward reduces its units beside itself instead,
-its last unit's reduce exposed. Then AdamW, bound by
+its last unit's reduce exposed. FSDP2's own work per unit (`unit_overhead_s`: its hooks on each pass of
+full and grad_op, the copies around each gather and reduce-scatter) adds to the action or the step's end
+that runs it, hidden by nothing. Then AdamW, bound by
 memory traffic over the parameters the rank holds. The step is the slowest rank's end. Where a CPU
 profile's ranks share fewer cores than they are (`cores_per_node`), the table's time follows the
 cores it keeps busy (`shared_cores`).
@@ -195,11 +197,12 @@ def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tupl
         pairs = [[ranks[a], ranks[b]] for ranks in plan.mesh.shape.along("pp")]
         return p2p_s(hop, groups_link(hw, pairs, G), eff)
 
-    # The table's timing depends on these durations only: plans alike in them (dp 1, replicate and grad_op
-    # sharding) share one simulation through `sim_cache`.
+    # The table's timing depends on these durations only: plans alike in them (dp 1 and replicate; grad_op too
+    # where FSDP2's passes cost nothing) share one simulation through `sim_cache`.
     key = (id(table), run.stage_rank, hop, tuple((t.forward, t.input_backward, t.weight_backward) for t in times),
            dpt.per_microbatch(sharding, split) and tuple(map(tuple, dpt.gather.values())),
-           dpt.reduces_each(sharding, split, reduce) and sharding)
+           dpt.reduces_each(sharding, split, reduce) and sharding,
+           bool(dpt.unit_pass) and sharding in ("full", "grad_op"))
     if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
         return sim_cache[key][1]
     # Durations per (kind, stage) and transfers per pair of pp ranks: each computed once, not per cell.

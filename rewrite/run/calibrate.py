@@ -3,8 +3,8 @@
 N local ranks (one torch thread each, as `rewrite train` runs them on CPU) measure at once:
 matmul throughput at transformer shapes, memory bandwidth, a decoder layer's fixed cost and its
 elementwise operators' bandwidth, eager and compiled, a microbatch's cost outside its layers, a step's
-end (the gradients' norm and AdamW) and a tp 2 layer's collectives beyond their time alone
-(`calibrate_layers`), then point-to-point and all-reduce times between them on the current backend
+end (the gradients' norm and AdamW), a tp 2 layer's collectives beyond their time alone
+(`calibrate_layers`) and FSDP2's own work per unit (`calibrate_units`), then point-to-point and all-reduce times between them on the current backend
 (latency and bandwidth are fitted to the times), and each collective a run makes by size and group
 (`calibrate_links`).
 """
@@ -20,6 +20,7 @@ from ..lent import lend
 from .calibrate_layers import (OPTIMIZER_LAYERS, ROWS, SEQUENCE, best_of, call_overheads, layer_costs, layer_terms,
                                optimizer_bandwidth, tp_call_times)
 from .calibrate_links import collective_lines, collective_times, overlap_share
+from .calibrate_units import UNIT_LAYERS, UNIT_MICROBATCHES, unit_overheads, unit_step_times
 
 __all__ = ["calibrate", "device_rates", "profile_yaml"]
 
@@ -71,6 +72,7 @@ def _measure(repeats: int, compiled: bool = True) -> dict:
     if not cuda:  # a step's end, and a tp layer's collectives beyond their time alone (`Hardware.call_overhead_s`)
         out["optimizer_bandwidth"] = optimizer_bandwidth(repeats, together=dist.barrier)
         out["tp_calls"] = tp_call_times(repeats, together=dist.barrier)
+        out["unit_steps"] = unit_step_times(repeats, together=dist.barrier)
     if compiled and not cuda:
         out["compiled"] = layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier,
                                        compiled=True)
@@ -148,6 +150,10 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, co
         per_rank = [call_overheads(_profile(found), r["tp_calls"]) for r in results]
         found["call_overhead_s"] = {kind: statistics.mean(r[kind] for r in per_rank) for kind in per_rank[0]}
         found["measured"]["tp_calls"] = results[0]["tp_calls"]
+    if "unit_steps" in results[0]:  # FSDP2's own costs per unit, priced alike
+        per_rank = [unit_overheads(_profile(found), r["unit_steps"], world) for r in results]
+        found["unit_overhead_s"] = {kind: statistics.mean(r[kind] for r in per_rank) for kind in per_rank[0]}
+        found["measured"]["unit_steps"] = results[0]["unit_steps"]
     return found
 
 
@@ -239,6 +245,15 @@ def _call_lines(found: dict) -> str:
             "made, every pair at once) beyond their time alone, per call\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
 
 
+def _unit_lines(found: dict) -> str:
+    calls = found.get("unit_overhead_s")
+    if not calls:
+        return _unmeasured(found, "unit_overhead_s: {}", "here", ": FSDP2's work per unit is not charged")
+    return (f"unit_overhead_s:            # measured: a {UNIT_LAYERS}-layer bench model with dp over every rank, "
+            f"replicate, grad_op and full at {' and '.join(map(str, UNIT_MICROBATCHES))} microbatches, what FSDP2 adds "
+            "beyond its collectives' time alone, per unit\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
+
+
 def profile_yaml(found: dict, *, name: str = "calibrated") -> str:
     """The measured profile as a commented YAML file that `load_hardware` reads."""
     world, when = found["world"], datetime.date.today().isoformat()
@@ -271,6 +286,7 @@ microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measure
 {_reserve_lines(found)}
 {collective_lines(found.get("collective_times", {}))}
 {_call_lines(found)}
+{_unit_lines(found)}
 {_compiled_lines(found)}
 overlap: {found.get("overlap", 1.0):.2f}               # {"measured: a reduce-scatter beside as long a run of matmuls, against each alone" if "overlap" in found else "not measured: collectives beside compute hide behind it"}
 efficiency:
