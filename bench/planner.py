@@ -211,7 +211,7 @@ def table(res: dict) -> str:
     how = ", compiled" if res.get("compiled") else ""
     lines = [f"{res['model']}{how}, world {res['world']}: {res['candidates']} candidates predicted, {len(res['rows'])} measured",
              "", "| plan | predicted (s) | measured (s), median (range) | measured / predicted | without the "
-             "collectives' cost per call and shared cores: predicted (s), ratio |", "|---|---|---|---|---|"]
+             "costs per call and per unit and shared cores: predicted (s), ratio |", "|---|---|---|---|---|"]
     for r in sorted(res["rows"], key=lambda r: r["measured_s"]):
         mark = " **(top pick)**" if r["top_pick"] else ""
         lo, hi = r["range_s"]
@@ -220,7 +220,7 @@ def table(res: dict) -> str:
                      f"{r['measured_s'] / r['plain_s']:.2f} |")
     e, p = res["errors"], res["errors_plain"]
     lines.append(f"\ntop pick / best measured {res['top_pick_over_best']:.2f} (target <= 1.05); |measured / predicted - 1| "
-                 f"median {e['median']:.0%}, worst {e['worst']:.0%} (targets 10 %, 20 %; without the two "
+                 f"median {e['median']:.0%}, worst {e['worst']:.0%} (targets 10 %, 20 %; without those "
                  f"terms {p['median']:.0%}, {p['worst']:.0%}); Spearman {res['spearman']:.2f} (target >= 0.9; "
                  f"without them {res['spearman_plain']:.2f})")
     if choices := res.get("compile_choices"):
