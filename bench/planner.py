@@ -7,7 +7,7 @@ ones, side by side, with a profile calibrated on this machine first.
     .venv/bin/python -m bench.planner --compile --worlds 2       # every plan compiled, each beside itself eager
 
 For each world (2 and 4 local ranks, one thread each): `rewrite.run.calibrate` measures a
-profile with that many ranks at once; every plan the search space holds for the bench model
+profile with that many ranks at once (its layer terms on the model's own layers); every plan the search space holds for the bench model
 (`seq_len` 128, a global batch of 16 sequences: meshes, schedules, microbatch counts,
 sharding, switches, checkpointing) is predicted on it (`estimate.step_time.predict_step`);
 `rewrite.suggest_plans` picks its top plan. Measured: the top pick, the best of every other
@@ -149,7 +149,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def run_world(model: str, world: int, warmup: int, steps: int, compiled: bool = False) -> dict:
-    found = calibrate(world, compiled=compiled)
+    found = calibrate(world, compiled=compiled, model=model)  # the layer terms fitted on the model measured
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(profile_yaml(found, name=f"this machine, {world} ranks"))
     hw = rewrite.load_hardware(f.name)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import datetime
 import platform
 import statistics
-from pathlib import Path
 
 from ..lent import lend
-from .calibrate_layers import (OPTIMIZER_LAYERS, ROWS, SEQUENCE, best_of, call_overheads, layer_costs, layer_terms,
-                               optimizer_bandwidth, tp_call_times)
+from .calibrate_layers import (LAYER_MODEL, OPTIMIZER_LAYERS, ROWS, SEQUENCE, best_of, call_overheads, layer_costs,
+                               layer_model_problem, layer_terms, optimizer_bandwidth, tp_call_times)
 from .calibrate_links import collective_lines, collective_times, overlap_share
 from .calibrate_units import UNIT_LAYERS, UNIT_MICROBATCHES, unit_overheads, unit_step_times
 
@@ -55,7 +54,7 @@ def device_rates(device, repeats: int = 10, dtypes: tuple[str, ...] | None = Non
     return out
 
 
-def _measure(repeats: int, compiled: bool = True) -> dict:
+def _measure(repeats: int, compiled: bool = True, model: str = LAYER_MODEL) -> dict:
     """On every rank at once: compute, memory, a layer's costs eager and (`compiled`) compiled, then collectives
     with the other ranks (rank 0 and 1 for p2p)."""
     import torch
@@ -68,14 +67,15 @@ def _measure(repeats: int, compiled: bool = True) -> dict:
     out = device_rates(device, repeats, together=dist.barrier)
     # On a GPU the host queues kernels ahead of the device, so dispatch hides behind compute: not modelled.
     out.update({"layer_overhead_s": 0.0, "activation_bandwidth": None, "microbatch_overhead_s": 0.0} if cuda
-               else layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier))
+               else layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier,
+                                model=model))
     if not cuda:  # a step's end, and a tp layer's collectives beyond their time alone (`Hardware.call_overhead_s`)
         out["optimizer_bandwidth"] = optimizer_bandwidth(repeats, together=dist.barrier)
         out["tp_calls"] = tp_call_times(repeats, together=dist.barrier)
         out["unit_steps"] = unit_step_times(repeats, together=dist.barrier)
     if compiled and not cuda:
         out["compiled"] = layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier,
-                                       compiled=True)
+                                       compiled=True, model=model)
     rank = dist.get_rank()
     p2p, reduce = {}, {}
     for size in MESSAGE_BYTES:
@@ -109,22 +109,29 @@ def _fit(times: dict[int, float]) -> tuple[float, float]:
     return latency, (large - small) / max(times[large] - latency, 1e-12)
 
 
-def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, compiled: bool = True) -> dict:
+def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, compiled: bool = True,
+              model: str | None = None) -> dict:
     """Measure this machine with `world` local ranks; the profile as a dict (`Hardware`'s fields) plus
     `measured`, the raw figures. `compiled`: measure a compiled layer's terms too (on CPU ranks; the first
     compile takes about half a minute, kept in the compile cache, `rewrite.compiled.compile_cache_dir`).
+    `model`: fit the layer terms on this model's decoder layers (a preset, an HF config.json or model
+    directory, at sizes this machine runs), so that its family's operators beyond the matmuls are priced as
+    they run; None: the bench LLaMA's.
 
     Raises:
-        ValueError: world < 2 (links need two ranks).
+        ValueError: world < 2 (links need two ranks); a `model` that cannot be read or is too large to time.
     """
     from ..compiled import use_compile_cache
     from .launch import launch
 
     if world < 2:
         raise ValueError(f"--world {world}: calibrating the links needs at least 2 local ranks")
+    model = model or LAYER_MODEL
+    if problem := layer_model_problem(model):
+        raise ValueError(problem)
     if compiled:
         use_compile_cache()  # the ranks inherit it: a second calibration reads the kernels back
-    results = launch(_measure, world, repeats, compiled, timeout_s=timeout_s, echo=False)
+    results = launch(_measure, world, repeats, compiled, model, timeout_s=timeout_s, echo=False)
     flops = {d: statistics.mean(r["flops"][d] for r in results) for d in results[0]["flops"]}
     bandwidth = statistics.mean(r["memory_bandwidth"] for r in results)
     latency, link = _fit(results[0]["p2p"])
@@ -138,7 +145,7 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, co
     gpu = "memory_bytes" in results[0]
     found = {
         "flops": flops, "memory_bandwidth": bandwidth, "latency": latency, "link": link, "collective": efficiency,
-        "memory_gib": memory / 1024**3, "world": world, **layer_terms(results), "gpu": gpu,
+        "memory_gib": memory / 1024**3, "world": world, **layer_terms(results), "gpu": gpu, "layer_model": model,
         "cores": None if gpu else _cores(),
         "optimizer_bandwidth": statistics.mean(r["optimizer_bandwidth"] for r in results) if not gpu else None,
         "collective_times": results[0]["collective_times"], "overlap": statistics.mean(r["overlap"] for r in results),
@@ -177,12 +184,7 @@ def _cores() -> int:
 
 
 def _host_memory() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """The host's memory in bytes (on Linux, /proc/meminfo's MemTotal)."""
     import os
 
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -279,7 +281,7 @@ intra_node:                 # measured: point-to-point between ranks 0 and 1
 inter_node:                 # not measured (one machine): the same as intra_node
   bandwidth: {found['link']:.4g}
   latency: {found['latency']:.4g}
-layer_overhead_s: {found.get('layer_overhead_s', 0.0):.3g}   # measured: a decoder layer's forward + backward, its fixed part (3 layers against 1 on {ROWS[0]}-{ROWS[-1]} sequences of {SEQUENCE} tokens, fitted)
+layer_overhead_s: {found.get('layer_overhead_s', 0.0):.3g}   # measured: a decoder layer's forward + backward, its fixed part ({found.get('layer_model', LAYER_MODEL)}: 3 layers against 1 on {ROWS[0]}-{ROWS[-1]} sequences of {SEQUENCE} tokens, fitted)
 {_activation_line(found)}
 microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measured: a 1-layer model's forward + backward on one sequence of {SEQUENCE} tokens beyond its layer and head FLOPs
 {_optimizer_line(found)}

@@ -8,8 +8,8 @@ import statistics
 import time
 from contextlib import nullcontext
 
-__all__ = ["ROWS", "SEQUENCE", "best_of", "layer_costs", "layer_terms", "optimizer_bandwidth", "tp_layer_times",
-           "call_overheads"]
+__all__ = ["LAYER_MODEL", "ROWS", "SEQUENCE", "best_of", "call_overheads", "layer_costs", "layer_model_problem",
+           "layer_terms", "optimizer_bandwidth", "tp_call_times", "with_layers"]
 
 
 def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
@@ -30,14 +30,49 @@ def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
 
 
 SEQUENCE, ROWS = 128, (1, 2, 4, 8)  # a decoder layer is timed on 1-8 sequences of SEQUENCE tokens
+LAYER_MODEL = "bench-llama"  # whose decoder layers the layer terms are fitted on, unless told (`calibrate --model`)
+LAYER_LIMIT = 30_000_000  # parameters a decoder layer may hold to be timed here (the bench's hold 0.8-2.1 M)
 
 
-def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, together=None, compiled: bool = False) -> dict:
+def with_layers(config, n: int):
+    """A copy of the transformers `config` with `n` decoder layers (its per-layer types cut to them)."""
+    import copy
+
+    out = copy.deepcopy(config)
+    out.num_hidden_layers = n
+    if isinstance(getattr(out, "layer_types", None), list):
+        out.layer_types = out.layer_types[:n]
+    return out
+
+
+def layer_model_problem(model: str) -> str | None:
+    """Why `model`'s decoder layers cannot be timed for the layer terms (`calibrate --model`), or None."""
+    from .presets import build_model, load_config
+
+    try:
+        config = load_config(model)
+    except ValueError as exc:  # names no model: the message says what would
+        return str(exc)
+    try:
+        one, three = (build_model(with_layers(config, n), device="meta") for n in (1, 3))
+    except (ValueError, TypeError, KeyError) as exc:  # a config transformers cannot build
+        return f"`model={model}`: transformers cannot build it with 1 and 3 layers: {exc}"
+    layer = (sum(p.numel() for p in three.parameters()) - sum(p.numel() for p in one.parameters())) // 2
+    if layer > LAYER_LIMIT:
+        return (f"`model={model}`: a decoder layer of {layer / 1e6:.0f} M parameters is too large to time here (at most "
+                f"{LAYER_LIMIT / 1e6:.0f} M); give a config of the same family at smaller sizes (hidden 256-1024), or "
+                f"none for {LAYER_MODEL}")
+    return None
+
+
+def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, together=None, compiled: bool = False,
+                model: str = LAYER_MODEL) -> dict:
     """What a decoder layer's forward and backward cost beyond their FLOPs, and a microbatch beyond its layers;
     `compiled`: with the embedding, each layer and the head under torch.compile (inductor), as `compile` in a
     plan runs them (compiled at the first two sizes, not timed: see `rewrite.compiled`).
 
-    A LLaMA of the bench model's proportions (hidden 256, intermediate 688) with 3 layers against 1, each on
+    `model` (a preset, an HF config.json or model directory: `presets.load_config`) with 3 layers against 1,
+    by default a LLaMA of the bench model's proportions (hidden 256, intermediate 688); each on
     ROWS sequences of SEQUENCE tokens (128 to 1,024 tokens a microbatch): a layer's time, fitted by least
     squares, is a fixed part (`layer_overhead_s`: operator dispatch) plus a part per token. Of the part per
     token, the layer's FLOPs at `flop_rate` take what the step-time model charges them; the rest is its
@@ -52,10 +87,11 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
 
     from ..estimate.layer_activations import Sizes, layer_bytes
     from ..models.flops import head_flops, layer_flops
-    from .presets import build_config, build_model
+    from .presets import build_model, load_config
 
     times = {}
-    models = {n: build_model(build_config("bench-llama", num_hidden_layers=n)) for n in (1, 3)}
+    config = load_config(model)
+    models = {n: build_model(with_layers(config, n)) for n in (1, 3)}
     if compiled:
         from ..binding.resolve import resolve
         from ..compiled import apply_compile

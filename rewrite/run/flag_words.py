@@ -22,6 +22,7 @@ FLAGS = {
     "dtype": "--dtype",
     "step": "--step",
     "keep": "--keep",
+    "model": "--model",
 }
 _NAMED = re.compile(r"`(\w+)(?:=([^`]*))?`")
 

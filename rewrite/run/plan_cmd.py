@@ -72,6 +72,10 @@ def add_calibrate_parser(sub) -> None:
     cal.add_argument("--compile", default=True, action=argparse.BooleanOptionalAction,
                      help="measure a compiled layer too, what `rewrite plan` weighs `compile` by (default: on; the "
                      "first compile takes about half a minute, cached for the next)")
+    cal.add_argument("--model", default=None, metavar="NAME|PATH",
+                     help="fit the layer terms on this model's decoder layers (a preset, a config.json or model "
+                     "directory, at sizes this machine runs): its family's operators beyond the matmuls, as they run "
+                     "(default: the bench LLaMA's)")
     cal.set_defaults(func=_cmd_calibrate)
 
 
@@ -257,7 +261,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         return _fail(f"--world {args.world}: calibrating the links needs at least 2 local ranks", BAD_ARGUMENTS)
     if args.repeats < 1:
         return _fail(f"--repeats {args.repeats}: each measurement needs at least 1 timing", BAD_ARGUMENTS)
-    text = profile_yaml(calibrate(args.world, repeats=args.repeats, compiled=args.compile), name=args.name)
+    try:
+        found = calibrate(args.world, repeats=args.repeats, compiled=args.compile, model=args.model)
+    except ValueError as exc:
+        return _fail(str(exc), BAD_ARGUMENTS)
+    text = profile_yaml(found, name=args.name)
     if args.out:
         Path(args.out).write_text(text)
         print(f"wrote {args.out}: use it as --hardware {args.out}")

@@ -1,0 +1,54 @@
+"""`rewrite calibrate --model`: the layer terms fitted on a model's own decoder layers (its family's operators
+beyond the matmuls), refused on every model that cannot be read or timed here before any rank starts."""
+
+from __future__ import annotations
+
+import yaml
+
+from rewrite.estimate.hardware import Hardware
+from rewrite.run.calibrate import calibrate, profile_yaml
+from rewrite.run.calibrate_layers import LAYER_MODEL, layer_costs, layer_model_problem, with_layers
+from rewrite.run.flag_words import in_flags
+from rewrite.run.presets import build_config
+from tests.unit.run.test_cli import rewrite_cmd
+
+BIG = "tests/configs/llama-3.1-8b.json"
+
+
+def test_models_too_large_or_unknown_are_refused_in_the_callers_words():
+    assert layer_model_problem("bench-qwen3-moe") is None and layer_model_problem(LAYER_MODEL) is None
+    assert layer_model_problem("tests/configs/smollm2-135m.json") is None  # a config file at sizes this machine runs
+    big = layer_model_problem(BIG)
+    assert "218 M parameters is too large to time here (at most 30 M)" in big and "smaller sizes" in big
+    assert in_flags(big).startswith(f"--model {BIG}: a decoder layer")
+    assert "neither a preset" in layer_model_problem("no-such-model")
+    for model in (BIG, "no-such-model"):  # before any rank starts: the command fails at once, naming the flag
+        out = rewrite_cmd("calibrate", "--model", model, "--no-compile")
+        assert out.returncode == 2 and out.stdout == "", out
+        assert out.stderr.startswith("error: ") and model in out.stderr
+    try:
+        calibrate(2, model=BIG)
+    except ValueError as exc:
+        assert "too large to time here" in str(exc)
+    else:
+        raise AssertionError("calibrate timed a layer of 218 M parameters")
+
+
+def test_the_layers_are_cut_with_their_types():
+    config = build_config("tiny-qwen3", num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    one = with_layers(config, 1)
+    assert one.num_hidden_layers == 1 and one.layer_types == ["full_attention"]
+    assert config.num_hidden_layers == 4 and len(config.layer_types) == 4  # a copy: the caller's config as it was
+
+
+def test_a_family_layer_is_fitted_and_the_profile_names_it():
+    found = layer_costs(1, 1e10, 1e10, model="tiny-qwen3-moe")
+    assert set(found) == {"layer_overhead_s", "activation_bandwidth", "microbatch_overhead_s", "layer_times"}
+    assert found["layer_overhead_s"] >= 0 and found["microbatch_overhead_s"] >= 0 and len(found["layer_times"]) == 4
+    terms = {"flops": {"float32": 5e10}, "memory_bandwidth": 2e10, "latency": 1e-4, "link": 2e9, "collective": 0.6,
+             "memory_gib": 12.0, "world": 2, "measured": {"p2p": {4: 1e-4}, "all_reduce": {4: 2e-4}},
+             "layer_model": "tiny-qwen3-moe", "layer_overhead_s": found["layer_overhead_s"]}
+    text = profile_yaml(terms)
+    assert "(tiny-qwen3-moe: 3 layers against 1 on 1-8 sequences of 128 tokens, fitted)" in text
+    assert Hardware.model_validate(yaml.safe_load(text)).layer_overhead_s == float(f"{found['layer_overhead_s']:.3g}")
+    assert f"({LAYER_MODEL}: 3 layers" in profile_yaml({k: v for k, v in terms.items() if k != "layer_model"})
