@@ -18,12 +18,13 @@ HARDWARE_NAMES = tuple(sorted(p.stem for p in PROFILES.glob("*.yaml")))
 
 _Positive = Annotated[float, Field(gt=0)]
 _Fraction = Annotated[float, Field(gt=0, le=1)]
+_Seconds = Annotated[float, Field(ge=0)]
 # What a run's collectives are, as `rewrite calibrate` times them (`estimate.collectives.collective_s` reads them):
 # on activations, the tensor-parallel layers' own `sum`, `gather` and `scatter` (sequence and context
 # parallelism) and the experts' `all_to_all`; on parameters and gradients, torch's `all_reduce` (DDP, replicate,
 # expert replicas), `all_gather` and `reduce_scatter` (FSDP2).
 CollectiveKind = Literal["sum", "gather", "scatter", "all_to_all", "all_reduce", "all_gather", "reduce_scatter"]
-_Curve = dict[Annotated[int, Field(gt=0)], Annotated[float, Field(ge=0)]]
+_Curve = dict[Annotated[int, Field(gt=0)], _Seconds]
 
 
 class _Strict(BaseModel):
@@ -91,20 +92,17 @@ class Hardware(_Strict):
         "gathered or scattered whole; what one rank sends to all), every group of that size on one node at once; "
         "between the sizes measured, interpolated. Missing kinds and sizes, and groups across nodes: the ring "
         "formulas on the links"))] = {}
-    call_overhead_s: Annotated[dict[Literal["sum", "gather", "scatter"], Annotated[float, Field(ge=0)]], Field(
-        description=(
+    call_overhead_s: Annotated[dict[Literal["sum", "gather", "scatter"], _Seconds], Field(description=(
             "seconds a tensor-parallel layer's own collective costs inside a step beyond its time alone "
             "(`collective_times`), per call: the ranks' drift between the calls that bring them together and "
             "the bookkeeping around them; fitted on a tp 2 decoder layer against this model (`rewrite "
             "calibrate`: `sum` on a plain one, `gather` and `scatter` on a sequence-parallel one). Empty: "
             "not modelled"))] = {}
-    unit_overhead_s: Annotated[dict[Literal["pass", "gather", "reduce"], Annotated[float, Field(ge=0)]], Field(
-        description=(
-            "seconds FSDP2 spends per data-parallel unit beyond its collectives' time alone: `pass` each "
-            "microbatch's forward and backward through a sharded unit (its hooks), `gather` each all-gather "
-            "(copying the shards in and the parameters out), `reduce` each reduce-scatter (the gradients in, the "
-            "shard out); fitted on a bench model under each sharding at two microbatch counts (`rewrite "
-            "calibrate`). Empty: not modelled"))] = {}
+    unit_overhead_s: Annotated[dict[Literal["pass", "gather", "reduce"], _Seconds], Field(description=(
+        "seconds FSDP2 spends per data-parallel unit beyond its collectives' time alone: `pass` each microbatch's "
+        "forward and backward through a sharded unit (its hooks), `gather` each all-gather (copying the shards in "
+        "and the parameters out), `reduce` each reduce-scatter (the gradients in, the shard out); fitted on a bench "
+        "model under each sharding at two microbatch counts (`rewrite calibrate`). Empty: not modelled"))] = {}
     cores_per_node: Annotated[int | None, Field(ge=1, description=(
         "CPU cores a node's ranks share, each computing on one thread (a CPU profile, whose compute terms were "
         "measured with devices_per_node ranks busy at once); where a plan's busy ranks outnumber them, each gets "
