@@ -23,7 +23,7 @@ from torch import nn
 
 from ..binding.resolve import ResolvedPlan
 from ..schedules import peak_in_flight, plan_table
-from ..schedules.table import alive_counts
+from ..schedules.table import Table, alive_counts
 from .layer_activations import Sizes, end_bytes, layer_bytes, loss_peak_bytes
 from .plan_parts import activation_problem, layer_kinds, loss_sharded, shard_styles
 
@@ -159,22 +159,24 @@ def stage_activations(resolved: ResolvedPlan, model: nn.Module, *, batch_size: i
 def place_activations(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int], loss: list[int]
                       ) -> list[RankActivations]:
     """Each pp rank's `RankActivations` from `stage_activations`, under the plan's schedule table and placement."""
-    return [RankActivations(r, held, peak_in_flight(row), recompute, _peak(row, held) + recompute, top)
-            for r, row, held, recompute, top in _placed(resolved, kept, rebuilt, loss)]
-
-
-def place_peaks(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int], loss: list[int]) -> list[int]:
-    """`place_activations`' peaks with the loss's (`RankActivations.top`: what a plan search compares with the
-    device memory)."""
-    return [_peak(row, held) + max(recompute, top) for _, row, held, recompute, top in _placed(resolved, kept, rebuilt, loss)]
-
-
-def _placed(resolved: ResolvedPlan, kept: list[int], rebuilt: list[int], loss: list[int]):
-    """Per pp rank: (rank, its table row, bytes per held stage, its largest recompute, its loss's peak)."""
     pipe = resolved.plan.pipeline
     table = plan_table(pipe.schedule, pipe.table, resolved.pp, pipe.virtual_stages, pipe.microbatches)
+    return [RankActivations(r, held, peak_in_flight(row), recompute, _peak(row, held) + recompute, top)
+            for r, row, held, recompute, top in _placed(table, resolved.stage_rank, kept, rebuilt, loss)]
+
+
+def place_peaks(table: Table, stage_rank: tuple[int, ...], kept: list[int], rebuilt: list[int], loss: list[int]
+                ) -> list[int]:
+    """`place_activations`' peaks with the loss's (`RankActivations.top`: what a plan search compares with the
+    device memory), for a schedule `table` running stages placed by `stage_rank` (pp rank of each stage)."""
+    return [_peak(row, held) + max(recompute, top) for _, row, held, recompute, top in
+            _placed(table, stage_rank, kept, rebuilt, loss)]
+
+
+def _placed(table: Table, stage_rank: tuple[int, ...], kept: list[int], rebuilt: list[int], loss: list[int]):
+    """Per pp rank: (rank, its table row, bytes per held stage, its largest recompute, its loss's peak)."""
     for pp_rank, row in enumerate(table):
-        held = {s: kept[s] for s in resolved.rank_stages(pp_rank)}
+        held = {s: kept[s] for s, r in enumerate(stage_rank) if r == pp_rank}
         yield (pp_rank, row, held, max((rebuilt[s] for s in held), default=0),
                max((loss[s] for s in held), default=0))
 

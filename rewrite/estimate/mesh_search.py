@@ -160,45 +160,45 @@ def _first_fit(bound: Bound, *, G, limit, n, frugal) -> Candidate | None:
 
 def _fastest(bounds: list[Bound], hw, *, G, limit, n) -> Candidate | None:
     """The fastest fitting candidate over a mesh's bindings, each (schedule, microbatches, sharding)
-    with the least checkpointing that fits. Candidates are tried by their lower bound, least first,
-    and the search stops once no bound can beat the best found; equal steps go to the one named first
-    (the order of `_groups`), as an exhaustive pass in that order would choose."""
+    with the least checkpointing that fits. What fits is settled first (it needs no hardware, and its
+    pieces are shared between candidates); the fitting candidates are then tried by their lower bound,
+    least first, and the search stops once no bound can beat the best found; equal steps go to the one
+    named first (the order of `_groups`), as an exhaustive pass in that order would choose."""
     heap, best, best_key = [], None, None
-
-    def push(order, bound, group, mode_index):
-        while not bound.allows(CHECKPOINTING[mode_index]):  # the last mode is always estimated
-            mode_index += 1
-        low = bound.lower_bound(*group, CHECKPOINTING[mode_index], n // group[1], hw, G)
-        heapq.heappush(heap, (low, order, mode_index, group, bound))
-
-    order = 0
-    for bound in bounds:
-        for group in _groups(bound, n):
-            push(order, bound, group, 0)
-            order += 1
+    for order, (bound, group) in enumerate((b, g) for b in bounds for g in _groups(b, n)):
+        fitting = _least_checkpointing(bound, group, n // group[1], limit)
+        if fitting is not None:
+            mode, peak = fitting
+            low = bound.lower_bound(*group, mode, n // group[1], hw, G)
+            heap.append((low, order, mode, peak, group, bound))
+    heapq.heapify(heap)
     while heap:
-        low, order, mode_index, group, bound = heapq.heappop(heap)
+        low, order, mode, peak, group, bound = heapq.heappop(heap)
         if best_key is not None and (low, order) >= best_key:
             break  # neither this nor any candidate left (their bounds are at least this one) beats the best
         schedule, m, sharding, reduce = group
-        params_fit, peak = _fits(bound, group, CHECKPOINTING[mode_index], n // m, limit)
-        if not params_fit:
-            continue  # the parameters alone do not fit: checkpointing cannot help
-        if peak is None:  # the activations do not fit: the next checkpointing mode, if any
-            if mode_index + 1 < len(CHECKPOINTING):
-                push(order, bound, group, mode_index + 1)
-            continue
-        v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding,
-                    checkpointing=CHECKPOINTING[mode_index], reduce=reduce)
+        v = variant(bound.base, schedule=schedule, microbatches=m, sharding=sharding, checkpointing=mode,
+                    reduce=reduce)
         got = predict_step(v, bound.model, hw, batch_size=n // m, gpus_per_node=G,
                            parameters=bound.parameters, sim_cache=bound.sims, dp_time=bound.dp_time(hw, G),
-                           dtype=bound.compute, times=bound.stage_times(CHECKPOINTING[mode_index], n // m, hw, G),
+                           dtype=bound.compute, times=bound.stage_times(mode, n // m, hw, G),
                            sizes=bound.sizes(n // m))
         if got.step_s < low:
             raise RuntimeError(f"the plan search bounded {got.step_s} s from below by {low} s for {v.plan.mesh.shape_text()}, "
                                f"{schedule}, {m} microbatches: a bug in rewrite.estimate.step_bound")
         if best_key is None or (got.step_s, order) < best_key:
             best_key = (got.step_s, order)
-            best = Candidate(v.plan, n // m, got.step_s, got.tokens_per_s, got.mfu, got.bubble, peak, True,
-                             CHECKPOINTING[mode_index])
+            best = Candidate(v.plan, n // m, got.step_s, got.tokens_per_s, got.mfu, got.bubble, peak, True, mode)
     return best
+
+
+def _least_checkpointing(bound: Bound, group: tuple, batch_size: int, limit: float) -> tuple[str, int] | None:
+    """(the least checkpointing mode under which the candidate fits, its busiest rank's peak), or None."""
+    if min(bound.footprint_peaks(*group)) > limit:
+        return None  # the parameters alone do not fit: checkpointing cannot help
+    for mode in CHECKPOINTING:
+        if bound.allows(mode):  # the last mode always is
+            _, peak = _fits(bound, group, mode, batch_size, limit)
+            if peak is not None:
+                return mode, peak
+    return None

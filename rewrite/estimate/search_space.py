@@ -16,7 +16,7 @@ from ..binding.bind_steps import BindSteps
 from ..binding.resolve import ResolvedPlan, resolve_with
 from ..plan.loading import load_plan
 from ..plan.schema import PlanError
-from ..schedules import placement, splits_backward
+from ..schedules import placement, plan_table, splits_backward
 from .activations import compute_dtype, place_peaks, plan_sizes, stage_activations
 from .layer_activations import Sizes
 from .plan_parts import selective_problem
@@ -150,6 +150,7 @@ class Bound:
         self.parameters = twin.parameters if same else stage_parameters(base, model)
         self.sims: dict = {}
         self._feet: dict = twin._feet if same else {}  # (sharding, split, placement, reduce) -> peaks
+        self._group_feet: dict = twin._group_feet if same else {}  # (schedule, m, sharding, reduce) -> the same
         self._acts: dict = {}
         self._params: dict = twin._params if same else {}  # placement -> each rank's `param_sums`
         self._experts: dict = twin._experts if same else {}  # placement -> each rank's experts' footprint
@@ -181,11 +182,13 @@ class Bound:
         """Each pp rank's activation peak under a variant: `place_peaks` (the sharding changes none)."""
         key = (schedule, m, mode, batch_size)
         if key not in self._acts:
-            v = variant(self.base, schedule=schedule, microbatches=m, sharding="full", checkpointing=mode)
             if (mode, batch_size) not in self._stages:  # nor do the schedule and microbatches a stage's bytes
+                v = variant(self.base, schedule=schedule, microbatches=m, sharding="full", checkpointing=mode)
                 self._stages[mode, batch_size] = stage_activations(v, self.model, batch_size=batch_size,
                                                                    dtype=self.compute, sizes=self.sizes(batch_size))
-            self._acts[key] = place_peaks(v, *self._stages[mode, batch_size])
+            pp, k = self.base.pp, self.base.plan.pipeline.virtual_stages
+            self._acts[key] = place_peaks(plan_table(schedule, None, pp, k, m), placement(schedule, pp, k),
+                                          *self._stages[mode, batch_size])
         return self._acts[key]
 
     def stage_times(self, mode: str, batch_size: int, hw: Hardware, G: int) -> list[StageTimes]:
@@ -226,6 +229,12 @@ class Bound:
 
     def footprint_peaks(self, schedule: str, m: int, sharding: str, reduce: str = "step") -> list[int]:
         """Each pp rank's parameters, gradients, AdamW state and gathers under a variant (`footprint`'s peak)."""
+        found = self._group_feet.get((schedule, m, sharding, reduce))
+        if found is None:
+            found = self._group_feet[schedule, m, sharding, reduce] = self._footprint_peaks(schedule, m, sharding, reduce)
+        return found
+
+    def _footprint_peaks(self, schedule: str, m: int, sharding: str, reduce: str) -> list[int]:
         split, k = splits_backward(schedule), self.base.plan.pipeline.virtual_stages
         reduce = reduce_as_run(reduce, microbatches=m, virtual_stages=k, split=split)
         stage_rank = placement(schedule, self.base.pp, k)
@@ -266,11 +275,16 @@ def meshes(world: int, G: int, num_layers: int, *, seq_len: int = 1, max_cp: int
 def collector_paused():
     """Python's cyclic garbage collector off for the search, as it was after. The search makes millions
     of short-lived objects without cycles (reference counting frees them), and each collection they
-    set off walked every object alive, the model's too: a quarter of a 70B search's time."""
+    set off walked every object alive, the model's too: a quarter of a 70B search's time. What it leaves
+    alive (the model built on meta, modules imported) goes to the oldest generation, as if it had survived
+    two collections, instead of one pass walking all of it (~0.5 s) when the collector is back on."""
     was = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if not gc.get_freeze_count():  # a caller's frozen objects stay frozen: only then
+            gc.freeze()
+            gc.unfreeze()  # the permanent generation back into the oldest: nothing walked now
         if was:
             gc.enable()
