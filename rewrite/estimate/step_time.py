@@ -16,8 +16,8 @@ its last unit's reduce exposed. FSDP2's own work per unit (`unit_overhead_s`: it
 full and grad_op, the copies around each gather and reduce-scatter) adds to the action or the step's end
 that runs it, hidden by nothing. Then AdamW, bound by
 memory traffic over the parameters the rank holds. The step is the slowest rank's end. Where a CPU
-profile's ranks share fewer cores than they are (`cores_per_node`), the table's time follows the
-cores it keeps busy (`shared_cores`).
+profile's ranks share fewer cores than they are (`cores_per_node`), the table runs its rows at the share of
+the cores they get while running (`core_sharing`, `schedules.simulate.simulate_shared`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..models.flops import TRAINING, head_flops, layer_flops
 from ..binding.params import held_parameters
 from ..binding.resolve import ResolvedPlan
 from ..schedules import plan_table, splits_backward
-from ..schedules.simulate import Summary, bubble_of, simulate_summary
+from ..schedules.simulate import Summary, bubble_of, simulate_shared, simulate_summary
 from .activations import activation_problem, compute_dtype, plan_sizes
 from .collectives import groups_link, p2p_s
 from .layer_activations import Sizes
@@ -40,7 +40,7 @@ from .dp_time import EXPERTS, DpTime
 from .memory import param_unit, with_run
 from .stage_time import StageTimes, stage_times
 
-__all__ = ["StepPrediction", "predict_step", "model_flops", "stage_parameters", "shared_cores"]
+__all__ = ["StepPrediction", "predict_step", "model_flops", "stage_parameters", "core_sharing"]
 
 
 
@@ -150,14 +150,14 @@ def predict_step(
     z = sizes or plan_sizes(run, model, batch_size=batch_size, dtype=compute)
     hop = z.chunk * z.dtype_bytes * z.hidden  # a stage's output (each tp and cp rank its sequence chunk)
     table = plan_table(pipe.schedule, pipe.table, pp, pipe.virtual_stages, m)
-    sim = _simulated(run, table, times, dpt, (sharding, split, reduce), hop, hw, G, sim_cache)
     world = dp * pp * cp * tp
-    pace, busy_pace = shared_cores(hw, min(world, G), sim, len(table))
+    sharing, busy_pace = core_sharing(hw, min(world, G), pp)
+    sim = _simulated(run, table, times, dpt, (sharding, split, reduce), hop, hw, G, sim_cache, sharing)
     ends, worst_dp, worst_opt = [], 0.0, 0.0
     for r, last in enumerate(sim.last):  # a row's actions run one after another: its last ends last
-        window = (last[1] - last[0]) * pace if last else 0.0
+        window = (last[1] - last[0]) if last else 0.0
         exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, master.itemsize, reduce)
-        ends.append((last[1] * pace if last else 0.0) + exposed + optimizer * busy_pace)
+        ends.append((last[1] if last else 0.0) + exposed + optimizer * busy_pace)
         worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)
     step = max(ends)
     sequences = dp * m * batch_size
@@ -166,30 +166,29 @@ def predict_step(
     return StepPrediction(
         step_s=step, tokens_per_s=sequences * z.seq_len / step / world,
         mfu=flops / (step * world * hw.flops(str(compute).removeprefix("torch."))),
-        bubble=bubble_of(sim, len(table)), pipeline_s=sim.span * pace, dp_s=worst_dp, optimizer_s=worst_opt * busy_pace,
+        bubble=bubble_of(sim, len(table)), pipeline_s=sim.span, dp_s=worst_dp, optimizer_s=worst_opt * busy_pace,
         stages=tuple(times),
     )
 
 
-def shared_cores(hw: Hardware, ranks: int, sim: Summary, rows: int) -> tuple[float, float]:
-    """(the simulated table's, every rank busy's) durations scaled for `ranks` ranks of a node sharing the profile's
-    `cores_per_node` C (1, 1 without). Its terms were measured with N = devices_per_node ranks busy, each at
-    s = min(1, C / N) of a core. The table then takes the longer of its work spread over the cores (each rank's busy
-    time, 1 - bubble of the span, times s n / min(C, n) for n ranks) and its span at a whole core each (s): a rank
-    waiting for another frees its core; every rank busy at once (AdamW) runs at min(1, C / n), s / that."""
+def core_sharing(hw: Hardware, ranks: int, rows: int) -> tuple[tuple[float, int, float] | None, float]:
+    """How `ranks` ranks of a node in `rows` pp rows share the profile's `cores_per_node` C: ((the share of a core
+    its terms were measured at, C, ranks per row), the pace of every rank busy at once), or (None, 1) for devices
+    of their own. Its terms were measured with N = devices_per_node ranks busy, each at s = min(1, C / N) of a
+    core; a table's rows run at the share they get while running (`simulate_shared`); every rank busy at once
+    (AdamW) runs at min(1, C / ranks) of a core, s / that of its measured time."""
     cores = hw.cores_per_node
     if cores is None:
-        return 1.0, 1.0
+        return None, 1.0
     measured = min(1.0, cores / hw.devices_per_node)
-    busy = 1 - bubble_of(sim, rows)
-    return max(busy * measured * ranks / min(cores, ranks), measured), measured / min(1.0, cores / ranks)
+    return (measured, cores, ranks / rows), measured / min(1.0, cores / ranks)
 
 
 def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tuple[str, bool, str], hop: int,
-               hw: Hardware, G: int, sim_cache: dict | None) -> Summary:
+               hw: Hardware, G: int, sim_cache: dict | None, sharing: tuple | None = None) -> Summary:
     """The schedule table simulated with the stages' durations and the transfers between pp ranks, in brief
     (`schedules.simulate.Summary`: each rank's last action, the span, the busy time). `dp_mode`: (sharding,
-    split backward, reduce)."""
+    split backward, reduce); `sharing`: `core_sharing`'s, for ranks sharing cores."""
     sharding, split, reduce = dp_mode
     plan, eff = run.plan, hw.efficiency.collective
 
@@ -202,7 +201,7 @@ def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tupl
     key = (id(table), run.stage_rank, hop, tuple((t.forward, t.input_backward, t.weight_backward) for t in times),
            dpt.per_microbatch(sharding, split) and tuple(map(tuple, dpt.gather.values())),
            dpt.reduces_each(sharding, split, reduce) and sharding,
-           bool(dpt.unit_pass) and sharding in ("full", "grad_op"))
+           bool(dpt.unit_pass) and sharding in ("full", "grad_op"), sharing)
     if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
         return sim_cache[key][1]
     # Durations per (kind, stage) and transfers per pair of pp ranks: each computed once, not per cell.
@@ -211,7 +210,11 @@ def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tupl
     hops = {pair for s in range(1, len(times)) for pair in ((run.stage_rank[s - 1], run.stage_rank[s]),
                                                               (run.stage_rank[s], run.stage_rank[s - 1]))}
     delays = {(a, b): hop_s(a, b) for a, b in hops if a != b}
-    sim = simulate_summary(table, run.stage_rank, costs, delays)
+    if sharing is None:
+        sim = simulate_summary(table, run.stage_rank, costs, delays)
+    else:
+        share, cores, per_row = sharing
+        sim = simulate_shared(table, run.stage_rank, costs, delays, share=share, cores=cores, per_row=per_row)
     if sim.stuck:
         raise ValueError("the schedule table deadlocks: " + "; ".join(sim.stuck))
     if sim_cache is not None:

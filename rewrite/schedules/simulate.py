@@ -6,12 +6,13 @@ prints, and what the step-time model (`rewrite.estimate.step_time`) times a plan
 
 from __future__ import annotations
 
+import math
 from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 
 from .actions import Action, Table, needs
 
-__all__ = ["simulate", "simulate_summary", "Summary", "bubble", "bubble_of", "layout"]
+__all__ = ["simulate", "simulate_summary", "simulate_shared", "Summary", "bubble", "bubble_of", "layout"]
 
 
 def layout(table: Table, stage_rank: Sequence[int] | None) -> tuple[tuple[int, ...], bool]:
@@ -62,6 +63,56 @@ def simulate_summary(table: Table, stage_rank: Sequence[int] | None = None, cost
     last = [None if i < 0 else (starts[i], ends[i]) for i in run.last]
     busy = sum(e - b for b, e in zip(starts, ends))
     return Summary(last, max(ends, default=0.0), busy, list(run.stuck))
+
+
+def simulate_shared(table: Table, stage_rank: Sequence[int] | None, cost: Mapping[tuple[str, int], float],
+                    delay: Mapping[tuple[int, int], float] | None, *, share: float, cores: int, per_row: int = 1
+                    ) -> Summary:
+    """`simulate_summary` for ranks sharing `cores` cores, one thread each (CPU ranks): `cost` per (kind, stage)
+    as measured with every rank busy at `share` of a core. A row's action runs at min(1, cores / (n x per_row))
+    of a core while n rows run (each row stands for `per_row` ranks alike: its dp, cp and tp peers), the cores
+    time-sliced evenly: alone it takes its cost x share, and a row waiting for another frees its cores to the
+    rest. Transfers (`delay` per pair of pp ranks) take their time whatever the cores do."""
+    stage_rank, _ = layout(table, stage_rank)
+    run = _order(table, stage_rank)
+    if run.stuck:
+        return simulate_summary(table, stage_rank, cost, delay)
+    work = [cost[key] * share for key in run.keys]  # core-seconds
+    lags = [0.0 if delay is None or pair is None else delay[pair] for pair in run.pairs]
+    rows = [[] for _ in table]  # each row's positions in the run order, in the order it runs them
+    for i, r in enumerate(run.ranks):
+        rows[r].append(i)
+    starts, ends = [0.0] * len(work), [-1.0] * len(work)  # -1: not ended yet
+    on, left, ready = [0] * len(rows), [0.0] * len(rows), [math.inf] * len(rows)  # per row: its action, work, start
+
+    def arm(r: int) -> None:  # the row's action, if it can start: when (it waits for nothing still running)
+        if on[r] < len(rows[r]) and ready[r] == math.inf:
+            i = rows[r][on[r]]
+            j = run.provider[i]
+            if j < 0 or ends[j] >= 0:
+                ready[r] = starts[i] = max(now, ends[j] + lags[i] if j >= 0 else now)
+                left[r] = work[i]
+
+    now = 0.0
+    for r in range(len(rows)):
+        arm(r)
+    while True:
+        running = [r for r in range(len(rows)) if ready[r] <= now]
+        coming = [ready[r] - now for r in range(len(rows)) if now < ready[r] < math.inf]
+        if not running and not coming:
+            break
+        rate = min(1.0, cores / (len(running) * per_row)) if running else 1.0
+        step = min([left[r] / rate for r in running] + coming)
+        now += step
+        for r in running:
+            left[r] -= rate * step
+            if left[r] <= 1e-12 * (1.0 + work[rows[r][on[r]]]):  # its work done
+                ends[rows[r][on[r]]], on[r], ready[r] = now, on[r] + 1, math.inf
+        for r in range(len(rows)):
+            arm(r)
+    last = [(starts[row[-1]], ends[row[-1]]) if row else None for row in rows]
+    busy = sum(e - b for b, e in zip(starts, ends))
+    return Summary(last, max(ends, default=0.0), busy, [])
 
 
 def bubble_of(summary: Summary, ranks: int) -> float:

@@ -96,6 +96,33 @@ def test_a_simulation_in_brief_holds_what_the_full_one_does():
         assert bubble_of(brief, pp) == bubble(table, times) > 0, name  # the same figure, bit for bit
 
 
+def test_rows_sharing_cores_run_at_their_share_while_running():
+    """1F1B on 2 ranks, 2 microbatches, every action 1 core-second: with 1 core for both, the two rows share it
+    whenever both run (F1 beside stage 1's F0, stage 0's B0 beside stage 1's F1), so the step is the whole work,
+    8 s, where 2 cores give the plain simulation's 6 s; transfers take their time whatever the cores do."""
+    from rewrite.schedules.simulate import simulate_shared, simulate_summary
+
+    table, stage_rank = build_table("1f1b", 2, 2), (0, 1)
+    cost = {(kind, s): 1.0 for kind in "FB" for s in (0, 1)}
+    one = simulate_shared(table, stage_rank, cost, None, share=1.0, cores=1)
+    assert one.span == 8.0 and one.last == [(7.0, 8.0), (6.0, 7.0)] and one.busy == 12.0  # shared: each 2 s long
+    assert simulate_shared(table, stage_rank, cost, None, share=1.0, cores=2) == simulate_summary(table, stage_rank, cost)
+    # Costs measured 4 ranks on 2 cores (half a core each), each row standing for 2 ranks: alone a row's ranks
+    # take a core each (half the cost), both rows running share the cores as measured.
+    assert simulate_shared(table, stage_rank, cost, None, share=0.5, cores=2, per_row=2).span == 4.0
+    delay = {(0, 1): 0.5, (1, 0): 0.5}
+    assert (simulate_shared(table, stage_rank, cost, delay, share=1.0, cores=2)
+            == simulate_summary(table, stage_rank, cost, delay))
+    for name, pp, k, m in (("afab", 4, 1, 4), ("zbv", 4, 2, 8), ("zero-bubble", 3, 1, 6)):
+        table, stage_rank = build_table(name, pp, m, k), placement(name, pp, k)
+        cost = {(kind, s): 1.0 + 0.1 * s for kind in "FBIW" for s in range(pp * k)}
+        plain = simulate_summary(table, stage_rank, cost)
+        shared = simulate_shared(table, stage_rank, cost, None, share=0.5, cores=2)  # 4 ranks measured on 2 cores
+        # no faster than every row at a whole core or the work spread over both cores; no slower than as measured
+        assert max(plain.span * 0.5, plain.busy * 0.5 / 2) <= shared.span * (1 + 1e-12), name
+        assert shared.span <= plain.span * (1 + 1e-12), name
+
+
 def test_a_plan_carries_its_table_inline_or_in_a_csv_file(tmp_path):
     inline = {"mesh": {"pp": 2}, "pipeline": {"schedule": "custom", "microbatches": 2, "table": ["F0 F1 B0 B1", "F0 B0 F1 B1"]}}
     assert rewrite.load_plan(inline).pipeline.table == ["F0 F1 B0 B1", "F0 B0 F1 B1"]
