@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["Link", "Efficiency", "CompiledCosts", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
+__all__ = ["Link", "Efficiency", "CompiledCosts", "LargeMicrobatch", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
 
 PROFILES = Path(__file__).with_name("profiles")
 HARDWARE_NAMES = tuple(sorted(p.stem for p in PROFILES.glob("*.yaml")))
@@ -43,6 +43,18 @@ class Efficiency(_Strict):
 
     matmul: Annotated[float, Field(gt=0, le=1, description="of the peak FLOP/s, at transformer shapes")]
     collective: Annotated[float, Field(gt=0, le=1, description="of the link bandwidth, for large messages")]
+
+
+class LargeMicrobatch(_Strict):
+    """Past `tokens` tokens a microbatch on a rank, each further token's compute costs `ratio` times what the
+    linear fit of a layer's time charges (its activations outgrow the caches), measured on twice `tokens`."""
+
+    tokens: Annotated[int, Field(ge=1, description="the largest microbatch per rank the layer terms were fitted on")]
+    ratio: Annotated[float, Field(gt=0, description="a further token's time over the fitted per-token time")]
+
+    def scale(self, tokens: float) -> float:
+        """What a microbatch of `tokens` tokens per rank multiplies its linearly charged compute by."""
+        return 1.0 if tokens <= self.tokens else (self.tokens + self.ratio * (tokens - self.tokens)) / tokens
 
 
 class CompiledCosts(_Strict):
@@ -83,6 +95,9 @@ class Hardware(_Strict):
     microbatch_overhead_s: Annotated[float, Field(ge=0, description=(
         "seconds a stage spends on each microbatch outside its decoder layers' operators: the forward and "
         "backward calls, the embedding, head and loss modules' dispatch (0: not modelled)"))] = 0.0
+    large_microbatch: Annotated[LargeMicrobatch | None, Field(description=(
+        "a decoder layer's time per token past the microbatch sizes the layer terms were fitted on, over the "
+        "fitted one (a CPU's caches; compiled steps too); None: linear in the tokens"))] = None
     optimizer_bandwidth: Annotated[float | None, Field(gt=0, description=(
         "bytes per second a step's end moves AdamW's counted traffic at (3 x the parameters' bytes + 16 per "
         "trained element), the gradients' norm clipped included: torch's AdamW runs an operator at a time, each "

@@ -101,11 +101,13 @@ class _Clock:
     run as torch's all_reduce, all_gather and reduce_scatter do."""
 
     def __init__(self, hardware: Hardware, dtype: str, tp: int, link, cp: int = 1, cp_link=None, ep: int = 1,
-                 ep_link=None, traced: bool = False) -> None:
+                 ep_link=None, traced: bool = False, tokens: int = 1) -> None:
         self.kinds = (("all_reduce", "all_gather", "reduce_scatter") if traced else ("sum", "gather", "scatter"))
         self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
         self.bandwidth, self.tp, self.link = hardware.memory_bandwidth, tp, link
         self.act_bandwidth = hardware.activation_bandwidth or hardware.memory_bandwidth
+        large = hardware.large_microbatch  # a microbatch of `tokens` a rank past the fitted sizes: compute slower
+        self.scale = 1.0 if large is None else large.scale(tokens)
         self.cp, self.cp_link, self.ep, self.ep_link = cp, cp_link, ep, ep_link
         self.hardware = hardware
         self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
@@ -115,10 +117,11 @@ class _Clock:
         self.ep_call = hardware.call_overhead_s.get("sum", 0.0)
 
     def run(self, flops: float, activation_bytes: float, weight_bytes: float = 0.0) -> float:
-        """FLOPs at the matmul rate, activations at the elementwise operators' bandwidth, weights at the memory's."""
-        if self.act_bandwidth == self.bandwidth:  # one memory for both: one division, as it always was
+        """FLOPs at the matmul rate, activations at the elementwise operators' bandwidth (both slower past the
+        fitted microbatch sizes: `Hardware.large_microbatch`), weights at the memory's."""
+        if self.act_bandwidth == self.bandwidth and self.scale == 1.0:  # one memory for both: one division
             return flops / self.rate + (activation_bytes + weight_bytes) / self.bandwidth
-        return flops / self.rate + activation_bytes / self.act_bandwidth + weight_bytes / self.bandwidth
+        return (flops / self.rate + activation_bytes / self.act_bandwidth) * self.scale + weight_bytes / self.bandwidth
 
     def _tp(self, kind: str, nbytes: float) -> float:
         return collective_s(self.hardware, kind, nbytes, self.tp, self.link) + self.call[kind]
@@ -274,7 +277,7 @@ def stage_times(
     compiled = resolved.plan.compile
     hardware = hardware.stepping(compiled is not None and compiled.backend == "inductor")
     clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, tp_link,
-                   cp, cp_link, ep, ep_link, traced=compiled is not None)
+                   cp, cp_link, ep, ep_link, traced=compiled is not None, tokens=z.tokens)
     flop_parts = layer_flop_parts(config, seq_len=z.seq_len)
     routed_layers = _routed_layers(resolved) if ep > 1 else set()
     layer_weights = layer_weights or {}

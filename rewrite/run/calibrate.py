@@ -16,8 +16,8 @@ import platform
 import statistics
 
 from ..lent import lend
-from .calibrate_layers import (LAYER_MODEL, OPTIMIZER_LAYERS, ROWS, SEQUENCE, best_of, call_overheads, layer_costs,
-                               layer_model_problem, layer_terms, optimizer_bandwidth, tp_call_times)
+from .calibrate_layers import (LARGE_ROWS, LAYER_MODEL, OPTIMIZER_LAYERS, ROWS, SEQUENCE, best_of, call_overheads,
+                               layer_costs, layer_model_problem, layer_terms, optimizer_bandwidth, tp_call_times)
 from .calibrate_links import collective_lines, collective_times, overlap_share
 from .calibrate_units import UNIT_LAYERS, UNIT_MICROBATCHES, unit_overheads, unit_step_times
 
@@ -206,6 +206,14 @@ def _activation_line(found: dict) -> str:
             "activation bytes the model counts")
 
 
+def _large_line(found: dict) -> str:
+    large = found.get("large_microbatch")
+    if not large:
+        return _unmeasured(found, "large_microbatch: null", "(no time per token to compare with)")
+    return (f"large_microbatch: {{tokens: {large['tokens']}, ratio: {large['ratio']:.3g}}}   # measured: a layer's "
+            f"time per token from {large['tokens']} to {LARGE_ROWS * SEQUENCE} tokens, over the fitted one")
+
+
 def _unmeasured(found: dict, line: str, why: str, then: str = "") -> str:
     """The profile's `line` for a term calibrate did not measure: on a GPU, else `why`."""
     return f"{line:<29}# not measured {'on a GPU' if found.get('gpu') else why}{then}"
@@ -283,6 +291,7 @@ inter_node:                 # not measured (one machine): the same as intra_node
   latency: {found['latency']:.4g}
 layer_overhead_s: {found.get('layer_overhead_s', 0.0):.3g}   # measured: a decoder layer's forward + backward, its fixed part ({found.get('layer_model', LAYER_MODEL)}: 3 layers against 1 on {ROWS[0]}-{ROWS[-1]} sequences of {SEQUENCE} tokens, fitted)
 {_activation_line(found)}
+{_large_line(found)}
 microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measured: a 1-layer model's forward + backward on one sequence of {SEQUENCE} tokens beyond its layer and head FLOPs
 {_optimizer_line(found)}
 {_reserve_lines(found)}

@@ -30,6 +30,7 @@ def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
 
 
 SEQUENCE, ROWS = 128, (1, 2, 4, 8)  # a decoder layer is timed on 1-8 sequences of SEQUENCE tokens
+LARGE_ROWS = 16  # and eagerly on this many, where its activations outgrow a CPU's caches (`large_microbatch`)
 LAYER_MODEL = "bench-llama"  # whose decoder layers the layer terms are fitted on, unless told (`calibrate --model`)
 LAYER_LIMIT = 30_000_000  # parameters a decoder layer may hold to be timed here (the bench's hold 0.8-2.1 M)
 
@@ -98,7 +99,7 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
 
         for model in models.values():
             apply_compile(model, resolve({"compile": {}}, model))
-    for rows in ROWS:
+    for rows in ROWS + (() if compiled else (LARGE_ROWS,)):
         ids = torch.zeros(rows, SEQUENCE, dtype=torch.long)
         for n, model in models.items():
             times[rows, n] = best_of(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward(), repeats,
@@ -123,17 +124,28 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
         bandwidth = None
     head = 3 * head_flops(config, seq_len=SEQUENCE) / flop_rate
     outside = max(times[1, 1] - (fixed + per_token * SEQUENCE) - head, 0.0)
-    return {"layer_overhead_s": fixed, "activation_bandwidth": bandwidth, "microbatch_overhead_s": outside,
-            "layer_times": dict(zip(tokens, layer))}
+    out = {"layer_overhead_s": fixed, "activation_bandwidth": bandwidth, "microbatch_overhead_s": outside,
+           "layer_times": dict(zip(tokens, layer))}
+    if not compiled and per_token > 0:  # past the fitted sizes: the tokens beyond them against the fitted rate
+        large = (times[LARGE_ROWS, 3] - times[LARGE_ROWS, 1]) / 2
+        out["layer_times"][LARGE_ROWS * SEQUENCE] = large
+        fitted = fixed + per_token * tokens[-1]
+        out["large_microbatch"] = {"tokens": tokens[-1],
+                                   "ratio": max(large - fitted, 0.0) / (per_token * (LARGE_ROWS * SEQUENCE - tokens[-1]))}
+    return out
 
 
 def layer_terms(found: list[dict]) -> dict:
     """The ranks' layer costs (`layer_costs`) as one profile's terms: their means (the activation bandwidth
     None unless every rank resolved it)."""
     bandwidths = [r["activation_bandwidth"] for r in found if r["activation_bandwidth"]]
-    return {"layer_overhead_s": statistics.mean(r["layer_overhead_s"] for r in found),
-            "activation_bandwidth": statistics.mean(bandwidths) if len(bandwidths) == len(found) else None,
-            "microbatch_overhead_s": statistics.mean(r["microbatch_overhead_s"] for r in found)}
+    terms = {"layer_overhead_s": statistics.mean(r["layer_overhead_s"] for r in found),
+             "activation_bandwidth": statistics.mean(bandwidths) if len(bandwidths) == len(found) else None,
+             "microbatch_overhead_s": statistics.mean(r["microbatch_overhead_s"] for r in found)}
+    large = [r["large_microbatch"] for r in found if r.get("large_microbatch")]
+    if large and len(large) == len(found) and statistics.mean(x["ratio"] for x in large) > 0:
+        terms["large_microbatch"] = {"tokens": large[0]["tokens"], "ratio": statistics.mean(x["ratio"] for x in large)}
+    return terms
 
 
 

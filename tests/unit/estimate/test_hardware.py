@@ -82,10 +82,12 @@ def test_a_calibrated_profile_reads_back():
     assert hw.layer_overhead_s == 0  # not measured: not modelled
     assert hw.activation_bandwidth is None and hw.microbatch_overhead_s == 0 and hw.memory_reserve_gib == 0
     assert hw.optimizer_bandwidth is None  # not measured: AdamW's traffic at memory_bandwidth
-    found.update(layer_overhead_s=0.0025, activation_bandwidth=6e9, microbatch_overhead_s=0.004, optimizer_bandwidth=5e9)
+    assert hw.large_microbatch is None  # not measured: linear in the tokens
+    found.update(layer_overhead_s=0.0025, activation_bandwidth=6e9, microbatch_overhead_s=0.004, optimizer_bandwidth=5e9,
+                 large_microbatch={"tokens": 1024, "ratio": 1.25})
     measured = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found)))
     assert (measured.layer_overhead_s, measured.activation_bandwidth, measured.microbatch_overhead_s) == (0.0025, 6e9, 0.004)
-    assert measured.optimizer_bandwidth == 5e9
+    assert measured.optimizer_bandwidth == 5e9 and measured.large_microbatch.model_dump() == {"tokens": 1024, "ratio": 1.25}
     found["gpu"] = True  # a GPU's profile keeps the runtime's reserve, as the shipped ones
     gpu = Hardware.model_validate(__import__("yaml").safe_load(profile_yaml(found)))
     assert (gpu.memory_reserve_gib, gpu.fragmentation) == (3.0, 0.05)
@@ -104,6 +106,8 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     assert 0 <= hw.layer_overhead_s < 1 and 0 <= hw.microbatch_overhead_s < 1 and hw.memory_reserve_gib == 0
     # The elementwise operators move activations slower than a large copy does (when the FLOPs leave any time).
     assert hw.activation_bandwidth is None or 0 < hw.activation_bandwidth < hw.memory_bandwidth
+    # Past the fitted 1,024 tokens a microbatch, 2,048 tokens measured against the fitted time per token.
+    assert hw.large_microbatch is not None and hw.large_microbatch.tokens == 1024 and 0 < hw.large_microbatch.ratio < 10
     # Each collective a run makes, timed over the 2 ranks at every size, never cheaper for more bytes.
     assert set(hw.collective_times) == {"sum", "gather", "scatter", "all_to_all", "all_reduce", "all_gather", "reduce_scatter"}
     for kind, by_n in hw.collective_times.items():
