@@ -46,15 +46,17 @@ class Efficiency(_Strict):
 
 
 class LargeMicrobatch(_Strict):
-    """Past `tokens` tokens a microbatch on a rank, each further token's compute costs `ratio` times what the
-    linear fit of a layer's time charges (its activations outgrow the caches), measured on twice `tokens`."""
+    """A microbatch of more than `tokens` tokens on a rank computes slower per token than the layer terms' linear
+    fit charges (its activations outgrow the caches): at twice `tokens`, `ratio` times as long per token as at
+    `tokens` (measured), reached linearly in the tokens past `tokens` and held beyond."""
 
     tokens: Annotated[int, Field(ge=1, description="the largest microbatch per rank the layer terms were fitted on")]
-    ratio: Annotated[float, Field(gt=0, description="a further token's time over the fitted per-token time")]
+    ratio: Annotated[float, Field(gt=0, description="the time per token at twice `tokens` over that at `tokens`")]
 
     def scale(self, tokens: float) -> float:
         """What a microbatch of `tokens` tokens per rank multiplies its linearly charged compute by."""
-        return 1.0 if tokens <= self.tokens else (self.tokens + self.ratio * (tokens - self.tokens)) / tokens
+        past = min(max(tokens - self.tokens, 0), self.tokens) / self.tokens
+        return 1.0 + (self.ratio - 1.0) * past
 
 
 class CompiledCosts(_Strict):
@@ -96,8 +98,8 @@ class Hardware(_Strict):
         "seconds a stage spends on each microbatch outside its decoder layers' operators: the forward and "
         "backward calls, the embedding, head and loss modules' dispatch (0: not modelled)"))] = 0.0
     large_microbatch: Annotated[LargeMicrobatch | None, Field(description=(
-        "a decoder layer's time per token past the microbatch sizes the layer terms were fitted on, over the "
-        "fitted one (a CPU's caches; compiled steps too); None: linear in the tokens"))] = None
+        "compute per token past the microbatch sizes the layer terms were fitted on, against theirs (a CPU's "
+        "caches; compiled steps too); None: linear in the tokens"))] = None
     optimizer_bandwidth: Annotated[float | None, Field(gt=0, description=(
         "bytes per second a step's end moves AdamW's counted traffic at (3 x the parameters' bytes + 16 per "
         "trained element), the gradients' norm clipped included: torch's AdamW runs an operator at a time, each "

@@ -210,8 +210,8 @@ def _large_line(found: dict) -> str:
     large = found.get("large_microbatch")
     if not large:
         return _unmeasured(found, "large_microbatch: null", "(no time per token to compare with)")
-    return (f"large_microbatch: {{tokens: {large['tokens']}, ratio: {large['ratio']:.3g}}}   # measured: a layer's "
-            f"time per token from {large['tokens']} to {LARGE_ROWS * SEQUENCE} tokens, over the fitted one")
+    return (f"large_microbatch: {{tokens: {large['tokens']}, ratio: {large['ratio']:.3g}}}   # measured: the 3-layer "
+            f"model's time per token on {LARGE_ROWS * SEQUENCE} tokens over that on {large['tokens']}")
 
 
 def _unmeasured(found: dict, line: str, why: str, then: str = "") -> str:

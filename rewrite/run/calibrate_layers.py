@@ -82,10 +82,12 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
     the FLOPs leave no time, or it would pass a large copy's `memory_bandwidth`: the fit cannot tell). What the
     1-layer model takes beyond its layer on one sequence, less its head's FLOPs, is the cost of a
     microbatch's forward and backward calls outside their layers (`microbatch_overhead_s`: embedding, final
-    norm, head, loss, the autograd engine's start).
+    norm, head, loss, the autograd engine's start). Eagerly, the 3-layer model on LARGE_ROWS sequences, its time
+    per token there over that on the largest of ROWS (`large_microbatch`: its activations outgrow the caches).
     """
     import torch
 
+    from ..binding.resolve import resolve
     from ..estimate.layer_activations import Sizes, layer_bytes
     from ..models.flops import head_flops, layer_flops
     from .presets import build_model, load_config
@@ -94,7 +96,6 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
     config = load_config(model)
     models = {n: build_model(with_layers(config, n)) for n in (1, 3)}
     if compiled:
-        from ..binding.resolve import resolve
         from ..compiled import apply_compile
 
         for model in models.values():
@@ -107,10 +108,8 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
     config = models[1].config
     tokens = [rows * SEQUENCE for rows in ROWS]
     layer = [(times[rows, 3] - times[rows, 1]) / 2 for rows in ROWS]
-    mean_t, mean_l = statistics.mean(tokens), statistics.mean(layer)
-    per_token = (sum((t - mean_t) * (y - mean_l) for t, y in zip(tokens, layer))
-                 / sum((t - mean_t) ** 2 for t in tokens))
-    fixed = max(mean_l - per_token * mean_t, 0.0)
+    fixed, per_token = _line(tokens, layer)
+    fixed = max(fixed, 0.0)
 
     def counted(rows: int) -> tuple[float, float]:  # (FLOPs of F + I + W, activation bytes moved) of a layer
         kept, _ = layer_bytes(Sizes.of(config, seq_len=SEQUENCE, batch_size=rows), attention_split=False,
@@ -126,13 +125,18 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
     outside = max(times[1, 1] - (fixed + per_token * SEQUENCE) - head, 0.0)
     out = {"layer_overhead_s": fixed, "activation_bandwidth": bandwidth, "microbatch_overhead_s": outside,
            "layer_times": dict(zip(tokens, layer))}
-    if not compiled and per_token > 0:  # past the fitted sizes: the tokens beyond them against the fitted rate
-        large = (times[LARGE_ROWS, 3] - times[LARGE_ROWS, 1]) / 2
-        out["layer_times"][LARGE_ROWS * SEQUENCE] = large
-        fitted = fixed + per_token * tokens[-1]
-        out["large_microbatch"] = {"tokens": tokens[-1],
-                                   "ratio": max(large - fitted, 0.0) / (per_token * (LARGE_ROWS * SEQUENCE - tokens[-1]))}
+    if not compiled:  # twice the largest fitted microbatch: the 3-layer model's time per token there over at it
+        out["layer_times"][LARGE_ROWS * SEQUENCE] = (times[LARGE_ROWS, 3] - times[LARGE_ROWS, 1]) / 2
+        out["large_microbatch"] = {"tokens": tokens[-1], "ratio": times[LARGE_ROWS, 3] * ROWS[-1] / (
+            times[ROWS[-1], 3] * LARGE_ROWS)}
     return out
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points."""
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - slope * mean_x, slope
 
 
 def layer_terms(found: list[dict]) -> dict:
@@ -142,6 +146,8 @@ def layer_terms(found: list[dict]) -> dict:
     terms = {"layer_overhead_s": statistics.mean(r["layer_overhead_s"] for r in found),
              "activation_bandwidth": statistics.mean(bandwidths) if len(bandwidths) == len(found) else None,
              "microbatch_overhead_s": statistics.mean(r["microbatch_overhead_s"] for r in found)}
+    if all("selective_overhead_s" in r for r in found):
+        terms["selective_overhead_s"] = statistics.mean(r["selective_overhead_s"] for r in found)
     large = [r["large_microbatch"] for r in found if r.get("large_microbatch")]
     if large and len(large) == len(found) and statistics.mean(x["ratio"] for x in large) > 0:
         terms["large_microbatch"] = {"tokens": large[0]["tokens"], "ratio": statistics.mean(x["ratio"] for x in large)}
