@@ -223,7 +223,7 @@ class Bound:
             self._tails[key + (stage_rank,)] = [
                 sum(dpt.tail(tuple(s for s, o in enumerate(stage_rank) if o == r), times, key[0], split, float("inf"),
                              self.dtype_bytes, reduce)) for r in range(pp)]
-        # Ranks sharing cores (`step_time.shared_cores`) run up to a whole core each: as fast as 1 / share.
+        # Ranks sharing cores (`step_time.core_sharing`) run up to a whole core each: as fast as 1 / share.
         share = 1.0 if hw.cores_per_node is None else min(1.0, hw.cores_per_node / hw.devices_per_node)
         return share * step_lower_bound(stage_rank, split, m, self._costs[key], self._tails[key + (stage_rank,)])
 

@@ -198,20 +198,14 @@ def _reserve_lines(found: dict) -> str:
             "fragmentation: 0.0          # not modelled: the CPU allocator returns freed memory to the host")
 
 
-def _activation_line(found: dict) -> str:
-    bandwidth = found.get("activation_bandwidth")
-    if not bandwidth:
-        return "activation_bandwidth: null   # measured: a layer's FLOPs explain its time per token; memory_bandwidth is used"
-    return (f"activation_bandwidth: {bandwidth:.4g}   # measured: a layer's time per token beyond its FLOPs, over the "
-            "activation bytes the model counts")
-
-
-def _large_line(found: dict) -> str:
-    large = found.get("large_microbatch")
-    if not large:
-        return _unmeasured(found, "large_microbatch: null", "(no time per token to compare with)")
-    return (f"large_microbatch: {{tokens: {large['tokens']}, ratio: {large['ratio']:.3g}}}   # measured: the 3-layer "
-            f"model's time per token on {LARGE_ROWS * SEQUENCE} tokens over that on {large['tokens']}")
+def _layer_lines(found: dict) -> str:
+    bandwidth, large = found.get("activation_bandwidth"), found.get("large_microbatch")
+    return ((f"activation_bandwidth: {bandwidth:.4g}   # measured: a layer's time per token beyond its FLOPs, over the "
+             "activation bytes the model counts" if bandwidth else "activation_bandwidth: null   # measured: a layer's "
+             "FLOPs explain its time per token; memory_bandwidth is used") + "\n" + (
+        f"large_microbatch: {{tokens: {large['tokens']}, ratio: {large['ratio']:.3g}}}   # measured: the 3-layer model's "
+        f"time per token on {LARGE_ROWS * SEQUENCE} tokens over that on {large['tokens']}" if large else
+        _unmeasured(found, "large_microbatch: null", "(no time per token to compare with)")))
 
 
 def _unmeasured(found: dict, line: str, why: str, then: str = "") -> str:
@@ -290,8 +284,7 @@ inter_node:                 # not measured (one machine): the same as intra_node
   bandwidth: {found['link']:.4g}
   latency: {found['latency']:.4g}
 layer_overhead_s: {found.get('layer_overhead_s', 0.0):.3g}   # measured: a decoder layer's forward + backward, its fixed part ({found.get('layer_model', LAYER_MODEL)}: 3 layers against 1 on {ROWS[0]}-{ROWS[-1]} sequences of {SEQUENCE} tokens, fitted)
-{_activation_line(found)}
-{_large_line(found)}
+{_layer_lines(found)}
 microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measured: a 1-layer model's forward + backward on one sequence of {SEQUENCE} tokens beyond its layer and head FLOPs
 {_optimizer_line(found)}
 {_reserve_lines(found)}
