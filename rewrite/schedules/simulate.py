@@ -98,12 +98,13 @@ def simulate_shared(table: Table, stage_rank: Sequence[int] | None, cost: Mappin
         arm(r)
     while True:
         running = [r for r in range(len(rows)) if ready[r] <= now]
-        coming = [ready[r] - now for r in range(len(rows)) if now < ready[r] < math.inf]
-        if not running and not coming:
-            break
         rate = min(1.0, cores / (len(running) * per_row)) if running else 1.0
-        step = min([left[r] / rate for r in running] + coming)
-        now += step
+        finish = min((left[r] / rate for r in running), default=math.inf)  # the next end, or the next start
+        arrive = min((ready[r] for r in range(len(rows)) if now < ready[r] < math.inf), default=math.inf)
+        if finish == arrive == math.inf:
+            break
+        step = min(finish, arrive - now)
+        now = arrive if arrive - now <= finish else now + step  # a start lands on its time exactly
         for r in running:
             left[r] -= rate * step
             if left[r] <= 1e-12 * (1.0 + work[rows[r][on[r]]]):  # its work done
