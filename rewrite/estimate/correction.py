@@ -101,8 +101,9 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
     `inter_node`: those the measured plans used) `scales.communication` times slower.
 
     Compute: the matmul rate (efficiency.matmul, or the peak past an efficiency of 1), memory, activation and
-    optimizer bandwidth, the fixed costs per layer and per microbatch (a compiled step's too). A link: its latency and bandwidth alike; the
-    intra-node link, the collectives' measured times and cost per call too (measured on one node).
+    optimizer bandwidth, the fixed costs per layer, per selectively checkpointed layer and per microbatch (a
+    compiled step's too). A link: its latency and bandwidth alike; the intra-node link, the collectives' measured
+    times and cost per call too (measured on one node).
     """
     a, b = scales.compute, scales.communication
     matmul = hardware.efficiency.matmul / a
@@ -116,6 +117,7 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
         "activation_bandwidth": None if bandwidth is None else bandwidth / a,
         "optimizer_bandwidth": None if hardware.optimizer_bandwidth is None else hardware.optimizer_bandwidth / a,
         "layer_overhead_s": hardware.layer_overhead_s * a, "microbatch_overhead_s": hardware.microbatch_overhead_s * a,
+        "selective_overhead_s": hardware.selective_overhead_s * a,
     }
     if hardware.compiled is not None:  # a compiled step's terms, rescaled alike
         terms = hardware.compiled

@@ -97,6 +97,11 @@ class Hardware(_Strict):
     microbatch_overhead_s: Annotated[float, Field(ge=0, description=(
         "seconds a stage spends on each microbatch outside its decoder layers' operators: the forward and "
         "backward calls, the embedding, head and loss modules' dispatch (0: not modelled)"))] = 0.0
+    selective_overhead_s: Annotated[float, Field(ge=0, description=(
+        "seconds a decoder layer checkpointed 'selective' costs each microbatch beyond the work its recompute "
+        "repeats: torch's checkpoint policy consulted on each operator of its forward and again of the recompute, "
+        "the kept products stored and looked up (eager; a compiled block applies the policy while tracing and "
+        "pays none); 0: not modelled"))] = 0.0
     large_microbatch: Annotated[LargeMicrobatch | None, Field(description=(
         "compute per token past the microbatch sizes the layer terms were fitted on, against theirs (a CPU's "
         "caches; compiled steps too); None: linear in the tokens"))] = None
@@ -140,10 +145,10 @@ class Hardware(_Strict):
 
     def stepping(self, compiled: bool) -> Hardware:
         """The profile a step's compute is charged on: with `compiled` and measured compiled terms, those in place
-        of the eager ones; else this profile."""
+        of the eager ones (and no cost of selective checkpointing's policy); else this profile."""
         if not compiled or self.compiled is None:
             return self
-        return self.model_copy(update=self.compiled.model_dump())
+        return self.model_copy(update={**self.compiled.model_dump(), "selective_overhead_s": 0.0})
 
     @field_validator("collective_times")
     @classmethod

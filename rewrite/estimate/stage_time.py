@@ -14,7 +14,8 @@ Memory traffic, at the bandwidth: F writes and reads back what the layer keeps f
 (`activations.layer_bytes`) and reads the weights; I reads it and writes as much again; W reads
 and accumulates the gradients (2x the weights). A checkpointed layer adds its forward to its I.
 A layer also costs the profile's fixed `layer_overhead_s` per microbatch (operator dispatch, which
-eager CPU runs pay in full), a third in each of F, I and W, and each of its eager tp collectives the
+eager CPU runs pay in full), a third in each of F, I and W (one checkpointed 'selective' adds
+`selective_overhead_s` to its I: torch's policy on each operator), and each of its eager tp collectives the
 profile's `call_overhead_s` of its kind beyond the collective's own time (measured on a tp layer; cp's
 gathers and reduce-scatters of keys and values, which go by the same exchanges, a `gather` each).
 Collectives per split block (attention, MLP) and microbatch, of T h B bytes:
@@ -63,7 +64,7 @@ from .layer_activations import F32, SELECTIVE, Sizes, end_bytes, layer_bytes, se
 from .lora_costs import lora_flops
 from .plan_parts import layer_kinds, loss_sharded, shard_styles
 from ..plan.ranks import Shape, expert_groups
-from .collectives import collective_s
+from .clock import Clock
 from .hardware import Hardware
 
 __all__ = ["StageTimes", "stage_times"]
@@ -95,56 +96,7 @@ def _crossing(shape: Shape, gpus_per_node: int) -> tuple[bool, bool, bool]:
     return spans(shape.along("tp")), spans(shape.along("cp")), spans(expert_groups(shape)[0])
 
 
-class _Clock:
-    """Seconds for FLOPs and bytes on the profile's device, and for the tp and cp groups' collectives. `traced`:
-    the blocks are compiled, their collectives torch's functional ones (`tensor_parallel.comm.traced`), which
-    run as torch's all_reduce, all_gather and reduce_scatter do."""
-
-    def __init__(self, hardware: Hardware, dtype: str, tp: int, link, cp: int = 1, cp_link=None, ep: int = 1,
-                 ep_link=None, traced: bool = False, tokens: int = 1) -> None:
-        self.kinds = (("all_reduce", "all_gather", "reduce_scatter") if traced else ("sum", "gather", "scatter"))
-        self.rate = hardware.flops(dtype) * hardware.efficiency.matmul
-        self.bandwidth, self.tp, self.link = hardware.memory_bandwidth, tp, link
-        self.act_bandwidth = hardware.activation_bandwidth or hardware.memory_bandwidth
-        large = hardware.large_microbatch  # a microbatch of `tokens` a rank past the fitted sizes: compute slower
-        self.scale = 1.0 if large is None else large.scale(tokens)
-        self.cp, self.cp_link, self.ep, self.ep_link = cp, cp_link, ep, ep_link
-        self.hardware = hardware
-        self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
-        # Each eager tp collective's cost beside the layer's compute, beyond its time alone (none traced).
-        calls = {} if traced else hardware.call_overhead_s
-        self.call = {kind: calls.get(kind, 0.0) for kind in self.kinds}
-        self.ep_call = hardware.call_overhead_s.get("sum", 0.0)
-
-    def run(self, flops: float, activation_bytes: float, weight_bytes: float = 0.0) -> float:
-        """FLOPs at the matmul rate, activations at the elementwise operators' bandwidth (both slower past the
-        fitted microbatch sizes: `Hardware.large_microbatch`), weights at the memory's."""
-        if self.act_bandwidth == self.bandwidth and self.scale == 1.0:  # one memory for both: one division
-            return flops / self.rate + (activation_bytes + weight_bytes) / self.bandwidth
-        return (flops / self.rate + activation_bytes / self.act_bandwidth) * self.scale + weight_bytes / self.bandwidth
-
-    def _tp(self, kind: str, nbytes: float) -> float:
-        return collective_s(self.hardware, kind, nbytes, self.tp, self.link) + self.call[kind]
-
-    def all_reduce(self, nbytes: float) -> float:  # a sum of `nbytes` over the tp group
-        return self._tp(self.kinds[0], nbytes) if self.tp > 1 and nbytes > 0 else 0.0
-
-    def gather(self, nbytes: float) -> float:  # an all-gather or reduce-scatter of `nbytes` whole: their mean
-        if self.tp <= 1 or nbytes <= 0:
-            return 0.0
-        return (self._tp(self.kinds[1], nbytes) + self._tp(self.kinds[2], nbytes)) / 2
-
-    def cp_gather(self, nbytes: float) -> float:  # keys and values all-gathered over the cp group: a call each
-        if self.cp <= 1:
-            return 0.0
-        return collective_s(self.hardware, self.kinds[1], nbytes, self.cp, self.cp_link) + 2 * self.call[self.kinds[1]]
-
-    def exchange(self, nbytes: float) -> float:  # an all-to-all of what one rank sends, over the ep group
-        # Eager in a compiled step too (the block is split at it), and as blocking as a tp sum: its call cost.
-        return collective_s(self.hardware, "all_to_all", nbytes, self.ep, self.ep_link) + self.ep_call
-
-
-def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *, first: bool, recomputed: set[str],
+def _layer(z: Sizes, flop_parts: dict[str, int], clock: Clock, splits: dict, *, first: bool, recomputed: set[str],
            weights: int, experts_split: bool = False):
     """(F, I, W, tp collectives, training FLOPs, cp collectives, ep exchanges) of one decoder layer, whose
     forward FLOPs over one sequence are `flop_parts` (`layer_flop_parts`)."""
@@ -195,9 +147,11 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: _Clock, splits: dict, *,
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
     share = 1.0 if "" in recomputed else len(recomputed & {ATTENTION.layer_part, MLP.layer_part}) / 2
     input_backward += share * forward
-    # Checkpointed 'selective': its elementwise work, collectives and the products it did not keep again.
+    # Checkpointed 'selective': its elementwise work, collectives and the products it did not keep again, and
+    # the policy's own cost (the measured `selective_overhead_s`; a block, half).
     for unit, weight, again in _selective_units(z, recomputed, splits, proj, mlp):
-        input_backward += clock.run(again + weight * norms, weight * 2 * kept, 0) + weight * (fwd_comm + clock.overhead)
+        input_backward += (clock.run(again + weight * norms, weight * 2 * kept, 0)
+                           + weight * (fwd_comm + clock.overhead + clock.selective))
         share += weight
     tp_comm = fwd_comm + bwd_comm + share * fwd_comm
     flops = (proj + scores + mlp + norms + adapters) + (proj + 2 * scores + mlp + 2 * norms + adapters) + trained
@@ -223,7 +177,7 @@ def _routed_layers(resolved: ResolvedPlan) -> set[int]:
             if fqn.startswith(prefix) and fqn[len(prefix):].partition(".")[0].isdigit()}
 
 
-def _head(z: Sizes, clock: _Clock, *, head_style: str | None, sharded_loss: bool, weights: int, has_head: bool):
+def _head(z: Sizes, clock: Clock, *, head_style: str | None, sharded_loss: bool, weights: int, has_head: bool):
     """(F, I, W, tp collectives, FLOPs) of the final norm, LM head and loss on the last stage."""
     T, h, V, B = z.tokens, z.hidden, z.vocab, z.dtype_bytes
     norm = NORM_FLOPS * T * h / (z.tp if z.split_sequence else 1)
@@ -276,7 +230,7 @@ def stage_times(
                                  for crossing in _crossing(resolved.plan.mesh.shape, G))
     compiled = resolved.plan.compile
     hardware = hardware.stepping(compiled is not None and compiled.backend == "inductor")
-    clock = _Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, tp_link,
+    clock = Clock(hardware, str(compute_dtype(model, dtype)).removeprefix("torch."), resolved.tp, tp_link,
                    cp, cp_link, ep, ep_link, traced=compiled is not None, tokens=z.tokens)
     flop_parts = layer_flop_parts(config, seq_len=z.seq_len)
     routed_layers = _routed_layers(resolved) if ep > 1 else set()

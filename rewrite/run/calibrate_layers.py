@@ -8,7 +8,7 @@ import statistics
 import time
 from contextlib import nullcontext
 
-__all__ = ["LAYER_MODEL", "ROWS", "SEQUENCE", "best_of", "call_overheads", "layer_costs", "layer_model_problem",
+__all__ = ["LAYER_MODEL", "MATMUL_SHAPES", "ROWS", "SEQUENCE", "best_of", "call_overheads", "layer_costs", "layer_model_problem",
            "layer_terms", "optimizer_bandwidth", "tp_call_times", "with_layers"]
 
 
@@ -29,6 +29,8 @@ def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
     return min(times) if together is None else statistics.median(times)
 
 
+# [tokens, hidden] x [hidden, 4 hidden]: an MLP projection at the bench model's sizes and above (`device_rates`).
+MATMUL_SHAPES = ((512, 256, 1024), (512, 512, 2048), (1024, 1024, 1024))
 SEQUENCE, ROWS = 128, (1, 2, 4, 8)  # a decoder layer is timed on 1-8 sequences of SEQUENCE tokens
 LARGE_ROWS = 16  # and eagerly on this many, where its activations outgrow a CPU's caches (`large_microbatch`)
 LAYER_MODEL = "bench-llama"  # whose decoder layers the layer terms are fitted on, unless told (`calibrate --model`)
@@ -83,7 +85,8 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
     1-layer model takes beyond its layer on one sequence, less its head's FLOPs, is the cost of a
     microbatch's forward and backward calls outside their layers (`microbatch_overhead_s`: embedding, final
     norm, head, loss, the autograd engine's start). Eagerly, the 3-layer model on LARGE_ROWS sequences, its time
-    per token there over that on the largest of ROWS (`large_microbatch`: its activations outgrow the caches).
+    per token there over that on the largest of ROWS (`large_microbatch`: its activations outgrow the caches), and
+    checkpointed 'selective' against not on one sequence (`calibrate_selective`), where the estimate prices it.
     """
     import torch
 
@@ -129,6 +132,11 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
         out["layer_times"][LARGE_ROWS * SEQUENCE] = (times[LARGE_ROWS, 3] - times[LARGE_ROWS, 1]) / 2
         out["large_microbatch"] = {"tokens": tokens[-1], "ratio": times[LARGE_ROWS, 3] * ROWS[-1] / (
             times[ROWS[-1], 3] * LARGE_ROWS)}
+        from ..estimate.plan_parts import selective_problem
+        from .calibrate_selective import selective_layer_time
+
+        if selective_problem(models[3]) is None:  # a family the estimate prices 'selective' for
+            out["selective_layer_s"] = selective_layer_time(models[3], repeats, together)
     return out
 
 
@@ -146,8 +154,6 @@ def layer_terms(found: list[dict]) -> dict:
     terms = {"layer_overhead_s": statistics.mean(r["layer_overhead_s"] for r in found),
              "activation_bandwidth": statistics.mean(bandwidths) if len(bandwidths) == len(found) else None,
              "microbatch_overhead_s": statistics.mean(r["microbatch_overhead_s"] for r in found)}
-    if all("selective_overhead_s" in r for r in found):
-        terms["selective_overhead_s"] = statistics.mean(r["selective_overhead_s"] for r in found)
     large = [r["large_microbatch"] for r in found if r.get("large_microbatch")]
     if large and len(large) == len(found) and statistics.mean(x["ratio"] for x in large) > 0:
         terms["large_microbatch"] = {"tokens": large[0]["tokens"], "ratio": statistics.mean(x["ratio"] for x in large)}

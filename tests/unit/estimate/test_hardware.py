@@ -108,6 +108,8 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     assert hw.activation_bandwidth is None or 0 < hw.activation_bandwidth < hw.memory_bandwidth
     # Past the fitted 1,024 tokens a microbatch, 2,048 tokens measured against the fitted time per token.
     assert hw.large_microbatch is not None and hw.large_microbatch.tokens == 1024 and 0 < hw.large_microbatch.ratio < 10
+    # Selective checkpointing's policy beyond the recompute charged, per layer (0 where the noise leaves nothing).
+    assert 0 <= hw.selective_overhead_s < 0.1
     # Each collective a run makes, timed over the 2 ranks at every size, never cheaper for more bytes.
     assert set(hw.collective_times) == {"sum", "gather", "scatter", "all_to_all", "all_reduce", "all_gather", "reduce_scatter"}
     for kind, by_n in hw.collective_times.items():
