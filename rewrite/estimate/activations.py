@@ -1,7 +1,7 @@
 """Estimated activation memory per rank: the bytes of a rank's microbatches alive at once for their backward.
 
-The bytes one microbatch keeps per decoder layer and at the last stage are `layer_activations`' (its
-docstring has the formula and its notation).
+The bytes one microbatch keeps per decoder layer and at the last stage are `layer_activations`' and
+`head_activations`' (the first's docstring has the formula and its notation).
 
 A rank's estimate: the bytes of its (microbatch, stage) pairs alive at once in the plan's
 schedule table (AFAB: every microbatch; 1F1B: at most pp - i on pp rank i), plus the recompute
@@ -24,7 +24,8 @@ from torch import nn
 from ..binding.resolve import ResolvedPlan
 from ..schedules import peak_in_flight, plan_table
 from ..schedules.table import Table, alive_counts
-from .layer_activations import Sizes, end_bytes, layer_bytes, loss_peak_bytes
+from .head_activations import end_bytes, loss_peak_bytes
+from .layer_activations import Sizes, layer_bytes
 from .plan_parts import activation_problem, layer_kinds, loss_sharded, shard_styles
 
 __all__ = [

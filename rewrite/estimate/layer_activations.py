@@ -96,7 +96,7 @@ from ..models.flops import EXPERT_VALUES, config_size, moe_shape
 from ..models.latent_shape import LatentShape, latent_attention_bytes, latent_shape
 from .lora_costs import lora_bytes
 
-__all__ = ["Sizes", "layer_bytes", "end_bytes", "loss_peak_bytes", "SELECTIVE", "selective_products"]
+__all__ = ["Sizes", "layer_bytes", "norm_bytes", "SELECTIVE", "selective_products"]
 
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
 SELECTIVE = "~"  # marks a part checkpointed 'selective' in `layer_bytes`' recomputed ("~" alone: the whole layer)
@@ -173,9 +173,9 @@ class Sizes:
         return self.sequence_parallel and self.tp > 1
 
 
-def _norm(z: Sizes, tokens: int) -> int:
-    # float32 input, normalised values in the dtype (for the weight's gradient: none when frozen, under LoRA),
-    # float32 1/rms per token.
+def norm_bytes(z: Sizes, tokens: int) -> int:
+    """What an RMS norm over `tokens` keeps: its float32 input, the normalised values in the dtype (for the
+    weight's gradient: none when frozen, under LoRA) and a float32 1/rms per token."""
     return tokens * (F32 * z.hidden + (0 if z.lora_rank else z.dtype_bytes * z.hidden) + F32)
 
 
@@ -195,7 +195,7 @@ def _parts(z: Sizes, *, attention_split: bool, mlp_split: bool, shared_split: bo
     if z.lora_rank:
         attention += lora_bytes(z, ATTENTION.inputs, ATTENTION.output, a * d // ta)
         mlp += 0 if z.top_k else lora_bytes(z, (*MLP.inputs, *PACKED_MLP.inputs), MLP.output, z.intermediate // tm)
-    return dict(zip(LAYER_PARTS, (_norm(z, z.chunk), attention, _norm(z, z.chunk), mlp)))
+    return dict(zip(LAYER_PARTS, (norm_bytes(z, z.chunk), attention, norm_bytes(z, z.chunk), mlp)))
 
 
 def _moe(z: Sizes, tm: int, ts: int) -> int:
@@ -277,33 +277,3 @@ def layer_bytes(
     return kept, max((parts[n.removeprefix(SELECTIVE)] for n in recomputed if n.removeprefix(SELECTIVE) in parts),
                      default=0)
 
-
-def end_bytes(z: Sizes, *, has_head: bool = True, loss_parallel: bool = False) -> int:
-    """The last stage's final norm, LM head input and loss, for one microbatch.
-
-    Example:
-        >>> z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=256, seq_len=16)
-        >>> end_bytes(z), end_bytes(dataclasses.replace(z, tp=2), loss_parallel=True)
-        (28736, 20608)
-    """
-    out = _norm(z, z.chunk) + z.tokens * z.dtype_bytes * z.hidden  # the head's input, or the model's output
-    if not has_head:
-        return out
-    if loss_parallel:
-        return out + z.tokens * (z.dtype_bytes * z.vocab // z.tp + F32)
-    return out + F32 * z.tokens * z.vocab
-
-
-def loss_peak_bytes(z: Sizes, *, has_head: bool = True, loss_parallel: bool = False) -> int:
-    """What the plain loss holds at its peak beyond what `end_bytes` counts: in its backward, beside the
-    float32 log-probabilities it kept, the gradient reaching them and the one it hands to the logits,
-    float32 [T, V] each: 8 T V (its forward's peak, the logits, their float32 copy and the log-probabilities,
-    is lower). Torch's caching allocator reuses them, but the peak has them all. 0 without a head, and
-    with loss_parallel (the vocabulary-parallel loss's buffers are not counted).
-
-    Example:
-        >>> z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=256, seq_len=16)
-        >>> loss_peak_bytes(z)
-        131072
-    """
-    return 0 if not has_head or loss_parallel else 2 * F32 * z.tokens * z.vocab

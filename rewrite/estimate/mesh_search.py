@@ -9,7 +9,6 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from ..binding.resolve import ResolvedPlan
 from ..plan.compile_schema import Compile
 from ..plan.schema import ParallelPlan
 from ..schedules import splits_backward

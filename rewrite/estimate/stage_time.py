@@ -60,7 +60,8 @@ from ..models.blocks import ATTENTION, LAYER_PARTS, MLP
 from ..models.flops import LOSS_FLOPS, NORM_FLOPS, layer_flop_parts
 from ..binding.resolve import ResolvedPlan
 from .activations import compute_dtype, plan_sizes
-from .layer_activations import F32, SELECTIVE, Sizes, end_bytes, layer_bytes, selective_products
+from .head_activations import end_bytes
+from .layer_activations import F32, SELECTIVE, Sizes, layer_bytes, selective_products
 from .lora_costs import lora_flops
 from .plan_parts import layer_kinds, loss_sharded, shard_styles
 from ..plan.ranks import Shape, expert_groups

@@ -7,8 +7,7 @@ that differ only in their index become one entry named with the index ranges: `m
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -17,46 +16,10 @@ from ...estimate.hardware import load_hardware
 from ...estimate.memory import GIB, SHARDINGS, RankMemory, rank_footprints, rank_memory, with_run
 from ...estimate.step_time import predict_step
 from ...binding.resolve import ResolvedPlan
-from ...plan.wording import index_ranges
 from ...schedules import splits_backward
+from .names import collapse_names, ranged_name, split_index
 
-__all__ = ["collapse_names", "tp_entries", "stage_entries", "show_data", "predicted"]
-
-_INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")  # a whole dotted segment that is a number
-
-
-def _split(fqn: str) -> tuple[str, int | None]:
-    # The path with its first numeric segment (the layer index) replaced by "\0", and that index.
-    match = _INDEX.search(fqn)
-    if match is None:
-        return fqn, None
-    return fqn[: match.start()] + "\0" + fqn[match.end() :], int(match.group(0))
-
-
-def _name(template: str, indices: Sequence[int]) -> str:
-    if "\0" not in template:
-        return template
-    ranges = index_ranges(indices, min_run=2)
-    return template.replace("\0", ranges if "," not in ranges else "{" + ranges + "}")
-
-
-def collapse_names(names: Iterable[str]) -> list[str]:
-    """Paths that differ only in one index as one path with the index ranges, in order of first appearance.
-
-    Non-contiguous indices are braced: `model.layers.{0-3, 8-11}.mlp`.
-
-    Example:
-        >>> collapse_names(["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm"])
-        ['model.embed_tokens', 'model.layers.0-1', 'model.norm']
-    """
-    groups: dict[str, list[int]] = {}
-    for name in names:
-        template, index = _split(name)
-        groups.setdefault(template, [])
-        if index is not None:
-            groups[template].append(index)
-    return [_name(template, indices) for template, indices in groups.items()]
-
+__all__ = ["tp_entries", "stage_entries", "show_data", "predicted"]
 
 def _whole_shape(model: nn.Module | None, fqn: str, leaf: str) -> list[int] | None:
     if model is None:
@@ -84,7 +47,7 @@ def tp_entries(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[d
 
     groups: dict[tuple, dict] = {}
     for s in sorted(resolved.shards, key=lambda s: order(s.fqn)):
-        template, index = _split(s.fqn)
+        template, index = split_index(s.fqn)
         weight, bias = _whole_shape(model, s.fqn, "weight"), _whole_shape(model, s.fqn, "bias")
         per_weight = list(s.weight_shape) if s.weight_shape is not None else weight
         per_bias = list(s.bias_shape) if s.bias_shape is not None else bias
@@ -99,7 +62,7 @@ def tp_entries(resolved: ResolvedPlan, model: nn.Module | None = None) -> list[d
     for entry in groups.values():
         template = entry.pop("template")
         entry["layers"].sort()
-        out.append({"module": _name(template, entry["layers"]), **entry})
+        out.append({"module": ranged_name(template, entry["layers"]), **entry})
     return out
 
 

@@ -15,7 +15,8 @@ from ...plan.ranks import DIMS, Shape
 from ...binding.resolve import ResolvedPlan
 from ...plan.wording import plural
 from .columns import WIDTH, format_bytes, format_table, span, wrap_list, wrap_prose
-from .data import collapse_names, show_data
+from .data import show_data
+from .names import collapse_names
 from .memory import memory_lines
 
 __all__ = ["render_text", "format_plan", "shard_rows", "stage_rows", "prediction_line"]

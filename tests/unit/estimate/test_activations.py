@@ -154,7 +154,8 @@ def test_the_loss_peak_is_what_the_estimate_adds(dtype):
     backward's peak (`loss_peak_bytes`); the logits themselves are the head's."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rewrite.estimate.layer_activations import F32, loss_peak_bytes
+    from rewrite.estimate.head_activations import loss_peak_bytes
+    from rewrite.estimate.layer_activations import F32
     from rewrite.pipeline.loss import causal_lm_loss
 
     z = Sizes(hidden=64, heads=8, kv_heads=4, head_dim=8, intermediate=128, vocab=1000, seq_len=256, batch_size=2)

@@ -85,7 +85,8 @@ def test_a_layer_overhead_costs_each_layer_a_third_in_each_of_f_i_w(llama):
 
 def test_activations_move_at_their_own_bandwidth_and_a_microbatch_costs_its_calls(llama):
     from rewrite.estimate.activations import plan_sizes
-    from rewrite.estimate.layer_activations import end_bytes, layer_bytes
+    from rewrite.estimate.head_activations import end_bytes
+    from rewrite.estimate.layer_activations import layer_bytes
 
     resolved = _resolved(llama)
     (t,) = stage_times(resolved, llama, UNIT)
