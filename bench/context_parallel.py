@@ -8,7 +8,7 @@ Per layout and round: a training step's forward and backward (`run_schedule`, on
 one sequence; no optimizer), timed after a warm-up step, the slowest rank's; the activations
 autograd saves for the backward on a rank, at their peak (`common.SavedTensors`); and under cp the
 bytes a rank receives in the K/V all-gathers, against `2 x (cp - 1) / cp x seq x kv_heads x
-head_dim x 4` per layer (`context_parallel/collectives.py`). Ratios are per round, then the median.
+head_dim x 4` per layer (`context_parallel.attention.gather_sequence`). Ratios are per round, then the median.
 Targets: saved activations per rank at cp 2 <= 0.55x one process; the cp 2 step <= 0.60x. Beside
 each layout's saved activations, `rewrite.estimate.rank_activations`' estimate for its plan.
 """
@@ -44,16 +44,16 @@ def estimate(layout: str, seq: int) -> int:
 
 
 def measure(rank: int, world: int, layout: str, seq: int, steps: int) -> dict:
-    from rewrite.context_parallel import collectives
+    from rewrite.context_parallel import attention
 
     received = []
-    gather = collectives.all_gather_into
+    gather = attention.all_gather_into
 
     def counting(out, x, group=None):  # what this rank receives: the others' shards
         received.append(out.numel() * out.element_size() - x.numel() * x.element_size())
         return gather(out, x, group)
 
-    collectives.all_gather_into = counting
+    attention.all_gather_into = counting
     model = common.model()
     stage = rewrite.apply_plan(model, _plan(layout, seq))
     vocab = model.config.vocab_size

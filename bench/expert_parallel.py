@@ -61,17 +61,14 @@ def _stepper(model, plan: dict, ids: torch.Tensor):
 
 
 def rewrite_step(rank: int, world: int, layout: str, seq: int, rows: int, steps: int) -> dict:
-    from rewrite.expert_parallel import collectives
+    from rewrite.expert_parallel import dispatch
 
     sent = []
-    exchange = collectives.exchange_rows
+    exchange = dispatch.exchange_rows
 
     def counting(x, send, receive, group):
         sent.append(x.shape[0] * x.shape[1])  # elements this rank hands the all-to-all, its own rows included
         return exchange(x, send, receive, group)
-
-    collectives.exchange_rows = counting
-    from rewrite.expert_parallel import dispatch
 
     dispatch.exchange_rows = counting
     model = common.build_model(MODEL)

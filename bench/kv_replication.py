@@ -34,7 +34,7 @@ from torch import nn
 
 from bench import common
 from rewrite.binding.heads import kv_replicas, replicated_tps
-from rewrite.tensor_parallel import comm, exchange
+from rewrite.tensor_parallel import comm
 from rewrite.tensor_parallel.comm import SharedInputCopy
 from rewrite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -76,7 +76,7 @@ class _GatherHeads(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group, r = group, dist.get_world_size(group)
         out = x.new_empty((r * x.shape[0], *x.shape[1:]))  # (r * b, s, hd / r), rank-major
-        exchange.all_gather_into(out, x.contiguous(), group)
+        comm.all_gather_into(out, x.contiguous(), group)
         b, s, n = x.shape
         return out.view(r, b, s, n).permute(1, 2, 0, 3).reshape(b, s, r * n)  # (b, s, hd)
 
@@ -86,7 +86,7 @@ class _GatherHeads(torch.autograd.Function):
         b, s, hd = grad.shape
         blocks = grad.reshape(b, s, r, hd // r).permute(2, 0, 1, 3).contiguous()  # (r, b, s, hd / r), a private copy
         out = grad.new_empty((b, s, hd // r))
-        return exchange.reduce_scatter_into(out, blocks.flatten(0, 1), ctx.group), None
+        return comm.reduce_scatter_into(out, blocks.flatten(0, 1), ctx.group), None
 
 
 class Block(nn.Module):

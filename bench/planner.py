@@ -33,7 +33,7 @@ import rewrite
 from bench import common
 from rewrite.estimate.memory import SHARDINGS, rank_memory
 from rewrite.estimate.plan_parts import selective_problem
-from rewrite.plan.compile_schema import Compile
+from rewrite.plan.schema import Compile
 from rewrite.estimate.search_space import (CHECKPOINTING, SCHEDULES_BY_STAGES, bind, binds_sp, divisors, expert_count,
                                            meshes, microbatch_counts, variant)
 from rewrite.run.calibrate import calibrate, profile_yaml

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .binding.resolve import ResolvedPlan
-from .plan.compile_schema import Compile
+from .plan.schema import Compile
 from .torch_internals import (allow_side_effects_in_recomputed_graphs, inductor_default_cache_dir, keep_compile_caches,
                               untraceable_errors)
 
@@ -82,12 +82,6 @@ def _holds_cache(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(value, Cache) for value in (*args, *kwargs.values()))
 
 
-def splits_at_dispatch(block: nn.Module) -> bool:
-    """Whether `block` holds experts split over ep: compiled in two graphs, split on purpose at their token
-    exchange, whose sizes depend on the routing (`expert_parallel.dispatch`); every other block is one graph."""
-    return any(getattr(m, "expert_shard", None) is not None for m in block.modules())
-
-
 def block_paths(resolved: ResolvedPlan) -> list[str]:
     """The modules the plan compiles, in model order: a decoder's embedding, layers and head; an fx-traced
     model's stage modules (its pipeline units)."""
@@ -115,8 +109,9 @@ def apply_compile(model: nn.Module, resolved: ResolvedPlan) -> tuple[str, ...]:
             module = model.get_submodule(path)
         except AttributeError:
             continue  # carved away: another pipeline rank holds it
-        module.forward = CompiledForward(module.forward, options, where=f"{family}'s {path}",
-                                         fullgraph=not splits_at_dispatch(module))
+        # A block holding experts split over ep is split on purpose at their exchange (`expert_parallel.dispatch`).
+        split = any(getattr(m, "expert_shard", None) is not None for m in module.modules())
+        module.forward = CompiledForward(module.forward, options, where=f"{family}'s {path}", fullgraph=not split)
         done.append(path)
     return tuple(done)
 

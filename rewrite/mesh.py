@@ -53,8 +53,6 @@ class Mesh:
     ep_rank = property(lambda self: expert_place(self.shape, self.coords)[0])
     expert_copy = property(lambda self: expert_place(self.shape, self.coords)[1])
     replicas = property(lambda self: self.dp * self.cp, doc="Ranks holding the same parameters: dp x cp.")
-    expert_replicas = property(lambda self: self.dp * self.tp // self.ep * self.cp,
-                               doc="Ranks holding the same experts: (dp x tp / ep) x cp.")
 
     def rank_at(self, **coords: int) -> int:
         """The global rank at this rank's coordinates but `coords`: `rank_at(pp=0)` is its first pipeline rank."""
@@ -88,7 +86,8 @@ def build_mesh(shape: Shape, *, kv_replicas: int = 1) -> Mesh:
         raise InputError(f"build_mesh: kv_replicas must be an int >= 1 dividing tp={tp}, got {kv_replicas!r}")
     if not is_count(ep) or dp * tp % ep:
         raise InputError(f"build_mesh: ep must be an int >= 1 dividing dp x tp = {dp * tp}, got {ep!r}")
-    rank, device = dist.get_rank(), _device_type()
+    device = "cuda" if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available() else "cpu"
+    rank = dist.get_rank()
     names = ("dp", "pp", "cp", "tp") if cp > 1 else ("dp", "pp", "tp")
     device_mesh = init_device_mesh(device, tuple(getattr(shape, n) for n in names), mesh_dim_names=names)
     group = device_mesh.get_group
@@ -122,8 +121,3 @@ def _made(lists: list[list[int]], rank: int) -> tuple[ProcessGroup | None, list[
         if rank in ranks:
             mine = group, ranks
     return mine
-
-
-def _device_type() -> str:
-    backend = str(dist.get_backend()).lower()
-    return "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"

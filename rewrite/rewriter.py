@@ -1,8 +1,5 @@
-"""Applying a plan: in-place module surgery on every rank.
-
-`apply_plan` binds the plan, lets the ranks agree on what they were given (one collective, before any
-group is made), builds the mesh, puts on the plan's LoRA adapters, swaps in the parallel layers, carves out this rank's stages, wraps
-recomputation, torch.compile (`compile`) and data parallelism around them, and marks each parameter with its split.
+"""Applying a plan: in-place module surgery on every rank (`apply_plan`), and the recomputation it wraps
+around modules; docs/architecture.md walks through its order.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from .models.router_loss import router_loss_parts
 from .mesh import build_mesh, check_world
 from .pipeline.carve import carve_stage
 from .pipeline.param_splits import apply_param_splits
-from .pipeline.precision import precision_for
-from .pipeline.stage import Stage
+from .pipeline.stage import Stage, precision_for
 from .pipeline.tied import TiedSums
 from .binding.resolve import APPLIED, ResolvedPlan, resolve
 from .plan.schema import ParallelPlan, PlanError
@@ -102,21 +98,18 @@ def apply_plan(model: nn.Module, plan: ParallelPlan | str | Path | dict, *,
     parts = router_loss_parts(model)  # resolve refused what it cannot count: here a tuple or None
     router_loss = None if parts is None else RouterLoss(model, parts, cp_group=mesh.cp_group if mesh.cp > 1 else None,
                                                         sequence=sequence_state(model) if mesh.tp > 1 else None)
-    carved = carve_stage(model, resolved, mesh)
-    recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
-    compiled = apply_compile(model, resolved)  # around recomputation, inside FSDP2's hooks
+    stage = carve_stage(model, resolved, mesh)
+    stage.precision, stage.router_loss = precision, router_loss
+    stage.recomputed = tuple(apply_activation_checkpointing(model, resolved))  # inside FSDP2's units
+    stage.compiled = apply_compile(model, resolved)  # around recomputation, inside FSDP2's hooks
     split = splits_backward(plan.pipeline.schedule, plan.pipeline.table)
-    experts = expert_parameters(carved.module)
-    carved, dp_sync = apply_data_parallel(carved, resolved, mesh, split_backward=split, precision=precision,
-                                          ignored=experts)
-    names = first_names(carved.model)
-    finishers = (dp_sync, ExpertSums(experts, mesh) if experts else None, StepSums(carved.module) or None,
-                 TiedSums(carved.model, [names[id(p)] for p in carved.tied], mesh.tied_group) if carved.tied else None)
+    experts = expert_parameters(stage.module)
+    dp_sync = apply_data_parallel(stage, split_backward=split, ignored=experts)
+    names = first_names(stage.model)
+    finishers = (dp_sync, ExpertSums(experts, mesh) if experts else None, StepSums(stage.module) or None,
+                 TiedSums(stage.model, [names[id(p)] for p in stage.tied], mesh.tied_group) if stage.tied else None)
+    stage.grad_finish = tuple(f for f in finishers if f is not None)
     setattr(model, APPLIED, f"a stage of {plan.source}")
-    stage = Stage(model=carved.model, module=carved.module, resolved=resolved, mesh=mesh, forward_fns=carved.forward_fns,
-                  tied=carved.tied, grad_finish=tuple(f for f in finishers if f is not None), recomputed=recomputed,
-                  compiled=compiled,
-                  logit_shard=carved.logit_shard, precision=precision, router_loss=router_loss)
     apply_param_splits(stage)  # after data parallelism: the parameters it put in place carry them
     return stage
 
@@ -129,7 +122,14 @@ def _floating_dtype(model: nn.Module) -> torch.dtype:
 def _agree_on_binding(model: nn.Module, resolved: ResolvedPlan | None, error: BaseException | None) -> None:
     """Every rank must bind the same plan to the same model and weights, or stages would not fit: one
     collective carries each rank's error or view, then every rank raises the same error naming which differ."""
-    view = None if resolved is None else _binding_view(resolved, model)
+    view = None  # what must be equal on every rank, in words a user can compare
+    if resolved is not None:
+        plan = resolved.plan
+        digest = hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:12]
+        view = {"plan": f"{plan.source} ({plan.mesh.shape_text()}, digest {digest})",
+                "world": f"{dist.get_world_size()} ranks, {dist.get_backend()} backend",
+                "model": f"{resolved.model_name}, {resolved.total_params:,} parameters",
+                "weights": weights_checksum(model)}
     gathered = share((None if error is None else str(error), view))
     errors = [e for e, _ in gathered]
     if error is not None and len(set(errors)) == 1:
@@ -145,18 +145,6 @@ def _agree_on_binding(model: nn.Module, resolved: ResolvedPlan | None, error: Ba
             + "\n  ".join(differ)
             + "\n  pass the same plan and the same model (same seed or checkpoint) on every rank"
         )
-
-
-def _binding_view(resolved: ResolvedPlan, model: nn.Module) -> dict[str, str]:
-    """What must be equal on every rank, in words a user can compare."""
-    plan = resolved.plan
-    digest = hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:12]
-    return {
-        "plan": f"{plan.source} ({plan.mesh.shape_text()}, digest {digest})",
-        "world": f"{dist.get_world_size()} ranks, {dist.get_backend()} backend",
-        "model": f"{resolved.model_name}, {resolved.total_params:,} parameters",
-        "weights": weights_checksum(model),
-    }
 
 
 def weights_checksum(model: nn.Module, *, samples: int = 256) -> str:

@@ -1,15 +1,15 @@
 """Counting the collectives a block of code makes, by patching the functions that make them.
 
 Sums are counted at `comm.all_reduce_sum`, sequence gathers and reduce-scatters at
-`exchange` (over P2P on gloo, else torch.distributed), and torch.distributed's own
-collectives where they are called.
+`comm.all_gather_into` / `comm.reduce_scatter_into` (over P2P on gloo, else torch.distributed),
+and torch.distributed's own collectives where they are called.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from rewrite.tensor_parallel import comm, exchange
+from rewrite.tensor_parallel import comm
 
 
 class CountCollectives:
@@ -21,8 +21,8 @@ class CountCollectives:
         "all_gather_into_tensor": (dist, "all_gather_into_tensor"),
         "reduce_scatter_tensor": (dist, "reduce_scatter_tensor"),
         "broadcast": (dist, "broadcast"),
-        "sequence_all_gather": (exchange, "all_gather_into"),
-        "sequence_reduce_scatter": (exchange, "reduce_scatter_into"),
+        "sequence_all_gather": (comm, "all_gather_into"),
+        "sequence_reduce_scatter": (comm, "reduce_scatter_into"),
     }
 
     def __enter__(self):

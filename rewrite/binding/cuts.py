@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -14,10 +16,14 @@ from ..models.flops import Costs
 from ..models.hf_decoder import Backbone, backbone_problem
 from ..models.oracle import exception_line
 from ..plan.patterns import closest
-from ..plan.schema import ParallelPlan
-from ..plan.size_checks import PipelineShape, stage_count, stages_words, too_many_stages
+from ..plan.schema import ParallelPlan, PlanError
+from ..plan.size_checks import PipelineShape, stages_words, too_many_stages
+from .tp_rules import TpRules
 
-__all__ = ["balanced_split", "best_split", "hf_stages", "fx_stages"]
+if TYPE_CHECKING:
+    from .resolve import BindSteps
+
+__all__ = ["balanced_split", "best_split", "hf_stages", "fx_stages", "Cut", "hf_cut", "fx_cut"]
 
 
 def balanced_split(num_layers: int, pp: int) -> list[int]:
@@ -80,11 +86,9 @@ def best_split(weights: Sequence[int], pp: int) -> list[int]:
     return [-size for size in best[n][1]]
 
 
-def hf_stages(
-    shape: PipelineShape, n: int, bb: Backbone, costs: Costs | str
-) -> tuple[list[list[int]], list[str], list[str]]:
+def hf_stages(shape: PipelineShape, bb: Backbone, costs: Costs | str) -> tuple[list[list[int]], list[str], list[str]]:
     """Layer indices per stage, the cut layers, and problems. `costs` is a message when unknown."""
-    pp, cuts = shape.stages, shape.cut_points
+    pp, cuts, n = shape.stages, shape.cut_points, bb.num_layers
     names = [bb.layer(i) for i in range(n)]
     if pp > n:
         return [], [], [too_many_stages(shape, n, "layers")]
@@ -121,7 +125,7 @@ def _starts(sizes: list[int]) -> list[int]:
 
 def fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], list[str], list[str]]:
     """Module paths per stage, the cuts and problems, from a torch.fx trace cut at the plan's cut points."""
-    pp, seq = stage_count(plan), fx_graph.layer_sequence(model)
+    pp, seq = PipelineShape.of(plan).stages, fx_graph.layer_sequence(model)
     if plan.pipeline.cut_points == "auto":
         shown = ", ".join(seq[:4]) + (", ..." if len(seq) > 4 else "")
         fix = "omit cut_points: one stage needs none" if pp == 1 else (f"list the pp - 1 = {pp - 1} module paths where "
@@ -158,3 +162,46 @@ def fx_stages(plan: ParallelPlan, model: nn.Module) -> tuple[list[list[str]], li
         collapsed = [next((e for e in seq if t == e or t.startswith(e + ".")), t) for t in used]
         stages.append(list(dict.fromkeys(collapsed)))
     return stages, list(cuts), []
+
+
+@dataclass
+class Cut:
+    """The model cut into stages: per stage its modules, layer indices and layer names; the cuts, costs, problems."""
+
+    module_sets: list[list[str]]
+    layer_sets: list[list[int]]
+    layer_names: list[list[str]]
+    cuts: list[str]
+    costs: Costs | None
+    problems: list[str]
+
+
+def hf_cut(steps: BindSteps, plan: ParallelPlan, bb: Backbone, rules: TpRules, shards: tuple) -> Cut:
+    """A Hugging Face decoder's layers cut into stages (by estimated cost for `cut_points: auto`)."""
+    model, shape = steps.model, PipelineShape.of(plan)
+    guard = steps.walker()
+    if guard:  # every other problem would be moot: no plan runs this family correctly
+        raise PlanError(plan.source, [f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses "
+                                      "it rather than train a different model, and no plan setting changes that"])
+    costs = steps.costs(rules.tp, plan.pipeline.seq_len, bb, shards)
+    layer_sets, cuts, stage_problems = steps.stages(shape, bb, costs)
+    stage_problems = list(stage_problems)
+    norm = model.get_submodule(bb.norm)
+    pp = shape.stages
+    if bb.norm_first and pp > 1 and any(True for _ in norm.parameters()):
+        stage_problems.append(f"{plan.where('mesh', 'pp')}mesh.pp={plan.mesh.pp}: {type(model).__name__} runs "
+                              f"{bb.norm} before its first layer and after its last, on two ranks, and its weights "
+                              "would be a second copy to keep equal; use pp 1")
+    module_sets = [bb.stage_modules(ls, first=s == 0, last=s == pp - 1) for s, ls in enumerate(layer_sets)]
+    layer_names = [[bb.layer(i) for i in ls] for ls in layer_sets]
+    return Cut(module_sets, layer_sets, layer_names, cuts, costs if isinstance(costs, Costs) else None, stage_problems)
+
+
+def fx_cut(plan: ParallelPlan, model: nn.Module) -> Cut:
+    """Any other model cut by torch.fx tracing at the plan's cut points."""
+    module_sets, cuts, stage_problems = fx_stages(plan, model)
+    if plan.mesh.cp > 1:
+        stage_problems.append(
+            f"{plan.where('mesh', 'cp')}mesh.cp={plan.mesh.cp}: context parallelism runs a Hugging Face decoder "
+            f"model's own attention on sequence shards, and {type(model).__name__} is not one; use cp 1")
+    return Cut(module_sets, [], module_sets, cuts, None, stage_problems)

@@ -68,11 +68,6 @@ class ExpertSpec:
         return TensorSplit(0, self.ep, rows // self.block, over="ep")
 
     @property
-    def split(self) -> TensorSplit:
-        """How the tensors of the routed experts alone (E rows) are held."""
-        return self.split_of("")
-
-    @property
     def slots(self) -> tuple[int, ...]:
         """For each routed expert, `r * E / ep + i`: it is row `i` of ep rank `r`'s experts."""
         share = self.block // self.ep

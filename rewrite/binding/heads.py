@@ -1,10 +1,5 @@
 """Attention heads and tp: which tp values split whole heads, how many ranks hold each kv head, and the tp
 sizes a plan's rules fit as a whole (so every line of a refusal names the same sizes).
-
-Query heads always split tp ways. Key/value heads split tp ways when tp divides them; when
-tp passes them instead (a multiple of the kv heads that still divides the query heads),
-each kv head is held whole by `tp / kv` neighbouring ranks, the ranks whose query heads
-read it: rank `i` holds kv head `i // (tp / kv)`.
 """
 
 from __future__ import annotations
@@ -44,8 +39,9 @@ def head_counts(config, k_features: int | None = None) -> tuple[int, int] | None
 
 
 def kv_replicas(heads: int, kv: int, tp: int) -> int:
-    """Ranks holding each key/value head at `tp`: `tp / kv` when tp passes the kv heads and splits whole
-    query heads, else 1 (tp dividing the kv heads, or no whole split at all).
+    """Ranks holding each key/value head at `tp`: `tp / kv` neighbours (those whose query heads read it, rank `i`
+    holding kv head `i // (tp / kv)`) when tp passes the kv heads and splits whole query heads, else 1 (tp dividing
+    the kv heads, or no whole split at all).
 
         >>> kv_replicas(8, 2, 4), kv_replicas(8, 1, 2), kv_replicas(8, 4, 4), kv_replicas(9, 3, 2)
         (2, 2, 1, 1)

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..models.blocks import ATTENTION, LATENT_ATTENTION, MLP, PACKED_MLP
 from ..models.hf_decoder import Backbone
-from ..plan.patterns import closest, match_pattern
+from ..plan.patterns import match_pattern, unmatched_problem
 from ..plan.schema import ParallelPlan
 from .params import HeldParameter
 from .shard_layout import tensor_split
@@ -18,12 +18,11 @@ __all__ = ["DEFAULT_LEAVES", "lora_targets", "is_adapter", "is_lora_linear", "wi
 # A decoder layer's projections that get adapters unless the plan lists its own targets.
 DEFAULT_LEAVES = tuple(dict.fromkeys((*ATTENTION.members, *LATENT_ATTENTION.members, *MLP.members,
                                       *PACKED_MLP.members)))
-ADAPTER_LEAVES = ("lora_A", "lora_B")
 
 
 def is_adapter(name: str) -> bool:
     """Whether parameter `name` (a dotted path) is a LoRA adapter's A or B."""
-    return name.rpartition(".")[2] in ADAPTER_LEAVES
+    return name.rpartition(".")[2] in ("lora_A", "lora_B")
 
 
 def lora_targets(plan: ParallelPlan, modules: dict[str, nn.Module], bb: Backbone | None
@@ -55,7 +54,7 @@ def lora_targets(plan: ParallelPlan, modules: dict[str, nn.Module], bb: Backbone
     for pattern in lora.targets:
         matched = [f for f in names if match_pattern(pattern, f)]
         if not matched:
-            problems.append(f"{at}lora.targets[{pattern!r}] matches no module{closest(pattern, names)}")
+            problems.append(unmatched_problem(at, "lora.targets", pattern, names))
         for fqn in matched:
             module = modules[fqn]
             if _inside(fqn, experts) or getattr(module, "num_experts", None):
@@ -105,7 +104,7 @@ def with_adapters(helds: list[list[HeldParameter]], sets: tuple[tuple[str, ...],
     """Each stage's held parameters under a LoRA plan: every one frozen, and the adapters of the `targets` the
     stage holds added, each split as its layer's style splits it (`shard_layout.split_dim`). New lists: the
     given ones may be a plan search's, kept for other plans."""
-    by_fqn = {s.fqn: s for s in (shards.values() if isinstance(shards, dict) else shards)}
+    by_fqn = {s.fqn: s for s in shards}
     out = []
     for held, modules_here in zip(helds, sets):
         frozen = [p if is_adapter(p.name) else replace(p, trained=False) for p in held]

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -14,7 +14,7 @@ from ..plan.styles import WHOLE_STYLES
 from .experts import ExpertSpec
 from .tp_rules import ShardSpec
 
-__all__ = ["HeldParameter", "held_parameters", "held_by_stage", "held_count", "parameter_walk"]
+__all__ = ["HeldParameter", "held_parameters", "held_by_stage", "parameter_walk"]
 
 
 @dataclass(frozen=True)
@@ -37,18 +37,9 @@ class HeldParameter:
         return math.prod(self.shape)
 
 
-def held_parameters(model: nn.Module, modules: Iterable[str],
-                    shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = ()) -> list[HeldParameter]:
-    """Every parameter under `modules` ("" for the whole model), each once, with its per-rank shape.
-
-    Args:
-        model: the model the plan was resolved against (meta will do); not changed.
-        modules: module paths a rank runs.
-        shards: the plan's `ShardSpec`s (or fqn -> spec); a `grad_allreduce` module is whole.
-
-    Example:
-        >>> sum(p.numel for p in held_parameters(model, ["model.layers.0"], resolved.shards))
-    """
+def held_parameters(model: nn.Module, modules: Iterable[str], shards: Iterable[ShardSpec] = ()) -> list[HeldParameter]:
+    """Every parameter under `modules` ("" for the whole model) of `model` (meta will do), each once, with its
+    per-rank shape under the plan's `shards` (`held_by_stage` of one set)."""
     return held_by_stage(model, [modules], shards)[0]
 
 
@@ -63,7 +54,7 @@ def parameter_walk(model: nn.Module) -> tuple[tuple, ...]:
 
 
 def held_by_stage(
-    model: nn.Module, module_sets: Sequence[Iterable[str]], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = (),
+    model: nn.Module, module_sets: Sequence[Iterable[str]], shards: Iterable[ShardSpec] = (),
     walk: tuple[tuple, ...] | None = None, experts: Iterable[ExpertSpec] = (),
 ) -> list[list[HeldParameter]]:
     """`held_parameters` of each set of modules (a stage's), in one walk over the model's parameters
@@ -71,8 +62,7 @@ def held_by_stage(
     A parameter shared by two sets (tied embeddings) is in both; `HeldParameter.ident` says it is one.
     """
     sets = [set(m) for m in module_sets]
-    specs = shards.values() if isinstance(shards, Mapping) else shards
-    split = {s.fqn: s for s in specs if s.style not in WHOLE_STYLES}
+    split = {s.fqn: s for s in shards if s.style not in WHOLE_STYLES}
     by_expert = {s.fqn: s for s in experts if s.splits}
     # Which sets hold each module path: a parameter is looked up by its few prefixes, not tested against
     # every set (a 70B model over 32 stages: 700 parameters x 32 sets per walk otherwise).
@@ -106,7 +96,3 @@ def _prefixes(name: str) -> list[str]:
     parts = name.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
-
-def held_count(model: nn.Module, modules: Iterable[str], shards: Mapping[str, ShardSpec] | Iterable[ShardSpec] = ()) -> int:
-    """Elements of `held_parameters`: what a rank holds for `modules`."""
-    return sum(p.numel for p in held_parameters(model, modules, shards))

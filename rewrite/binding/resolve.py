@@ -10,24 +10,25 @@ from pathlib import Path
 
 from torch import nn
 
-from ..models.flops import Costs
+from ..models.flops import Costs, estimate_costs
 from ..models.hf_decoder import Backbone, find_backbone
+from ..models.oracle import narrowed_problem, walker_problem
 from ..schedules import placement
-from .bind_steps import BindSteps
-from .params import HeldParameter
+from .params import HeldParameter, held_by_stage, held_parameters, parameter_walk
 from ..plan.schema import ParallelPlan, PlanError
-from ..plan.size_checks import PipelineShape, by_line, stage_count, world_problem
-from .cuts import fx_stages
-from ..plan.patterns import closest, match_pattern
+from ..plan.size_checks import PipelineShape, by_line, world_problem
+from ..plan.styles import WHOLE_STYLES
+from .cuts import Cut, fx_cut, hf_cut, hf_stages
+from ..plan.patterns import match_pattern, unmatched_problem
 from .experts import ExpertSpec, expert_problems
 from .lora_targets import lora_targets, with_adapters
 from .shard_layout import TensorSplit, state_split
-from .tp_rules import ShardSpec, TpRules
+from .tp_rules import ShardSpec, TpRules, shard_problems
 from ..plan.wording import collapse_repeats
 from .tp_switches import option_problems
 from ..plan.loading import load_plan_for
 
-__all__ = ["ResolvedPlan", "StageSpec", "resolve", "resolve_with", "APPLIED"]
+__all__ = ["ResolvedPlan", "StageSpec", "BindSteps", "resolve", "resolve_with", "APPLIED"]
 
 # Set on a model by apply_plan: which stage of which plan it now holds.
 APPLIED = "_rewrite_applied"
@@ -116,8 +117,8 @@ def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list
         mode, every = (value, 1) if isinstance(value, str) else (value.mode, value.every)
         found = [n for n in names if match_pattern(pattern, n)]
         if not found:
-            problems.append(f"{plan.where('activation_checkpointing', pattern)}activation_checkpointing[{pattern!r}] "
-                            f"matches no module{closest(pattern, names)}")
+            problems.append(unmatched_problem(plan.where("activation_checkpointing", pattern), "activation_checkpointing",
+                                              pattern, names))
         for name in found[::every]:  # the first of every `every`, in the model's order
             first = modes.setdefault(name, (pattern, mode))
             if first[1] != mode:
@@ -125,6 +126,64 @@ def _recomputed(plan: ParallelPlan, modules: dict[str, nn.Module]) -> tuple[list
                                 f"makes {name} {mode!r}, but {first[0]!r} makes it {first[1]!r}: give each module one mode")
     outer = [n for n in modes if not any(n.startswith(h + ".") for h in modes)]
     return outer, [n for n in outer if modes[n][1] == "selective"], list(dict.fromkeys(problems))
+
+
+class BindSteps:
+    """The binding steps of one model, computed each time they are asked for. Each reads the model (which must
+    not change meanwhile) and its arguments only, hashable plan values: a subclass may keep results by the
+    arguments, as a plan search does across the plans it tries (`estimate.bind_memo`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def modules(self) -> dict[str, nn.Module]:
+        """The model's modules by dotted path."""
+        return dict(self.model.named_modules())
+
+    def parallel(self) -> list[str]:
+        """Paths of the modules already parallel (they expose `shard_of`, the slicing rule of tensor_parallel.layers)."""
+        return [f for f, m in self.modules().items() if callable(getattr(m, "shard_of", None))]
+
+    def walker(self) -> str | None:
+        """Why the Hugging Face decoder walker cannot run this model's family correctly (None: it can)."""
+        return walker_problem(self.model)
+
+    def shards(self, rules: TpRules) -> tuple[tuple[ShardSpec, ...], tuple[str, ...], tuple[str, ...]]:
+        """(shards, problems, notes) of the tensor_parallel rules, the model's own forward checked on them."""
+        model, notes = self.model, []
+        shards, problems = shard_problems(rules, model, self.modules(), notes)
+        if rules.tp > 1 and not problems and hasattr(getattr(model, "config", None), "model_type"):
+            narrowed = narrowed_problem(model, {s.fqn: s.style for s in shards},
+                                        [s.fqn for s in shards if s.replicas > 1])
+            problems += [f"{type(model).__name__} ({model.config.model_type}): {narrowed}"] if narrowed else []
+        return tuple(shards), tuple(problems), tuple(notes)
+
+    def costs(self, tp: int, seq_len: int, bb: Backbone, shards: tuple[ShardSpec, ...]) -> Costs | str:
+        """Estimated compute per part on one rank of its stage, or why there is none."""
+        sharded = [s.fqn for s in shards if s.style not in WHOLE_STYLES] if tp > 1 else []
+        try:
+            return estimate_costs(self.model.config, bb, num_layers=bb.num_layers, seq_len=seq_len, tp=tp,
+                                  sharded=sharded)
+        except ValueError as exc:
+            return str(exc)
+
+    def stages(self, shape: PipelineShape, bb: Backbone, costs: Costs | str) -> tuple[list, list, list]:
+        """Layer indices per stage, the cut layers and problems (`cuts.hf_stages`)."""
+        return hf_stages(shape, bb, costs)
+
+    def walk(self) -> tuple[tuple, ...]:
+        """What `held_by_stage` reads of every parameter (`params.parameter_walk`)."""
+        return parameter_walk(self.model)
+
+    def held(self, sets: tuple[tuple[str, ...], ...], shards: tuple[ShardSpec, ...],
+             experts: tuple[ExpertSpec, ...]) -> list[list[HeldParameter]]:
+        """The parameters each set of modules (a stage's) holds on one of its ranks."""
+        return held_by_stage(self.model, sets, shards, self.walk(), experts)
+
+    def totals(self) -> tuple[int, int]:
+        """The whole model's parameter count and bytes."""
+        whole = held_parameters(self.model, [""])
+        return sum(p.numel for p in whole), sum(p.numel * p.element_size for p in whole)
 
 
 def resolve(plan: ParallelPlan | str | Path | dict, model: nn.Module, *, world_size: int | None = None) -> ResolvedPlan:
@@ -165,7 +224,7 @@ def resolve_with(steps: BindSteps, plan: ParallelPlan | str | Path | dict, *, wo
     recomputed, selective, ac_problems = _recomputed(plan, modules)
     bb = find_backbone(model)
     adapted, lora_problems = lora_targets(plan, modules, bb)
-    cut = _hf_cut(steps, plan, bb, rules, shards) if bb is not None else _fx_cut(plan, model)
+    cut = hf_cut(steps, plan, bb, rules, shards) if bb is not None else fx_cut(plan, model)
     problems += list(tp_problems) + list(expert_issues) + ac_problems + lora_problems
     problems += cut.problems + option_problems(plan, model, bb, list(shards))
     if problems:
@@ -180,18 +239,6 @@ def resolve_with(steps: BindSteps, plan: ParallelPlan | str | Path | dict, *, wo
         experts=experts, lora_targets=adapted)
 
 
-@dataclass
-class _Cut:
-    """The model cut into stages: per stage its modules, layer indices and layer names; the cuts, costs, problems."""
-
-    module_sets: list[list[str]]
-    layer_sets: list[list[int]]
-    layer_names: list[list[str]]
-    cuts: list[str]
-    costs: Costs | None
-    problems: list[str]
-
-
 def _refuse_rewritten(plan: ParallelPlan, model: nn.Module, steps: BindSteps) -> None:
     """Raise when the model was rewritten already: by apply_plan, or with parallel layers of its own."""
     applied = getattr(model, APPLIED, None)
@@ -203,44 +250,13 @@ def _refuse_rewritten(plan: ParallelPlan, model: nn.Module, steps: BindSteps) ->
         raise PlanError(plan.source, [f"the model is already rewritten ({done[0]} is parallel); bind plans to an unmodified model"])
 
 
-def _hf_cut(steps: BindSteps, plan: ParallelPlan, bb: Backbone, rules: TpRules, shards: tuple) -> _Cut:
-    """A Hugging Face decoder's layers cut into stages (by estimated cost for `cut_points: auto`)."""
-    model, pp = steps.model, stage_count(plan)
-    guard = steps.walker()
-    if guard:  # every other problem would be moot: no plan runs this family correctly
-        raise PlanError(plan.source, [f"{type(model).__name__} ({model.config.model_type}): {guard}; rewrite refuses "
-                                      "it rather than train a different model, and no plan setting changes that"])
-    costs = steps.costs(rules.tp, plan.pipeline.seq_len, bb, shards)
-    layer_sets, cuts, stage_problems = steps.stages(PipelineShape.of(plan), bb, costs)
-    stage_problems = list(stage_problems)
-    norm = model.get_submodule(bb.norm)
-    if bb.norm_first and pp > 1 and any(True for _ in norm.parameters()):
-        stage_problems.append(f"{plan.where('mesh', 'pp')}mesh.pp={plan.mesh.pp}: {type(model).__name__} runs "
-                              f"{bb.norm} before its first layer and after its last, on two ranks, and its weights "
-                              "would be a second copy to keep equal; use pp 1")
-    module_sets = [bb.stage_modules(ls, first=s == 0, last=s == pp - 1) for s, ls in enumerate(layer_sets)]
-    layer_names = [[bb.layer(i) for i in ls] for ls in layer_sets]
-    return _Cut(module_sets, layer_sets, layer_names, cuts, costs if isinstance(costs, Costs) else None,
-                stage_problems)
-
-
-def _fx_cut(plan: ParallelPlan, model: nn.Module) -> _Cut:
-    """Any other model cut by torch.fx tracing at the plan's cut points."""
-    module_sets, cuts, stage_problems = fx_stages(plan, model)
-    if plan.mesh.cp > 1:
-        stage_problems.append(
-            f"{plan.where('mesh', 'cp')}mesh.cp={plan.mesh.cp}: context parallelism runs a Hugging Face decoder "
-            f"model's own attention on sequence shards, and {type(model).__name__} is not one; use cp 1")
-    return _Cut(module_sets, [], module_sets, cuts, None, stage_problems)
-
-
-def _stage_specs(steps: BindSteps, plan: ParallelPlan, cut: _Cut, shards: tuple, experts: tuple,
+def _stage_specs(steps: BindSteps, plan: ParallelPlan, cut: Cut, shards: tuple, experts: tuple,
                  adapted: tuple[str, ...] = ()) -> tuple[StageSpec, ...]:
     """Each stage's modules, layers, compute share and the parameters one of its ranks holds (a LoRA plan's
     adapters among them, every other parameter frozen: `lora_targets.with_adapters`)."""
     costs = cut.costs
     shares = costs.shares([len(ls) for ls in cut.layer_sets]) if costs else [None] * len(cut.module_sets)
-    sets = tuple(map(tuple, cut.module_sets if stage_count(plan) > 1 else [[""]]))
+    sets = tuple(map(tuple, cut.module_sets if PipelineShape.of(plan).stages > 1 else [[""]]))
     helds = steps.held(sets, shards, experts)
     if plan.lora is not None:
         helds = with_adapters(helds, sets, adapted, plan.lora.rank, shards, steps.modules())

@@ -1,9 +1,4 @@
-"""Where one rank's part of a tensor lies in the whole: one description, computed from the binding.
-
-Along `dim` the whole tensor is `parts` equal blocks side by side (a fused gate_up_proj: 2),
-each cut into `slices` equal slices; tp rank `r` holds slice `r // replicas` of every block, in
-order (`replicas` neighbouring ranks hold the same slice: a k/v projection past its kv heads).
-`dim` None: every rank holds the whole tensor.
+"""Where one rank's part of a tensor lies in the whole (`TensorSplit`): one description, computed from the binding.
 
     column weight, bias  dim 0, slices tp / replicas, parts 1 or 2   (output features)
     row weight           dim 1, slices tp                            (input features; bias whole)
@@ -38,12 +33,13 @@ __all__ = ["TensorSplit", "WHOLE", "ParamSplit", "split_dim", "style_split", "te
 
 @dataclass(frozen=True)
 class TensorSplit:
-    """`parts` blocks along `dim`, each in `slices` slices; tp rank `r` holds slice `r // replicas` of each."""
+    """`parts` equal blocks side by side along `dim` (a fused gate_up_proj: 2), each in `slices` equal slices;
+    tp rank `r` holds slice `r // replicas` of each, in order."""
 
-    dim: int | None = None
+    dim: int | None = None  # None: every rank holds the whole tensor
     slices: int = 1
     parts: int = 1
-    replicas: int = 1
+    replicas: int = 1  # neighbouring ranks holding the same slice (a k/v projection past its kv heads)
     over: Literal["tp", "ep"] = "tp"  # the ranks holding the slices: tp ranks, or an expert-parallel group's
 
     def holder(self, tp_rank: int, ep_rank: int) -> int:
@@ -134,7 +130,7 @@ def split_dim(style: str, leaf: str) -> int | None:
         return 0 if column else None
     if leaf.startswith("lora_"):
         return 0 if column and leaf == "lora_B" else 1 if info.layer == "row" and leaf == "lora_A" else None
-    return info.weight_dim  # vocab: rows of the vocabulary
+    return {"column": 0, "vocab": 0, "row": 1}.get(info.layer)  # vocab: rows of the vocabulary
 
 
 def style_split(style: str, leaf: str, tp: int, *, parts: int = 1, replicas: int = 1) -> TensorSplit:

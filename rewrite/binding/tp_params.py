@@ -1,10 +1,8 @@
 """What a tensor-parallel block holds besides its column and row layers: bare parameters a rule splits, and
 modules kept whole (their gradients summed over tp, or a refusal). Pure; used by `tp_rules.shard_problems`.
 
-A bare parameter (attention sinks, `self_attn.sinks: column`) holds one value per query head in the attention
-module itself. Hugging Face's plans write `colwise` and mark the owner `local_params`, which needs no rule here:
-every module already runs on its rank's own tensors. It is split along dim 0 in tp slices, in order, as the
-heads are by the attention's column layers, so each rank holds its heads' values and their gradients whole.
+A bare parameter (attention sinks, `self_attn.sinks: column`: one value per query head, in the attention module
+itself) is split along dim 0 as the heads are, so each rank holds its heads' values and their gradients whole.
 """
 
 from __future__ import annotations

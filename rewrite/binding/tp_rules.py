@@ -45,10 +45,6 @@ class ShardSpec:
         return self.tp // self.replicas
 
 
-def _input_sharded(style: str | None) -> bool:
-    return style in STYLE_INFO and STYLE_INFO[style].input_sharded
-
-
 @dataclass(frozen=True)
 class TpRules:
     """All that binding the tensor_parallel rules reads of a plan: tp, the rules, the lines naming them.
@@ -112,7 +108,7 @@ def _matched(rules: TpRules, model: nn.Module, modules: dict[str, nn.Module], pr
         if not hits:
             found = [n for n, _ in model.named_parameters() if match_pattern(pattern, n)]
             params.update((n, (pattern, style)) for n in found)  # bare parameters (attention sinks)
-            problems += [] if found else [unmatched_problem(at, pattern, names)]
+            problems += [] if found else [unmatched_problem(at, "tensor_parallel", pattern, names)]
         for fqn in hits:
             module = modules[fqn]
             if STYLE_INFO[style].layer == "experts":
@@ -242,7 +238,8 @@ def _block_problems(
             got = {m: styles.get(f"{parent}.{m}") for m in members}
             if not any(got.values()) or not all(hasattr(model.get_submodule(parent), m) for m in members):
                 continue
-            if len({got[m] in SPLIT_OUTPUT_STYLES for m in inputs} | {_input_sharded(got[output])}) > 1:
+            reads_split = got[output] in STYLE_INFO and STYLE_INFO[got[output]].input_sharded
+            if len({got[m] in SPLIT_OUTPUT_STYLES for m in inputs} | {reads_split}) > 1:
                 found = ", ".join(f"{m}={got[m] or 'unsharded'}" for m in members)
                 at = next((rule_at[f"{parent}.{m}"] for m in members if rule_at.get(f"{parent}.{m}")), "")
                 problems.append(f"{at}{parent}: {found}; shard {', '.join(inputs)} as column and {output} as row "

@@ -16,16 +16,10 @@ from ..errors import CheckpointError
 from ..lora.adapter import drawn
 from ..lora.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, from_peft_name, peft_name
 from ..plan.schema import ParallelPlan
+from .disk_layout import Stored
 from .layout import Entry
 
-__all__ = ["Drawn", "AdapterFile", "adapter_sources"]
-
-
-def _slices(full: torch.Tensor, entry: Entry) -> torch.Tensor:
-    if entry.dim is None:
-        return full
-    pieces = [full[(slice(None),) * entry.dim + (s,)] for s in entry.slices()]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=entry.dim)
+__all__ = ["Drawn", "adapter_sources"]
 
 
 @dataclass(frozen=True)
@@ -41,31 +35,11 @@ class Drawn:
         return Path(""), self.name
 
     def read(self, entry: Entry) -> torch.Tensor:
-        return _slices(drawn(self.name, entry.full_shape, self.seed), entry).to(self.dtype or torch.float32)
-
-
-@dataclass(frozen=True)
-class AdapterFile:
-    """An adapter factor in a PEFT adapter's safetensors file, this rank's slice read, in the model's dtype."""
-
-    path: Path
-    key: str
-    dtype: torch.dtype | None = None
-
-    @property
-    def order(self) -> tuple[Path, str]:
-        return self.path, self.key
-
-    def read(self, entry: Entry) -> torch.Tensor:
-        with safe_open(str(self.path), framework="pt") as f:
-            part = f.get_slice(self.key)
-            pieces = [part[:]] if entry.dim is None else [part[(slice(None),) * entry.dim + (s,)] for s in entry.slices()]
-        data = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=entry.dim)
-        return data.to(self.dtype) if self.dtype is not None else data
+        return entry.cut(drawn(self.name, entry.full_shape, self.seed)).to(self.dtype or torch.float32)
 
 
 def adapter_sources(plan: ParallelPlan, resolved: ResolvedPlan, entries: list[Entry], adapter: Path | None
-                    ) -> tuple[dict[str, Drawn | AdapterFile], list[str]]:
+                    ) -> tuple[dict[str, Drawn | Stored], list[str]]:
     """A source for each adapter entry of this rank (the PEFT adapter's tensors, else drawn), and problems: an
     adapter directory that is not PEFT's, of another rank or scale, or not covering the plan's targets."""
     wanted = [e for e in entries if is_adapter(e.name)]
@@ -96,7 +70,7 @@ def adapter_sources(plan: ParallelPlan, resolved: ResolvedPlan, entries: list[En
             problems.append(f"{weights}: {key} is {list(shape)}, this model's {e.name} is {list(e.full_shape)}; "
                             "the adapter was trained on another model or rank")
             continue
-        sources[e.name] = AdapterFile(weights, key)
+        sources[e.name] = Stored(weights, key)  # in the model's dtype (`headers.plan_read`)
     return sources, problems
 
 

@@ -20,9 +20,33 @@ from safetensors import safe_open
 from torch import nn
 
 from ..models.names import canonical_names
+from ..plan.wording import first_few
 from .layout import meta_model
 
-__all__ = ["Stacked", "Source", "file_order", "stored_names", "stored_keys", "on_disk"]
+__all__ = ["Stored", "Stacked", "Source", "stored_names", "stored_keys", "on_disk"]
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A tensor stored under `key` in safetensors file `path` (a base weight, a PEFT adapter's factor): this
+    rank's slice read, cast to `dtype` when set (an adapter: the base's)."""
+
+    path: Path
+    key: str
+    dtype: torch.dtype | None = None
+
+    @property
+    def order(self) -> tuple[Path, str]:
+        """Where it is read from: reads sorted by it go through the files in order."""
+        return self.path, self.key
+
+    def read(self, entry) -> torch.Tensor:
+        """This rank's slice (`layout.Entry`), only that read from the file."""
+        # A handle per tensor: safetensors maps the file, and the pages a read touched stay
+        # resident until the mapping goes, so holding one open would keep them all.
+        with safe_open(str(self.path), framework="pt") as f:
+            data = entry.cut(f.get_slice(self.key))
+        return data if self.dtype is None else data.to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -31,6 +55,10 @@ class Stacked:
     their dim 0 (gate, then up), each a (file, key) of the checkpoint."""
 
     pieces: tuple[tuple[tuple[Path, str], ...], ...]  # [expert][projection]
+
+    @property
+    def order(self) -> tuple[Path, str]:
+        return self.pieces[0][0]
 
     def read(self, entry) -> torch.Tensor:
         """This rank's rows (experts: all, or its slices' along dim 0; `layout.Entry`), each read from its own
@@ -44,15 +72,8 @@ class Stacked:
         for path, keys in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 read.update({(path, key): f.get_tensor(key) for key in keys})
-        return torch.stack([self._slices(torch.cat([read[p] for p in self.pieces[row]]), entry) for row in rows])
-
-    @staticmethod
-    def _slices(row: torch.Tensor, entry) -> torch.Tensor:
-        """Of one expert's row (the model tensor's dims after the first), the entry's slices side by side."""
-        if entry.dim in (None, 0):
-            return row
-        dim = entry.dim - 1
-        return torch.cat([row.narrow(dim, s.start, s.stop - s.start) for s in entry.slices()], dim=dim)
+        whole = [torch.cat([read[p] for p in self.pieces[row]]) for row in rows]  # each expert's row
+        return torch.stack(whole if entry.dim == 0 else [entry.cut(row, lead=1) for row in whole])
 
     def problems(self, name: str, full_shape: tuple[int, ...]) -> list[str]:
         """What keeps this rank from reading model tensor `name` (`full_shape`) from the pieces."""
@@ -79,16 +100,9 @@ class Stacked:
         return []
 
 
-# (safetensors file, tensor name in it), pieces per expert, or anything else that reads an entry's slice
-# itself (`read(entry)`) and says where it reads first (`order`): a LoRA adapter's factors (`adapter_read`).
-Source = tuple[Path, str] | Stacked
-
-
-def file_order(source: Source) -> tuple[Path, str]:
-    """Where `source` is read from first: reads sorted by it go through the files in order."""
-    if isinstance(source, Stacked):
-        return source.pieces[0][0]
-    return source if isinstance(source, tuple) else source.order
+# A tensor in a file, pieces per expert, or anything else that reads an entry's slice itself (`read(entry)`)
+# and says where it reads first (`order`): a fresh LoRA adapter factor (`adapter_read.Drawn`).
+Source = Stored | Stacked
 
 
 def _mapping(model: nn.Module, *, legacy: bool):
@@ -166,10 +180,8 @@ def stored_names(model: nn.Module, weight_map: dict[str, str], directory: Path) 
         found[name] = Stacked(tuple(tuple((directory / weight_map[experts[e][p]], experts[e][p]) for p in order)
                                     for e in range(max(experts) + 1)))
     for (why, sources), names in unread.items():
-        names = sorted(names)
-        more = f" and {len(names) - 2} more" if len(names) > 2 else ""
         problems.append(
-            f"{directory}: {', '.join(map(repr, names[:2]))}{more} are stored in transformers' on-disk layout, made "
+            f"{directory}: {first_few(map(repr, sorted(names)), 2)} are stored in transformers' on-disk layout, made "
             f"by {why} from {list(sources)}, which rewrite does not read; load the checkpoint with transformers once "
             "and save it with rewrite.save_pretrained on one process, which writes the in-memory layout")
     return found, problems

@@ -7,10 +7,9 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import InputError
 from ..pipeline.stage import Stage
+from ..plan.wording import first_few
 
 __all__ = ["NonFiniteState", "nonfinite_problems"]
-
-_NAMED = 3  # tensors a message names; the count says how many more
 
 
 class NonFiniteState(InputError):
@@ -28,9 +27,8 @@ def nonfinite_problems(stage: Stage, optimizer: torch.optim.Optimizer) -> list[s
                 bad.append(f"the optimizer's {key} of {names.get(id(param), 'a parameter')}")
     if not bad:
         return []
-    more = f" and {len(bad) - _NAMED} more" if len(bad) > _NAMED else ""
     return [
-        f"{', '.join(bad[:_NAMED])}{more} hold nan or inf: the run has diverged, and its state is not saved "
+        f"{first_few(bad)} hold nan or inf: the run has diverged, and its state is not saved "
         "(the latest checkpoint stays the latest); resume from it with a lower learning rate or gradient clipping"
     ]
 

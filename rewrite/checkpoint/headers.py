@@ -24,9 +24,10 @@ from ..binding.lora_targets import is_adapter
 from ..lora.apply import apply_lora
 from ..plan.ranks import expert_place
 from ..plan.schema import ParallelPlan, PlanError
+from ..plan.wording import first_few
 from . import swap
 from .adapter_read import adapter_sources
-from .disk_layout import Source, Stacked, stored_keys, stored_names
+from .disk_layout import Source, Stacked, Stored, stored_keys, stored_names
 from .layout import INDEX, SAVE_ID, SINGLE, Entry, meta_model, stage_entries
 
 __all__ = ["ReadPlan", "plan_read", "load_dtype"]
@@ -122,9 +123,8 @@ def load_dtype(headers: dict[str, dict], keys: dict[str, str], config, dtype: to
     off = sorted(k for k, d in stored.items() if d != target)
     counts = ", ".join(f"{n} in {str(d).removeprefix('torch.')}" for d, n in sorted(
         Counter(stored.values()).items(), key=lambda x: -x[1]))
-    more = f" and {len(off) - 3} more" if len(off) > 3 else ""
     return target, (f"the checkpoint's floating tensors have {len(sizes)} dtypes ({counts} tensors); "
-                   f"all are cast to {target}, e.g. {', '.join(off[:3])}{more}")
+                   f"all are cast to {target}, e.g. {first_few(off)}")
 
 
 def _stored_floats(headers: dict[str, dict], keys: dict[str, str]) -> tuple[dict[str, torch.dtype], Counter]:
@@ -267,8 +267,7 @@ def _check_sources(directory: Path, weight_map: dict[str, str], entries: list[En
                 shapes_off.append(f"{path}: tensor {key!r} has shape {list(shapes[key])}, "
                                   f"but config.json implies {list(e.full_shape)}")
             else:
-                sources[e.name] = (path, key)
+                sources[e.name] = Stored(path, key)
     if shapes_off:
-        more = f" (and {len(shapes_off) - 2} more tensors)" if len(shapes_off) > 2 else ""
-        problems.append("; ".join(shapes_off[:2]) + more + "; the config and the weights do not belong together")
+        problems.append(first_few(shapes_off, 2, "; ") + "; the config and the weights do not belong together")
     return sources, problems

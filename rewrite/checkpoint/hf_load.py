@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Container
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -23,7 +21,7 @@ from ..pipeline.stage import Stage
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan
 from ..rewriter import apply_plan
-from .disk_layout import Source, file_order
+from .disk_layout import Source
 from .headers import ReadPlan, plan_read
 from .layout import Entry
 from .pieces import parameter_names
@@ -160,33 +158,15 @@ def _read_each(reads: list[tuple[str, Any]], by_name: dict[str, Entry], sources:
     """This rank's slice of each (name, target) read, in file order, and handed to `put(name, target, data, path)`,
     which returns a problem or None; the problems, a failed read's too."""
     problems = []
-    for name, target in sorted(reads, key=lambda r: (file_order(sources[r[0]]), r[0])):
-        path, key = file_order(sources[name])
+    for name, target in sorted(reads, key=lambda r: (sources[r[0]].order, r[0])):
+        path, key = sources[name].order
         try:
-            with reading(sources[name], by_name[name]) as data:  # this rank's tp (or ep) slice
-                if (problem := put(name, target, data, path)) is not None:
-                    problems.append(problem)
+            data = sources[name].read(by_name[name])  # this rank's tp (or ep) slice
+            if (problem := put(name, target, data, path)) is not None:
+                problems.append(problem)
         except Exception as exc:  # SafetensorError or OSError: the file changed since it was checked
             problems.append(f"{path}: reading {key!r} failed: {exc}")
     return problems
-
-
-@contextmanager
-def reading(source: Source, entry: Entry):
-    """This rank's slice of the tensor `source` holds (a view of the file, valid inside the block)."""
-    if not isinstance(source, tuple):  # reads its slice itself: pieces per expert, a LoRA adapter's factor
-        yield source.read(entry)
-        return
-    path, key = source
-    # A handle per tensor: safetensors maps the file, and the pages a read touched stay
-    # resident until the mapping goes, so holding one open would keep them all.
-    with safe_open(str(path), framework="pt") as f:
-        if entry.dim is None:
-            yield f.get_tensor(key)
-        else:
-            part = f.get_slice(key)  # only this rank's slice is read
-            pieces = [part[(slice(None),) * entry.dim + (s,)] for s in entry.slices()]
-            yield pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=entry.dim)
 
 
 def fill_dp_shards(stage: Stage, by_name: dict[str, Entry], sources: dict[str, Source], device) -> list[str]:

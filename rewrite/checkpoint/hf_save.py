@@ -21,7 +21,6 @@ from ..agreement import agree, share
 from ..lent import lend
 from ..mesh import check_world
 from ..pipeline.stage import Stage
-from ..lora.missing import lora_not_built
 from ..plan.loading import load_plan
 from ..plan.schema import ParallelPlan
 from . import swap
@@ -96,7 +95,9 @@ def _save_problems(model, plan: ParallelPlan, stage: Stage | None, directory: Pa
         except Exception as exc:  # a rank that raised alone would leave the others waiting
             problems.append(f"checking the model against the plan: {type(exc).__name__}: {exc}")
     if plan.lora is not None:
-        problems.append(lora_not_built(plan, "saving a Hugging Face checkpoint (merged, or the adapters in PEFT's format)"))
+        problems.append(f"{plan.source}: {plan.where('lora')}lora: saving a Hugging Face checkpoint (merged, or the "
+                        "adapters in PEFT's format) is not built yet for LoRA adapters (apply_plan, run_schedule and "
+                        "clip_grad_norm_ train them; docs/lora.md says what comes next)")
     if directory.exists() and not directory.is_dir():
         problems.append(f"{directory} exists and is not a directory; pass a directory path")
     try:
@@ -118,12 +119,15 @@ def _write_stage(model: nn.Module, stage: Stage | None, entries: list[Entry], at
         tensors = {}
         experts_group = expert_place(shape, at)[1] == 0 and at.cp == 0  # the stage's first ep group
         for e in entries:  # the same entries, in the same order, on every rank of a dp group
-            whole = _gather_dp(local[e.name])
-            if e.over == "ep" and experts_group:  # the first ep group's experts, gathered to its first rank
+            # This rank's whole tp slice: a sharded DTensor's shards gathered over the dp group (collective;
+            # `full_tensor` drops FSDP2's padding); a replicated one or a plain tensor as it is.
+            whole = local[e.name].detach()
+            whole = whole.full_tensor() if isinstance(whole, DTensor) else whole
+            if e.split.over == "ep" and experts_group:  # the first ep group's experts, gathered to its first rank
                 gathered = _gather_experts(model, whole, e, head)
                 if gathered is not None:
                     tensors[e.canonical] = gathered
-            elif first and e.over != "ep":  # one replica (and cp rank) writes; the others took part in the gathers
+            elif first and e.split.over != "ep":  # one replica (and cp rank) writes; the others took part in the gathers
                 tensors[e.canonical] = _gather(model, whole, e, stage, head)
         if first and at.tp == 0:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -158,13 +162,6 @@ def _put_in_place(model: nn.Module, shape: Shape, tmp: Path, directory: Path, sa
     return errors or [e for e, _ in final if e]
 
 
-def _gather_dp(local: torch.Tensor) -> torch.Tensor:
-    """This rank's whole tp slice: a sharded DTensor's shards gathered over the dp group (collective;
-    `full_tensor` drops FSDP2's padding); a replicated one or a plain tensor as it is."""
-    local = local.detach()
-    return local.full_tensor() if isinstance(local, DTensor) else local
-
-
 def _gather_to(local: torch.Tensor, group, dst: int) -> list[torch.Tensor] | None:
     """Every rank's `local` of `group`, in rank order, on global rank `dst`; None elsewhere."""
     local = local.detach().contiguous()
@@ -176,21 +173,21 @@ def _gather_to(local: torch.Tensor, group, dst: int) -> list[torch.Tensor] | Non
 
 def _gather(model: nn.Module, local: torch.Tensor, entry: Entry, stage: Stage | None, dst: int) -> torch.Tensor | None:
     """The full tensor on the stage's tp_rank 0 of replica 0 (global rank `dst`; None elsewhere), gathered
-    over the tp group. A slice held by `entry.replicas` neighbouring tp ranks (a kv head past the kv heads)
+    over the tp group. A slice held by `entry.split.replicas` neighbouring tp ranks (a kv head past the kv heads)
     arrives that many times, alike; the first of each is written."""
     if entry.dim is None:
         return local.detach()
     owner = model.get_submodule(entry.name.rpartition(".")[0])
     group = stage.mesh.tp_group if stage is not None else getattr(owner, "group", None) or owner.tp_group
     parts = _gather_to(local, group, dst)
-    return None if parts is None else _joined(parts[:: entry.replicas], entry)  # tp ranks [j * r, (j + 1) * r) hold slice j
+    return None if parts is None else _joined(parts[:: entry.split.replicas], entry)  # tp ranks [j * r, (j + 1) * r) hold slice j
 
 
 def _joined(slices: list[torch.Tensor], entry: Entry) -> torch.Tensor:
     """The whole tensor from its slices in rank order. Packed (gate_up_proj, experts read in blocks): each
     rank holds its slice of every part; the whole is part after part."""
-    return torch.cat([chunk for p in range(entry.parts) for chunk in (t.chunk(entry.parts, entry.dim)[p] for t in slices)],
-                     dim=entry.dim)
+    n = entry.split.parts
+    return torch.cat([chunk for p in range(n) for chunk in (t.chunk(n, entry.dim)[p] for t in slices)], dim=entry.dim)
 
 
 def _gather_experts(model: nn.Module, local: torch.Tensor, entry: Entry, dst: int) -> torch.Tensor | None:

@@ -12,13 +12,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..binding.resolve import ResolvedPlan, resolve
+from ..binding.shard_layout import WHOLE, TensorSplit
 from ..expert_parallel.tensor import ExpertTensorParallelMixin
 from ..models.experts import num_experts
+from ..models.hf_decoder import meta_model
 from ..models.names import canonical_names
 from ..pipeline.stage import Stage
 from ..plan.ranks import expert_place
 from ..plan.schema import ParallelPlan, PlanError
-from ..tensor_parallel.head_params import split_parameters
+from ..plan.wording import first_few
+from ..tensor_parallel.apply import split_parameters
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab import VocabParallelEmbedding
 
@@ -34,24 +37,29 @@ class Entry:
     name: str  # the key in this rank's model.state_dict()
     canonical: str  # the key in the checkpoint (tied weights: the first name sharing it)
     full_shape: tuple[int, ...]
-    dim: int | None  # sharded along this dim, None when whole
-    start: int  # in each part
-    length: int  # of each part
-    parts: int = 1  # equal parts packed along `dim` (a fused gate_up_proj: 2), each sliced alike
-    replicas: int = 1  # neighbouring tp ranks holding this same slice (a k/v projection past its kv heads)
-    over: str = "tp"  # the ranks holding the slices: a stage's tp ranks, or an expert-parallel group's ("ep")
+    split: TensorSplit = WHOLE  # how the ranks hold it (`ResolvedPlan.split_of`): dim, parts, replicas, over
+    holder: int = 0  # this rank's place among the ranks holding the slices (`TensorSplit.holder`)
+
+    @property
+    def dim(self) -> int | None:
+        return self.split.dim  # None: whole on every rank
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        shape = list(self.full_shape)
-        if self.dim is not None:
-            shape[self.dim] = self.length * self.parts
-        return tuple(shape)
+        return self.split.local_shape(self.full_shape)
 
     def slices(self) -> list[slice]:
         """This rank's ranges along `dim` of the full tensor, one per part, in order."""
-        part = self.full_shape[self.dim] // self.parts
-        return [slice(p * part + self.start, p * part + self.start + self.length) for p in range(self.parts)]
+        return [slice(start, start + n) for start, n in self.split.ranges(self.full_shape[self.dim], self.holder)]
+
+    def cut(self, whole, lead: int = 0) -> torch.Tensor:
+        """This rank's slices of `whole` side by side along `dim` (all of it when whole): `whole` a tensor, or a
+        safetensors `get_slice` (only the slices are read); `lead`: leading dims it lacks (an expert's row)."""
+        if self.dim is None:
+            return whole[...]
+        dim = self.dim - lead
+        pieces = [whole[(slice(None),) * dim + (s,)] for s in self.slices()]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def shard_file(pp_rank: int, pp: int) -> str:
@@ -62,14 +70,6 @@ def shard_file(pp_rank: int, pp: int) -> str:
 def is_weight_file(name: str) -> bool:
     """A file a save replaces (the index and `model*.safetensors`), as opposed to one it keeps (a tokenizer)."""
     return name == INDEX or (name.startswith("model") and name.endswith(".safetensors"))
-
-
-def meta_model(config, **kwargs) -> nn.Module:
-    """The causal LM of `config` (`from_config`'s `kwargs`) with no storage: enough to bind a plan to."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank: int, ep_rank: int = 0) -> list[Entry]:
@@ -86,11 +86,8 @@ def stage_entries(meta: nn.Module, resolved: ResolvedPlan, pp_rank: int, tp_rank
     for name, tensor in meta.state_dict(keep_vars=True).items():
         if not any(not m or name == m or name.startswith(m + ".") for m in mods):
             continue
-        split, shape = resolved.split_of(name), tuple(tensor.shape)
-        length = split.length(shape[split.dim]) if split.dim is not None else 0
-        start = split.slot(split.holder(tp_rank, ep_rank)) * length
-        entries.append(Entry(name, canonical.get(name, name), shape, split.dim, start, length, split.parts,
-                             split.replicas, split.over))
+        split = resolved.split_of(name)
+        entries.append(Entry(name, canonical.get(name, name), tuple(tensor.shape), split, split.holder(tp_rank, ep_rank)))
     return entries
 
 
@@ -98,8 +95,7 @@ def _summary(head: str, items: list[str], shown: int = 3) -> list[str]:
     """One problem for many alike: the count and the first few."""
     if not items:
         return []
-    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
-    return [head.format(n=len(items)) + " " + "; ".join(items[:shown]) + more]
+    return [head.format(n=len(items)) + " " + first_few(items, shown, "; ")]
 
 
 def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
@@ -107,12 +103,12 @@ def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
     if entry.dim is None:
         return None
     owner = model.get_submodule(entry.name.rpartition(".")[0])
-    if entry.over == "ep":
+    if entry.split.over == "ep":
         shard = getattr(owner, "expert_shard", None)
         if shard is None:
             return f"{entry.name}: the plan splits its experts over ep, the model holds a {type(owner).__name__} whole"
-        if shard.first != entry.start:
-            return f"{entry.name}: the module holds experts from {shard.first}, the plan gives this rank {entry.start}"
+        if shard.first != (start := entry.slices()[0].start):
+            return f"{entry.name}: the module holds experts from {shard.first}, the plan gives this rank {start}"
         return None
     if isinstance(owner, ExpertTensorParallelMixin):
         return None  # each expert's slices: the module's tensors are this tp rank's (`split_experts_over_tp`)
@@ -127,8 +123,8 @@ def _expected_layer(model: nn.Module, entry: Entry, tp_rank: int) -> str | None:
     if owner.tp_rank != tp_rank:
         return f"{entry.name}: the layer is tp rank {owner.tp_rank}, this rank is tp rank {tp_rank} of the plan"
     replicas = getattr(owner, "replicas", 1)
-    if replicas != entry.replicas:
-        return f"{entry.name}: the layer's slice is held by {replicas} tp ranks, the plan's by {entry.replicas}"
+    if replicas != entry.split.replicas:
+        return f"{entry.name}: the layer's slice is held by {replicas} tp ranks, the plan's by {entry.split.replicas}"
     return None
 
 
@@ -152,7 +148,7 @@ def save_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stage 
     dp, cp, at = plan.mesh.dp, plan.mesh.cp, plan.mesh.shape.coords(rank)
     pp_rank, tp_rank = at.pp, at.tp
     mine = stage_entries(meta, resolved, pp_rank, tp_rank, expert_place(plan.mesh.shape, at)[0])
-    by_expert = {e.name for e in mine if e.over == "ep"}  # whole on each rank of their group: never dp-sharded
+    by_expert = {e.name for e in mine if e.split.over == "ep"}  # whole on each rank of their group: never dp-sharded
     have = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # a DTensor's shape: its whole tp slice
     want = {e.name: e.local_shape for e in mine}
     where = (f"dp_rank {at.dp}, " if dp > 1 else "") + f"pp_rank {pp_rank}, tp_rank {tp_rank}"
@@ -170,22 +166,15 @@ def save_problems(model: nn.Module, plan: ParallelPlan, rank: int, stage: Stage 
     replicas = dp * cp  # the ranks holding the same parameters: FSDP2 spreads them over all of them
     split = f"not split over its {replicas} data-parallel ranks" if replicas > 1 else "split over data-parallel ranks"
     ddp = replicas > 1 and plan.data_parallel.sharding == "replicate"  # torch's DDP keeps plain parameters
+    # Over how many data-parallel ranks FSDP2 (or its replicate) spread each parameter; None: a plain tensor.
+    spread = {n: p.device_mesh.size() if isinstance(p, DTensor) else None for n, p in model.named_parameters()}
     problems += _summary(
         f"{where}: the plan has mesh.dp={dp}" + (f" x cp={cp}" if cp > 1 else "") + f", but {{n}} parameters are {split}, e.g.",
-        [f"{n}: {_dp_text(p)}" for n, p in model.named_parameters()
-         if _dp_size(p) != replicas and not (ddp and not isinstance(p, DTensor)) and n not in by_expert],
+        [f"{n}: " + (f"a DTensor over {s} ranks" if s else "a plain tensor") for n, s in spread.items()
+         if (s or 1) != replicas and not (ddp and s is None) and n not in by_expert],
     )
     if problems:
         problems[-1] += "; pass the plan the model was rewritten with"
     # Each checkpoint tensor is written once, by the first stage holding it (`not seen.add`: always true).
     seen = {e.canonical for s in range(pp_rank) for e in stage_entries(meta, resolved, s, 0)}
     return problems, [e for e in mine if e.canonical not in seen and not seen.add(e.canonical) and e.name in have]
-
-
-def _dp_size(param: torch.Tensor) -> int:
-    """Over how many data-parallel ranks FSDP2 (or its replicate) spread `param`: 1 for a plain tensor."""
-    return param.device_mesh.size() if isinstance(param, DTensor) else 1
-
-
-def _dp_text(param: torch.Tensor) -> str:
-    return f"a DTensor over {_dp_size(param)} ranks" if isinstance(param, DTensor) else "a plain tensor"

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from ..plan.wording import first_few
+
 __all__ = ["MARK_FILE", "model_mark", "write_mark", "model_change"]
 
 MARK_FILE = "model.json"
@@ -20,7 +22,6 @@ MARK_FILE = "model.json"
 # and where it was read from, not what it computes.
 _RUNTIME = {"_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache",
             "return_dict", "output_attentions", "output_hidden_states", "attn_implementation", "_commit_hash"}
-_SHOWN = 4  # differing config keys named in a message
 _WRAPPERS = ("torch.distributed.", "rewrite.")  # where the classes put over a model's own come from
 
 
@@ -62,9 +63,8 @@ def model_change(path: Path, model: nn.Module) -> str | None:
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if not changed:
         return None
-    shown = ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:_SHOWN])
-    more = f" and {len(changed) - _SHOWN} more" if len(changed) > _SHOWN else ""
-    return f"{_name(here)} with another configuration ({shown}{more})"
+    shown = first_few([f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in changed], 4)
+    return f"{_name(here)} with another configuration ({shown})"
 
 
 def _name(mark: dict) -> str:

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..binding.lora_targets import is_adapter
 from ..pipeline.stage import Stage
 from ..errors import CheckpointError, InputError
-from .lora_state import kept_in_state
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like", "optimizer_pieces",
            "fresh_optimizer_pieces", "fit_problems"]
@@ -121,11 +121,11 @@ def _box(name: str, tensor: torch.Tensor, tp_dim: int | None, slices: int, slot:
 
 def model_pieces(stage: Stage) -> dict[str, Piece]:
     """Every tensor of this rank's state dict (tied ones under each name), as a box of the whole model's; under a
-    LoRA plan the adapters' only (`lora_state.kept_in_state`)."""
+    LoRA plan the adapters' only (the frozen base comes from the model the run starts from)."""
     tp_rank, ep_rank = stage.mesh.tp_rank, stage.mesh.ep_rank
     out = {}
     for name, tensor in stage.model.state_dict(keep_vars=True).items():
-        if not kept_in_state(stage, name):
+        if stage.resolved.plan.lora is not None and not is_adapter(name):
             continue
         split = stage.resolved.split_of(name)
         out[name] = _box(name, tensor, split.dim, split.slices, split.slot(split.holder(tp_rank, ep_rank)), split.parts)

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from .swap import fsync
 
-__all__ = ["LATEST", "step_dir", "saved_steps", "latest_checkpoint", "point_latest", "prune"]
+__all__ = ["LATEST", "step_dir", "saved_steps", "latest_checkpoint", "checkpoint_path", "point_latest", "prune"]
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -47,6 +47,29 @@ def latest_checkpoint(directory: str | Path) -> tuple[int, Path] | None:
                               f"{directory}; point it at a step-* directory holding a .metadata file, or delete it "
                               "to start over")
     return int(match[1]), path
+
+
+def checkpoint_path(checkpoint: str | Path, step: int | None = None) -> Path:
+    """The `step-N` directory meant by `checkpoint`: a run's directory (its latest, or `step`) or a step's own.
+
+    Raises:
+        ValueError: nothing complete there, with what was found.
+    """
+    checkpoint = Path(checkpoint)
+    if step is not None:
+        path = step_dir(checkpoint, step)
+        if not (path / ".metadata").is_file():
+            steps = saved_steps(checkpoint)
+            raise CheckpointError(f"{checkpoint} has no complete checkpoint of step {step}; "
+                                  + (f"its saved steps: {', '.join(map(str, steps))} (`step=N`, or leave `step` out "
+                                     f"for the latest, {steps[-1]})" if steps else "it holds no saved step"))
+        return path
+    if (checkpoint / ".metadata").is_file():
+        return checkpoint
+    if (found := latest_checkpoint(checkpoint)) is None:
+        raise CheckpointError(f"no checkpoint in {checkpoint} (neither a `{LATEST}` file nor a .metadata file); pass "
+                              "the checkpoint directory of a run that saved one, or start fresh")
+    return found[1]
 
 
 def point_latest(directory: Path, path: Path) -> None:

@@ -34,7 +34,7 @@ from .lora_state import LORA_FILE, base_problem, base_sums, lora_record, state_k
 from .model_mark import model_change, write_mark
 from .pieces import PieceSavePlanner, fit_problems, fresh_optimizer_pieces, model_pieces, optimizer_pieces, plain_data_problems
 from .safe_reader import load_pieces, read_metadata
-from .state_dirs import LATEST, latest_checkpoint, point_latest, prune, saved_steps, step_dir
+from .state_dirs import LATEST, checkpoint_path, latest_checkpoint, point_latest, prune, saved_steps, step_dir
 from ..errors import CheckpointError, CheckpointWriteError
 from ..plan.wording import format_bytes
 from .space import space_needs, space_problems, space_view
@@ -218,7 +218,7 @@ def load_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
     hyperparameters are replaced. RNG states are restored when the world size is unchanged.
 
     Args:
-        directory: the run's checkpoint directory.
+        directory: the run's checkpoint directory (its latest step), or one `step-N` directory.
         stage, optimizer, scheduler: as given to `save_training_state`.
         step: load `step-N` instead of the latest.
         allow_other_model: load a state written for another model class or configuration of the
@@ -237,13 +237,7 @@ def load_training_state(directory: str | Path, stage: Stage, optimizer: torch.op
     directory, problems, state, fresh, path = Path(directory), [], {}, [], None
     rank = dist.get_rank()
     try:
-        if step is None:
-            found = latest_checkpoint(directory)
-            if found is None:
-                raise CheckpointError(f"no checkpoint in {directory} (no {LATEST} file); save one first, or start fresh")
-            path = found[1]
-        else:
-            path = step_dir(directory, step)
+        path = checkpoint_path(directory, step)
         stored = read_metadata(path / ".metadata").state_dict_metadata  # no code of the file runs
         kind = state_kind_problems(path, stage, stored)  # a LoRA state as a full one, or the reverse
         if not allow_other_model and (changed := model_change(path, stage.model)):

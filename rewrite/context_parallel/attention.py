@@ -5,8 +5,8 @@ grouped-query attention K and V are `kv_heads / heads` of Q's bytes, the smalles
 heads (Ulysses spends them, and tp already does), so it composes with tp and kv-head replication; and
 every mask (causal, sliding window, packed documents) is a predicate on global token indices, evaluated
 for this rank's queries against all keys. The cost is holding the whole sequence's K and V during a
-layer (`collectives.py` has the bytes). The model's own layers run unchanged, calling the function
-registered under `NAME`.
+layer (`gather_sequence` has the bytes). The model's own layers run unchanged, calling the function
+registered under `NAME`; `sequence_part` cuts a microbatch into what each rank holds.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from torch.nn import functional as F
 from torch.distributed import ProcessGroup
 
 from ..models.hf_decoder import document_index
+from ..tensor_parallel.comm import _Adjoint, all_gather_into, reduce_scatter_into
 from .causal_blocks import causal_chunk_attention, runs_unmasked
-from .collectives import gather_sequence
-from .shard import held
+from .shard import gathered_order, held, shard_sequence
 
-__all__ = ["NAME", "SequenceShard", "sequence_shard", "context_parallel_attention", "register"]
+__all__ = ["NAME", "SequenceShard", "sequence_shard", "SequencePart", "sequence_part", "gather_sequence",
+           "context_parallel_attention", "register"]
 
 NAME = "rewrite_context_parallel"  # config._attn_implementation of a model whose attention runs on sequence shards
 
@@ -88,6 +89,57 @@ def sequence_shard(group: ProcessGroup | None, cp: int, rank: int, seq: int, *, 
     whole sequence's) for packed documents."""
     documents = None if position_ids is None else document_index(position_ids.to(device))
     return SequenceShard(group, cp, rank, seq, held(seq, cp, rank, device), documents)
+
+
+@dataclass(frozen=True)
+class SequencePart:
+    """This rank's part of one microbatch. Positions are the tokens' own (0 .. seq - 1, or a packed row's
+    restarting ones), so rotary embeddings see where each token is; `shard` keeps the whole row's documents.
+    Each rank's loss sums its own tokens; the runner divides by the global batch's count, so the cp ranks'
+    losses add up."""
+
+    ids: torch.Tensor  # [mb, seq / cp]
+    positions: torch.Tensor  # [mb, seq / cp]
+    shard: SequenceShard
+    targets: torch.Tensor | None  # [mb, seq / cp] (None where the stage computes no loss)
+
+
+def sequence_part(ids: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor | None, *,
+                  group: ProcessGroup | None, cp: int, rank: int, device: torch.device) -> SequencePart:
+    """This rank's part of a microbatch of whole `ids` `[mb, seq]` (and `positions`, `targets` alike)."""
+    seq = ids.shape[-1]
+    mine = held(seq, cp, rank).expand(ids.shape[0], -1) if positions is None else shard_sequence(positions, cp, rank)
+    return SequencePart(
+        ids=shard_sequence(ids, cp, rank).to(device),
+        positions=mine.to(device),
+        shard=sequence_shard(group, cp, rank, seq, device=device, position_ids=positions),
+        targets=None if targets is None else shard_sequence(targets, cp, rank).to(device),
+    )
+
+
+def _gather_kv(x: torch.Tensor, group: ProcessGroup, cp: int, seq: int) -> torch.Tensor:
+    local = x.permute(2, 0, 1, 3).contiguous()  # (s / cp, b, kv, d): the sequence first, as the exchange cuts
+    out = local.new_empty((cp * local.shape[0], *local.shape[1:]))
+    all_gather_into(out, local, group)  # rank-major: rank r's two chunks, then r + 1's
+    ordered = out.index_select(0, gathered_order(seq, cp, out.device))  # (s, b, kv, d) in token order
+    return ordered.permute(1, 2, 0, 3)
+
+
+def _scatter_kv(grad: torch.Tensor, group: ProcessGroup, cp: int, seq: int) -> torch.Tensor:
+    ordered = grad.permute(2, 0, 1, 3)  # (s, b, kv, d), token order
+    rank_major = torch.cat([held(seq, cp, r, ordered.device) for r in range(cp)])
+    partial = ordered.index_select(0, rank_major).contiguous()  # back to the ranks' order; a private buffer
+    mine = partial.new_empty((seq // cp, *partial.shape[1:]))
+    reduce_scatter_into(mine, partial, group)  # summed over the ranks' queries, this rank's rows kept
+    return mine.permute(1, 2, 0, 3)
+
+
+def gather_sequence(x: torch.Tensor, group: ProcessGroup, cp: int, seq: int) -> torch.Tensor:
+    """`[b, h, seq / cp, d]` on each cp rank -> `[b, h, seq, d]` in token order, the one collective context
+    parallelism adds. Backward: each rank's gradient is its own queries' share, so the gradients are
+    reduce-scattered. Bytes a rank receives per layer and microbatch, forward: 2 (k and v) x b x kv_heads
+    x d x s x (cp - 1) / cp x dtype bytes; backward as many again."""
+    return _Adjoint.apply(x, _gather_kv, (group, cp, seq), _scatter_kv, (group, cp, seq))
 
 
 def context_parallel_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

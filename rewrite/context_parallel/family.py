@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..models.hf_decoder import RECURRENT_KINDS
-from ..models.oracle import PACKED_LEAK, TOLERANCE, exception_line, packing_problem
-from ..models.tiny_clone import tiny_clone_key, tiny_run
+from ..models.oracle import PACKED_LEAK, TOLERANCE, exception_line, on_tiny_clone, packing_problem, perturbed
+from ..models.tiny_clone import tiny_run
 from .attention import NAME, register, sequence_shard
 
 __all__ = ["context_parallel_problem"]
@@ -27,10 +27,6 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     if config is None or not hasattr(config, "num_hidden_layers"):
         return f"{type(model).__name__} is not a Hugging Face decoder model: context parallelism runs the model's own " \
                "attention through transformers' attention interface"
-    try:
-        key = tiny_clone_key(config)
-    except Exception as exc:
-        return f"cannot build a tiny {config.model_type} config to check context parallelism against ({exception_line(exc)})"
     recurrent = sorted(set(getattr(config, "layer_types", None) or ()) & RECURRENT_KINDS)
     if recurrent:  # refused by kind, even where its own forward keeps packed documents apart
         return (f"{config.model_type}'s {', '.join(recurrent)} layers carry a state along the whole sequence, which "
@@ -40,7 +36,7 @@ def context_parallel_problem(model: nn.Module) -> str | None:
         return (f"{config.model_type}'s layers mix tokens outside attention (a convolution or recurrent state, or "
                 "attention that ignores its mask: packed documents reach each other), which a rank holding part of "
                 "the sequence cannot compute")
-    return _check(type(model), type(config), key)
+    return on_tiny_clone(model, "context parallelism against", _check)
 
 
 @lru_cache(maxsize=64)
@@ -49,9 +45,7 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
     family = config.model_type
     register()
     with tiny_run():
-        tiny = model_class(config).float().eval()
-        for param in tiny.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
+        tiny = perturbed(model_class, config)
         ids = torch.randint(0, config.vocab_size, (1, 8))
         positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
         try:

@@ -9,7 +9,6 @@ are reduced once per step (`reduce: step`, as torch.distributed.pipelining does)
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 from torch import nn
@@ -20,10 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..agreement import agree
 from ..grad_finish import GradFinish
 from ..torch_internals import ddp_ignore, ddp_reducer_finished, finish_fsdp_backward, prepare_ddp_for_backward, replicate
-from ..mesh import Mesh
 from ..models.names import first_names
-from ..pipeline.carve import Carved
-from ..pipeline.precision import Precision
+from ..pipeline.stage import Stage
 from ..binding.resolve import ResolvedPlan
 
 __all__ = ["DdpSync", "GradSync", "apply_data_parallel", "data_parallel_units"]
@@ -120,58 +117,55 @@ def data_parallel_units(model: nn.Module, resolved: ResolvedPlan, stage_ids: lis
     return [layers[str(i)] if isinstance(layers, nn.ModuleDict) else layers[i] for i in held]
 
 
-def _loose_parameters(carved: Carved, resolved: ResolvedPlan, units: list[nn.Module]) -> list[str]:
+def _loose_parameters(stage: Stage, units: list[nn.Module]) -> list[str]:
     """Parameters of a traced stage outside every unit: its graph reads them directly."""
-    if resolved.backbone is not None or carved.module is carved.model:
+    if stage.resolved.backbone is not None or stage.module is stage.model:
         return []  # the root unit gathers them where the model's own modules read them
     covered = {id(p) for unit in units for p in unit.parameters()}
-    return [n for n, p in carved.model.named_parameters() if id(p) not in covered]
+    return [n for n, p in stage.model.named_parameters() if id(p) not in covered]
 
 
 def apply_data_parallel(
-    carved: Carved, resolved: ResolvedPlan, mesh: Mesh, *, split_backward: bool, precision: Precision | None = None,
-    ignored: list[nn.Parameter] = (),
-) -> tuple[Carved, GradSync | DdpSync | None]:
+    stage: Stage, *, split_backward: bool, ignored: list[nn.Parameter] = (),
+) -> GradSync | DdpSync | None:
     """Shard (or replicate) this rank's modules over dp, in place.
 
     Args:
-        carved: what `carve_stage` kept on this rank (activation checkpointing applied).
-        resolved, mesh: the plan bound to the model, and this rank's mesh.
+        stage: what `carve_stage` kept on this rank (activation checkpointing applied; `precision` set:
+            with `by="fsdp"`, units gather in the compute dtype and reduce in the master dtype).
         split_backward: the schedule splits backwards into B and W, which need the forward's parameters
             until W: `full` then keeps them gathered from forward to backward, as `grad_op` does.
-        precision: with `by="fsdp"`, units gather in the compute dtype and reduce in the master dtype.
         ignored: parameters left whole and unreduced (experts split over ep, reduced by `expert_parallel`).
 
     Returns:
-        `(carved, dp_sync)`: the parts with the forward functions and tied parameters the stage must now
-        use (FSDP2 replaced the parameters), and the step's data-parallel `GradFinish`; with dp x cp = 1
-        the parts unchanged and None. `replicate` on one stage per rank with whole backwards: the parts
-        unchanged and torch's DDP, built at the first step (`DdpSync`).
+        The step's data-parallel `GradFinish`, having pointed `stage.forward_fns` and `stage.tied` at what
+        FSDP2 put in place; None with dp x cp = 1. `replicate` on one stage per rank with whole backwards:
+        torch's DDP, built at the first step (`DdpSync`).
     """
+    resolved, mesh, precision = stage.resolved, stage.mesh, stage.precision
     if mesh.replicas == 1:
-        return carved, None
+        return None
     sharding = resolved.plan.data_parallel.sharding
     over = "dp x cp" if mesh.cp > 1 else "dp"
     # DDP fits where the step's last backward reaches every parameter: one stage on the rank, no W.
-    if sharding == "replicate" and len(carved.forward_fns) == 1 and not split_backward:
-        names = first_names(carved.module)
-        return carved, DdpSync(carved.module, mesh.replica_mesh.get_group(), ignore=[names[id(p)] for p in ignored],
-                               over=over)
-    units = data_parallel_units(carved.model, resolved, sorted(carved.forward_fns))
-    loose = _loose_parameters(carved, resolved, units)
+    if sharding == "replicate" and len(stage.forward_fns) == 1 and not split_backward:
+        names = first_names(stage.module)
+        return DdpSync(stage.module, mesh.replica_mesh.get_group(), ignore=[names[id(p)] for p in ignored], over=over)
+    units = data_parallel_units(stage.model, resolved, sorted(stage.forward_fns))
+    loose = _loose_parameters(stage, units)
     agree(
         [f"data parallelism shards the modules of a traced model's layer sequence, but its forward reads "
          f"parameters outside them ({', '.join(loose[:4])}); move them into a submodule the model calls"]
         if loose else [],
         "apply_plan",
     )
-    dp_mesh, model = mesh.replica_mesh, carved.model  # the dp replicas, times the cp ranks
+    dp_mesh, model = mesh.replica_mesh, stage.model  # the dp replicas, times the cp ranks
     zero3 = sharding == "full" and not split_backward  # gathered for each use, let go after it
     names = first_names(model)
     policy = MixedPrecisionPolicy()
     if precision is not None and precision.by == "fsdp":
         policy = MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=precision.master)
-    tied = [names[id(p)] for p in carved.tied]
+    tied = [names[id(p)] for p in stage.tied]
     left = set(ignored) or None
     for module in [*units, model]:  # the root last
         if sharding == "replicate":
@@ -181,7 +175,7 @@ def apply_data_parallel(
             # kept gathered in between, as fully_shard does for a root by default.
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero3 and module is not model, mp_policy=policy,
                         ignored_params=left)
-    forward_fns = carved.forward_fns
+    forward_fns = stage.forward_fns
     if any(fn is not model for fn in forward_fns.values()):
         fns = dict(forward_fns)
         setattr(model, _RUN, types.MethodType(lambda self, s, x, **kw: fns[s](x, **kw), model))
@@ -189,8 +183,8 @@ def apply_data_parallel(
         run = getattr(model, _RUN)
         forward_fns = {s: (fn if fn is model else _bind(run, s)) for s, fn in fns.items()}
     # FSDP2 put sharded parameters in the tied ones' place
-    sharded = dataclasses.replace(carved, forward_fns=forward_fns, tied=[model.get_parameter(n) for n in tied])
-    return sharded, GradSync(model, sharding, reshard_after_backward=zero3, over=over)
+    stage.forward_fns, stage.tied = forward_fns, [model.get_parameter(n) for n in tied]
+    return GradSync(model, sharding, reshard_after_backward=zero3, over=over)
 
 
 def _bind(run, s: int):

@@ -6,13 +6,13 @@ Pure: it reads a resolved plan and its model (a meta-device model will do); no p
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 
 from torch import nn
 
 from ..binding.cuts import balanced_split, best_split
-from ..binding.params import held_count
+from ..binding.params import held_parameters
 from ..binding.resolve import ResolvedPlan
 
 __all__ = ["THRESHOLD", "balance_warnings"]
@@ -65,6 +65,11 @@ def balance_warnings(resolved: ResolvedPlan, model: nn.Module, *, threshold: flo
     if resolved.kind != "hf" or resolved.backbone is None:
         return _traced_warnings(resolved, model, Fraction(threshold))
     return _Split(resolved, model, Fraction(threshold)).warnings()
+
+
+def held_count(model: nn.Module, modules: Iterable[str], shards: Iterable = ()) -> int:
+    """Elements of `held_parameters`: what a rank holds for `modules`."""
+    return sum(p.numel for p in held_parameters(model, modules, shards))
 
 
 def _peak(values: Sequence[int], threshold: Fraction) -> tuple[int, Fraction] | None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ..binding.bind_steps import BindSteps
+from ..binding.resolve import BindSteps
 
 __all__ = ["MemoSteps"]
 

@@ -29,14 +29,14 @@ Bytes one decoder layer keeps for its backward:
                     + T ((4 + B) (a + g r) d + 4 (a + g r)) / t'   with per-head q_norm / k_norm (Qwen3)
     latent attention  T B h + sum over the latents r_q, r_kv of T (4 r + 2 B r + 4)   (DeepSeek's MLA:
                     + (T (B a d_qk + 2 B a d_v + 4 a) + b s B a (d_qk + d_nope + d_v)) / t'
-                                           `models.latent_shape.latent_attention_bytes`)
+                                           `latent_attention_bytes`)
     MLP               R B h + 4 R B i / t'  its input; gate, SiLU(gate), up and their product
     mixture of experts (k of E experts of width i_e a token, shared experts of width i_s, transformers'
     grouped_mm experts; `models.flops.moe_shape`)
                       R B h + R (k (n B i_e / t_e + 2 B h + 36) + 16) / u + 4 R_s B i_s / t_s
                                            its input; per (token, choice): the row sent to the expert,
                                            its gate/up, activation and product (n = 4; gpt-oss's
-                                           clamped, sigmoid-gated ones 7: `models.flops.EXPERT_VALUES`),
+                                           clamped, sigmoid-gated ones 7: `EXPERT_VALUES`),
                                            the expert's output before the routing weight, an int64
                                            index and float32 weights (36, and 16 a token: measured in
                                            float32); t_e: tp when each expert is split over tp
@@ -92,11 +92,14 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from ..models.blocks import ATTENTION, LAYER_PARTS, MLP, PACKED_MLP
-from ..models.flops import EXPERT_VALUES, config_size, moe_shape
-from ..models.latent_shape import LatentShape, latent_attention_bytes, latent_shape
+from ..models.flops import LatentShape, config_size, latent_shape, moe_shape
 from .lora_costs import lora_bytes
 
-__all__ = ["Sizes", "layer_bytes", "norm_bytes", "SELECTIVE", "selective_products"]
+__all__ = ["Sizes", "layer_bytes", "norm_bytes", "SELECTIVE", "selective_products", "latent_attention_bytes"]
+
+# Values an expert keeps for its backward per routed row and intermediate feature: its gate/up output,
+# the activation and the product (4); gpt-oss clamps gate and up and gates with a scaled sigmoid (7).
+EXPERT_VALUES = {"gpt_oss": 7}
 
 F32 = 4  # bytes of a float32: norms upcast their input, SDPA's logsumexp, the plain loss
 SELECTIVE = "~"  # marks a part checkpointed 'selective' in `layer_bytes`' recomputed ("~" alone: the whole layer)
@@ -277,3 +280,18 @@ def layer_bytes(
     return kept, max((parts[n.removeprefix(SELECTIVE)] for n in recomputed if n.removeprefix(SELECTIVE) in parts),
                      default=0)
 
+
+
+def latent_attention_bytes(shape: LatentShape, *, tokens: int, kv_tokens: int, heads: int, dtype_bytes: int,
+                           tp: int = 1) -> int:
+    """Bytes one latent attention keeps for its backward beyond its input, on one rank (`tp`: the heads'
+    split; 1 when whole): each latent's norm (its float32 input, the normalised values, 1 / rms) and the
+    up-projection's input, whole on every rank; then per head the queries and keys after RoPE (`qk`
+    features), kv_b_proj's output (the values are a view of it: `nope + v`, the keys' whole sequence under
+    cp), SDPA's output and the copy o_proj reads (`v`), and SDPA's float32 logsumexp. Measured on tiny
+    DeepSeek-V3 in float32 (CPU SDPA): within 2 % (float32 keeps the rotary key in the kv latent's storage)."""
+    z, T, B, a = shape, tokens, dtype_bytes, heads
+    latents = [r for r in (z.q_lora, z.kv_lora) if r]
+    whole = sum(T * (4 * r + 2 * B * r + 4) for r in latents)
+    per_head = T * (B * a * z.qk + 2 * B * a * z.v + 4 * a) + kv_tokens * B * a * (z.qk + z.nope + z.v)
+    return whole + per_head // tp

@@ -9,7 +9,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from ..plan.compile_schema import Compile
+from ..plan.schema import Compile
 from ..plan.schema import ParallelPlan
 from ..schedules import splits_backward
 from .activations import activation_problem

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import RewriteError
 from ..binding.resolve import resolve
+from ..models.hf_decoder import meta_model
 from ..plan.loading import load_plan
 from ..values import is_count
 from .activations import compute_dtype
@@ -43,10 +44,8 @@ def _model(model_or_config) -> nn.Module:
     if isinstance(model_or_config, nn.Module):
         return model_or_config
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_or_config, dtype=torch.float32)
+    return meta_model(model_or_config, dtype=torch.float32)
 
 
 def planned_dtype(model: nn.Module, hw: Hardware, given: str | None) -> str:

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from ..plan.from_hf import plan_from_hf
-from ..binding.bind_steps import BindSteps
-from ..binding.resolve import ResolvedPlan, resolve_with
+from ..binding.resolve import BindSteps, ResolvedPlan, resolve_with
 from ..plan.loading import load_plan
 from ..plan.schema import PlanError
 from ..schedules import placement, plan_table, splits_backward

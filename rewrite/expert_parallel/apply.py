@@ -28,14 +28,13 @@ def apply_expert_parallel(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh, 
     this tp rank's slices of every expert of each it splits over tp. `cast`: the dtype experts split over ep
     compute in, their parameters kept as they are (mixed precision where FSDP2 casts the rest)."""
     sequence = resolved.plan.sequence_parallel and mesh.tp > 1  # each tp rank already holds its part of the tokens
-    for spec in resolved.experts:
-        if spec.tp > 1:
-            split_experts_over_tp(model.get_submodule(spec.fqn), spec, mesh.tp_rank, mesh.tp_group, sequence=sequence)
-    if mesh.ep == 1:
-        return
     tokens_over = mesh.tp_group if mesh.tp > 1 and not sequence else None  # the same tokens: each sends its chunk
     for spec in resolved.experts:
         module = model.get_submodule(spec.fqn)
+        if spec.tp > 1:
+            split_experts_over_tp(module, spec, mesh.tp_rank, mesh.tp_group, sequence=sequence)
+        if mesh.ep == 1:
+            continue
         keep_part(module, spec, mesh.ep_rank)
         set_expert_counts(module, spec.local, spec.identity // spec.ep)  # the family's forward counts with them
         mixin = EveryTokenMixin if every_token(module) else ExpertParallelMixin

@@ -31,16 +31,41 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..binding.experts import ExpertSpec
 from ..models.experts import paired_choices
-from ..tensor_parallel.comm import group_rank, group_size
+from ..tensor_parallel.comm import _Adjoint, group_rank, group_size
 from ..tensor_parallel.sequence import gather_from_sequence, scatter_to_sequence, sequence_chunk
-from .collectives import exchange_counts, exchange_rows
 
-__all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExperts", "TokenSplit"]
+__all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExperts", "TokenSplit", "exchange_counts",
+           "exchange_rows"]
+
+# Both exchanges are `all_to_all_single` over the expert-parallel group. Every rank of the group calls each
+# one, rows or none, so none waits alone.
+
+
+def exchange_counts(per_expert: torch.Tensor, ep: int, group: ProcessGroup) -> torch.Tensor:
+    """Rows this rank receives, `[ep, E / ep]`: from source rank `s` for local expert `e`, given the rows
+    it sends to each of the `E` experts (`per_expert`, int64, experts of rank `r` at `[r * E / ep, ...)`)."""
+    received = torch.empty_like(per_expert)
+    dist.all_to_all_single(received, per_expert.contiguous(), group=group)
+    return received.view(ep, -1)
+
+
+def _all_to_all(rows: torch.Tensor, send: list[int], receive: list[int], group: ProcessGroup) -> torch.Tensor:
+    out = rows.new_empty((sum(receive), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+    return out
+
+
+def exchange_rows(rows: torch.Tensor, send: list[int], receive: list[int], group: ProcessGroup) -> torch.Tensor:
+    """Rows `[sum(send), ...]`, the first `send[0]` to rank 0 of `group` and so on, exchanged for
+    `[sum(receive), ...]` (those from rank 0 first); differentiable: the backward is the same exchange with
+    the splits reversed."""
+    return _Adjoint.apply(rows, _all_to_all, (send, receive, group), _all_to_all, (receive, send, group))
 
 
 @dataclass(frozen=True)
@@ -96,7 +121,7 @@ class ExpertShard:
     total = property(lambda self: self.spec.num_experts)
     ep = property(lambda self: self.spec.ep)
     local = property(lambda self: self.spec.local)
-    first = property(lambda self: self.spec.split.ranges(self.total, self.ep_rank)[0][0],
+    first = property(lambda self: self.spec.split_of("").ranges(self.total, self.ep_rank)[0][0],
                      doc="The first row this rank holds of each block.")
 
     def slots(self, experts: torch.Tensor) -> torch.Tensor:

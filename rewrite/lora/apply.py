@@ -9,7 +9,7 @@ from ..binding.lora_targets import is_adapter, is_lora_linear
 from ..binding.resolve import ResolvedPlan
 from .adapter import LoraLinear, init_adapter
 
-__all__ = ["apply_lora", "adapter_parameters", "merge_adapters"]
+__all__ = ["apply_lora", "merge_adapters"]
 
 
 def apply_lora(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
@@ -35,11 +35,6 @@ def apply_lora(model: nn.Module, resolved: ResolvedPlan) -> list[str]:
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return list(resolved.lora_targets)
-
-
-def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The adapters' parameters of `model` by path (`lora_A`, `lora_B` of each adapted layer)."""
-    return {name: param for name, param in model.named_parameters() if is_adapter(name)}
 
 
 def merge_adapters(model: nn.Module) -> list[str]:

@@ -10,10 +10,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .hf_decoder import Backbone
-from .latent_shape import latent_flop_parts, latent_shape
 
 __all__ = ["Costs", "config_size", "estimate_costs", "layer_flops", "layer_flop_parts", "head_flops", "embed_flops",
-           "EXPERT_VALUES", "moe_shape", "moe_width", "TRAINING"]
+           "LatentShape", "latent_shape", "latent_flop_parts", "moe_shape", "moe_width", "TRAINING"]
 
 # The backward computes two products for each forward one (input and weight gradients).
 TRAINING = 3
@@ -48,10 +47,7 @@ class Costs:
     def folded(self) -> list[int]:
         """Per layer, the embeddings added to the first and the head to the last (stage 0 always holds
         layer 0 and the last stage the last layer, so splitting these weights is splitting the model)."""
-        weights = list(self.layers)
-        weights[0] += self.embed
-        weights[-1] += self.head
-        return weights
+        return self.stage_costs([1] * len(self.layers))
 
 
 def config_size(config, name: str, *, purpose: str = "the compute estimate") -> int:
@@ -104,6 +100,46 @@ def layer_flop_parts(config, *, seq_len: int) -> dict[str, int]:
     return {**attention, "mlp": 6 * s * h * i + router, "norms": 2 * NORM_FLOPS * s * h}
 
 
+# Multi-head latent attention (DeepSeek-V2/V3's MLA): hidden states go down to a kv latent of `kv_lora_rank`
+# (plus the `qk_rope_head_dim` rotary key every head shares) and, with `q_lora_rank`, a query latent; each is
+# normalized and projected up to the heads (queries and keys of `qk_nope_head_dim + qk_rope_head_dim`, values
+# of `v_head_dim`). Under tp the up-projections, scores and o_proj split with the heads; the down-projections
+# run whole on every rank.
+@dataclass(frozen=True)
+class LatentShape:
+    q_lora: int  # 0: the queries projected straight from the hidden states (DeepSeek-V2-Lite)
+    kv_lora: int
+    nope: int  # each head's key / query features without rotary
+    rope: int  # the rotary features, one key for every head
+    v: int  # each head's value features
+
+    @property
+    def qk(self) -> int:
+        return self.nope + self.rope
+
+
+def latent_shape(config) -> LatentShape | None:
+    """The config's latent attention shape; None when its attention is not latent (no kv_lora_rank)."""
+    kv, rope = _first(config, "kv_lora_rank"), _first(config, "qk_rope_head_dim")
+    nope, v = _first(config, "qk_nope_head_dim"), _first(config, "v_head_dim")
+    if not (kv and rope and nope and v):
+        return None
+    return LatentShape(_first(config, "q_lora_rank") or 0, kv, nope, rope, v)
+
+
+def latent_flop_parts(shape: LatentShape, *, hidden: int, heads: int, seq_len: int) -> dict[str, int]:
+    """Forward FLOPs of one latent attention over `seq_len` tokens, by part (a multiply-add counts 2):
+    q_o (the query up-projection, or q_proj, and o_proj), k_v (kv_b_proj), scores (q k and the weighted sum
+    of values), split with the heads; latent (the down-projections), whole on every rank."""
+    h, a, s, z = hidden, heads, seq_len, shape
+    return {
+        "q_o": 2 * s * (z.q_lora or h) * a * z.qk + 2 * s * a * z.v * h,
+        "k_v": 2 * s * z.kv_lora * a * (z.nope + z.v),
+        "scores": 2 * s * s * a * (z.qk + z.v),
+        "latent": 2 * s * h * (z.q_lora + z.kv_lora + z.rope),
+    }
+
+
 def _first(config, *names: str) -> int | None:
     return next((v for n in names if isinstance(v := getattr(config, n, None), int) and v > 0), None)
 
@@ -125,11 +161,6 @@ def moe_shape(config) -> tuple[int, int, int, int] | None:
     shared = _first(config, "shared_expert_intermediate_size") or width * (
         _first(config, "n_shared_experts", "num_shared_experts", "moe_num_shared_experts") or 0)
     return top_k, width, shared, experts
-
-
-# Values an expert keeps for its backward per routed row and intermediate feature: its gate/up output,
-# the activation and the product (4); gpt-oss clamps gate and up and gates with a scaled sigmoid (7).
-EXPERT_VALUES = {"gpt_oss": 7}
 
 
 def moe_width(config) -> tuple[int, int] | None:

@@ -19,7 +19,8 @@ from torch import nn
 from .causal_masks import RECURRENT_KINDS, attention_kind, causal_mask, document_index
 from .families import family_forward
 
-__all__ = ["RECURRENT_KINDS", "Backbone", "backbone_problem", "document_index", "find_backbone", "run_backbone"]
+__all__ = ["RECURRENT_KINDS", "Backbone", "backbone_problem", "document_index", "find_backbone", "meta_model",
+           "run_backbone"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,14 @@ def find_backbone(model: nn.Module) -> Backbone | None:
         rotary=full(rotary) if rotary else None, head=head, after_embed=tuple(full(a) for a in after),
         norm_first=family_forward(config).norm_before_layers,
     )
+
+
+def meta_model(config, **kwargs) -> nn.Module:
+    """The causal LM of `config` (`from_config`'s `kwargs`) with no storage: enough to bind a plan to."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def backbone_problem(model: nn.Module) -> str | None:

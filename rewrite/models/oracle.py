@@ -22,7 +22,8 @@ from .families import set_local_kv_groups
 from .hf_decoder import find_backbone, run_backbone
 from .tiny_clone import config_value, tiny_clone_key, tiny_run
 
-__all__ = ["exception_line", "walker_problem", "narrowed_problem", "packing_problem", "PACKED_LEAK", "TOLERANCE"]
+__all__ = ["exception_line", "on_tiny_clone", "perturbed", "walker_problem", "narrowed_problem", "packing_problem",
+           "PACKED_LEAK", "TOLERANCE"]
 
 TOLERANCE = 1e-4  # on float32 logits of a tiny model: float noise is ~1e-6, a dropped transform ~1e-2 or more
 PACKED_LEAK = "lets one packed document reach the next"  # in packing_problem's words; cp refuses such a family
@@ -47,7 +48,7 @@ def on_tiny_clone(model: nn.Module, what: str, check: Callable[..., str | None],
     return check(type(model), type(config), key, *args)
 
 
-def _perturbed(model_class: type, config) -> nn.Module:
+def perturbed(model_class: type, config) -> nn.Module:
     """A float32 model in eval mode, its parameters off their constant initial values (ones, zeros), so each counts."""
     tiny = model_class(config).float().eval()
     for param in tiny.parameters():
@@ -68,7 +69,7 @@ def _check(model_class: type, config_class: type, key: str) -> str | None:
     family = config.model_type
     with tiny_run():
         try:
-            tiny = _perturbed(model_class, config)
+            tiny = perturbed(model_class, config)
             ids = torch.randint(0, config.vocab_size, (2, 8))
             reference = tiny(input_ids=ids, use_cache=False).logits
         except Exception as exc:
@@ -110,7 +111,7 @@ def _packing(model_class: type, config_class: type, key: str) -> str | None:
     family = config.model_type
     with tiny_run():
         try:
-            tiny = _perturbed(model_class, config)
+            tiny = perturbed(model_class, config)
         except Exception as exc:
             return f"cannot build a tiny {family} model to check packed documents on ({exception_line(exc)})"
         ids = torch.randint(0, config.vocab_size, (1, 8))

@@ -12,9 +12,8 @@ takes rows `[d * b / dp, (d + 1) * b / dp)`, so the replicas cover the batch onc
 
 from __future__ import annotations
 
-import hashlib
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
@@ -22,7 +21,7 @@ from ..errors import InputError
 from ..models.oracle import packing_problem
 from ..tensor_parallel.loss import IGNORE_INDEX
 
-__all__ = ["microbatches", "KEYS", "ids_of", "positions_of", "document_ends", "positions_mark", "packing_of", "integer_dtype"]
+__all__ = ["microbatches", "KEYS", "ids_of", "positions_of", "packing_of", "integer_dtype"]
 
 KEYS = ("input_ids", "position_ids")
 
@@ -35,29 +34,6 @@ def ids_of(x):
 def positions_of(x) -> torch.Tensor | None:
     """The microbatch's `position_ids`, or None: positions 0 .. seq - 1 in every row."""
     return x["position_ids"] if isinstance(x, Mapping) else None
-
-
-def document_ends(position_ids: torch.Tensor) -> torch.Tensor:
-    """`[b, s]` bool: the token is its document's last in the row (the next token starts
-    another document, or the row ends): it has no next token to predict."""
-    ends = torch.ones_like(position_ids, dtype=torch.bool)
-    ends[:, :-1] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    return ends
-
-
-def positions_mark(inputs) -> int:
-    """A digest of the microbatches' position_ids values (0 when none carries them; tensors on a
-    device are not read, to spare a synchronisation: their positions go unchecked across ranks)."""
-    if not isinstance(inputs, Sequence):
-        return 0
-    digest, seen = hashlib.blake2b(digest_size=8), False
-    for i, x in enumerate(inputs):
-        pos = x.get("position_ids") if isinstance(x, dict) else None
-        if isinstance(pos, torch.Tensor) and pos.device.type == "cpu":
-            digest.update(f"{i}:{tuple(pos.shape)}:{pos.dtype}".encode())
-            digest.update(pos.detach().contiguous().numpy().tobytes())
-            seen = True
-    return int.from_bytes(digest.digest(), "little") >> 2 if seen else 0
 
 
 _PACKING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> packing_problem(model), once
@@ -143,7 +119,10 @@ def microbatches(ids: torch.Tensor, n: int, *, dp_rank: int = 0, dp: int = 1, po
     if position_ids is None:
         return list(ids[mine].chunk(n)), list(targets.chunk(n))  # n x (batch / dp / n, seq)
     positions = position_ids[mine]
-    targets[document_ends(positions)] = IGNORE_INDEX  # a document's last token predicts nothing of the next
+    # A document's last token (the row's, or where positions restart) predicts nothing of the next.
+    ends = torch.ones_like(positions, dtype=torch.bool)
+    ends[:, :-1] = positions[:, 1:] != positions[:, :-1] + 1
+    targets[ends] = IGNORE_INDEX
     inputs = [{"input_ids": i, "position_ids": p} for i, p in zip(ids[mine].chunk(n), positions.chunk(n))]
     return inputs, list(targets.chunk(n))
 

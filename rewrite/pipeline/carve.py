@@ -4,13 +4,10 @@ A rank holds one stage, or several with `pipeline.virtual_stages` (looped or V
 placement, from the resolved plan). HF LLaMA-family models keep their own module
 objects at their original paths (the layer list becomes a `ModuleDict` keyed by
 original index); other modules get one fx `GraphModule` per stage over the model's
-own submodules. Everything this rank's stages do not run is released. `carve_stage`
-returns the parts carved; `apply_plan` builds the `Stage` from them once.
+own submodules. Everything this rank's stages do not run is released.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import fx, nn
@@ -23,29 +20,18 @@ from ..binding.resolve import ResolvedPlan
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.sequence_model import sequence_state
 from .loss import LogitShard
-from .stage import ForwardFn
+from .stage import Stage
 
-__all__ = ["Carved", "carve_stage", "carve_unused"]
-
-
-@dataclass(frozen=True)
-class Carved:
-    """What carving kept of a model on this rank: the `Stage` fields of the same names."""
-
-    model: nn.Module  # the user's model, holding only this rank's stages
-    module: nn.Module  # holds this rank's parameters: the model, or its one stage's GraphModule
-    forward_fns: dict[int, ForwardFn]  # stage id -> what runs it on one microbatch
-    tied: list[nn.Parameter] = field(default_factory=list)  # shared with another rank (tied embeddings)
-    logit_shard: LogitShard | None = None  # the last stage's vocabulary slice (loss_parallel)
+__all__ = ["carve_stage", "carve_unused"]
 
 
-def carve_stage(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
-    """Keep only this rank's stages in `model` (in place); returns what was kept."""
+def carve_stage(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
+    """Keep only this rank's stages in `model` (in place); returns the `Stage` of what was kept."""
     if resolved.backbone is not None:
         return _carve_hf(model, resolved, mesh)
     ids = resolved.rank_stages(mesh.pp_rank)
     if resolved.num_stages == 1:
-        return Carved(model=model, module=model, forward_fns={0: model})
+        return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fns={0: model})
     traced = fx_graph.trace(model, leaf_types=(ColumnParallelLinear, RowParallelLinear))
     graphs = {s: fx_graph.stage_graph(traced, list(resolved.cut_points), s) for s in ids}
     carve_unused(model, set().union(*(fx_graph.used_targets(g) for g in graphs.values())))
@@ -53,10 +39,10 @@ def carve_stage(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
     modules = {s: fx.GraphModule(model, g, class_name=f"{type(model).__name__}Stage") for s, g in graphs.items()}
     # One stage: its GraphModule holds exactly this rank's parameters; several: the carved model does.
     module = modules[ids[0]] if len(ids) == 1 else model
-    return Carved(model=model, module=module, forward_fns=modules)
+    return Stage(model=model, module=module, resolved=resolved, mesh=mesh, forward_fns=modules)
 
 
-def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
+def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Stage:
     bb, ids, last_id = resolved.backbone, resolved.rank_stages(mesh.pp_rank), resolved.num_stages - 1
     first, last = 0 in ids, last_id in ids
     indices = sorted(i for s in ids for i in resolved.layer_indices[s])
@@ -90,7 +76,8 @@ def _carve_hf(model: nn.Module, resolved: ResolvedPlan, mesh: Mesh) -> Carved:
         start = head.tp_rank * head.per_rank
         shard = LogitShard(start, start + head.per_rank, head.out_features, head.group)
     forward_fns = {s: _StageForward(model, resolved, s, head) for s in ids}
-    return Carved(model=model, module=model, forward_fns=forward_fns, tied=tied, logit_shard=shard)
+    return Stage(model=model, module=model, resolved=resolved, mesh=mesh, forward_fns=forward_fns, tied=tied,
+                 logit_shard=shard)
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module | None) -> None:

@@ -40,8 +40,9 @@ def describe_inputs(inputs) -> str:
 
 def _names(what: str, indices: list[int], shown: int = 3) -> str:
     """'inputs[0], inputs[1]' or 'inputs[0], inputs[1], inputs[2] and 5 more'."""
-    names = ", ".join(f"{what}[{i}]" for i in indices[:shown])
-    return names + (f" and {len(indices) - shown} more" if len(indices) > shown else "")
+    from ..plan.wording import first_few
+
+    return first_few([f"{what}[{i}]" for i in indices], shown)
 
 
 def _first_outside(x: torch.Tensor, low: int, high: int | None, *, allow: int | None = None) -> str | None:

@@ -22,7 +22,7 @@ from ..agreement import agree, describe_ranks, ranks_by_value
 from ..plan.ranks import length_problem
 from ..lent import lend
 from ..tensor_parallel.loss import IGNORE_INDEX
-from .batches import KEYS, ids_of, integer_dtype, packing_of, positions_mark, positions_of
+from .batches import KEYS, ids_of, integer_dtype, packing_of, positions_of
 from .stage import Stage
 from ..errors import InputError
 from .input_problems import describe_inputs, local_problems
@@ -43,7 +43,7 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
     Returns:
         The global batch's trained tokens when `count_tokens`, else None; the same on every rank.
     """
-    view, found, counted, positions = describe_inputs(inputs), True, None, positions_mark(inputs)
+    view, found, counted, positions = describe_inputs(inputs), True, None, _positions_mark(inputs)
     what, replica, replicas, group = "run_schedule", 0, 1, None
     if isinstance(stage, Stage):
         replica, replicas, group = stage.mesh.dp_rank, stage.mesh.dp, stage.mesh.host_group
@@ -68,14 +68,14 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
                if stage.mesh.dp > 1 else "")
         )
     for d in range(replicas):
-        of_replica = f" (replica {d})" if replicas > 1 else ""
+        of_replica, a_replica = (f" (replica {d})", " of a replica") if replicas > 1 else ("", "")
         marks = ranks_by_value([p for v, r, p, _ in views if r == d])
         if len(marks) > 1:
             ranks = [i for i, (_, r, _, _) in enumerate(views) if r == d]
             raise InputError(
                 f"{what}: {describe_ranks(ranks)}{of_replica}"
                 " were given different position_ids; every stage reads them from its own microbatches, "
-                "so pass the same microbatches on every rank" + (" of a replica" if replicas > 1 else "")
+                f"so pass the same microbatches on every rank{a_replica}"
             )
         counts = ranks_by_value([c for _, r, _, c in views if r == d and c is not None])
         if len(counts) > 1:
@@ -84,7 +84,7 @@ def check_step_inputs(stage: Stage, inputs, targets, *, default_loss: bool, coun
             raise InputError(
                 f"{what}: the last stage's {describe_ranks(ranks)}{of_replica} were given targets with different "
                 f"numbers of trained tokens (other than {IGNORE_INDEX}: {seen}); each of them computes the loss "
-                "of the same rows, so pass the same targets on every rank" + (" of a replica" if replicas > 1 else "")
+                f"of the same rows, so pass the same targets on every rank{a_replica}"
             )
     # Every rank is here alike (the verdict and the views are the group's): the quick checks flagged what the
     # full ones do not find. Training on would divide the loss by a count nobody agreed on.
@@ -117,10 +117,30 @@ def _verdict(group, view: str, found: bool, positions: int, counted: int | None,
 _LOWEST = torch.iinfo(torch.int64).min
 
 
+def _digest(*chunks: bytes) -> int:
+    """A 62-bit digest of `chunks`, the same in every process (unlike `hash`, which is salted)."""
+    h = hashlib.blake2b(digest_size=8)
+    for chunk in chunks:
+        h.update(chunk)
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
 @lru_cache(maxsize=256)
 def _fingerprint(view: str) -> int:
-    """A 62-bit digest of a view, the same in every process (unlike `hash`, which is salted)."""
-    return int.from_bytes(hashlib.blake2b(view.encode(), digest_size=8).digest(), "little") >> 2
+    return _digest(view.encode())
+
+
+def _positions_mark(inputs) -> int:
+    """A digest of the microbatches' position_ids values (0 when none carries them; tensors on a
+    device are not read, to spare a synchronisation: their positions go unchecked across ranks)."""
+    if not isinstance(inputs, Sequence):
+        return 0
+    chunks = []
+    for i, x in enumerate(inputs):
+        pos = x.get("position_ids") if isinstance(x, dict) else None
+        if isinstance(pos, torch.Tensor) and pos.device.type == "cpu":
+            chunks += [f"{i}:{tuple(pos.shape)}:{pos.dtype}".encode(), pos.detach().contiguous().numpy().tobytes()]
+    return _digest(*chunks) if chunks else 0
 
 
 def _facts(stage: Stage, packed: bool) -> tuple:

@@ -25,27 +25,22 @@ def apply_param_splits(stage: Stage) -> None:
     for name, param in stage.model.named_parameters():  # a tied object once, at its first path
         split = stage.resolved.split_of(name)
         # A tied embedding's two ends hold the same gradient (summed): it counts on the first stage.
-        counts = _first_holder(split, mesh) and _first_replica(param, split, mesh) and id(param) not in not_mine
+        counts = _counts(param, split, mesh) and id(param) not in not_mine
         mark_split(param, ParamSplit(split, counts))
 
 
-def _first_holder(split: TensorSplit, mesh: Mesh) -> bool:
-    """Whether this rank is the first of the tp ranks holding its part: every rank of a slice held once (each
-    ep rank of an experts' group too), the first of a slice's `replicas`, tp rank 0 of a whole tensor."""
-    if split.over == "ep":
-        return True
-    return mesh.tp_rank == 0 if split.dim is None else split.counts_on(mesh.tp_rank)
+def _counts(param: nn.Parameter, split: TensorSplit, mesh: Mesh) -> bool:
+    """Whether this rank's copy counts once over every rank.
 
-
-def _first_replica(param: nn.Parameter, split: TensorSplit, mesh: Mesh) -> bool:
-    """Whether this rank's copy counts among the copies data and context parallelism make of it.
-
-    Experts: copy 0 of the stage's ep groups at cp rank 0. A DTensor (FSDP2, replicate): every shard counts,
-    and for each mesh dim it is replicated over, only coordinate 0 there. A plain tensor (dp x cp = 1, DDP):
-    whole on every replica, it counts at dp and cp rank 0.
+    Experts: copy 0 of the stage's ep groups at cp rank 0 (every ep rank holds its own slice). Otherwise the
+    first of the tp ranks holding its part (the first of a slice's `replicas`, tp rank 0 of a whole tensor),
+    and among the copies dp and cp make: a plain tensor (dp x cp = 1, DDP), whole on every replica, at dp and
+    cp rank 0; a DTensor (FSDP2, replicate), every shard, at coordinate 0 of each mesh dim it is replicated over.
     """
     if split.over == "ep":
         return mesh.expert_copy == 0 and mesh.cp_rank == 0
+    if not (mesh.tp_rank == 0 if split.dim is None else split.counts_on(mesh.tp_rank)):
+        return False
     if not isinstance(param, DTensor):
         return mesh.dp_rank == 0 and mesh.cp_rank == 0
     coordinate = param.device_mesh.get_coordinate()

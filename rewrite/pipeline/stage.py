@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -16,12 +18,48 @@ from ..expert_parallel.aux_loss import RouterLoss
 from ..grad_finish import GradFinish
 from .timeline import StepClock, TimelineEvent
 from .loss import LogitShard
-from .precision import Precision
 
-__all__ = ["ForwardFn", "Stage", "TimelineEvent"]
+__all__ = ["ForwardFn", "Precision", "Stage", "TimelineEvent", "precision_for"]
 
 # Runs one stage on a microbatch: fn(x), or for an HF backbone fn(x, seq_len=..., position_ids=...).
 ForwardFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a stage computes in `dtype` over parameters kept in `master` (docs/precision.md): where dp shards
+    the parameters, FSDP2's mixed precision policy casts what it gathers; elsewhere the runner's autocast."""
+
+    dtype: torch.dtype  # the compute dtype
+    master: torch.dtype  # the parameters' (and gradients', optimizer state's) dtype
+    by: Literal["fsdp", "autocast"]  # FSDP2's mixed precision policy casts, or the runner's autocast
+
+    def forward_context(self, device: torch.device):
+        """What a stage's forward runs under: autocast, or nothing (FSDP2 already cast the weights)."""
+        if self.by == "autocast":
+            return torch.autocast(device.type, dtype=self.dtype)
+        return contextlib.nullcontext()
+
+
+def precision_for(compute: torch.dtype | None, master: torch.dtype, *, shards: bool) -> Precision | None:
+    """The recipe for computing in `compute` over `master` parameters; None when they are one dtype.
+
+    `shards`: data parallelism shards the parameters (FSDP2 `full` or `grad_op`, dp > 1).
+
+    Raises:
+        ValueError: `compute` is not a floating dtype, or wider than `master` (a float32
+            computation over bfloat16 weights would only pretend to be more precise).
+    """
+    if compute is None or compute == master:
+        return None
+    if not isinstance(compute, torch.dtype) or not compute.is_floating_point:
+        raise ValueError(f"compute_dtype {compute!r}: use a floating torch dtype, e.g. torch.bfloat16")
+    if torch.finfo(compute).bits > torch.finfo(master).bits:
+        raise ValueError(
+            f"compute_dtype {compute} is wider than the parameters' {master}: build the model in {compute} "
+            f"(float32 master weights), or leave compute_dtype out"
+        )
+    return Precision(compute, master, "fsdp" if shards else "autocast")
 
 
 @dataclass
@@ -38,10 +76,8 @@ class Stage:
         tied: parameters shared with another rank (tied embeddings), gradients summed over
             `mesh.tied_group`.
         clock: the last step's action times on this rank (`timeline` reads them), or None.
-        grad_finish: what completes the step's gradients on this rank, in the runner's order
-            (`rewrite.grad_finish`): the data-parallel reduce (FSDP2, replicate or DDP), the
-            experts' sum, the tp ranks' partial gradients (`tensor_parallel.partial_grads.StepSums`),
-            the tied weights' sum (`pipeline.tied.TiedSums`); only those this rank needs.
+        grad_finish: what completes the step's gradients on this rank, only those it needs, in the
+            runner's order (`rewrite.grad_finish` lists the kinds).
         recomputed: modules recomputed in the backward (`activation_checkpointing`); their
             weight gradients come with the I, W is empty.
         compiled: modules whose forward runs under torch.compile (`compile`; `rewrite.compiled`).
@@ -51,8 +87,9 @@ class Stage:
         router_loss: a mixture of experts' auxiliary loss, added to each microbatch's loss as the
             model's own forward would (`config.output_router_logits`); None when the model adds none.
 
-    Not frozen: the runner replaces `clock` each step, and loading a checkpoint re-points `tied`
-    at the tensors it gave storage to (the meta parameters carving saw are gone).
+    Not frozen: `carve_stage` builds it and `apply_plan` fills in the fields after `tied`; the runner
+    replaces `clock` each step, and loading a checkpoint re-points `tied` at the tensors it gave
+    storage to (the meta parameters carving saw are gone).
 
     Example:
         >>> stage = rewrite.apply_plan(model, "plans/llama-pp2.yaml")

@@ -5,20 +5,17 @@ Zero-bubble schedules split a stage's backward: I computes the gradient of the s
 which the previous stage is waiting for; W the parameters' gradients, which nobody waits for, so a
 schedule can put it in what would otherwise be a bubble. torch.distributed.pipelining already splits
 the autograd graph this way (it keeps the gradients at the nodes where the weight paths leave the
-input path, and W resumes from them): `backward_input` / `backward_weight` adapt its two functions
+input path, and W resumes from them): `StepState.backward` and `run` call its two functions
 (private to torch: `torch_internals`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from ..context_parallel.microbatch import sequence_part
+from ..context_parallel.attention import sequence_part
 from ..doing import doing
 from ..schedules import Action
 from ..torch_internals import backward_input as _input_half, backward_weight as _weight_half
@@ -31,33 +28,6 @@ from .router_sums import RouterSums
 from .stage import Stage
 
 __all__ = ["StepState", "on_device"]
-
-
-@dataclass
-class Deferred:
-    """What W needs: the saved split of one microbatch's backward on one stage."""
-
-    groups: list[dict[str, Any]] = field(default_factory=list)
-    whole: tuple[list, list | None] | None = None  # (outputs, their gradients): W runs it all
-
-
-def backward_input(outs: list[torch.Tensor], grads: list[torch.Tensor] | None, x: torch.Tensor,
-                   params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor | None, Deferred]:
-    """Gradient of `x` from the stage's outputs `outs` (losses when `grads` is None; a middle stage's
-    activation, and its routers' loss beside it under a mixture of experts). When `x` takes no gradient
-    (token ids on the first stage) nothing runs now, None is returned and W runs the whole backward."""
-    if not (x.is_floating_point() and x.requires_grad):
-        return None, Deferred(whole=(outs, grads))
-    (dx,), groups = _input_half(list(outs), grads, [x], iter(params))
-    return dx, Deferred(groups=groups)
-
-
-def backward_weight(deferred: Deferred, params: Sequence[torch.nn.Parameter]) -> None:
-    """Accumulate the parameters' gradients into `.grad`, completing `backward_input`."""
-    if deferred.whole is not None:
-        torch.autograd.backward(*deferred.whole)
-    elif deferred.groups:
-        _weight_half(iter(params), deferred.groups)
 
 
 _EVENT = {"F": "forward", "B": "backward", "I": "backward-input", "W": "backward-weight"}
@@ -92,7 +62,8 @@ class StepState:
         whole = stage.recomputed or stage.compiled
         self.split = set() if whole else {(a.mb, a.stage) for a in table[me] if a.kind == "I"}
         self.held: dict[tuple[int, int], tuple] = {}  # (mb, stage) -> (stage input, output or loss)
-        self.deferred: dict[tuple[int, int], Deferred] = {}
+        # (mb, stage) -> what W needs: the backward's saved split (groups), or (outputs, their gradients) whole
+        self.deferred: dict[tuple[int, int], tuple[list, tuple | None]] = {}
         self.local: dict[tuple, torch.Tensor] = {}  # handed between two stages of this rank
         self.losses: dict[int, torch.Tensor] = {}
         self.sends: list[tuple[list, torch.Tensor]] = []  # in-flight works, with the tensor they read
@@ -129,7 +100,11 @@ class StepState:
         elif kind in ("B", "I"):
             start = self.backward(mb, s)
         elif (mb, s) in self.split:
-            backward_weight(self.deferred.pop((mb, s)), self._params())
+            groups, whole = self.deferred.pop((mb, s))
+            if whole is not None:
+                torch.autograd.backward(*whole)
+            elif groups:
+                _weight_half(iter(self._params()), groups)
             del self.held[mb, s]
         name = "backward" if kind == "I" and (mb, s) not in self.split else _EVENT[kind]
         self.clock.add(self.mesh.rank, s, mb, name, start, self.clock.mark())
@@ -203,7 +178,11 @@ class StepState:
                 roots, grads = [y, extra], [grad, torch.ones_like(extra)]
         start = self.clock.mark()
         if (mb, s) in self.split:
-            dx, self.deferred[mb, s] = backward_input(roots, grads, x, self._params())
+            if x.is_floating_point() and x.requires_grad:
+                (dx,), groups = _input_half(roots, grads, [x], iter(self._params()))
+                self.deferred[mb, s] = (groups, None)
+            else:  # x takes no gradient (token ids on the first stage): W runs the whole backward
+                dx, self.deferred[mb, s] = None, ([], (roots, grads))
         else:
             torch.autograd.backward(roots, grads)
             dx = x.grad if x.is_floating_point() else None

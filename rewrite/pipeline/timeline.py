@@ -23,7 +23,7 @@ from ..plan.wording import noun_for
 if TYPE_CHECKING:
     from .stage import Stage
 
-__all__ = ["StepClock", "TimelineEvent", "gather_timeline", "plot_timeline", "events_to_dicts"]
+__all__ = ["StepClock", "TimelineEvent", "gather_timeline", "plot_timeline"]
 
 @dataclass(frozen=True)
 class TimelineEvent:
@@ -95,11 +95,6 @@ def gather_timeline(stage: Stage, *, group=None) -> list[TimelineEvent]:
     mine = [tuple(asdict(e).values()) for e in stage.timeline]  # plain tuples pickle anywhere
     events = [TimelineEvent(*e) for rank_events in share(mine, group=group) for e in rank_events]
     return sorted(events, key=lambda e: (e.rank, e.start))
-
-
-def events_to_dicts(events: Sequence[TimelineEvent]) -> list[dict]:
-    """JSON-ready events (for metrics files)."""
-    return [asdict(e) for e in events]
 
 
 def plot_timeline(events: Sequence[TimelineEvent], *, tp: int | None = None, cp: int | None = None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import json
 import reprlib
-import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from ..schedules import rows_from_csv
 from .limits import MAX_PLAN_DEPTH, MAX_PLAN_VALUES, expansion_problem, read_plan_bytes, too_deep, too_many_values
 from .wording import plural
 
-__all__ = ["PlanError", "missing_plan_problem", "read_plan_file", "read_table_file", "line_of", "key_lines", "dotted", "short"]
+__all__ = ["PlanError", "missing_plan_problem", "read_plan_file", "read_table_file", "key_lines", "dotted", "short"]
 
 # Values quoted in messages come from the file and may be any size: show their start only.
 _SHORT = reprlib.Repr()
@@ -198,23 +197,6 @@ def _clip(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 20] + " ... " + text[-15:]
 
 
-def line_of(node: Any, loc: tuple) -> int | None:
-    """Line of the deepest YAML key along `loc`, for error messages."""
-    line = None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = _keys_of(node).get(str(part))
-            if match is None:
-                break
-            line, node = match[0].start_mark.line + 1, match[1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
-
-
 def key_lines(node: Any, depth: int = 4) -> dict[tuple, int]:
     """Line of every key (and list item) down to `depth` levels, by location: ('mesh', 'tp') -> 2.
 
@@ -236,21 +218,6 @@ def key_lines(node: Any, depth: int = 4) -> dict[tuple, int]:
                 lines[(*loc, i)] = item.start_mark.line + 1
                 stack.append(((*loc, i), item))
     return lines
-
-
-# Per mapping node, key -> (key node, value node): one dict lookup per step of `line_of`,
-# so a message for each of thousands of keys stays linear. Weak: it dies with the tree.
-_KEY_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _keys_of(node: yaml.MappingNode) -> dict[str, tuple[Any, Any]]:
-    index = _KEY_INDEX.get(node)
-    if index is None:
-        index = _KEY_INDEX[node] = {}
-        for key, value in node.value:
-            if isinstance(key, yaml.ScalarNode):
-                index.setdefault(key.value, (key, value))  # the first of equal keys
-    return index
 
 
 def dotted(loc: tuple) -> str:

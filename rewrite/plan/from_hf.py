@@ -7,22 +7,13 @@ import math
 from torch import nn
 
 from ..models.expert_split import split_problem, tp_layout
+from ..models.hf_decoder import meta_model
 from .loading import load_plan
 from .patterns import match_pattern
 from .schema import ParallelPlan
 from .styles import NEEDS_NO_RULE, STYLE_ALIASES, STYLES
 
 __all__ = ["plan_from_hf"]
-
-
-def _model_class(config):
-    from transformers import AutoModelForCausalLM
-
-    mapping = AutoModelForCausalLM._model_mapping
-    try:
-        return mapping[type(config)]
-    except KeyError:
-        raise ValueError(f"{type(config).__name__} has no causal-LM model class in transformers") from None
 
 
 def _embedding_name(config, base_rules: dict[str, str]) -> str:
@@ -112,11 +103,16 @@ def _model_and_prefix(model_or_config) -> tuple[nn.Module | None, object, str, d
         prefix = _base_attribute(model)
         head_rules = dict(getattr(type(model), "_tp_plan", None) or {}) if prefix else {}
         return model, config, prefix, head_rules
+    from transformers import AutoModelForCausalLM
+
     config, model = model_or_config, None
-    cls = _model_class(config)
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{type(config).__name__} has no causal-LM model class in transformers") from None
     prefix, head_rules = cls.base_model_prefix, dict(getattr(cls, "_tp_plan", None) or {})
     try:  # where its base model really sits (Llama 4's is not where its prefix says)
-        model = _meta_model(config)
+        model = meta_model(config)
         prefix = _base_attribute(model) or prefix
     except Exception:  # noqa: BLE001 - a config its class cannot build: its prefix as declared
         model = None
@@ -200,15 +196,6 @@ def _splits_over_tp(model: nn.Module, pattern: str) -> bool:
         if isinstance(layout, str) or split_problem(model, fqn, layout):
             return False
     return bool(found)
-
-
-def _meta_model(config) -> nn.Module:
-    """The causal LM of `config`, without storage: its module paths and shapes."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
 
 
 def _replicas(ep: int, tp: int) -> int:

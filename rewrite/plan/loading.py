@@ -4,7 +4,6 @@ typo does not hide a pattern typo)."""
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +12,16 @@ from torch import nn
 
 from ..schedules import SCHEDULE_NAMES, schedule_rules
 from ..values import is_count
-from .files import PlanError, dotted, key_lines, line_of, read_plan_file, read_table_file, short
+from .files import PlanError, dotted, key_lines, read_plan_file, read_table_file, short
 from .pipeline_schema import CUT_POINT_KINDS, Pipeline, cut_point_problems, schedule_fit, unknown_schedule
 from .schema import CHECKPOINT_KINDS, Checkpointing, DataParallel, MeshSpec, ParallelPlan
 from .size_checks import by_line
-from .patterns import match_pattern, unmatched_problem
+from .patterns import closest, match_pattern, unmatched_problem
 
 __all__ = ["load_plan", "load_plan_for"]
 
 
-def _problems(exc: ValidationError, nodes: Any, data: dict) -> list[str]:
+def _problems(exc: ValidationError, lines: dict[tuple, int], data: dict) -> list[str]:
     problems = []
     for err in exc.errors(include_url=False):
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
@@ -32,7 +31,7 @@ def _problems(exc: ValidationError, nodes: Any, data: dict) -> list[str]:
             loc = loc[:2] + loc[3:]  # which kind of value it was taken for: a mode, or a mapping of one
         if loc and loc[-1] == "[key]":
             loc = loc[:-1]  # the key of a mapping failed: report it at the key itself
-        line = line_of(nodes, loc) if nodes is not None else None
+        line = _line(lines, loc)
         where = (f"line {line}: " if line else "") + (dotted(loc) + ": " if loc else "")
         msg = err["msg"].removeprefix("Value error, ")
         if loc == ("pipeline", "schedule") and isinstance(err.get("input"), str) and err["type"] == "value_error":
@@ -46,14 +45,25 @@ def _problems(exc: ValidationError, nodes: Any, data: dict) -> list[str]:
     return [p for _, p in sorted(problems, key=lambda item: item[0])]
 
 
+def _line(lines: dict[tuple, int], loc: tuple) -> int | None:
+    """The line of the deepest key along `loc` (`files.key_lines`; a key such as `1:` is the string '1' there)."""
+    line, at = None, ()
+    for part in loc:
+        found = [(*at, p) for p in (part, str(part)) if (*at, p) in lines]
+        if not found:
+            break
+        at = found[0]
+        line = lines[at]
+    return line
+
+
 def _suggest_key(loc: tuple) -> str:
     """'; did you mean ...?' for an unknown key at `loc`, else the keys allowed there."""
     section = {(): ParallelPlan, ("mesh",): MeshSpec, ("pipeline",): Pipeline, ("data_parallel",): DataParallel}
     where = ("activation_checkpointing",) if loc[:1] == ("activation_checkpointing",) and len(loc) == 3 else loc[:-1]
     fields = {**section, ("activation_checkpointing",): Checkpointing}.get(tuple(where), None)
     fields = fields.model_fields if fields is not None else {}
-    close = difflib.get_close_matches(str(loc[-1]), list(fields), n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; allowed here: {', '.join(fields)}"
+    return closest(str(loc[-1]), list(fields)) or f"; allowed here: {', '.join(fields)}"
 
 
 def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
@@ -90,10 +100,11 @@ def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
     if not isinstance(data, dict):
         raise PlanError(name, [f"a plan is a mapping of keys (mesh, tensor_parallel, pipeline), got {type(data).__name__}"])
     data = read_table_file(data, Path(name).parent if isinstance(source, (str, Path)) else Path.cwd(), name)
+    lines = key_lines(nodes) if nodes is not None else {}
     try:
         plan = ParallelPlan.model_validate(data)
     except ValidationError as exc:
-        problems = _problems(exc, nodes, data)
+        problems = _problems(exc, lines, data)
         if not any(not e["loc"] for e in exc.errors()):
             # Field errors stop Pydantic before the cross-field check: run it on the raw data.
             mesh, pipe = data.get("mesh") or {}, data.get("pipeline") or {}
@@ -104,7 +115,7 @@ def load_plan(source: str | Path | dict | ParallelPlan) -> ParallelPlan:
                     problems += schedule_rules(schedule, pp, k, 1)
         raise PlanError(name, problems) from None
     plan._source = name
-    plan._lines = key_lines(nodes) if nodes is not None else {}
+    plan._lines = lines
     return plan
 
 
@@ -138,11 +149,12 @@ def _unmatched_in_refused_plan(source: Any, model: nn.Module, refusal: PlanError
     if not isinstance(rules, dict):
         return []
     names = [name for name, _ in model.named_modules() if name]
-    out = []
+    matchable = names + [name for name, _ in model.named_parameters()]  # a rule may split a bare parameter (sinks)
+    lines, out = key_lines(nodes) if nodes is not None else {}, []
     for pattern in rules:
         if not isinstance(pattern, str) or any(f"[{pattern!r}]" in p for p in refusal.problems):
             continue
-        if not any(match_pattern(pattern, name) for name in names):
-            line = line_of(nodes, ("tensor_parallel", pattern)) if nodes is not None else None
-            out.append(unmatched_problem(f"line {line}: " if line else "", pattern, names))
+        if not any(match_pattern(pattern, name) for name in matchable):
+            line = lines.get(("tensor_parallel", pattern))
+            out.append(unmatched_problem(f"line {line}: " if line else "", "tensor_parallel", pattern, names))
     return out

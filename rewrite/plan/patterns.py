@@ -29,6 +29,6 @@ def closest(name: str, candidates: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def unmatched_problem(at: str, pattern: str, names: list[str]) -> str:
-    """'line 3: tensor_parallel['...'] matches no module; did you mean '...'?'."""
-    return f"{at}tensor_parallel[{pattern!r}] matches no module{closest(pattern, names)}"
+def unmatched_problem(at: str, key: str, pattern: str, names: list[str]) -> str:
+    """'line 3: tensor_parallel['...'] matches no module; did you mean '...'?' (`key`: the plan's section)."""
+    return f"{at}{key}[{pattern!r}] matches no module{closest(pattern, names)}"

@@ -10,8 +10,6 @@ from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_s
 from .files import PlanError
 from .ranks import Shape, length_problem
 from .styles import Style
-from .compile_schema import Compile
-from .lora_schema import Lora
 from .pipeline_schema import Count, Pattern, Pipeline, StrictModel, cut_point_problems, schedule_problems
 from ..schedules import splits_backward
 
@@ -108,6 +106,52 @@ class DataParallel(StrictModel):
         "'microbatch': as each unit's backward ends, every microbatch (torch FSDP2's default: "
         "under 'full' and 'grad_op' only one unit's whole gradients at a time, microbatches times "
         "the traffic). Schedules that split backwards (W after I) need 'step'. Ignored when mesh.dp = 1."))] = "step"
+
+
+class Lora(StrictModel):
+    """Low-rank adaptation (LoRA, Hu et al. 2021) as PEFT computes it: each target linear layer's output gains
+    `alpha / rank * B(A(dropout(x)))`, A `[rank, in]` and B `[out, rank]` trained, every other weight frozen."""
+
+    rank: Annotated[Count, Field(description="The adapters' rank r (>= 1): A is [r, in_features], B [out_features, r].")]
+    alpha: Annotated[float | None, Field(gt=0, description=(
+        "The scale's numerator: adapters add alpha / rank times their product (PEFT's lora_alpha). "
+        "Default: the rank (a scale of 1)."))] = None
+    dropout: Annotated[float, Field(ge=0, lt=1, description=(
+        "Dropout on the adapters' input while training (PEFT's lora_dropout), 0 <= p < 1. Under tensor "
+        "parallelism a rank draws the mask of the whole input and uses its slice, so the ranks of a stage, "
+        "seeded alike, drop what one process would."))] = 0.0
+    seed: Annotated[int, Field(ge=0, strict=True, description=(
+        "Fresh adapters' A is drawn from this seed and the layer's path (B starts at zero): the same on every "
+        "rank and under every plan, whatever each process's random state."))] = 0
+    targets: Annotated[list[Pattern] | None, Field(description=(
+        "Module-path patterns of the linear layers that get adapters (`*` within one path segment). Default: "
+        "every decoder layer's attention and MLP projections (q/k/v/o, gate/up/down, fused gate_up, latent "
+        "attention's q_b/kv_b; shared experts' too). Routed experts are refused: adapters there are not built."
+        ), min_length=1)] = None
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank: what the adapters' product is multiplied by."""
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
+class Compile(StrictModel):
+    """Each decoder layer, the embedding and the head compiled on their own (torchtitan's per-block compile):
+    one graph per block, collectives inside it traced as torch's functional collectives, hooks (FSDP2's
+    gathers) left outside. `compile: true` takes every default."""
+
+    backend: Annotated[Literal["inductor", "aot_eager", "eager"], Field(description=(
+        "torch.compile's backend: 'inductor' generates fused kernels (the one that is faster); 'aot_eager' "
+        "traces forward and backward but runs torch's own kernels, 'eager' traces the forward only: both "
+        "to tell a compiler problem from a model problem."))] = "inductor"
+    mode: Annotated[Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"], Field(
+        description="inductor's mode (torch.compile's `mode`): 'reduce-overhead' adds CUDA graphs on a GPU."
+        )] = "default"
+    dynamic: Annotated[bool | None, Field(strict=True, description=(
+        "Shapes in the graphs: None (default) compiles a block for the shapes of its first call and, when a "
+        "later call differs (another sequence length), once more with those sizes symbolic, so a block "
+        "compiles at most twice whatever the data; false one static graph per distinct shape (up to torch's "
+        "recompile limit, then eager); true symbolic from the start."))] = None
 
 
 class ParallelPlan(StrictModel):

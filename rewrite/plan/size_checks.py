@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .schema import ParallelPlan
 from .wording import common_divisors, either
 
-__all__ = ["PipelineShape", "too_many_stages", "stage_count", "stages_words", "by_line", "world_problem"]
+__all__ = ["PipelineShape", "too_many_stages", "stages_words", "by_line", "world_problem"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,6 @@ def too_many_stages(shape: PipelineShape, n: int, what: str) -> str:
             fix += f", or lower pipeline.virtual_stages so that pp x virtual_stages <= {n}"
     return (f"{shape.pp_line}{stages_words(shape)} but the model has {n} {what}; each stage needs at least "
             f"one layer: {fix}")
-
-
-def stage_count(plan: ParallelPlan) -> int:
-    return plan.mesh.pp * plan.pipeline.virtual_stages
 
 
 def stages_words(shape: PipelineShape) -> str:

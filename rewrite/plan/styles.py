@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator
 
 from .files import short
+from .patterns import closest
 
 __all__ = ["STYLES", "STYLE_ALIASES", "NEEDS_NO_RULE", "COLUMN_STYLES", "SPLIT_OUTPUT_STYLES", "WHOLE_STYLES", "Style", "StyleInfo", "STYLE_INFO", "packed_parts"]
 
@@ -23,11 +23,6 @@ class StyleInfo:
     input_sharded: bool = False  # it reads an input already split over tp (a `column` layer's output)
     gathers_output: bool = False  # its output is all-gathered back whole
     parts: int = 1  # equal parts packed side by side along the output features (gate and up: 2)
-
-    @property
-    def weight_dim(self) -> int | None:
-        """The weight's dim split over the tp ranks (a column's bias is split with dim 0); None: kept whole."""
-        return {"column": 0, "vocab": 0, "row": 1}.get(self.layer)
 
 
 STYLE_INFO: dict[str, StyleInfo] = {
@@ -96,8 +91,7 @@ def _style(value: Any) -> Any:
         return STYLE_ALIASES.get(value, value)
     if value in NEEDS_NO_RULE:
         raise ValueError(f"style {short(value)} is not needed: {NEEDS_NO_RULE[value]}")
-    close = difflib.get_close_matches(value, [*STYLES, *STYLE_ALIASES], n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = closest(value, [*STYLES, *STYLE_ALIASES])
     raise ValueError(f"unknown style {short(value)}: use one of {', '.join(STYLES)} "
                      f"(Hugging Face names {', '.join(STYLE_ALIASES)} are accepted too){hint}")
 

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from itertools import groupby, islice
 
-__all__ = ["MOST_RANKS", "collapse_repeats", "common_divisors", "either", "format_bytes", "index_ranges", "noun_for", "plural"]
+__all__ = ["MOST_RANKS", "collapse_repeats", "common_divisors", "either", "first_few", "format_bytes", "index_ranges", "noun_for", "plural"]
 
 MOST_RANKS = 4096  # the largest group size a message lists sizes up to
 
@@ -84,4 +84,9 @@ def format_bytes(n: int) -> str:
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
-    return f"{size:.1f} TiB"
+
+
+def first_few(items: Iterable[object], shown: int = 3, sep: str = ", ") -> str:
+    """The first `shown` items and how many more: 'a, b, c and 2 more' (all of them when that is all)."""
+    items = [str(i) for i in items]
+    return sep.join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")

@@ -24,8 +24,7 @@ def _ops(group, n: int, nbytes: int, device) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..tensor_parallel.comm import all_reduce_sum
-    from ..tensor_parallel.exchange import all_gather_into, reduce_scatter_into
+    from ..tensor_parallel.comm import all_gather_into, all_reduce_sum, reduce_scatter_into
 
     whole = torch.zeros(max(nbytes // 4, n) // n * n, dtype=torch.float32, device=device)  # n equal parts
     part, scratch, out = whole[: whole.numel() // n].clone(), whole.clone(), torch.empty_like(whole)

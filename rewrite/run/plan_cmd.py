@@ -81,7 +81,7 @@ def add_calibrate_parser(sub) -> None:
 
 def _lora_section(args: argparse.Namespace) -> dict | None:
     """The plans' `lora` section that --lora-rank / --lora-alpha ask for (None: full training)."""
-    from ..plan.lora_schema import Lora
+    from ..plan.schema import Lora
 
     if args.lora_rank is None:
         if args.lora_alpha is not None:

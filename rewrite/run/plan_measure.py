@@ -132,7 +132,7 @@ def other_sides(chosen: list, model, hardware, args: argparse.Namespace) -> list
 
     from ..binding.resolve import resolve
     from ..estimate.step_time import predict_step
-    from ..plan.compile_schema import Compile
+    from ..plan.schema import Compile
 
     G = args.gpus_per_node or hardware.devices_per_node
     out = []

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..checkpoint.model_mark import model_change
 from ..compiled import compile_cache_dir, use_compile_cache
 from ..checkpoint.training_state import latest_checkpoint, load_training_state
-from ..pipeline.timeline import events_to_dicts, gather_timeline
+from ..pipeline.timeline import gather_timeline
 from ..plan.wording import plural
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
 from .packing import TuningBatches
@@ -277,7 +277,7 @@ def _report(run: Run, config: TrainConfig, done: Steps) -> dict:
         "train_seconds": done.wall,
         "tokens_per_step": run.sequences * config.seq_len,
         "parity": asdict(done.parity) if done.parity is not None else None,
-        "timeline": events_to_dicts(events),
+        "timeline": [asdict(e) for e in events],
     }
     if dist.get_rank() == 0 and done.losses:
         write_outputs(config, metrics, events, plan)

@@ -15,9 +15,7 @@ from torch import nn
 
 from .byte_data import TrainConfigError, default_data_path, load_bytes, sample_batch
 from ..plan.loading import load_plan, load_plan_for
-from ..plan.compile_schema import Compile
-from ..plan.lora_schema import Lora
-from ..plan.schema import ParallelPlan, PlanError
+from ..plan.schema import Compile, Lora, ParallelPlan, PlanError
 from ..plan.wording import either
 from ..values import is_count
 from ..plan.ranks import length_problem

@@ -145,9 +145,8 @@ def zero_bubble(pp: int, k: int, microbatches: int) -> Table:
 
     Every backward is split: I the input gradient, which the previous stage waits for,
     and W the weight gradients, which nobody waits for and so fill the idle slots. Made
-    by a list scheduler on paper: a free rank runs a ready I, else its next forward in
-    1F1B / interleaved order if it holds fewer (mb, stage) pairs than that schedule's
-    warm-up + 1 (`pp - r` on rank r for k = 1), else its oldest pending W. So peak
+    by `_greedy`'s list scheduler, forwards in 1F1B / interleaved order, at most that
+    schedule's warm-up + 1 (mb, stage) pairs in flight (`pp - r` on rank r for k = 1): peak
     activations match 1F1B's (interleaved 1F1B's for k >= 2) while the bubble shrinks.
 
         rank 0: F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3    (pp 2, k 1, 4 microbatches)

@@ -59,10 +59,12 @@ and the stuck ranks' problems."""
 def simulate_summary(table: Table, stage_rank: Sequence[int] | None = None, cost=None, delay=None) -> Summary:
     """`simulate`'s times in brief (`Summary`), for a caller that reads only each rank's end, the span and the
     bubble: no action is hashed into a mapping. `bubble_of(summary, ranks)` is `bubble`'s figure."""
-    run, starts, ends = _timed(table, stage_rank, cost, delay)
+    return _summary(*_timed(table, stage_rank, cost, delay))
+
+
+def _summary(run: _Run, starts: list[float], ends: list[float]) -> Summary:
     last = [None if i < 0 else (starts[i], ends[i]) for i in run.last]
-    busy = sum(e - b for b, e in zip(starts, ends))
-    return Summary(last, max(ends, default=0.0), busy, list(run.stuck))
+    return Summary(last, max(ends, default=0.0), sum(e - b for b, e in zip(starts, ends)), list(run.stuck))
 
 
 def simulate_shared(table: Table, stage_rank: Sequence[int] | None, cost: Mapping[tuple[str, int], float],
@@ -78,7 +80,7 @@ def simulate_shared(table: Table, stage_rank: Sequence[int] | None, cost: Mappin
     if run.stuck:
         return simulate_summary(table, stage_rank, cost, delay)
     work = [cost[key] * share for key in run.keys]  # core-seconds
-    lags = [0.0 if delay is None or pair is None else delay[pair] for pair in run.pairs]
+    lags = _lags(run, delay)
     rows = [[] for _ in table]  # each row's positions in the run order, in the order it runs them
     for i, r in enumerate(run.ranks):
         rows[r].append(i)
@@ -111,9 +113,7 @@ def simulate_shared(table: Table, stage_rank: Sequence[int] | None, cost: Mappin
                 ends[rows[r][on[r]]], on[r], ready[r] = now, on[r] + 1, math.inf
         for r in range(len(rows)):
             arm(r)
-    last = [(starts[row[-1]], ends[row[-1]]) if row else None for row in rows]
-    busy = sum(e - b for b, e in zip(starts, ends))
-    return Summary(last, max(ends, default=0.0), busy, [])
+    return _summary(run, starts, ends)
 
 
 def bubble_of(summary: Summary, ranks: int) -> float:
@@ -133,20 +133,21 @@ def _timed(table: Table, stage_rank, cost, delay) -> tuple[_Run, list[float], li
         kinds = {"F": 1.0, "B": 2.0, "W": 1.0, **(cost or {})}
         kinds.setdefault("I", kinds["B"] - kinds["W"])
         durations = [kinds[a.kind] for a in run.actions]
-    if delay is None:
-        lags = [0.0] * len(run.actions)
-    elif callable(delay):
-        lags = [delay(need, a) if need is not None else 0.0 for need, a in zip(run.crossing, run.actions)]
-    else:
-        lags = [0.0 if pair is None else delay[pair] for pair in run.pairs]
     free, ends, starts = [0.0] * len(table), [], []
-    for r, j, lag, d in zip(run.ranks, run.provider, lags, durations):
+    for r, j, lag, d in zip(run.ranks, run.provider, _lags(run, delay), durations):
         ready = 0.0 if j < 0 else ends[j] + lag
         start = free[r] if free[r] >= ready else ready  # max(free, ready), as the rows run
         free[r] = start + d
         starts.append(start)
         ends.append(start + d)
     return run, starts, ends
+
+
+def _lags(run: _Run, delay) -> list[float]:
+    """Each action's wait for its transfer after what it needs ended (`simulate`'s `delay`)."""
+    if callable(delay):
+        return [delay(need, a) if need is not None else 0.0 for need, a in zip(run.crossing, run.actions)]
+    return [0.0 if delay is None or pair is None else delay[pair] for pair in run.pairs]
 
 
 # A table's actions in the order they can run, what each waits for, and where it gets stuck.

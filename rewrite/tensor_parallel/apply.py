@@ -1,5 +1,10 @@
 """Applying a bound plan's tensor-parallel rules in place, over one group: module swaps,
-then sequence parallelism when the plan asks for it."""
+then sequence parallelism when the plan asks for it.
+
+Bare per-head parameters (attention sinks, `binding.tp_params`) keep this tp rank's slice of dim 0, its
+heads' values; each rank's gradient is its slice's whole gradient: nothing to sum. The owner remembers
+which of its parameters are split, for the HF save (`split_parameters`).
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,18 @@ from ..models.families import set_local_kv_groups
 from ..binding.heads import head_counts
 from ..binding.latent_attention import STYLE as LATENT_STYLE, rope_width
 from ..binding.resolve import ResolvedPlan
+from ..binding.shard_layout import TensorSplit
 from ..plan.styles import COLUMN_STYLES, STYLE_INFO, packed_parts
 from .comm import SharedInputCopy, group_rank
-from .head_params import split_head_parameter
-from .latent import make_rotary_key_copy
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
 from .partial_grads import make_grad_allreduce
-from .sequence_model import apply_sequence_parallel
+from .sequence_model import apply_sequence_parallel, make_rotary_key_copy
 from .vocab import VocabParallelEmbedding
 
-__all__ = ["apply_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "split_head_parameter", "split_parameters"]
+
+_SPLIT = "_rewrite_split_parameters"
 
 
 def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv_group=None) -> None:
@@ -67,16 +73,30 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, group, *, kv
             new.weight = sharded[id(module.weight)]  # tied: the same rows of the same matrix
         sharded[id(module.weight)] = new.weight
         setattr(parent, name, new)
-    for spec in resolved.shards:
         if spec.replicas > 1 and spec.fqn.endswith(f".{ATTENTION.kv[0]}"):
             heads, kv = head_counts(model.config, spec.out_features)
             # A rank: H / tp query heads against kv / slices (one) whole kv heads.
-            set_local_kv_groups(model.get_submodule(spec.fqn.rpartition(".")[0]), heads // spec.tp, kv // spec.slices)
+            set_local_kv_groups(parent, heads // spec.tp, kv // spec.slices)
     for parent_name, shared in copies.items():
         add_mixin(model.get_submodule(parent_name), _ForgetsInputCopy).input_copy_cache = shared
     if resolved.plan.sequence_parallel:
         split = {e.fqn for e in resolved.experts if e.ep > 1 or e.tp > 1}  # left to expert_parallel
         apply_sequence_parallel(model, resolved.backbone, group, {s.fqn: s.style for s in resolved.shards}, split)
+
+
+def split_head_parameter(model: nn.Module, name: str, tp_rank: int, tp: int) -> None:
+    """Keep tp rank `tp_rank`'s slice (of `tp`) of `model`'s parameter `name` along dim 0, in place."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    param = getattr(owner, leaf)
+    part = TensorSplit(0, tp).take(param.detach(), tp_rank).clone()
+    setattr(owner, leaf, nn.Parameter(part, requires_grad=param.requires_grad))
+    object.__setattr__(owner, _SPLIT, (*getattr(owner, _SPLIT, ()), leaf))
+
+
+def split_parameters(module: nn.Module) -> tuple[str, ...]:
+    """The names of `module`'s own parameters split with its heads."""
+    return getattr(module, _SPLIT, ())
 
 
 class _ForgetsInputCopy:

@@ -53,9 +53,7 @@ class _ParallelLinear(nn.Module):
     """What both layers share: group bookkeeping, slicing, building from nn.Linear, a LoRA adapter.
 
     Some parameters' gradients are partial sums over a group (`partial`: name -> group): a replicated k/v
-    slice's over its replicas, an adapter's whole factor over tp. Outside a training step each backward
-    sums them (Megatron's f on the parameter); inside one (`deferred`) the step sums them once at its end
-    (`partial_grads.StepSums`).
+    slice's over its replicas, an adapter's whole factor over tp; summed as `partial_grads` says.
     """
 
     _split = ""  # "out_features" (column) or "in_features" (row)

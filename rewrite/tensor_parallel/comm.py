@@ -1,4 +1,5 @@
-"""Tensor-parallel collectives as autograd Functions (Megatron's f and g operators).
+"""Tensor-parallel collectives as autograd Functions (Megatron's f and g operators), and the all-gather and
+reduce-scatter along dim 0 that sequence and context parallelism build on.
 
 Each Function pairs a forward collective with its adjoint in backward, so a rewritten model is
 differentiated by plain autograd (the only hooks are the gradient sums of whole parameters, `partial_grads`).
@@ -14,10 +15,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..lent import lend
-from ..torch_internals import traced_all_gather, traced_all_reduce
+from ..torch_internals import traced_all_gather, traced_all_reduce, traced_reduce_scatter
 
-__all__ = ["all_reduce_sum", "traced", "loopback", "group_rank", "group_size", "copy_to_parallel", "reduce_from_parallel",
-           "gather_from_parallel", "scatter_to_parallel", "SharedInputCopy"]
+__all__ = ["all_reduce_sum", "all_gather_into", "reduce_scatter_into", "traced", "loopback", "group_rank", "group_size",
+           "copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel", "SharedInputCopy"]
 
 
 def _no_group(group: ProcessGroup | None) -> bool:
@@ -116,6 +117,57 @@ def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.
     return x
 
 
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """`out` (p * n, ...) receives every rank's contiguous `x` (n, ...), in rank order; returns `out`.
+
+    On CPU with gloo and a power-of-two group, gloo's all-gather is a ring and its reduce-scatter a whole
+    all-reduce keeping a slice; here both take log2(p) rounds of P2P swaps (recursive doubling for the
+    gather, halving for `reduce_scatter_into`), as `all_reduce_sum` does: at tp = 2, one swap of half the
+    tensor. Elsewhere torch's `all_gather_single` / `reduce_scatter_single`.
+    """
+    size, rank = group_size(group), group_rank(group)
+    if traced():
+        return out.copy_(traced_all_gather(x, 0, _group(group)))
+    if not swaps(x, group):
+        dist.all_gather_single(out, x, group=group)
+        return out
+    blocks = out.view(size, *x.shape)  # (p, n, ...): block r is rank r's x
+    blocks[rank].copy_(x)
+    step = 1
+    while step < size:  # after the round of `step`, each rank holds the 2 * step blocks around it
+        peer = rank ^ step
+        mine, theirs = rank // step * step, peer // step * step
+        swap(blocks[mine : mine + step], blocks[theirs : theirs + step], peer, group)
+        step *= 2
+    return out
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """`out` (n, ...) becomes block `rank` of the sum over ranks of the contiguous `x` (p * n, ...).
+
+    On the swap path `x` is used as scratch space (callers pass a private buffer).
+    """
+    size, rank = group_size(group), group_rank(group)
+    if traced():
+        return out.copy_(traced_reduce_scatter(x, 0, _group(group)))
+    if not swaps(x, group):
+        dist.reduce_scatter_single(out, x, group=group)
+        return out
+    blocks = x.view(size, *out.shape)  # (p, n, ...): this rank's partial sum of every block
+    lo, span = 0, size
+    while span > 1:  # keep the half of [lo, lo + span) holding `rank`; send the other half away
+        half = span // 2
+        peer = rank ^ half
+        low = rank < lo + half
+        keep = slice(lo, lo + half) if low else slice(lo + half, lo + span)
+        give = slice(lo + half, lo + span) if low else slice(lo, lo + half)
+        received = torch.empty_like(blocks[keep])
+        swap(blocks[give], received, peer, group)
+        blocks[keep].add_(received)
+        lo, span = keep.start, half
+    return out.copy_(blocks[rank])
+
+
 def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     size, rank = group_size(group), group_rank(group)
     if x.shape[-1] % size:
@@ -136,23 +188,30 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class _CopyToParallel(torch.autograd.Function):
-    """f: identity forward; all-reduce of the input gradient in backward.
+class _Adjoint(torch.autograd.Function):
+    """A collective and its adjoint: forward `fwd(x, *f_args)`, backward `bwd(grad, *b_args)`.
 
-    Column layers read a replicated X; each rank's dL/dX is only the partial
-    sum dL/dY_i W_i, so the full gradient is their sum over ranks.
+    `fwd` and `bwd` are module-level functions, looked up by the caller at each call (benches patch them).
     """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+    def forward(ctx, x, fwd, f_args, bwd, b_args):
+        ctx.bwd, ctx.b_args = bwd, b_args
+        return fwd(x, *f_args)
 
     @staticmethod
     def backward(ctx, grad):
-        # Autograd may hand the same grad tensor to several consumers (e.g. both branches of a
-        # residual add): reduce a private (dense, as collectives need) copy, never in place.
-        return all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+        return ctx.bwd(grad, *ctx.b_args), None, None, None, None
+
+
+def _alias(x: torch.Tensor) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _summed_copy(grad: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    # Autograd may hand the same grad tensor to several consumers (e.g. both branches of a
+    # residual add): reduce a private (dense, as collectives need) copy, never in place.
+    return all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), group)
 
 
 class _ReduceFromParallel(torch.autograd.Function):
@@ -173,23 +232,11 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None, None
 
 
-class _LastDim(torch.autograd.Function):
-    """`gather`: concatenate the last dimension across ranks, backward keeps this rank's slice;
-    else keep this rank's slice, backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group, gather):
-        ctx.group, ctx.gather = group, gather
-        return (_gather_last if gather else _split_last)(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (_split_last if ctx.gather else _gather_last)(grad, ctx.group), None, None
-
-
 def copy_to_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Megatron's f. A no-op for a group of one."""
-    return x if group_size(group) == 1 else _CopyToParallel.apply(x, group)
+    """Megatron's f: identity forward; all-reduce of the input gradient in backward. Column layers read a
+    replicated X; each rank's dL/dX is only the partial sum dL/dY_i W_i, so the full gradient is their sum
+    over ranks. A no-op for a group of one."""
+    return x if group_size(group) == 1 else _Adjoint.apply(x, _alias, (), _summed_copy, (group,))
 
 
 def reduce_from_parallel(x: torch.Tensor, group: ProcessGroup | None = None, *, inplace: bool = False) -> torch.Tensor:
@@ -199,13 +246,13 @@ def reduce_from_parallel(x: torch.Tensor, group: ProcessGroup | None = None, *, 
 
 
 def gather_from_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """All-gather along the last dimension (`(..., n/p)` -> `(..., n)`)."""
-    return x if group_size(group) == 1 else _LastDim.apply(x, group, True)
+    """All-gather along the last dimension (`(..., n/p)` -> `(..., n)`); backward keeps this rank's slice."""
+    return x if group_size(group) == 1 else _Adjoint.apply(x, _gather_last, (group,), _split_last, (group,))
 
 
 def scatter_to_parallel(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """This rank's slice of the last dimension (`(..., n)` -> `(..., n/p)`)."""
-    return x if group_size(group) == 1 else _LastDim.apply(x, group, False)
+    """This rank's slice of the last dimension (`(..., n)` -> `(..., n/p)`); backward all-gathers the gradient."""
+    return x if group_size(group) == 1 else _Adjoint.apply(x, _split_last, (group,), _gather_last, (group,))
 
 
 class SharedInputCopy:
@@ -235,6 +282,6 @@ class SharedInputCopy:
         # Traced, the version is not read (dynamo cannot guard on it); the graph orders any in-place change.
         if src is x and self._out is not None and (traced() or x._version == self._version):
             return self._out
-        out = _CopyToParallel.apply(x, self.group)
+        out = copy_to_parallel(x, self.group)
         self._src, self._out, self._version = weakref.ref(x), out, x._version
         return out

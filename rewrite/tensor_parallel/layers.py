@@ -179,9 +179,7 @@ class RowParallelLinear(_ParallelLinear):
             `[rank*in/ws, (rank+1)*in/ws)`. None: drawn with nn.Linear's init (seed every rank alike).
         input_is_parallel: forward() receives this rank's slice `[..., in/ws]` of the
             input (default). False: it receives the full input and splits it itself.
-        group: process group to split over (default: the default group); world size 1
-            without an initialised process group.
-        device, dtype: only used to create the weight when master_weight is None.
+        group, device, dtype: as ColumnParallelLinear.
         sequence_parallel: reduce-scatter the `(b, s, out)` partial sums along the sequence instead
             of all-reducing them: each rank returns its `(b, ceil(s/ws), out)` rows of the sum, and
             the bias, added to those rows only, has its gradient summed over the group.

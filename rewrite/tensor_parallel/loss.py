@@ -8,8 +8,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..values import is_int
-from .comm import group_size
-from .exchange import all_gather_into
+from .comm import all_gather_into, group_size
 
 __all__ = ["IGNORE_INDEX", "vocab_parallel_cross_entropy"]
 

@@ -5,10 +5,8 @@ norm runs on each rank's own tokens, so each rank's weight gradient is a partial
 parameter (`Tensor.register_hook`: handed a backward's whole gradient of the parameter, every use summed,
 before it is accumulated) sums it over the tp group. A k/v projection past its kv heads
 (`ColumnParallelLinear(replicas=r)`) is the same over its replica group, and a LoRA adapter's factor held
-whole beside its layer's split one (a column layer's A, a row layer's B) over tp.
-
-A training step does better (`StepSums`): its backwards only accumulate the partial gradients, and one
-sum per group at the step's end completes them all: one collective per step, not per parameter and backward.
+whole beside its layer's split one (a column layer's A, a row layer's B) over tp. A training step sums
+them once at its end instead (`StepSums`).
 """
 
 from __future__ import annotations
@@ -62,7 +60,10 @@ def _sum_gradient(module: GradAllReduce, param: nn.Parameter) -> None:
 
 
 def make_grad_allreduce(module: nn.Module, group: ProcessGroup) -> nn.Module:
-    """Make `module`'s parameter gradients sum over `group`, in place (`add_mixin`: names kept)."""
+    """Make `module`'s own parameter gradients sum over `group`, in place (`add_mixin`: names kept); a module
+    holding none (a wrapper) is left as it is."""
+    if not any(True for _ in module.parameters(recurse=False)):
+        return module
     add_mixin(module, GradAllReduce)
     module.tp_group = group
     for param in module.parameters(recurse=False):

@@ -1,7 +1,8 @@
-"""Sequence-parallel collectives as autograd Functions (Megatron-LM's sequence parallelism).
+"""Sequence-parallel collectives, differentiable (Megatron-LM's sequence parallelism).
 
 Outside the tensor-parallel linears, hidden states `(b, s, h)` are split along the
 sequence (dim -2): each rank holds `c = ceil(s / tp)` rows, zero padded at the end.
+Each collective is a no-op for a group of one and raises ValueError below 2 dimensions.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from . import exchange
-from .comm import group_rank, group_size
+from . import comm
+from .comm import _Adjoint, group_rank, group_size
 
 __all__ = ["sequence_chunk", "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence"]
 
@@ -57,7 +58,7 @@ def _gather(x: torch.Tensor, group: ProcessGroup | None, length: int) -> torch.T
     # Collectives concatenate along dim 0, so the gathered buffer is chunk-major:
     # (tp * lead0, *lead[1:], c, h), viewed as (tp, *lead, c, h).
     out = x.new_empty((tp * x.shape[0], *x.shape[1:]))
-    exchange.all_gather_into(out, x, group)
+    comm.all_gather_into(out, x, group)
     out = out.view(tp, *x.shape)
     if math.prod(x.shape[:-2]) == 1:  # no batch to interleave: chunk-major is sequence order
         return out.view(*x.shape[:-2], tp * c, x.shape[-1]).narrow(-2, 0, length)
@@ -73,55 +74,20 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     # Chunk-major input (tp, *lead, c, h) = (tp * lead0, ...) for dim-0 scatter; one copy.
     chunks = torch.stack([_chunk(x, i, c) for i in range(tp)])
     out = x.new_empty(chunks.shape[1:])
-    exchange.reduce_scatter_into(out, chunks.flatten(0, 1), group)
+    comm.reduce_scatter_into(out, chunks.flatten(0, 1), group)
     return out
-
-
-class _ToSequence(torch.autograd.Function):
-    """Y_r = X[r*c:(r+1)*c] of a replicated X (no communication), or with `reduce` of the sum
-    over ranks of partial X^(q) (row layers' outputs: one reduce-scatter).
-
-    Either way dL/dX (of each X^(q)) is [dL/dY_0 ... dL/dY_{tp-1}] trimmed to s, on every rank.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, reduce):
-        ctx.group, ctx.length = group, x.shape[-2]
-        return _reduce_scatter(x, group) if reduce else _my_chunk(x, group)  # the full X can then be freed
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.length), None, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    """Y = [X_0 ... X_{tp-1}] along the sequence (trimmed); backward per `grad` mode.
-
-    "reduce_scatter": each rank's consumer gives only a partial dL/dY (a column
-    layer's dL/dY W_r^T), so dL/dX_r = (sum_q dL/dY^(q))[r*c:(r+1)*c].
-    "split": every rank's dL/dY is already the full gradient: dL/dX_r is its chunk r.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, length, grad_mode):
-        ctx.group, ctx.grad_mode = group, grad_mode
-        return _gather(x, group, length)
-
-    @staticmethod
-    def backward(ctx, grad):
-        reduce = ctx.grad_mode == "reduce_scatter"
-        return (_reduce_scatter if reduce else _my_chunk)(grad, ctx.group), None, None, None
 
 
 def scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's sequence chunk of a replicated x: (b, s, h) -> (b, c, h), c = ceil(s / tp).
 
-    No communication forward; backward all-gathers the gradient. A no-op for a group of one. Raises
-    ValueError for a tensor with fewer than 2 dimensions. Example: at tp 2, x of shape (1, 7, h) gives
-    rank 1 rows 4..6 plus one zero row.
+    No communication forward; backward all-gathers the gradient: dL/dX is [dL/dY_0 ... dL/dY_{tp-1}]
+    trimmed to s, on every rank. Example: at tp 2, x of shape (1, 7, h) gives rank 1 rows 4..6 plus one zero row.
     """
     _check_rank(x, "scatter_to_sequence")
-    return x if group_size(group) == 1 else _ToSequence.apply(x, group, False)
+    if group_size(group) == 1:
+        return x
+    return _Adjoint.apply(x, _my_chunk, (group,), _gather, (group, x.shape[-2]))  # the full X can then be freed
 
 
 def gather_from_sequence(
@@ -138,8 +104,9 @@ def gather_from_sequence(
         group: the tensor-parallel group (default group when None).
         length: the true sequence length s, to drop the padding rows; ceil(s / tp) must be c.
         grad: backward: "reduce_scatter" sums the partial gradients of the group's
-            consumers (column-parallel linears) and keeps this rank's chunk; "split"
-            keeps this rank's chunk without communication (replicated consumers).
+            consumers (column-parallel linears, each giving dL/dY W_r^T) and keeps this rank's chunk,
+            dL/dX_r = (sum_q dL/dY^(q))[r*c:(r+1)*c]; "split" keeps this rank's chunk without
+            communication (replicated consumers: every rank's dL/dY is already the full gradient).
     Raises:
         ValueError: for a bad `grad`, or a `length` that does not split into chunks of c.
     Example: gather_from_sequence(shard, tp_group, length=7)  # (b, 4, h) at tp 2 -> (b, 7, h)
@@ -156,15 +123,18 @@ def gather_from_sequence(
             f"(ceil(length / {tp}) must be {c}, so length in [{max(tp * c - tp + 1, 0)}, {tp * c}]); "
             "pass the sequence length the shards were made from"
         )
-    return x if tp == 1 else _GatherFromSequence.apply(x, group, length, grad)
+    if tp == 1:
+        return x
+    return _Adjoint.apply(x, _gather, (group, length), _reduce_scatter if grad == "reduce_scatter" else _my_chunk,
+                          (group,))
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum partial outputs over the group and keep this rank's chunk: (b, s, h) -> (b, c, h).
 
-    One reduce-scatter forward (x padded to tp * c rows); backward all-gathers the gradient, trimmed
-    to s. A no-op for a group of one. Raises ValueError for a tensor with fewer than 2 dimensions.
+    One reduce-scatter forward (x padded to tp * c rows) of the partial X^(q) (row layers' outputs); backward
+    all-gathers the gradient, trimmed to s: dL/dX^(q) is the same on every rank.
     Example: reduce_scatter_to_sequence(row_linear_partial_out, tp_group)
     """
     _check_rank(x, "reduce_scatter_to_sequence")
-    return x if group_size(group) == 1 else _ToSequence.apply(x, group, True)
+    return x if group_size(group) == 1 else _Adjoint.apply(x, _reduce_scatter, (group,), _gather, (group, x.shape[-2]))

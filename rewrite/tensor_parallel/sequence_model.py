@@ -10,6 +10,14 @@ hidden states `(b, s, h)`: norms and residual adds run on 1/tp of the tokens.
 A block's all-gather has a reduce-scatter as its adjoint (its column layers' input gradients are
 partial sums), so the column layers' own all-reduce is off; row layers reduce-scatter instead of
 all-reducing (same bytes). Parameters that see only this rank's tokens (the norms) sum their gradients over tp.
+
+Multi-head latent attention's `kv_a_proj_with_mqa` (style `mla_kv_a`, checked by `binding.latent_attention`)
+stays a whole nn.Linear on every tp rank. Its output is the kv latent (into `kv_b_proj`, a column layer whose
+f sums its gradient over tp) and, in its last `rope` features, the rotary key every head shares, which
+reaches this rank's heads directly: those go through f (`RotaryKeyCopy`), so the projection's gradient is
+the whole one on every rank. Under sequence parallelism the gather's reduce-scatter sums what reaches the
+attention's input: the rotary key's gradient stays this rank's share, and the projection's weight gradient
+is summed over tp as the block's other whole modules' are.
 """
 
 from __future__ import annotations
@@ -25,13 +33,13 @@ from ..models.blocks import LATENT_ATTENTION
 from ..models.hf_decoder import Backbone
 from ..binding.tp_switches import sequence_blocks
 from ..binding.latent_attention import is_latent_attention
-from .latent import RotaryKeyCopy
+from .comm import copy_to_parallel
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mixins import add_mixin
 from .partial_grads import make_grad_allreduce
 from .sequence import gather_from_sequence, scatter_to_sequence
 
-__all__ = ["SequenceState", "apply_sequence_parallel", "sequence_state"]
+__all__ = ["SequenceState", "apply_sequence_parallel", "sequence_state", "RotaryKeyCopy", "make_rotary_key_copy"]
 
 _STATE = "_rewrite_sequence_state"
 
@@ -114,6 +122,28 @@ class _GatherOutput:
         return gather_from_sequence(out, self.sequence.group, length=self.sequence.length, grad=self.gather_grad)
 
 
+class RotaryKeyCopy:
+    """Mixin in front of an nn.Linear: its last `rope` output features read through f over `tp_group`."""
+
+    tp_group: ProcessGroup
+    rope: int
+    sequence = False  # under sequence parallelism: no f here
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.sequence:
+            return out
+        latent, rotary = out.split([out.shape[-1] - self.rope, self.rope], dim=-1)
+        return torch.cat([latent, copy_to_parallel(rotary, self.tp_group)], dim=-1)
+
+
+def make_rotary_key_copy(module: nn.Module, group: ProcessGroup, rope: int) -> nn.Module:
+    """Sum the gradient of `module`'s last `rope` output features over `group`, in place."""
+    add_mixin(module, RotaryKeyCopy)
+    module.tp_group, module.rope = group, rope
+    return module
+
+
 def _input_is_reduced(x: torch.Tensor) -> torch.Tensor:
     # A column layer behind a sequence gather: the gather's backward already sums the
     # input gradient over tp, so the layer's own all-reduce (f) must not run again.
@@ -137,7 +167,7 @@ def _gathered(block: nn.Module, state: SequenceState) -> None:
         if is_latent_attention(sub):
             for name in LATENT_ATTENTION.whole:
                 latent = getattr(sub, name, None)
-                if latent is not None and _holds_parameters(latent):
+                if latent is not None:
                     make_grad_allreduce(latent, state.group)
 
 
@@ -149,19 +179,8 @@ def _mixture(block: nn.Module, at: str, blocks, experts: str, split: Collection[
         path = f"{at}.{name}" if name else at
         if path in blocks:
             _gathered(module, state)
-        elif not any(f"{path}.".startswith(p) for p in inside) and _holds_parameters(module):
+        elif not any(f"{path}.".startswith(p) for p in inside):
             make_grad_allreduce(module, state.group)  # a router, a gate, experts whole: this rank's tokens only
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
-
-
-def _sum_gradients(module: nn.Module, group: ProcessGroup) -> None:
-    """Every parameter of `module` (a norm, or a wrapper holding one) sums its gradient over `group`."""
-    for sub in module.modules():
-        if _holds_parameters(sub):
-            make_grad_allreduce(sub, group)
 
 
 def apply_sequence_parallel(
@@ -191,10 +210,12 @@ def apply_sequence_parallel(
                 _gathered(child, state)
             elif at in moe:
                 _mixture(child, at, blocks, moe[at], split_experts, state)
-            else:
-                _sum_gradients(child, group)  # the layer norms: each rank sees its tokens only
+            else:  # the layer norms: each rank sees its tokens only
+                for sub in child.modules():
+                    make_grad_allreduce(sub, group)
     norm = model.get_submodule(bb.norm)
-    _sum_gradients(norm, group)
+    for sub in norm.modules():
+        make_grad_allreduce(sub, group)
     add_mixin(norm, _GatherOutput).sequence = state
     head = getattr(model, "lm_head", None) if bb.head else None
     sharded_head = isinstance(head, ColumnParallelLinear)

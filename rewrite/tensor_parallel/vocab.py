@@ -59,9 +59,7 @@ class VocabParallelEmbedding(nn.Module):
             as in nn.Embedding; negative values count from the end.
         master_weight: the full `[V, h]` weight; this rank keeps its rows. None: drawn with
             nn.Embedding's init (`N(0, 1)`, the padding row zeroed; seed every rank alike).
-        group: process group to split over (default: the default group); world size 1
-            without an initialised process group.
-        device, dtype: only used to create the weight when master_weight is None.
+        group, device, dtype: as ColumnParallelLinear.
         scale: multiply the looked-up rows by this factor, cast to the weight's dtype as
             Gemma's scaled embedding does (`models.families.embedding_scale`).
 

@@ -225,3 +225,18 @@ def test_resume_is_exact_and_reshards_across_plans(tmp_path):
     assert [n for n, t in exported.items() if not torch.equal(t, saved[f"model/{n}"])] == []
     initial = build_model(config, seed=0)
     assert not torch.equal(model.model.norm.weight, initial.model.norm.weight)  # trained, not initial
+
+
+def _load_a_step_directory(rank: int, world: int, root: str) -> dict:
+    config, plan, ckpt = build_config("tiny-llama"), _plan(), Path(root) / "ckpt"
+    _, (stage, _, _), _ = _train(config, plan, 1, ckpt=ckpt, last=SAVE_AT)
+    setup = _setup(config, plan, seed=7)
+    extra = load_training_state(ckpt / f"step-{SAVE_AT:08d}", *setup)
+    loaded = setup[0].model.state_dict()
+    return {"extra": extra, "differ": [n for n, t in stage.model.state_dict().items() if not torch.equal(t, loaded[n])]}
+
+
+def test_a_step_directory_loads_as_its_run_directory_does(tmp_path):
+    out = run(_load_a_step_directory, 1, str(tmp_path), timeout_s=120)[0]
+    assert out["extra"] == {"step": SAVE_AT, "note": "x"}, out["extra"]
+    assert out["differ"] == [], out["differ"]

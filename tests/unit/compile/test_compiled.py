@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import rewrite
 from rewrite import PlanError
 from rewrite.compiled import CompiledForward, block_paths, compile_cache_dir, use_compile_cache
-from rewrite.plan.compile_schema import Compile
+from rewrite.plan.schema import Compile
 from rewrite.run.show.data import show_data
 from rewrite.run.show.report import render_text
 from rewrite.run.train_setup import compile_plan

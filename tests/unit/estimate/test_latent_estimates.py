@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from rewrite.estimate.activations import Sizes, layer_bytes
-from rewrite.models.flops import layer_flop_parts
-from rewrite.models.latent_shape import LatentShape, latent_shape
+from rewrite.models.flops import LatentShape, latent_shape, layer_flop_parts
 from tests.families import tiny_moe_model
 from tests.saved_bytes import saved_bytes
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from rewrite.plan.files import PlanError
 from rewrite.binding.resolve import resolve
-from rewrite.plan.loading import load_plan
+from rewrite.plan.loading import load_plan, load_plan_for
 from rewrite.plan.wording import common_divisors, index_ranges
 from rewrite.plan.wording import collapse_repeats
 from rewrite.run.presets import build_model, load_config
@@ -118,6 +120,19 @@ def test_a_rule_found_wrong_while_binding_names_its_file_and_line(tmp_path, smol
     # A plan given as a dict has no file: the same messages, without lines.
     message = refusal({"tensor_parallel": {"model.layers.*.mlp.up_projj": "column"}}, smollm)
     assert "\n  tensor_parallel['model.layers.*.mlp.up_projj'] matches no module" in message and "line" not in message
+
+
+def test_a_refused_plan_matches_its_rules_against_bare_parameters_too():
+    # A rule may split a bare parameter (attention sinks), as binding accepts: a plan refused for another
+    # reason names no such rule as matching nothing, and still names the rule that does match nothing.
+    model = nn.Module()
+    model.attn = nn.Linear(4, 4)
+    model.attn.sinks = nn.Parameter(torch.zeros(4))
+    with pytest.raises(PlanError) as refused:
+        load_plan_for({"mesh": {"tp": 0}, "tensor_parallel": {"attn.sinks": "column", "attn.sink": "column"}}, model)
+    message = str(refused.value)
+    assert "mesh.tp" in message and "tensor_parallel['attn.sink'] matches no module" in message, message
+    assert "tensor_parallel['attn.sinks'] matches no module" not in message, message
 
 
 def test_a_json_plan_names_lines_too(tmp_path, smollm):
