@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .binding.resolve import ResolvedPlan
+from .errors import first_line
 from .plan.schema import Compile
 from .torch_internals import (allow_side_effects_in_recomputed_graphs, inductor_default_cache_dir, keep_compile_caches,
                               untraceable_errors)
@@ -64,7 +65,7 @@ class CompiledForward:
             return self.compiled(*args, **kwargs)
         except untraceable_errors() as exc:
             # A graph break, or shapes that depend on the data: raised while tracing, before anything ran.
-            self.broke = str(exc).strip().splitlines()[0]
+            self.broke = first_line(exc)
             if self.broke not in _WARNED:  # once per reason: the layers of a model break alike
                 _WARNED.add(self.broke)
                 warnings.warn(f"compile: {self.where} (and any block that breaks alike) runs eagerly: torch.compile "

@@ -11,7 +11,7 @@ anything ran or was lost; each also derives from a builtin (`ValueError`, `Runti
 
 from __future__ import annotations
 
-__all__ = ["RewriteError", "InputError", "CheckpointError", "CheckpointWriteError"]
+__all__ = ["RewriteError", "InputError", "CheckpointError", "CheckpointWriteError", "first_line"]
 
 
 class RewriteError(Exception):
@@ -30,3 +30,9 @@ class CheckpointError(RewriteError, ValueError):
 class CheckpointWriteError(RewriteError, OSError):
     """A checkpoint that did not fit or could not be written (a full disk, a write error): what was
     written of it is removed and the previous checkpoint stays the latest. Raised on every rank."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of what `exc` says, for a one-line report; its type's name when it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..binding.lora_targets import is_adapter
 from ..pipeline.stage import Stage
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, InputError, first_line
 
 __all__ = ["Piece", "PieceSavePlanner", "PieceLoadPlanner", "model_pieces", "piece_like", "optimizer_pieces",
            "fresh_optimizer_pieces", "fit_problems"]
@@ -213,7 +213,7 @@ def plain_data_problems(objects: dict[str, Any]) -> list[str]:
             buffer.seek(0)
             torch.load(buffer, weights_only=True)
         except (pickle.PicklingError, pickle.UnpicklingError, TypeError, AttributeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             problems.append(f"{name}: not plain data ({first}); keep it to dicts, lists, tuples, numbers, strings, "
                             "None and tensors, which a checkpoint loads without running code")
     return problems
@@ -276,7 +276,7 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         try:
             self.state_dict[key] = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise CheckpointError(
                 f"{self.source}: its {key!r} is not plain data ({first}); nothing of it was run. rewrite writes "
                 "only tensors and plain values there: this checkpoint was altered or made by something else; "

@@ -12,14 +12,12 @@ that two ranks' slices add up to the forward whole.
 from __future__ import annotations
 
 import copy
-import json
-from fnmatch import fnmatchcase
-from functools import lru_cache
 
 import torch
 from torch import nn
 
 from .experts import every_token, identity_experts, num_experts
+from .names import general_path, match_pattern
 from .oracle import exception_line, on_tiny_clone
 from .tiny_clone import tiny_run
 
@@ -57,9 +55,8 @@ def tp_layout(model: nn.Module, fqn: str, module: nn.Module) -> dict[str, tuple[
 def _matches_tail(pattern: str, path: str) -> bool:
     """Whether the base model's rule `pattern` names `path` (of the causal LM: under its base model's
     attribute, whatever the family calls it)."""
-    pat, parts = pattern.split("."), path.split(".")
-    tail = parts[len(parts) - len(pat):]
-    return len(tail) == len(pat) and all(fnmatchcase(q, p) for q, p in zip(tail, pat))
+    width = pattern.count(".") + 1
+    return path.count(".") + 1 >= width and match_pattern(pattern, ".".join(path.split(".")[-width:]))
 
 
 def take_features(tensor: torch.Tensor, dim: int, parts: int, tp: int, rank: int) -> torch.Tensor:
@@ -72,20 +69,18 @@ def split_problem(model: nn.Module, fqn: str, layout: dict[str, tuple[int, int]]
     """Why `model`'s experts module `fqn`, split over tp as `layout` says, would not give its whole output
     (summed over the ranks); None when it does. Checked on a tiny clone of the config (4 experts of width
     32), at tp 2, cached per class and config."""
-    template = ".".join("*" if p.isdigit() else p for p in fqn.split("."))
-    return on_tiny_clone(model, "its experts split over tp", _check, template, tuple(sorted(layout.items())))
+    template = general_path(fqn)
+    return on_tiny_clone(model, "its experts split over tp", _check, template, tuple(sorted(layout.items())),
+                         sizes=_TINY_EXPERTS)
 
 
-@lru_cache(maxsize=64)
-def _check(model_class: type, config_class: type, key: str, template: str, layout: tuple) -> str | None:
-    data = json.loads(key)
-    config = config_class.from_dict({**data, **{k: v for k, v in _TINY_EXPERTS.items() if k in data}})
+def _check(model_class: type, config, template: str, layout: tuple) -> str | None:
     with tiny_run():
         try:
             tiny = model_class(config).float()
         except Exception as exc:  # noqa: BLE001
             return f"cannot build a tiny {config.model_type} model to check its experts split over tp ({exception_line(exc)})"
-        found = [m for n, m in tiny.named_modules() if n and _matches_tail(template, n) and n.count(".") == template.count(".")]
+        found = [m for n, m in tiny.named_modules() if n and match_pattern(template, n)]
         if not found:
             return f"a tiny {config.model_type} model has no {template} to check its experts split over tp against"
         whole = found[0]

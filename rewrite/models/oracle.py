@@ -10,7 +10,6 @@ collective. A mismatch, or a walker that cannot run the clone, is refused.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
 
@@ -20,6 +19,7 @@ from torch import nn
 from .blocks import ATTENTION
 from .families import set_local_kv_groups
 from .hf_decoder import find_backbone, run_backbone
+from .names import general_path
 from .tiny_clone import config_value, tiny_clone_key, tiny_run
 
 __all__ = ["exception_line", "on_tiny_clone", "perturbed", "walker_problem", "narrowed_problem", "packing_problem",
@@ -38,14 +38,23 @@ def walker_problem(model: nn.Module) -> str | None:
     return on_tiny_clone(model, "the module walker against", _check)
 
 
-def on_tiny_clone(model: nn.Module, what: str, check: Callable[..., str | None], *args) -> str | None:
-    """`check(model class, config class, tiny clone key, *args)`, or why `model`'s config has no tiny clone."""
+def on_tiny_clone(model: nn.Module, what: str, check: Callable[..., str | None], *args,
+                  sizes: Mapping[str, int] | None = None) -> str | None:
+    """`check(model class, tiny clone config, *args)`, cached per model class, clone and arguments; or why `model`'s
+    config has no tiny clone. `sizes` replaces the clone's values of those config fields it has (expert counts)."""
     config = model.config
     try:
         key = tiny_clone_key(config)
     except Exception as exc:  # a config class that cannot be shrunk: nothing can be proven
         return f"cannot build a tiny {config.model_type} config to check {what} ({exception_line(exc)})"
-    return check(type(model), type(config), key, *args)
+    return _cached(check, type(model), type(config), key, tuple((sizes or {}).items()), args)
+
+
+@lru_cache(maxsize=256)
+def _cached(check: Callable[..., str | None], model_class: type, config_class: type, key: str, sizes: tuple,
+            args: tuple) -> str | None:
+    data = json.loads(key)
+    return check(model_class, config_class.from_dict({**data, **{k: v for k, v in sizes if k in data}}), *args)
 
 
 def perturbed(model_class: type, config) -> nn.Module:
@@ -63,9 +72,7 @@ def _stages(tiny: nn.Module, bb, ids: torch.Tensor, n: int, **kwargs) -> tuple[t
     return whole, run_backbone(tiny, bb, hidden, list(range(n // 2, n)), first=False, last=True, **kwargs)
 
 
-@lru_cache(maxsize=128)
-def _check(model_class: type, config_class: type, key: str) -> str | None:
-    config = config_class.from_dict(json.loads(key))
+def _check(model_class: type, config) -> str | None:
     family = config.model_type
     with tiny_run():
         try:
@@ -105,9 +112,7 @@ def packing_problem(model: nn.Module) -> str | None:
     return on_tiny_clone(model, "packed documents against", _packing)
 
 
-@lru_cache(maxsize=128)
-def _packing(model_class: type, config_class: type, key: str) -> str | None:
-    config = config_class.from_dict(json.loads(key))
+def _packing(model_class: type, config) -> str | None:
     family = config.model_type
     with tiny_run():
         try:
@@ -149,9 +154,9 @@ def narrowed_problem(model: nn.Module, styles: Mapping[str, str], replicated: It
     `replicated`, the clone is cut as on one rank of tp 4 with one whole kv head, its attention told so
     (`set_local_kv_groups`). Only shapes are checked: the values are another rank's business.
     """
-    kv = {_template(fqn) for fqn in replicated}
+    kv = {general_path(fqn) for fqn in replicated}
     narrowed = frozenset(
-        (_template(fqn), "kv" if _template(fqn) in kv else "row" if style == "row" else "column")
+        (general_path(fqn), "kv" if general_path(fqn) in kv else "row" if style == "row" else "column")
         for fqn, style in styles.items() if style in ("column", "packed_column", "row")
     )
     if not narrowed:
@@ -159,13 +164,7 @@ def narrowed_problem(model: nn.Module, styles: Mapping[str, str], replicated: It
     return on_tiny_clone(model, "its sharded forward against", _narrowed, narrowed)
 
 
-def _template(fqn: str) -> str:
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
-
-
-@lru_cache(maxsize=128)
-def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozenset) -> str | None:
-    config = config_class.from_dict(json.loads(key))
+def _narrowed(model_class: type, config, narrowed: frozenset) -> str | None:
     styles = dict(narrowed)
     with tiny_run():
         try:
@@ -175,7 +174,7 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
         tp = 4 if "kv" in styles.values() else 2  # the clone's 4 query heads, one per rank, past its kv heads
         head_dim = config_value(config, "head_dim") or config.hidden_size // config.num_attention_heads
         for fqn, module in list(tiny.named_modules()):
-            style = styles.get(_template(fqn))
+            style = styles.get(general_path(fqn))
             if style is None or not isinstance(module, nn.Linear):
                 continue
             inputs, outputs = {
@@ -186,11 +185,11 @@ def _narrowed(model_class: type, config_class: type, key: str, narrowed: frozens
             parent, _, leaf = fqn.rpartition(".")
             setattr(tiny.get_submodule(parent) if parent else tiny, leaf, nn.Linear(inputs, outputs, bias=module.bias is not None))
         for fqn, param in list(tiny.named_parameters()):  # bare per-head parameters split with the heads (sinks)
-            if styles.get(_template(fqn)) == "column":
+            if styles.get(general_path(fqn)) == "column":
                 parent, _, leaf = fqn.rpartition(".")
                 setattr(tiny.get_submodule(parent), leaf, nn.Parameter(param.detach()[: param.shape[0] // tp].clone()))
         for fqn, module in tiny.named_modules():
-            if styles.get(_template(f"{fqn}.{ATTENTION.kv[0]}")) == "kv":
+            if styles.get(general_path(f"{fqn}.{ATTENTION.kv[0]}")) == "kv":
                 set_local_kv_groups(module, config.num_attention_heads // tp, 1)
         ids = torch.randint(0, config.vocab_size, (2, 8))
         try:

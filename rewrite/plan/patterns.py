@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 import difflib
-import re
-from fnmatch import fnmatchcase
-from functools import lru_cache
+
+from ..models.names import general_path, match_pattern
 
 __all__ = ["match_pattern", "closest", "unmatched_problem", "general_path"]
-
-
-@lru_cache(maxsize=1 << 17)  # a plan search binds the same few rules to every module of a model dozens of times
-def match_pattern(pattern: str, fqn: str) -> bool:
-    """`*` matches within one dotted segment; segment counts must agree."""
-    pat, parts = pattern.split("."), fqn.split(".")
-    return len(pat) == len(parts) and all(fnmatchcase(p, q) for q, p in zip(pat, parts))
-
-
-def general_path(fqn: str) -> str:
-    """`fqn` with every layer index a `*`: 'model.layers.*.mlp' for 'model.layers.3.mlp'."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", fqn)
 
 
 def closest(name: str, candidates: list[str]) -> str:

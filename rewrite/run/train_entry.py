@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import RewriteError
+from ..errors import RewriteError, first_line
 from .byte_data import TrainConfigError
 from .stall_report import run_store, settle, stall_being_reported, stall_report
 from .stores import local_store, restart_hazard, restart_store
@@ -137,7 +137,7 @@ def _named_timeout(timeout_s: float, *, cuda: bool):
     except RuntimeError as exc:  # gloo: "Timed out waiting 10000ms for recv"; the store: "wait timeout after"
         if isinstance(exc, RewriteError) or not (_TIMED_OUT.search(str(exc)) or _PEER_LEFT.search(str(exc))):
             raise
-        first = str(exc).strip().splitlines()[0]
+        first = first_line(exc)
         if _PEER_LEFT.search(first) and dist.is_initialized() and not stall_being_reported():
             # A peer ended first (its error) and said why, or its launcher will: not again.
             raise PeerTimeout(f"a peer left the run ({first})", quiet=True) from None

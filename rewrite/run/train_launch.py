@@ -17,6 +17,8 @@ import signal
 import sys
 import uuid
 
+from ..errors import first_line
+
 __all__ = ["LAUNCH_FLAGS", "add_launch_flags", "split_launch_args", "launch_train"]
 
 # (flag, argparse options): the launcher's own, taken out of the command the workers run.
@@ -86,7 +88,7 @@ def launch_train(launch: argparse.Namespace, worker_args: list[str]) -> int:
     except SignalException as received:  # Ctrl-C or SIGTERM here: the workers were handed it and have finished
         return 128 + int(received.sigval)
     except (RuntimeError, ValueError) as exc:  # the rendezvous: nodes that never met, an endpoint that does not answer
-        print(f"error: rewrite train --nproc-per-node: the workers could not start: {str(exc).splitlines()[0]}",
+        print(f"error: rewrite train --nproc-per-node: the workers could not start: {first_line(exc)}",
               file=sys.stderr)
         return 1
 

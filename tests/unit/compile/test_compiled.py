@@ -139,6 +139,25 @@ def test_a_block_past_the_recompile_limit_runs_eagerly_after_one_warning():
     assert len(said) == 1 and "Toy's block" in said[0] and "runs eagerly" in said[0] and block.broke, said
 
 
+def test_a_block_whose_tracing_fails_without_a_message_still_runs_eagerly():
+    from torch._dynamo.exc import Unsupported
+
+    from rewrite import compiled
+
+    compiled._WARNED.clear()
+    block = CompiledForward(lambda x: x * 2, Compile(backend="eager"), where="Toy's silent block")
+
+    def silent(*args, **kwargs):
+        raise Unsupported("")
+
+    block.compiled = silent
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert torch.equal(block(torch.ones(2)), torch.full((2,), 2.0))
+    said = [str(w.message) for w in seen if "compile:" in str(w.message)]
+    assert block.broke == "Unsupported" and len(said) == 1 and "(Unsupported)" in said[0], said
+
+
 def test_train_flags_switch_the_plan_compile_on_and_off():
     eager, compiled = rewrite.load_plan({}), rewrite.load_plan({"compile": {"backend": "aot_eager"}})
     flags = lambda value: SimpleNamespace(compile=value)  # noqa: E731
