@@ -117,6 +117,18 @@ def all_reduce_sum(x: torch.Tensor, group: ProcessGroup | None = None) -> torch.
     return x
 
 
+def _by_torch(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None, traced_op, torch_op) -> bool:
+    """Whether torch's own collective filled `out` from `x` along dim 0: the functional one (`traced_op`) while
+    traced, `torch_op` off the swap path; False leaves it to the swaps."""
+    if traced():
+        out.copy_(traced_op(x, 0, _group(group)))
+    elif not swaps(x, group):
+        torch_op(out, x, group=group)
+    else:
+        return False
+    return True
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """`out` (p * n, ...) receives every rank's contiguous `x` (n, ...), in rank order; returns `out`.
 
@@ -125,12 +137,9 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | No
     gather, halving for `reduce_scatter_into`), as `all_reduce_sum` does: at tp = 2, one swap of half the
     tensor. Elsewhere torch's `all_gather_single` / `reduce_scatter_single`.
     """
-    size, rank = group_size(group), group_rank(group)
-    if traced():
-        return out.copy_(traced_all_gather(x, 0, _group(group)))
-    if not swaps(x, group):
-        dist.all_gather_single(out, x, group=group)
+    if _by_torch(out, x, group, traced_all_gather, dist.all_gather_single):
         return out
+    size, rank = group_size(group), group_rank(group)
     blocks = out.view(size, *x.shape)  # (p, n, ...): block r is rank r's x
     blocks[rank].copy_(x)
     step = 1
@@ -147,12 +156,9 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup 
 
     On the swap path `x` is used as scratch space (callers pass a private buffer).
     """
-    size, rank = group_size(group), group_rank(group)
-    if traced():
-        return out.copy_(traced_reduce_scatter(x, 0, _group(group)))
-    if not swaps(x, group):
-        dist.reduce_scatter_single(out, x, group=group)
+    if _by_torch(out, x, group, traced_reduce_scatter, dist.reduce_scatter_single):
         return out
+    size, rank = group_size(group), group_rank(group)
     blocks = x.view(size, *out.shape)  # (p, n, ...): this rank's partial sum of every block
     lo, span = 0, size
     while span > 1:  # keep the half of [lo, lo + span) holding `rank`; send the other half away
