@@ -5,7 +5,8 @@ equivalents.
     .venv/bin/python -m bench.compile --pairs tp2,dp2-full --rounds 1 --steps 3   # a quick look
 
 The bench model in float32 on 2 ranks, one step of the global batch (`common.batch`: 8 microbatches of
-[2, 128]; cp 2: one sequence of 4,096 tokens). Each side runs alone in a fresh pair of processes (as
+[2, 128]; cp 2: one sequence of 4,096 tokens); one-stage plans run `1f1b`, each microbatch's forward then its
+backward, as torch's sides loop. Each side runs alone in a fresh pair of processes (as
 `bench.turns`), the sides of a pair one after the other, their order turned every round; a run's time is the
 median over its steps of the slower rank's, after the warm-up steps (which compile: the first compile of a
 plan takes seconds, later runs read inductor's cache). Pairs, first / second:
@@ -45,7 +46,8 @@ PAIRS = {
 
 
 def _plan(layout: str, microbatches: int) -> dict:
-    pipeline = {"microbatches": microbatches}
+    # One stage: each microbatch's forward then its backward (1F1B on one stage), as torch's sides loop.
+    pipeline = {"microbatches": microbatches, "schedule": "1f1b"}
     if layout == "tp2":
         return {"mesh": {"tp": WORLD}, "pipeline": pipeline,
                 "tensor_parallel": rewrite.plan_from_hf(common.model(), tp=WORLD).tensor_parallel}
