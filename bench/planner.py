@@ -13,7 +13,7 @@ sharding, switches, checkpointing) is predicted on it (`estimate.step_time.predi
 `rewrite.suggest_plans` picks its top plan. Measured: the top pick, the best of every other
 mesh, and plans spread over the predicted range, at least 8, all in the same processes,
 taking turns step by step (a step as `rewrite plan --measure` times it: `run_schedule`, the
-gradient norm clipped, an AdamW update); each is predicted too without the layers' collectives'
+gradient norm clipped, an AdamW update; from a barrier to the step's end on each rank, the slowest rank's); each is predicted too without the layers' collectives'
 cost per call (`call_overhead_s`: tp, cp and ep), FSDP2's work per unit (`unit_overhead_s`) and the cores
 the ranks share (`cores_per_node`), beside. Targets: the median
 |measured / predicted - 1| within 10 %, every plan within 20 %, Spearman correlation of predicted
@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
+import time
 from pathlib import Path
 
+import torch.distributed as dist
 
 import rewrite
 from bench import common
@@ -112,9 +114,17 @@ def measure(rank: int, world: int, model: str, chosen: list[dict], warmup: int, 
     for i in range(warmup + steps):
         order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
         for j in order:
-            t = common.timed(runs[j], warmup=0, steps=1)[0]
+            # The ranks start together; each stops its clock where its step ends (the slowest rank's is the
+            # step, as `predict_step` has it), not after the barrier that closes it: on ranks sharing cores
+            # a barrier takes 8-25 ms (`bench.planner_parts`), which no plan spends; `rewrite plan --measure`
+            # times alike.
+            dist.barrier()
+            start = time.perf_counter()
+            runs[j]()
+            took = time.perf_counter() - start
+            dist.barrier()
             if i >= warmup:
-                times[j].append(t)
+                times[j].append(took)
     return times
 
 
