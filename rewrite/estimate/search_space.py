@@ -24,7 +24,7 @@ from .hardware import Hardware
 from .param_memory import footprint, param_sums, rank_parameters, reduce_as_run
 from .stage_time import StageTimes, stage_times
 from .step_bound import step_lower_bound
-from .step_time import stage_parameters
+from .step_time import stage_parameters, world_sync_s
 
 __all__ = ["CHECKPOINTING", "SCHEDULES_BY_STAGES", "Bound", "divisors", "microbatch_counts", "meshes", "bind", "binds_sp",
            "variant", "checkpointed", "collector_paused", "expert_count"]
@@ -157,6 +157,7 @@ class Bound:
         self._times: dict = {}  # (checkpointing, batch size) -> `stage_times`
         self._sizes: dict = {}  # batch size -> `plan_sizes`: a variant changes none of what they read
         self._dp: DpTime | None = None
+        self._sync: float | None = None  # `world_sync_s`
         self._costs: dict = {}  # (sharding, split, checkpointing, batch size, reduce) -> `DpTime.costs`
         self._tails: dict = {}  # the same and the placement -> each rank's least tail
         self.dtype_bytes = compute_dtype(model).itemsize  # the master weights'
@@ -224,7 +225,10 @@ class Bound:
                              self.dtype_bytes, reduce)) for r in range(pp)]
         # Ranks sharing cores (`step_time.core_sharing`) run up to a whole core each: as fast as 1 / share.
         share = 1.0 if hw.cores_per_node is None else min(1.0, hw.cores_per_node / hw.devices_per_node)
-        return share * step_lower_bound(stage_rank, split, m, self._costs[key], self._tails[key + (stage_rank,)])
+        if self._sync is None:  # one hardware and node size a search, as `dp_time`
+            self._sync = world_sync_s(hw, self.base.plan.mesh.shape.world, G)
+        return self._sync + share * step_lower_bound(stage_rank, split, m, self._costs[key],
+                                                     self._tails[key + (stage_rank,)])
 
     def footprint_peaks(self, schedule: str, m: int, sharding: str, reduce: str = "step") -> list[int]:
         """Each pp rank's parameters, gradients, AdamW state and gathers under a variant (`footprint`'s peak)."""

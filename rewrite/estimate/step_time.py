@@ -15,7 +15,10 @@ that backward is exposed, and at least the last unit's (or bucket's) share. Unde
 its last unit's reduce exposed. FSDP2's own work per unit (`unit_overhead_s`: its hooks on each pass of
 full and grad_op, the copies around each gather and reduce-scatter) adds to the action or the step's end
 that runs it, hidden by nothing. Then AdamW, bound by
-memory traffic over the parameters the rank holds. The step is the slowest rank's end. Where a CPU
+memory traffic over the parameters the rank holds. The step is the slowest rank's end, plus the
+step's small all-reduces over the whole world, which wait for every rank (`WORLD_SYNCS`: the inputs'
+check with the trained-token count, the step's loss, the gradient norm), each priced as the profile
+prices an all-reduce of a few bytes over the world. Where a CPU
 profile's ranks share fewer cores than they are (`cores_per_node`), the table runs its rows at the share of
 the cores they get while running (`core_sharing`, `schedules.simulate.simulate_shared`).
 """
@@ -33,15 +36,18 @@ from ..binding.resolve import ResolvedPlan
 from ..schedules import plan_table, splits_backward
 from ..schedules.simulate import Summary, bubble_of, simulate_shared, simulate_summary
 from .activations import activation_problem, compute_dtype, plan_sizes
-from .collectives import groups_link, p2p_s
+from .collectives import collective_s, groups_link, p2p_s
 from .layer_activations import Sizes
 from .hardware import Hardware, load_hardware
 from .dp_time import EXPERTS, DpTime
 from .memory import param_unit, with_run
 from .stage_time import StageTimes, stage_times
 
-__all__ = ["StepPrediction", "predict_step", "model_flops", "stage_parameters", "core_sharing"]
+__all__ = ["StepPrediction", "predict_step", "model_flops", "stage_parameters", "core_sharing", "world_sync_s"]
 
+# The all-reduces over the whole world a training step makes beside its schedule's own: `run_schedule`'s inputs
+# check (with the trained tokens counted), its loss, and `clip_grad_norm_`'s norm: a few bytes each.
+WORLD_SYNCS, SYNC_BYTES = 3, 64
 
 
 @dataclass(frozen=True)
@@ -55,11 +61,13 @@ class StepPrediction:
     pipeline_s: float  # the simulated table's span
     dp_s: float  # data-parallel time exposed on the slowest rank
     optimizer_s: float
+    sync_s: float  # the step's small all-reduces over the world (`world_sync_s`)
     stages: tuple[StageTimes, ...]
 
     def as_dict(self) -> dict:
-        """`{"step_s", "tokens_per_s", "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s"}`."""
-        return {k: getattr(self, k) for k in ("step_s", "tokens_per_s", "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s")}
+        """`{"step_s", "tokens_per_s", "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s", "sync_s"}`."""
+        return {k: getattr(self, k) for k in ("step_s", "tokens_per_s", "mfu", "bubble", "pipeline_s", "dp_s",
+                                              "optimizer_s", "sync_s")}
 
 
 def model_flops(config, *, seq_len: int, num_layers: int, has_head: bool = True) -> int:
@@ -159,7 +167,8 @@ def predict_step(
         exposed, optimizer = dpt.tail(run.rank_stages(r), times, sharding, split, window, master.itemsize, reduce)
         ends.append((last[1] if last else 0.0) + exposed + optimizer * busy_pace)
         worst_dp, worst_opt = max(worst_dp, exposed), max(worst_opt, optimizer)
-    step = max(ends)
+    sync = world_sync_s(hw, world, G)
+    step = max(ends) + sync
     sequences = dp * m * batch_size
     num_layers = sum(len(x) for x in run.layer_indices)
     flops = model_flops(model.config, seq_len=z.seq_len, num_layers=num_layers, has_head=run.backbone.has_head) * sequences
@@ -167,8 +176,23 @@ def predict_step(
         step_s=step, tokens_per_s=sequences * z.seq_len / step / world,
         mfu=flops / (step * world * hw.flops(str(compute).removeprefix("torch."))),
         bubble=bubble_of(sim, len(table)), pipeline_s=sim.span, dp_s=worst_dp, optimizer_s=worst_opt * busy_pace,
-        stages=tuple(times),
+        sync_s=sync, stages=tuple(times),
     )
+
+
+def world_sync_s(hw: Hardware, world: int, gpus_per_node: int) -> float:
+    """Seconds a step spends in its WORLD_SYNCS all-reduces of a few bytes over all `world` ranks (0 for one):
+    each as long as the profile's all-reduce of that size over the world (measured where `collective_times` has
+    it for the world on one node, else the ring formula on the link the world spans).
+
+    Example:
+        >>> world_sync_s(load_hardware("h100-sxm"), 8, 8)  # 3 x 2 x 7 ring steps of NVLink's 5 us
+        0.00021...
+    """
+    if world <= 1:
+        return 0.0
+    link = groups_link(hw, [range(world)], gpus_per_node)
+    return WORLD_SYNCS * collective_s(hw, "all_reduce", SYNC_BYTES, world, link)
 
 
 def core_sharing(hw: Hardware, ranks: int, rows: int) -> tuple[tuple[float, int, float] | None, float]:

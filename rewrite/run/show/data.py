@@ -145,7 +145,7 @@ def show_data(
         "experts", "per_rank"}; `experts_over_tp`: those with each expert split over tp, each {"module",
         "experts", "features": {tensor: {"dim", "parts"}}}; memory sizes are bytes, replica 0's ranks (the other replicas hold
         the same); with `hardware` also "predicted": {"hardware", "step_s", "tokens_per_s" (per
-        device), "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s"}, or {"hardware", "problem"}
+        device), "mfu", "bubble", "pipeline_s", "dp_s", "optimizer_s", "sync_s"}, or {"hardware", "problem"}
         where the step is not timed. `kv_replicas`: tp ranks holding each kv head (tp / kv past the kv heads, else 1).
         `memory.activations_not_estimated` says why activations are None. `pipeline` holds the run's
         microbatches and seq_len, and under `planned` the plan's own microbatches and cut_points as

@@ -241,7 +241,7 @@ def prediction_line(data: dict) -> str:
         f"Predicted step on {p['hardware']} ({plural(seqs, 'sequence')} of {pipe['seq_len']} tokens): "
         f"{p['step_s']:.3g} s, {p['tokens_per_s']:,.0f} tokens/s per device, MFU {p['mfu']:.0%}; the schedule "
         f"{p['pipeline_s']:.3g} s with a {p['bubble']:.0%} bubble, data parallelism {p['dp_s']:.2g} s exposed, "
-        f"AdamW {p['optimizer_s']:.2g} s (estimated from FLOPs and the profile's bandwidths: rewrite.estimate.step_time)"
+        f"AdamW {p['optimizer_s']:.2g} s, the world's all-reduces {p['sync_s']:.2g} s (estimated from FLOPs and the profile's bandwidths: rewrite.estimate.step_time)"
     )
 
 

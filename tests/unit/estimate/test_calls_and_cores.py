@@ -14,7 +14,7 @@ import rewrite
 from rewrite.estimate.correction import Scales, prediction_parts, scaled_profile
 from rewrite.estimate.hardware import Hardware
 from rewrite.estimate.stage_time import stage_times
-from rewrite.estimate.step_time import core_sharing, predict_step
+from rewrite.estimate.step_time import core_sharing, predict_step, world_sync_s
 from rewrite.run.calibrate import profile_yaml
 from rewrite.run.calibrate_layers import call_overheads
 from rewrite.tensor_parallel.comm import loopback, swap
@@ -75,6 +75,23 @@ def test_the_step_end_runs_at_the_optimizer_bandwidth(llama):
     assert scaled_profile(UNIT, Scales(2.0, 1.0, "fitted")).optimizer_bandwidth is None
     with pytest.raises(ValueError, match="optimizer_bandwidth"):
         _with(optimizer_bandwidth=0)
+
+
+def test_the_worlds_all_reduces_are_priced_as_the_profile_measured_them(llama):
+    """Three all-reduces of a few bytes over every rank end a step wherever the plan's work lies: the measured
+    curve's smallest size where calibrate timed the world on one node, the ring on the link it spans otherwise;
+    the search's lower bound counts them too."""
+    measured = _with(collective_times={"all_reduce": {4: {4096: 0.002, 65536: 0.004}}})
+    assert world_sync_s(measured, 4, 8) == pytest.approx(3 * 0.002)
+    assert world_sync_s(measured, 2, 8) == pytest.approx(3 * 2 * 1e-3, rel=1e-3)  # not measured at 2: the ring
+    assert world_sync_s(measured, 4, 2) == pytest.approx(3 * 6 * 1e-2, rel=1e-3)  # across nodes: the network's
+    assert world_sync_s(measured, 1, 8) == 0.0
+    for mesh in ({"tp": 4}, {"pp": 4}, {"dp": 2, "tp": 2}):
+        resolved = _resolved(llama, **mesh, **({"schedule": "1f1b", "m": 4} if "pp" in mesh else {}))
+        base, priced = (predict_step(resolved, llama, hw) for hw in (UNIT, measured))
+        assert priced.sync_s == pytest.approx(0.006) and base.sync_s == pytest.approx(world_sync_s(UNIT, 4, 8))
+    found = rewrite.suggest_plans(llama, world=4, device_memory=1.0, hardware=measured, seq_len=16, global_batch=8)
+    assert all(c.step_s > 0.006 for c in found)
 
 
 def test_the_call_overhead_is_communication_to_plan_measure(llama):

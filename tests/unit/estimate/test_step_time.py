@@ -141,7 +141,9 @@ def test_predict_step_adds_up(llama):
     got = predict_step(_resolved(llama, pp=2, schedule="1f1b", m=4), llama, UNIT, batch_size=2)
     tokens = 4 * 2 * 16
     assert got.step_s >= got.pipeline_s > 0 and got.dp_s == 0
-    assert got.step_s == pytest.approx(got.pipeline_s + got.optimizer_s)
+    # The step's three all-reduces of a few bytes over both ranks (inputs and tokens, loss, gradient norm).
+    assert got.sync_s == pytest.approx(3 * all_reduce_s(64, 2, UNIT.intra_node, 1.0))
+    assert got.step_s == pytest.approx(got.pipeline_s + got.optimizer_s + got.sync_s)
     assert got.tokens_per_s == pytest.approx(tokens / got.step_s / 2)
     flops = model_flops(llama.config, seq_len=16, num_layers=4) * 4 * 2
     assert got.mfu == pytest.approx(flops / (got.step_s * 2 * 1e9))
