@@ -166,6 +166,33 @@ def timed(fn, *, warmup: int, steps: int, barrier: bool = True) -> list[float]:
     return times
 
 
+def one_plan_at_a_time(build, count: int, *, warmup: int, steps: int, rounds: int = 2) -> list[list]:
+    """Plans timed as each runs alone: `build(j)` gives plan j's (stage, step), `step()` what to record of one
+    step; each plan is built, stepped `warmup` times untimed and its share of `steps` timed, then dropped with its
+    process groups released before the next is built (ten plans' groups alive made a step 5-10 % longer on ranks
+    sharing cores: `rewrite.mesh.release_groups`). `rounds` passes over the plans, every other in reverse,
+    spread this machine's drift over all of them. Returns each plan's records, in the order taken."""
+    import gc
+
+    from rewrite.mesh import release_groups
+
+    out: list[list] = [[] for _ in range(count)]
+    for r in range(rounds):
+        share = steps // rounds + (r < steps % rounds)
+        for j in range(count) if r % 2 == 0 else reversed(range(count)):
+            stage, step = build(j)
+            for i in range(warmup + share):
+                got = step()
+                if i >= warmup:
+                    out[j].append(got)
+            mesh = stage.mesh
+            del stage, step
+            release_groups(mesh)
+            del mesh
+            gc.collect()
+    return out
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -11,8 +11,9 @@ profile with that many ranks at once (its layer terms on the model's own layers)
 (`seq_len` 128, a global batch of 16 sequences: meshes, schedules, microbatch counts,
 sharding, switches, checkpointing) is predicted on it (`estimate.step_time.predict_step`);
 `rewrite.suggest_plans` picks its top plan. Measured: the top pick, the best of every other
-mesh, and plans spread over the predicted range, at least 8, all in the same processes,
-taking turns step by step (a step as `rewrite plan --measure` times it: `run_schedule`, the
+mesh, and plans spread over the predicted range, at least 8, in the same processes one at a time, each
+as it runs alone: built, one step to warm up, its share of the timed steps, then dropped with its process
+groups; two passes over the plans, the second in reverse (a step as `rewrite plan --measure` times it: `run_schedule`, the
 gradient norm clipped, an AdamW update; from a barrier to the step's end on each rank, the slowest rank's); each is predicted too without the layers' collectives'
 cost per call (`call_overhead_s`: tp, cp and ep), FSDP2's work per unit (`unit_overhead_s`) and the cores
 the ranks share (`cores_per_node`), beside. Targets: the median
@@ -29,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 import rewrite
@@ -104,28 +106,29 @@ def choose(every: list[dict], picks: list[rewrite.Candidate], count: int) -> lis
 
 
 def measure(rank: int, world: int, model: str, chosen: list[dict], warmup: int, steps: int) -> list[list[float]]:
-    """Seconds of each step of each chosen plan, taking turns (every other round in reverse)."""
-    if any("compile" in c["plan"] for c in chosen):  # every plan's blocks compiled side by side in one process
-        import torch
+    """Seconds of each step of each chosen plan, one plan alive at a time (`common.one_plan_at_a_time`)."""
+    compiled = any("compile" in c["plan"] for c in chosen)
 
-        torch._dynamo.config.recompile_limit = 8 * len(chosen)
-    runs = [_step(model, c) for c in chosen]
-    times: list[list[float]] = [[] for _ in chosen]
-    for i in range(warmup + steps):
-        order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
-        for j in order:
+    def build(j: int):
+        if compiled:  # each plan's blocks compile afresh (not against the last one's recompile limit)
+            torch.compiler.reset()
+        stage, step = _step(model, chosen[j])
+
+        def timed() -> float:
             # The ranks start together; each stops its clock where its step ends (the slowest rank's is the
             # step, as `predict_step` has it), not after the barrier that closes it: on ranks sharing cores
             # a barrier takes 8-25 ms (`bench.planner_parts`), which no plan spends; `rewrite plan --measure`
             # times alike.
             dist.barrier()
             start = time.perf_counter()
-            runs[j]()
+            step()
             took = time.perf_counter() - start
             dist.barrier()
-            if i >= warmup:
-                times[j].append(took)
-    return times
+            return took
+
+        return stage, timed
+
+    return common.one_plan_at_a_time(build, len(chosen), warmup=warmup, steps=steps)
 
 
 def _step(model: str, candidate: dict):
@@ -133,7 +136,7 @@ def _step(model: str, candidate: dict):
     plan = rewrite.load_plan(candidate["plan"])
     stage = rewrite.apply_plan(common.build_model(model, seed=0), plan)
     vocab = common.build_config(model).vocab_size
-    return timing_step(stage, plan, candidate["batch_size"], SEQ, vocab)
+    return stage, timing_step(stage, plan, candidate["batch_size"], SEQ, vocab)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -69,7 +69,7 @@ def _flops(event) -> float:
 
 def profiled(rank: int, world: int, name: str) -> dict:
     plan, b = _plan(name)
-    step = _step(common.MODEL, {"plan": plan, "batch_size": b})
+    _, step = _step(common.MODEL, {"plan": plan, "batch_size": b})
     step()
     plain = common.timed(step, warmup=0, steps=3)
     start = time.perf_counter()

@@ -4,11 +4,11 @@
     .venv/bin/python -m bench.planner_parts --world 2
 
 Reads the "planner" entry of bench/results.json (the profile `rewrite calibrate` measured for that world and the
-plans measured on it), runs the same plans again in the same processes, taking turns step by step (one warm-up
-step, then `--steps`), and splits each step of each rank into what `predict_step` prices apart: `run_schedule`
-(the table and the data-parallel reduction; predicted `pipeline_s + dp_s`), the gradient norm's clip and the
-AdamW update (predicted together, `optimizer_s`), and the barrier that closes a timed step in `bench.planner`
-(`common.timed`; not predicted). Medians of the slowest rank, milliseconds; the update per rank beside.
+plans measured on it), runs the same plans again as `bench.planner` does (one alive at a time, one warm-up step
+each time one is built, `--steps` timed over two passes), and splits each step of each rank into what
+`predict_step` prices apart: `run_schedule` (the table and the data-parallel reduction; predicted `pipeline_s +
+dp_s`), the gradient norm's clip and the AdamW update (predicted together, `optimizer_s`), and the barrier that
+closes a timed step in `bench.planner` (not predicted). Medians of the slowest rank, milliseconds; the update per rank beside.
 """
 
 from __future__ import annotations
@@ -41,17 +41,15 @@ def _batches(stage, plan, batch_size: int, vocab: int):
 
 
 def measure(rank: int, world: int, model: str, rows: list[dict], steps: int) -> list[list[tuple]]:
-    """Per plan, per timed step: this rank's seconds in each of PARTS."""
-    runs = []
-    for row in rows:
-        plan = rewrite.load_plan(row["plan"])
+    """Per plan, per timed step: this rank's seconds in each of PARTS, one plan alive at a time, as
+    `bench.planner` measures (`common.one_plan_at_a_time`)."""
+    def build(j: int):
+        plan = rewrite.load_plan(rows[j]["plan"])
         stage = rewrite.apply_plan(common.build_model(model, seed=0), plan)
-        ids, targets = _batches(stage, plan, row["batch_size"], common.build_config(model).vocab_size)
-        runs.append((stage, ids, targets, torch.optim.AdamW(stage.parameters(), lr=1e-5)))
-    times: list[list[tuple]] = [[] for _ in runs]
-    for i in range(1 + steps):
-        for j in range(len(runs)) if i % 2 == 0 else reversed(range(len(runs))):
-            stage, ids, targets, optimizer = runs[j]
+        ids, targets = _batches(stage, plan, rows[j]["batch_size"], common.build_config(model).vocab_size)
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-5)
+
+        def parts() -> tuple:
             dist.barrier()
             t0 = time.perf_counter()
             rewrite.run_schedule(stage, ids, targets)
@@ -63,9 +61,11 @@ def measure(rank: int, world: int, model: str, rows: list[dict], steps: int) -> 
             t3 = time.perf_counter()
             dist.barrier()
             t4 = time.perf_counter()
-            if i:
-                times[j].append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
-    return times
+            return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0
+
+        return stage, parts
+
+    return common.one_plan_at_a_time(build, len(rows), warmup=1, steps=steps)
 
 
 def _profile(entry: dict):

@@ -16,7 +16,7 @@ from .errors import InputError
 from .plan.ranks import Shape, expert_groups, expert_place
 from .values import is_count
 
-__all__ = ["Mesh", "build_mesh", "check_world", "expert_groups"]
+__all__ = ["Mesh", "build_mesh", "check_world", "expert_groups", "release_groups"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,3 +121,25 @@ def _made(lists: list[list[int]], rank: int) -> tuple[ProcessGroup | None, list[
         if rank in ranks:
             mine = group, ranks
     return mine
+
+
+def release_groups(mesh: Mesh) -> int:
+    """Destroy the process groups `build_mesh` made for `mesh` (never the default group), once nothing uses
+    them: a stage built on it and dropped, before the next plan is built in the same processes. Returns how
+    many this rank destroyed.
+
+    Each live group keeps its backend's threads, which wake about a hundred times a second even when idle
+    (gloo); on ranks sharing CPU cores ten plans' groups alive made a step 5-10 % longer than its plan's alone.
+    Every rank calls it, in the same order, as it called `build_mesh`.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    dims = mesh.device_mesh.get_all_groups() if mesh.device_mesh is not None else []
+    replicas = [mesh.replica_mesh.get_group()] if mesh.replica_mesh is not None else []
+    seen: dict[int, ProcessGroup] = {}
+    for group in [*dims, *replicas, mesh.tp_group, mesh.cp_group, mesh.dp_group, mesh.tied_group, mesh.kv_group,
+                  mesh.ep_group, mesh.expert_replica_group, mesh.host_group]:
+        if group is not None and group is not default and group != dist.GroupMember.NON_GROUP_MEMBER:
+            seen.setdefault(id(group), group)
+    for group in seen.values():
+        dist.destroy_process_group(group)
+    return len(seen)

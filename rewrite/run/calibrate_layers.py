@@ -243,6 +243,7 @@ def tp_call_times(repeats: int, together=None) -> dict[str, dict]:
                 if i:
                     made.append(time.perf_counter() - start)
         out[kind] = {way: statistics.median(t) for way, t in times.items()} | {"swaps": swaps}
+    dist.destroy_process_group(group)  # its threads (gone with the models) would slow what calibrate measures next
     return out
 
 

@@ -54,6 +54,7 @@ def collective_times(device, repeats: int, sizes: tuple[int, ...] = COLLECTIVE_B
         for nbytes in sizes:
             for kind, op in _ops(mine, n, nbytes, device).items():
                 out.setdefault(kind, {}).setdefault(n, {})[nbytes] = _together(op, repeats, sync)
+        dist.destroy_process_group(mine)  # its threads would slow what calibrate measures next
     return {kind: {n: _rising(curve) for n, curve in by_n.items()} for kind, by_n in out.items()}
 
 

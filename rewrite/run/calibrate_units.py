@@ -29,6 +29,7 @@ def unit_step_times(repeats: int, together=None) -> dict:
     import torch
     import torch.distributed as dist
 
+    from ..mesh import release_groups
     from ..plan.loading import load_plan
     from ..pipeline.runner import run_schedule
     from ..rewriter import apply_plan
@@ -54,6 +55,10 @@ def unit_step_times(repeats: int, together=None) -> dict:
                 times[key].append(time.perf_counter() - start)
             for p in stage.parameters():
                 p.grad = None
+    meshes = [stage.mesh for stage, _ in steps.values()]
+    del steps, stage
+    for mesh in meshes:  # their groups' threads would slow what calibrate measures next
+        release_groups(mesh)
     layer = sum(p.numel() * p.element_size() for p in build_model(config, seed=0).model.layers[0].parameters())
     whole = sum(p.numel() * p.element_size() for p in build_model(config, seed=0).parameters())
     return {"times": {key: statistics.median(t) for key, t in times.items()},

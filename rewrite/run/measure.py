@@ -45,7 +45,8 @@ class Timed:
 
 def time_plans(model: str, jobs: list[Job], *, world: int, seq_len: int, warmup: int = 1, steps: int = 3,
                timeout_s: float = 900.0, progress=None) -> list[Timed]:
-    """Each job timed on `world` local ranks, one after another in the same processes.
+    """Each job timed on `world` local ranks, one after another in the same processes, each plan's process
+    groups released before the next is built (as alone in its run).
 
     `progress(done, total, text)` is called here as rank 0 finishes each step (`text`: what it was).
 
@@ -120,6 +121,7 @@ def _time_on_rank(model: str, jobs: list[Job], seq_len: int, warmup: int, steps:
     import torch
     import torch.distributed as dist
 
+    from ..mesh import release_groups
     from ..plan.loading import load_plan
     from .presets import load_config
     from .train_setup import build_stage, model_source, pick_device
@@ -150,7 +152,11 @@ def _time_on_rank(model: str, jobs: list[Job], seq_len: int, warmup: int, steps:
                             f"{' (warm-up)' if i < warmup else ''}: {mine[-1]:.3g} s\n")
         times.append(mine[warmup:])
         peaks.append(int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)
+        # Its groups go with it: each live group's threads wake ~100 times a second, slowing the next plans.
+        mesh = stage.mesh
         del stage, step
+        release_groups(mesh)
+        del mesh
         gc.collect()
         if plan.compile is not None:  # the next plan's blocks compile afresh (not against this one's recompile limit)
             torch.compiler.reset()

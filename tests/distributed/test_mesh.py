@@ -75,3 +75,36 @@ def test_every_group_is_the_documented_slice(sizes, kv_replicas):
     for rank in range(world):
         for name, ranks in want[rank].items():
             assert got[rank][name] == ranks, f"rank {rank} {name}: {got[rank][name]}, expected {ranks}"
+
+
+
+def _released(rank: int, world: int) -> dict:
+    import gc
+    import os
+
+    import torch
+
+    from rewrite.mesh import release_groups
+
+    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    before, out = tasks(), {}
+    for sizes in ({"dp": 2, "tp": 2}, {"pp": 2, "cp": 2}, {"dp": 4}):
+        mesh = build_mesh(Shape(**sizes), kv_replicas=1)
+        grown = tasks()
+        destroyed = release_groups(mesh)
+        del mesh
+        gc.collect()
+        out[str(sizes)] = {"destroyed": destroyed, "grown": grown > before, "back": tasks() <= before}
+    total = torch.ones(1)
+    dist.all_reduce(total)  # the default group is never released
+    out["world"] = total.item()
+    return out
+
+
+def test_release_groups_frees_a_meshs_groups_and_keeps_the_default():
+    """Plans built one after another in the same processes (`rewrite plan --measure`) each release the groups
+    their mesh made: once the mesh is dropped their backend's threads are gone; the default group still runs."""
+    for got in run(_released, 4):
+        assert got["world"] == 4.0
+        for sizes in ("{'dp': 2, 'tp': 2}", "{'pp': 2, 'cp': 2}", "{'dp': 4}"):
+            assert got[sizes]["destroyed"] >= 1 and got[sizes]["grown"] and got[sizes]["back"], (sizes, got[sizes])
