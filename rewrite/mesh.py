@@ -140,6 +140,7 @@ def release_groups(mesh: Mesh) -> int:
                   mesh.ep_group, mesh.expert_replica_group, mesh.host_group]:
         if group is not None and group is not default and group != dist.GroupMember.NON_GROUP_MEMBER:
             seen.setdefault(id(group), group)
+    dist.barrier()  # no rank tears a group down while a peer may still be connecting or working in it
     for group in seen.values():
         dist.destroy_process_group(group)
     return len(seen)

@@ -90,6 +90,9 @@ def _released(rank: int, world: int) -> dict:
     before, out = tasks(), {}
     for sizes in ({"dp": 2, "tp": 2}, {"pp": 2, "cp": 2}, {"dp": 4}):
         mesh = build_mesh(Shape(**sizes), kv_replicas=1)
+        for name in ("tp_group", "cp_group", "dp_group"):  # used, as a stage uses them (no reference kept here)
+            if getattr(mesh, name) is not None:
+                dist.all_reduce(torch.ones(1), group=getattr(mesh, name))
         grown = tasks()
         destroyed = release_groups(mesh)
         del mesh

@@ -120,9 +120,9 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     assert set(hw.call_overhead_s) == {"sum", "gather", "scatter"}
     assert all(0 <= t < 0.1 for t in hw.call_overhead_s.values()) and hw.call_overhead_s["gather"] == hw.call_overhead_s["scatter"]
     assert hw.cores_per_node == len(os.sched_getaffinity(0))
-    # FSDP2's own work per unit beyond its collectives: a gather's copies (milliseconds on CPU ranks: full at 8
-    # microbatches runs ~1.7x grad_op's step) never come out 0; the hooks and a reduce's copies may, in the noise.
-    assert set(hw.unit_overhead_s) == {"pass", "gather", "reduce"} and 0 < hw.unit_overhead_s["gather"] < 0.1
+    # FSDP2's own work per unit beyond its collectives (a gather's copies: 2-7 ms on these CPU ranks run alone), each
+    # a difference of steps: beside other tests on the same cores it may come out 0 (the fit: test_unit_overheads.py).
+    assert set(hw.unit_overhead_s) == {"pass", "gather", "reduce"}
     assert all(0 <= t < 0.1 for t in hw.unit_overhead_s.values())
     # A step's end (the gradients' norm and AdamW, an operator at a time) moves its counted bytes slower than a copy.
     assert hw.optimizer_bandwidth is not None and 0 < hw.optimizer_bandwidth < hw.memory_bandwidth
