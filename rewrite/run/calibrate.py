@@ -15,8 +15,8 @@ from __future__ import annotations
 import statistics
 
 from ..lent import lend
-from .calibrate_layers import (LAYER_MODEL, MATMUL_SHAPES, best_of, call_overheads, layer_costs, layer_model_problem,
-                               layer_terms, optimizer_bandwidth, tp_call_times, with_layers)
+from .calibrate_layers import (LAYER_MODEL, MATMUL_SHAPES, best_of, call_overheads, fit_layers, layer_model_problem,
+                               layer_timings, optimizer_bandwidth, tp_call_times, with_layers)
 from .calibrate_links import collective_times, overlap_share
 from .calibrate_profile import profile_yaml
 from .calibrate_selective import selective_overhead
@@ -64,17 +64,14 @@ def _measure(repeats: int, compiled: bool = True, model: str = LAYER_MODEL) -> d
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # Every rank computes at once, as in a run: where ranks outnumber the cores, each gets its share of them.
     out = device_rates(device, repeats, together=dist.barrier)
-    # On a GPU the host queues kernels ahead of the device, so dispatch hides behind compute: not modelled.
-    out.update({"layer_overhead_s": 0.0, "activation_bandwidth": None, "microbatch_overhead_s": 0.0} if cuda
-               else layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier,
-                                model=model))
-    if not cuda:  # a step's end, and a tp layer's collectives beyond their time alone (`Hardware.call_overhead_s`)
+    if not cuda:  # a layer's timings (fitted on every rank's at once: `fit_layers`), a step's end, and a tp layer's
+        # collectives beyond their time alone (`Hardware.call_overhead_s`)
+        out["layers"] = layer_timings(repeats, together=dist.barrier, model=model)
         out["optimizer_bandwidth"] = optimizer_bandwidth(repeats, together=dist.barrier)
         out["tp_calls"] = tp_call_times(repeats, together=dist.barrier)
         out["unit_steps"] = unit_step_times(repeats, together=dist.barrier)
     if compiled and not cuda:
-        out["compiled"] = layer_costs(repeats, out["flops"]["float32"], out["memory_bandwidth"], together=dist.barrier,
-                                       compiled=True, model=model)
+        out["compiled"] = layer_timings(repeats, together=dist.barrier, compiled=True, model=model)
     rank = dist.get_rank()
     p2p, reduce = {}, {}
     for size in MESSAGE_BYTES:
@@ -143,25 +140,30 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, co
     efficiency = min(1.0, ideal / max(reduce[big] - steps * latency, 1e-12))
     memory = results[0].get("memory_bytes") or _host_memory() / world
     gpu = "memory_bytes" in results[0]
+    # On a GPU the host queues kernels ahead of the device, so dispatch hides behind compute: not modelled.
+    layers = ({"layer_overhead_s": 0.0, "activation_bandwidth": None, "microbatch_overhead_s": 0.0} if gpu else
+              fit_layers([r["layers"]["times"] for r in results], flops["float32"], bandwidth, model))
+    compiled_layers = ("compiled" in results[0] or None) and fit_layers(
+        [r["compiled"]["times"] for r in results], flops["float32"], bandwidth, model)
     found = {
         "flops": flops, "memory_bandwidth": bandwidth, "latency": latency, "link": link, "collective": efficiency,
-        "memory_gib": memory / 1024**3, "world": world, **layer_terms(results), "gpu": gpu, "layer_model": model,
+        "memory_gib": memory / 1024**3, "world": world, **layers, "gpu": gpu, "layer_model": model,
         "cores": None if gpu else _cores(),
         "optimizer_bandwidth": statistics.mean(r["optimizer_bandwidth"] for r in results) if not gpu else None,
         "collective_times": results[0]["collective_times"], "overlap": statistics.mean(r["overlap"] for r in results),
-        "compiled": layer_terms([r["compiled"] for r in results]) if "compiled" in results[0] else None,
-        "measured": {"p2p": results[0]["p2p"], "all_reduce": reduce, "layer_s": results[0].get("layer_times"),
-                     "compiled_layer_s": results[0]["compiled"]["layer_times"] if "compiled" in results[0] else None},
+        "compiled": compiled_layers and {k: v for k, v in compiled_layers.items() if k != "layer_times"},
+        "measured": {"p2p": results[0]["p2p"], "all_reduce": reduce, "layer_s": layers.pop("layer_times", None),
+                     "compiled_layer_s": compiled_layers and compiled_layers["layer_times"]},
     }
     if results[0].get("tp_calls"):  # each rank's figures, priced on the profile measured above; their mean
         per_rank = [call_overheads(_profile(found), r["tp_calls"]) for r in results]
         found["call_overhead_s"] = {kind: statistics.mean(r[kind] for r in per_rank) for kind in per_rank[0]}
         found["measured"]["tp_calls"] = results[0]["tp_calls"]
-    if "selective_layer_s" in results[0]:  # selective checkpointing beyond the recompute, priced alike
-        hardware, layers = _profile(found), with_layers(load_config(model), 3)
-        found["selective_overhead_s"] = statistics.mean(
-            selective_overhead(hardware, layers, r["selective_layer_s"]) for r in results)
-        found["measured"]["selective_layer_s"] = [r["selective_layer_s"] for r in results]
+    if not gpu and "selective_layer_s" in results[0]["layers"]:  # selective checkpointing beyond the recompute
+        hardware, three = _profile(found), with_layers(load_config(model), 3)
+        selective = [r["layers"]["selective_layer_s"] for r in results]
+        found["selective_overhead_s"] = statistics.mean(selective_overhead(hardware, three, s) for s in selective)
+        found["measured"]["selective_layer_s"] = selective
     if "unit_steps" in results[0]:  # FSDP2's own costs per unit, priced alike
         per_rank = [unit_overheads(_profile(found), r["unit_steps"], world) for r in results]
         found["unit_overhead_s"] = {kind: statistics.mean(r[kind] for r in per_rank) for kind in per_rank[0]}

@@ -8,8 +8,8 @@ import statistics
 import time
 from contextlib import nullcontext
 
-__all__ = ["LAYER_MODEL", "MATMUL_SHAPES", "ROWS", "SEQUENCE", "best_of", "call_overheads", "layer_costs", "layer_model_problem",
-           "layer_terms", "optimizer_bandwidth", "tp_call_times", "with_layers"]
+__all__ = ["LAYER_MODEL", "MATMUL_SHAPES", "ROWS", "SEQUENCE", "best_of", "call_overheads", "fit_layers",
+           "layer_model_problem", "layer_timings", "optimizer_bandwidth", "taking_turns", "tp_call_times", "with_layers"]
 
 
 def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
@@ -27,6 +27,23 @@ def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return min(times) if together is None else statistics.median(times)
+
+
+def taking_turns(calls: dict, repeats: int, together=None) -> dict:
+    """{key: seconds} of each of `calls` ({key: fn}), timed `repeats` times taking turns (each round calls every
+    one once, after a first round untimed), so that a slower or faster spell of the machine falls on all of them
+    alike rather than on the ones timed then: the least of each key's times, or with `together` (as `best_of`'s)
+    the median."""
+    times: dict = {key: [] for key in calls}
+    for i in range(repeats + 1):
+        for key, fn in calls.items():
+            if together is not None:
+                together()
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[key].append(time.perf_counter() - start)
+    return {key: (min(t) if together is None else statistics.median(t)) for key, t in times.items()}
 
 
 # [tokens, hidden] x [hidden, 4 hidden]: an MLP projection at the bench model's sizes and above (`device_rates`).
@@ -68,47 +85,61 @@ def layer_model_problem(model: str) -> str | None:
     return None
 
 
-def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, together=None, compiled: bool = False,
-                model: str = LAYER_MODEL) -> dict:
-    """What a decoder layer's forward and backward cost beyond their FLOPs, and a microbatch beyond its layers;
-    `compiled`: with the embedding, each layer and the head under torch.compile (inductor), as `compile` in a
-    plan runs them (compiled at the first two sizes, not timed: see `rewrite.compiled`).
-
-    `model` (a preset, an HF config.json or model directory: `presets.load_config`) with 3 layers against 1,
-    by default a LLaMA of the bench model's proportions (hidden 256, intermediate 688); each on
-    ROWS sequences of SEQUENCE tokens (128 to 1,024 tokens a microbatch): a layer's time, fitted by least
-    squares, is a fixed part (`layer_overhead_s`: operator dispatch) plus a part per token. Of the part per
-    token, the layer's FLOPs at `flop_rate` take what the step-time model charges them; the rest is its
-    elementwise operators (norms, rotary, SiLU, residual adds and their backwards) moving the activations
-    the model counts (`layer_bytes`: written in F and I, read in I), at `activation_bandwidth` (None where
-    the FLOPs leave no time, or it would pass a large copy's `memory_bandwidth`: the fit cannot tell). What the
-    1-layer model takes beyond its layer on one sequence, less its head's FLOPs, is the cost of a
-    microbatch's forward and backward calls outside their layers (`microbatch_overhead_s`: embedding, final
-    norm, head, loss, the autograd engine's start). Eagerly, the 3-layer model on LARGE_ROWS sequences, its time
-    per token there over that on the largest of ROWS (`large_microbatch`: its activations outgrow the caches), and
-    checkpointed 'selective' against not on one sequence (`calibrate_selective`), where the estimate prices it.
-    """
+def layer_timings(repeats: int, together=None, compiled: bool = False, model: str = LAYER_MODEL) -> dict:
+    """{"times": {(rows, layers): seconds}}: `model` (a preset, an HF config.json or model directory:
+    `presets.load_config`) with 3 layers and with 1, by default a LLaMA of the bench model's proportions (hidden 256,
+    intermediate 688), each running forward and backward on ROWS sequences of SEQUENCE tokens (128 to 1,024 tokens
+    a microbatch) and, eagerly, on LARGE_ROWS, where its activations outgrow a CPU's caches; all timed taking turns
+    (`taking_turns`). `compiled`: with the embedding, each layer and the head under torch.compile (inductor), as
+    `compile` in a plan runs them (compiled at the first two sizes, in the untimed round: see `rewrite.compiled`).
+    Eagerly, also "selective_layer_s": the 3 layers checkpointed 'selective' against not on one sequence
+    (`calibrate_selective`), where the estimate prices it."""
     import torch
 
     from ..binding.resolve import resolve
+    from .presets import build_model, load_config
+
+    models = {n: build_model(with_layers(load_config(model), n)) for n in (1, 3)}
+    if compiled:
+        from ..compiled import apply_compile
+
+        for built in models.values():
+            apply_compile(built, resolve({"compile": {}}, built))
+
+    def step(built, rows: int):  # no KV cache: as a step runs the layers
+        ids = torch.zeros(rows, SEQUENCE, dtype=torch.long)
+        return lambda: built(input_ids=ids, use_cache=False).logits.sum().backward()
+
+    out = {"times": taking_turns({(rows, n): step(built, rows) for rows in ROWS + (() if compiled else (LARGE_ROWS,))
+                                  for n, built in models.items()}, repeats, together)}
+    from ..estimate.plan_parts import selective_problem
+    from .calibrate_selective import selective_layer_time
+
+    if not compiled and selective_problem(models[3]) is None:  # a family the estimate prices 'selective' for
+        out["selective_layer_s"] = selective_layer_time(models[3], repeats, together)
+    return out
+
+
+def fit_layers(timings: list[dict], flop_rate: float, memory_bandwidth: float, model: str = LAYER_MODEL) -> dict:
+    """What a decoder layer's forward and backward cost beyond their FLOPs, and a microbatch beyond its layers,
+    from one or more processes' `layer_timings` ("times"), each size's median across them (ranks timed at once).
+
+    A layer's time (3 layers' less 1's, halved), fitted by least squares over ROWS, is a fixed part
+    (`layer_overhead_s`: operator dispatch, at least 0) plus a part per token. Of the part per token, the layer's
+    FLOPs at `flop_rate` take what the step-time model charges them; the rest is its elementwise operators (norms,
+    rotary, SiLU, residual adds and their backwards) moving the activations the model counts (`layer_bytes`:
+    written in F and I, read in I), at `activation_bandwidth` (None where the FLOPs leave no time, or it would
+    pass a large copy's `memory_bandwidth`: the fit cannot tell). What the 1-layer model takes beyond its layer on
+    one sequence, less its head's FLOPs, is the cost of a microbatch's forward and backward calls outside their
+    layers (`microbatch_overhead_s`: embedding, final norm, head, loss, the autograd engine's start). Where
+    LARGE_ROWS was timed, the 3-layer model's time per token there over that on the largest of ROWS
+    (`large_microbatch`). `layer_times`: {tokens: a layer's seconds}, as fitted."""
     from ..estimate.layer_activations import Sizes, layer_bytes
     from ..models.flops import head_flops, layer_flops
     from .presets import build_model, load_config
 
-    times = {}
-    config = load_config(model)
-    models = {n: build_model(with_layers(config, n)) for n in (1, 3)}
-    if compiled:
-        from ..compiled import apply_compile
-
-        for model in models.values():
-            apply_compile(model, resolve({"compile": {}}, model))
-    for rows in ROWS + (() if compiled else (LARGE_ROWS,)):
-        ids = torch.zeros(rows, SEQUENCE, dtype=torch.long)
-        for n, model in models.items():
-            times[rows, n] = best_of(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward(), repeats,
-                                     together=together)  # no KV cache: as a step runs the layers
-    config = models[1].config
+    times = {key: statistics.median(t[key] for t in timings) for key in timings[0]}
+    config = build_model(with_layers(load_config(model), 1), device="meta").config
     tokens = [rows * SEQUENCE for rows in ROWS]
     layer = [(times[rows, 3] - times[rows, 1]) / 2 for rows in ROWS]
     fixed, per_token = _line(tokens, layer)
@@ -128,15 +159,10 @@ def layer_costs(repeats: int, flop_rate: float, memory_bandwidth: float, togethe
     outside = max(times[1, 1] - (fixed + per_token * SEQUENCE) - head, 0.0)
     out = {"layer_overhead_s": fixed, "activation_bandwidth": bandwidth, "microbatch_overhead_s": outside,
            "layer_times": dict(zip(tokens, layer))}
-    if not compiled:  # twice the largest fitted microbatch: the 3-layer model's time per token there over at it
+    if (LARGE_ROWS, 3) in times:  # twice the largest fitted microbatch: the 3-layer model's time per token there
         out["layer_times"][LARGE_ROWS * SEQUENCE] = (times[LARGE_ROWS, 3] - times[LARGE_ROWS, 1]) / 2
         out["large_microbatch"] = {"tokens": tokens[-1], "ratio": times[LARGE_ROWS, 3] * ROWS[-1] / (
             times[ROWS[-1], 3] * LARGE_ROWS)}
-        from ..estimate.plan_parts import selective_problem
-        from .calibrate_selective import selective_layer_time
-
-        if selective_problem(models[3]) is None:  # a family the estimate prices 'selective' for
-            out["selective_layer_s"] = selective_layer_time(models[3], repeats, together)
     return out
 
 
@@ -145,21 +171,6 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
     return mean_y - slope * mean_x, slope
-
-
-def layer_terms(found: list[dict]) -> dict:
-    """The ranks' layer costs (`layer_costs`) as one profile's terms: their means (the activation bandwidth
-    None unless every rank resolved it)."""
-    bandwidths = [r["activation_bandwidth"] for r in found if r["activation_bandwidth"]]
-    terms = {"layer_overhead_s": statistics.mean(r["layer_overhead_s"] for r in found),
-             "activation_bandwidth": statistics.mean(bandwidths) if len(bandwidths) == len(found) else None,
-             "microbatch_overhead_s": statistics.mean(r["microbatch_overhead_s"] for r in found)}
-    large = [r["large_microbatch"] for r in found if r.get("large_microbatch")]
-    if large and len(large) == len(found) and statistics.mean(x["ratio"] for x in large) > 0:
-        terms["large_microbatch"] = {"tokens": large[0]["tokens"], "ratio": statistics.mean(x["ratio"] for x in large)}
-    return terms
-
-
 
 
 OPTIMIZER_LAYERS = 12  # the decoder layers whose parameters a step's end updates: ~8.7 M elements, past a CPU's caches

@@ -125,5 +125,5 @@ microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measure
 overlap: {found.get("overlap", 1.0):.2f}               # {"measured: a reduce-scatter beside as long a run of matmuls, against each alone" if "overlap" in found else "not measured: collectives beside compute hide behind it"}
 efficiency:
   matmul: 1.0               # the peak above is what the matmuls reached
-  collective: {found['collective']:.3f}          # all-reduce of the largest message against a ring at the p2p bandwidth
+  collective: {found['collective']:.3g}          # all-reduce of the largest message against a ring at the p2p bandwidth
 """
