@@ -12,7 +12,8 @@ each under kv replication divide by t / r):
 (multi-head latent attention adds its down-projections to q_o + k_v, whole under tp).
 Memory traffic, at the bandwidth: F writes and reads back what the layer keeps for its backward
 (`activations.layer_bytes`) and reads the weights; I reads it and writes as much again; W reads
-and accumulates the gradients (2x the weights). A checkpointed layer adds its forward to its I.
+and accumulates the gradients (2x the weights). A checkpointed layer adds its forward to its I, and
+a stage on a pp rank that recomputes runs its W in its I (`unsplit_stages`).
 A layer also costs the profile's fixed `layer_overhead_s` per microbatch (operator dispatch, which
 eager CPU runs pay in full), a third in each of F, I and W (one checkpointed 'selective' adds
 `selective_overhead_s` to its I: torch's policy on each operator), and each of its eager tp collectives the
@@ -171,6 +172,16 @@ def _selective_units(z: Sizes, recomputed: set[str], splits: dict, proj: float, 
         yield unit, weight, again * flops
 
 
+def unsplit_stages(resolved: ResolvedPlan) -> set[int]:
+    """The stages whose backward the runner does not split into I and W: those of a pp rank that recomputes a
+    module (`activation_checkpointing`; a split backward would recompute once per weight group), whose I then
+    runs the whole backward and whose W is empty (`pipeline.step_state`), as a compiled block's."""
+    held = lambda s: any(path == m or path.startswith(m + ".")  # noqa: E731
+                         for path in resolved.recomputed for m in resolved.stages[s].modules)
+    ranks = {resolved.stage_rank[s] for s in range(resolved.num_stages) if held(s)} if resolved.recomputed else set()
+    return {s for s in range(resolved.num_stages) if resolved.stage_rank[s] in ranks}
+
+
 def _routed_layers(resolved: ResolvedPlan) -> set[int]:
     """Indices of the decoder layers whose experts are split over ep."""
     prefix = resolved.backbone.layers + "."
@@ -236,7 +247,7 @@ def stage_times(
     flop_parts = layer_flop_parts(config, seq_len=z.seq_len)
     routed_layers = _routed_layers(resolved) if ep > 1 else set()
     layer_weights = layer_weights or {}
-    last, out, memo = resolved.num_stages - 1, [], {}
+    last, out, memo, whole = resolved.num_stages - 1, [], {}, unsplit_stages(resolved)
     for stage, kinds in enumerate(layer_kinds(resolved, styles)):
         f = i = w = comm = flops = kv = ep_comm = 0.0
         for index, splits, parts in kinds:
@@ -260,7 +271,7 @@ def stage_times(
             f, i, w, comm, flops = f + hf, i + hi, w + hw, comm + hc, flops + hflops
         # What a stage's forward and backward calls cost a microbatch outside its layers, half in each.
         f, i = f + hardware.microbatch_overhead_s / 2, i + hardware.microbatch_overhead_s / 2
-        if compiled is not None:  # a compiled block's backward is one node: I runs it whole, W has nothing left
+        if compiled is not None or stage in whole:  # I runs the backward whole, W has nothing left
             i, w = i + w, 0.0
         out.append(StageTimes(f, i, w, comm, flops, kv, ep_comm))
     return out

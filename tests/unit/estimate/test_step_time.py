@@ -9,7 +9,7 @@ import pytest
 import rewrite
 from rewrite.estimate.collectives import all_gather_s, all_reduce_s, p2p_s
 from rewrite.estimate.hardware import Efficiency, Hardware, Link
-from rewrite.estimate.stage_time import stage_times
+from rewrite.estimate.stage_time import stage_times, unsplit_stages
 from rewrite.estimate.step_time import model_flops, predict_step
 from rewrite.models.flops import layer_flop_parts, layer_flops
 from rewrite.run.presets import build_model
@@ -60,9 +60,26 @@ def test_stage_times_are_flops_at_the_peak(llama):
     assert t.weight_backward == pytest.approx((4 * layer_w + head) / 1e9)
     assert t.tp_comm == 0
     assert t.flops == pytest.approx(3 * 4 * layer_f + 3 * head + 2 * 5 * 16 * 256 + 3 * 4 * 16 * 64)
-    # Recompute adds each checkpointed layer's forward to its input backward.
+    # Recompute adds each checkpointed layer's forward to its input backward, which then runs the whole backward
+    # (the runner does not split a backward that recomputes: W is empty).
     (ckpt,) = stage_times(_resolved(llama, activation_checkpointing={"model.layers.*": "full"}), llama, UNIT)
-    assert ckpt.input_backward - t.input_backward == pytest.approx(4 * layer_f / 1e9)
+    assert ckpt.input_backward - t.input_backward == pytest.approx(4 * layer_f / 1e9 + t.weight_backward)
+    assert ckpt.weight_backward == 0 and ckpt.backward - t.backward == pytest.approx(4 * layer_f / 1e9)
+
+
+def test_a_rank_that_recomputes_runs_its_backward_whole_in_i(llama):
+    """Split schedules: a pp rank holding a checkpointed module does not split its backward (the runner's rule:
+    a split backward would recompute once per weight group), so its stages' W is empty and I carries it."""
+    zbv = {"schedule": "zbv", "virtual_stages": 2}
+    plain = stage_times(_resolved(llama, pp=2, pipeline={**zbv, "microbatches": 4}), llama, UNIT)
+    for rules, whole in (({}, set()), ({"model.layers.*": "full"}, {0, 1, 2, 3}),
+                         ({"model.layers.0": "full"}, {0, 3}),  # stage 0 is rank 0's, as is stage 3 (zbv's V)
+                         ({"model.layers.3.mlp": "selective"}, {0, 3}), ({"model.layers.1": "full"}, {1, 2})):
+        resolved = _resolved(llama, pp=2, activation_checkpointing=rules, pipeline={**zbv, "microbatches": 4})
+        assert unsplit_stages(resolved) == whole, rules
+        for s, t in enumerate(stage_times(resolved, llama, UNIT)):
+            assert (t.weight_backward == 0) == (s in whole), (rules, s)
+            assert t.backward >= plain[s].backward - 1e-12  # nothing lost: moved, recompute added
 
 
 def test_a_layer_overhead_costs_each_layer_a_third_in_each_of_f_i_w(llama):
@@ -72,10 +89,10 @@ def test_a_layer_overhead_costs_each_layer_a_third_in_each_of_f_i_w(llama):
     for part in ("forward", "input_backward", "weight_backward"):
         assert getattr(o, part) - getattr(t, part) == pytest.approx(4 * 0.001)  # 4 layers, a third each
     assert o.flops == t.flops  # FLOPs (and so MFU's numerator) do not change
-    # A checkpointed layer dispatches its forward again in the backward.
+    # A checkpointed layer dispatches its forward again in the backward, which its I runs whole (W's third too).
     ckpt = _resolved(llama, activation_checkpointing={"model.layers.*": "full"})
     (c,), (co,) = stage_times(ckpt, llama, UNIT), stage_times(ckpt, llama, slow)
-    assert co.input_backward - c.input_backward == pytest.approx(4 * 0.002)
+    assert co.input_backward - c.input_backward == pytest.approx(4 * 0.003) and co.weight_backward == 0
     # Eight microbatches of one sequence pay it eight times; one of eight sequences once.
     many = predict_step(_resolved(llama, m=8), llama, slow).step_s - predict_step(_resolved(llama, m=8), llama, UNIT).step_s
     one = predict_step(_resolved(llama, m=1), llama, slow, batch_size=8).step_s
