@@ -27,6 +27,7 @@ class Clock:
         self.hardware = hardware
         self.overhead = hardware.layer_overhead_s / 3  # each of a layer's F, I and W
         self.selective = hardware.selective_overhead_s  # a layer checkpointed 'selective', in its I
+        self.context = hardware.context_work if cp > 1 else None
         # Each eager tp collective's cost beside the layer's compute, beyond its time alone (none traced).
         calls = {} if traced else hardware.call_overhead_s
         self.call = {kind: calls.get(kind, 0.0) for kind in self.kinds}
@@ -54,6 +55,9 @@ class Clock:
         if self.cp <= 1:
             return 0.0
         return collective_s(self.hardware, self.kinds[1], nbytes, self.cp, self.cp_link) + 2 * self.call[self.kinds[1]]
+
+    def cp_work(self, kv_bytes: float) -> float:  # a cp layer's own work gathering `kv_bytes`, F and I together
+        return 0.0 if self.context is None else self.context.seconds(kv_bytes)
 
     def exchange(self, nbytes: float) -> float:  # an all-to-all of what one rank sends, over the ep group
         # Eager in a compiled step too (the block is split at it), and as blocking as a tp sum: its call cost.

@@ -102,8 +102,8 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
 
     Compute: the matmul rate (efficiency.matmul, or the peak past an efficiency of 1), memory, activation and
     optimizer bandwidth, the fixed costs per layer, per selectively checkpointed layer and per microbatch (a
-    compiled step's too). A link: its latency and bandwidth alike; the intra-node link, the collectives' measured
-    times and cost per call too (measured on one node).
+    compiled step's too), a context-parallel layer's own work. A link: its latency and bandwidth alike; the
+    intra-node link, the collectives' measured times and cost per call too (measured on one node).
     """
     a, b = scales.compute, scales.communication
     matmul = hardware.efficiency.matmul / a
@@ -119,6 +119,8 @@ def scaled_profile(hardware: Hardware, scales: Scales, *, links: tuple[str, ...]
         "layer_overhead_s": hardware.layer_overhead_s * a, "microbatch_overhead_s": hardware.microbatch_overhead_s * a,
         "selective_overhead_s": hardware.selective_overhead_s * a,
     }
+    if (work := hardware.context_work) is not None:  # cp's own work: compute
+        update["context_work"] = work.model_copy(update={"layer_s": work.layer_s * a, "per_byte_s": work.per_byte_s * a})
     if hardware.compiled is not None:  # a compiled step's terms, rescaled alike
         terms = hardware.compiled
         update["compiled"] = terms.model_copy(update={

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["Link", "Efficiency", "CompiledCosts", "LargeMicrobatch", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
+__all__ = ["Link", "Efficiency", "CompiledCosts", "LargeMicrobatch", "ContextWork", "Hardware", "HARDWARE_NAMES", "PROFILES", "default_dtype", "load_hardware"]
 
 PROFILES = Path(__file__).with_name("profiles")
 HARDWARE_NAMES = tuple(sorted(p.stem for p in PROFILES.glob("*.yaml")))
@@ -71,6 +71,21 @@ class CompiledCosts(_Strict):
         "a microbatch's cost outside its compiled layers"))] = 0.0
 
 
+class ContextWork(_Strict):
+    """What a context-parallel decoder layer computes beyond its FLOPs and its keys' and values' exchanges, per
+    microbatch: the gathered keys and values put in sequence order, each query chunk's blocks merged, the
+    gathered gradients zero-filled and summed (`rewrite.context_parallel.attention`); a fixed part and a part per
+    byte of the keys and values gathered, half in the forward and half in the input backward."""
+
+    layer_s: Annotated[float, Field(ge=0, description="seconds per layer and microbatch")]
+    per_byte_s: Annotated[float, Field(ge=0, description=(
+        "seconds per byte of the whole sequence's keys and values a rank gathers in a layer"))]
+
+    def seconds(self, kv_bytes: float) -> float:
+        """A layer's forward and backward together, gathering `kv_bytes`."""
+        return self.layer_s + self.per_byte_s * kv_bytes
+
+
 class Hardware(_Strict):
     """A device and how it is connected (`rewrite show --hardware`, `rewrite plan --hardware`).
 
@@ -102,6 +117,10 @@ class Hardware(_Strict):
         "repeats: torch's checkpoint policy consulted on each operator of its forward and again of the recompute, "
         "the kept products stored and looked up (eager; a compiled block applies the policy while tracing and "
         "pays none); 0: not modelled"))] = 0.0
+    context_work: Annotated[ContextWork | None, Field(description=(
+        "what a decoder layer under context parallelism computes beyond its FLOPs and exchanges (eager; measured "
+        "on a cp 2 layer with its exchanges looped back against a plain one on the same tokens, `rewrite "
+        "calibrate`; a compiled step is charged the same, not measured apart); None: not modelled"))] = None
     large_microbatch: Annotated[LargeMicrobatch | None, Field(description=(
         "compute per token past the microbatch sizes the layer terms were fitted on, against theirs (a CPU's "
         "caches; compiled steps too); None: linear in the tokens"))] = None

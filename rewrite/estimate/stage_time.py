@@ -29,7 +29,8 @@ process's are: its causal kernel computes the s^2 / 2 pairs under the mask and i
 s x s, so a rank's (2 c + 1) L^2 pairs are charged (2 c + 1) / (2 c^2) of it (measured on CPU at
 4,096 tokens: the cp 2 step at 0.62x one process, this model 0.59x). Each
 layer all-gathers the keys and values of the whole sequence over the cp group in F, 2 b s g r d B / t'
-bytes, and reduce-scatters their gradients in I (again in a recomputed F).
+bytes, and reduce-scatters their gradients in I (again in a recomputed F); its own work around them (the
+profile's measured `context_work`: a fixed part and a part per byte gathered) half in F, half in I.
 A layer whose experts are split over ep (e = mesh.ep) exchanges its routed rows in F (the rows' counts per
 expert, then T k rows of h + 1 values out, their results back: 3 all-to-alls over the ep group, balanced
 routing), and their gradients again in I (2; again 3 in a recomputed F): T k (2 h + 1) B bytes each way per
@@ -69,7 +70,7 @@ from ..plan.ranks import Shape, expert_groups
 from .clock import Clock
 from .hardware import Hardware
 
-__all__ = ["StageTimes", "stage_times"]
+__all__ = ["StageTimes", "stage_times", "gathered_kv"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ def _crossing(shape: Shape, gpus_per_node: int) -> tuple[bool, bool, bool]:
     return spans(shape.along("tp")), spans(shape.along("cp")), spans(expert_groups(shape)[0])
 
 
+def gathered_kv(z: Sizes, ta: int = 1, kv_share: int = 1) -> float:
+    """Bytes of the whole sequence's keys and values a cp rank gathers in a layer (its tp share of the heads)."""
+    return 2 * z.batch_size * z.seq_len * z.kv_heads * kv_share * z.head_dim * z.dtype_bytes / ta
+
+
 def _layer(z: Sizes, flop_parts: dict[str, int], clock: Clock, splits: dict, *, first: bool, recomputed: set[str],
            weights: int, experts_split: bool = False):
     """(F, I, W, tp collectives, training FLOPs, cp collectives, ep exchanges) of one decoder layer, whose
@@ -121,7 +127,8 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: Clock, splits: dict, *, 
         mlp, u = parts["mlp"] / z.tp, (z.tp if experts_split else 1)
     norms = parts["norms"] / (z.tp if z.split_sequence else 1)
     # The whole sequence's keys and values, gathered in F and their gradients reduce-scattered in I.
-    kv = clock.cp_gather(2 * z.batch_size * z.seq_len * z.kv_heads * kv_share * z.head_dim * z.dtype_bytes / ta)
+    kv_bytes = gathered_kv(z, ta, kv_share)
+    kv, own = clock.cp_gather(kv_bytes), clock.cp_work(kv_bytes) / 2  # cp's own work: half in F, half in I
     kept, _ = layer_bytes(z, **splits, first=first)
     block = z.tokens * z.dtype_bytes * z.hidden  # T h B: what a block's collective moves
     blocks = int(ta > 1) + int(tm > 1) + int(ts > 1)  # split shared experts: a collective of their own
@@ -142,9 +149,9 @@ def _layer(z: Sizes, flop_parts: dict[str, int], clock: Clock, splits: dict, *, 
     adapters = lora_flops(z, ta, tm, kv_share) if z.lora_rank else 0.0
     trained = adapters if z.lora_rank else proj + mlp
     forward = (clock.run(proj + scores + mlp + norms + adapters, 2 * kept, weights) + fwd_comm + kv + ep_f
-               + clock.overhead)
+               + clock.overhead + own)
     input_backward = (clock.run(proj + 2 * scores + mlp + 2 * norms + adapters, 3 * kept, weights) + bwd_comm + kv
-                      + ep + clock.overhead)
+                      + ep + clock.overhead + own)
     weight_backward = clock.run(trained, 0, 0 if z.lora_rank else 2 * weights) + clock.overhead
     # A checkpointed layer runs its forward again in the backward; a checkpointed block about half of it.
     share = 1.0 if "" in recomputed else len(recomputed & {ATTENTION.layer_part, MLP.layer_part}) / 2

@@ -4,8 +4,8 @@ N local ranks (one torch thread each, as `rewrite train` runs them on CPU) measu
 matmul throughput at transformer shapes, memory bandwidth, a decoder layer's fixed cost and its
 elementwise operators' bandwidth, eager and compiled, a microbatch's cost outside its layers, a step's
 end (the gradients' norm and AdamW), a tp 2 layer's collectives beyond their time alone
-(`calibrate_layers`), a selectively checkpointed layer's policy (`calibrate_selective`) and FSDP2's own
-work per unit (`calibrate_units`), then point-to-point and all-reduce times between them on the current
+(`calibrate_layers`), a selectively checkpointed layer's policy (`calibrate_selective`), a context-parallel
+layer's own work (`calibrate_cp`) and FSDP2's own work per unit (`calibrate_units`), then point-to-point and all-reduce times between them on the current
 backend (latency and bandwidth are fitted to the times), and each collective a run makes by size and
 group (`calibrate_links`); `calibrate_profile` writes them as a profile.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 
 from ..lent import lend
+from .calibrate_cp import context_layer_gaps, context_work
 from .calibrate_layers import (LAYER_MODEL, MATMUL_SHAPES, best_of, call_overheads, fit_layers, layer_model_problem,
                                layer_timings, optimizer_bandwidth, tp_call_times, with_layers)
 from .calibrate_links import collective_times, overlap_share
@@ -69,6 +70,7 @@ def _measure(repeats: int, compiled: bool = True, model: str = LAYER_MODEL) -> d
         out["layers"] = layer_timings(repeats, together=dist.barrier, model=model)
         out["optimizer_bandwidth"] = optimizer_bandwidth(repeats, together=dist.barrier)
         out["tp_calls"] = tp_call_times(repeats, together=dist.barrier)
+        out["cp_gaps"] = context_layer_gaps(model, repeats, together=dist.barrier)
         out["unit_steps"] = unit_step_times(repeats, together=dist.barrier)
     if compiled and not cuda:
         out["compiled"] = layer_timings(repeats, together=dist.barrier, compiled=True, model=model)
@@ -164,6 +166,12 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, co
         selective = [r["layers"]["selective_layer_s"] for r in results]
         found["selective_overhead_s"] = statistics.mean(selective_overhead(hardware, three, s) for s in selective)
         found["measured"]["selective_layer_s"] = selective
+    if results[0].get("cp_gaps"):  # cp's own work: each size's median over the pairs for each cp rank, the slower
+        # of the two (a layer's exchange waits for it), priced once
+        sides = [[r["cp_gaps"] for r in results[side::2]] for side in (0, 1)]
+        gaps = {rows: max(statistics.median(g[rows] for g in side) for side in sides) for rows in results[0]["cp_gaps"]}
+        work = context_work(_profile(found), with_layers(load_config(model), 3), gaps)
+        found["context_work"], found["measured"]["cp_gaps"] = work, gaps
     if "unit_steps" in results[0]:  # FSDP2's own costs per unit, priced alike
         per_rank = [unit_overheads(_profile(found), r["unit_steps"], world) for r in results]
         found["unit_overhead_s"] = {kind: statistics.mean(r[kind] for r in per_rank) for kind in per_rank[0]}

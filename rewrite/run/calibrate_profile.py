@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import platform
 
+from .calibrate_cp import CP_ROWS
 from .calibrate_layers import LARGE_ROWS, LAYER_MODEL, MATMUL_SHAPES, OPTIMIZER_LAYERS, ROWS, SEQUENCE
 from .calibrate_links import collective_lines
 from .calibrate_units import UNIT_LAYERS, UNIT_MICROBATCHES
@@ -79,6 +80,16 @@ def _call_lines(found: dict) -> str:
             "made, every pair at once) beyond their time alone, per call\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
 
 
+def _context_lines(found: dict) -> str:
+    work = found.get("context_work")
+    if not work:
+        return _unmeasured(found, "context_work: null", "(an odd number of ranks, or a family cp does not run)",
+                           ": cp's own work is not charged")
+    return ("context_work:               # measured: the 3-layer model under cp 2, its exchanges looped back, against "
+            f"not, on the same {' and '.join(str(r * SEQUENCE) for r in CP_ROWS)} tokens a rank, per layer, beyond "
+            f"what the terms above charge\n  layer_s: {work['layer_s']:.3g}\n  per_byte_s: {work['per_byte_s']:.3g}")
+
+
 def _unit_lines(found: dict) -> str:
     calls = found.get("unit_overhead_s")
     if not calls:
@@ -120,6 +131,7 @@ microbatch_overhead_s: {found.get('microbatch_overhead_s', 0.0):.3g}   # measure
 {_reserve_lines(found)}
 {collective_lines(found.get("collective_times", {}))}
 {_call_lines(found)}
+{_context_lines(found)}
 {_unit_lines(found)}
 {_compiled_lines(found)}
 overlap: {found.get("overlap", 1.0):.2f}               # {"measured: a reduce-scatter beside as long a run of matmuls, against each alone" if "overlap" in found else "not measured: collectives beside compute hide behind it"}

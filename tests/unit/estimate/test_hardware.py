@@ -120,6 +120,10 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
     assert set(hw.call_overhead_s) == {"sum", "gather", "scatter"}
     assert all(0 <= t < 0.1 for t in hw.call_overhead_s.values()) and hw.call_overhead_s["gather"] == hw.call_overhead_s["scatter"]
     assert hw.cores_per_node == len(os.sched_getaffinity(0))
+    # A cp 2 layer's own work beyond what it is charged (its exchanges looped back), each part 0 where noise leaves
+    # nothing: ~1 ms and ~0.5 ns a byte gathered here.
+    work = hw.context_work
+    assert work is not None and 0 <= work.layer_s < 0.1 and 0 <= work.per_byte_s < 1e-7
     # FSDP2's own work per unit beyond its collectives (a gather's copies: 2-7 ms on these CPU ranks run alone), each
     # a difference of steps: beside other tests on the same cores it may come out 0 (the fit: test_unit_overheads.py).
     assert set(hw.unit_overhead_s) == {"pass", "gather", "reduce"}
