@@ -179,14 +179,25 @@ def _selective_units(z: Sizes, recomputed: set[str], splits: dict, proj: float, 
         yield unit, weight, again * flops
 
 
-def unsplit_stages(resolved: ResolvedPlan) -> set[int]:
+def unsplit_stages(resolved: ResolvedPlan) -> frozenset[int]:
     """The stages whose backward the runner does not split into I and W: those of a pp rank that recomputes a
     module (`activation_checkpointing`; a split backward would recompute once per weight group), whose I then
     runs the whole backward and whose W is empty (`pipeline.step_state`), as a compiled block's."""
-    held = lambda s: any(path == m or path.startswith(m + ".")  # noqa: E731
-                         for path in resolved.recomputed for m in resolved.stages[s].modules)
-    ranks = {resolved.stage_rank[s] for s in range(resolved.num_stages) if held(s)} if resolved.recomputed else set()
-    return {s for s in range(resolved.num_stages) if resolved.stage_rank[s] in ranks}
+    if not resolved.recomputed:
+        return frozenset()
+    return _unsplit(resolved.recomputed, resolved.stage_rank, tuple(stage.modules for stage in resolved.stages))
+
+
+@functools.lru_cache(maxsize=256)  # a search asks it of every candidate of a binding
+def _unsplit(recomputed: tuple[str, ...], stage_rank: tuple[int, ...], modules: tuple[tuple[str, ...], ...]):
+    owner = {m: s for s, held in enumerate(modules) for m in held}
+    ranks = set()
+    for path in recomputed:  # the stage holding it: its own path, or the nearest enclosing one a stage lists
+        parts = path.split(".")
+        stage = next((owner[p] for p in (".".join(parts[:k]) for k in range(len(parts), 0, -1)) if p in owner), None)
+        if stage is not None:
+            ranks.add(stage_rank[stage])
+    return frozenset(s for s, r in enumerate(stage_rank) if r in ranks)
 
 
 def _routed_layers(resolved: ResolvedPlan) -> set[int]:
