@@ -128,8 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `rewrite` console script. Returns the exit status.
 
     A bad plan, model or argument prints its message (every problem of a plan) on
-    stderr and exits 1; under torchrun only rank 0 prints the problems every rank
-    finds alike (the plan's, the settings'), other errors name their rank.
+    stderr and exits 1; under torchrun one rank prints the problems every rank finds alike (the plan's, the
+    settings', the data's: the first to find it once the ranks have met, else rank 0), other errors name their
+    rank.
     """
     from ..errors import RewriteError
     from ..plan.schema import PlanError
@@ -153,10 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(1.0)  # a launcher stops every rank once one exits: let the one saying it finish
         return 128 + signal.SIGINT
     except (PlanError, TrainConfigError, TrainStopped) as exc:
-        if _rank() == 0:
+        if getattr(exc, "says", _rank() == 0):  # the first rank to find it where training ran, else rank 0
             print(f"error: {in_flags(str(exc))}", file=sys.stderr, flush=True)
         else:
-            time.sleep(1.0)  # torchrun stops every rank once one exits: let rank 0 print first
+            time.sleep(1.0)  # torchrun stops every rank once one exits: let the one saying it print first
         return 1
     except (ValueError, RewriteError) as exc:
         if not getattr(exc, "quiet", False):  # else another rank prints it

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RewriteError, first_line
+from ..plan.schema import PlanError
 from .byte_data import TrainConfigError
+from .guard import TrainStopped
 from .stall_report import run_store, settle, stall_being_reported, stall_report
 from .stores import local_store, restart_hazard, restart_store
 from .train import TrainConfig, train
@@ -110,6 +112,9 @@ def train_main(config: TrainConfig) -> dict:
                 # whose peer closes a pair while its own threads still use it.
                 dist.barrier()
         return result
+    except (TrainConfigError, PlanError, TrainStopped) as exc:  # found alike on every rank: said by the first to
+        exc.says = _first_to_say("refusal")  # find it (a launcher stops every rank once one exits: rank 0 may be last)
+        raise
     except KeyboardInterrupt as exc:  # a second Ctrl-C: one rank says so, the first to get here
         exc.says = _first_to_say("interrupted")  # (rank 0 may be held in a wait its peers will never end)
         raise
