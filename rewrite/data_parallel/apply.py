@@ -20,6 +20,7 @@ from ..agreement import agree
 from ..grad_finish import GradFinish
 from ..torch_internals import ddp_ignore, ddp_reducer_finished, finish_fsdp_backward, prepare_ddp_for_backward, replicate
 from ..models.names import first_names
+from ..schedules import last_backward_reaches_all
 from ..pipeline.stage import Stage
 from ..binding.resolve import ResolvedPlan
 
@@ -147,8 +148,8 @@ def apply_data_parallel(
         return None
     sharding = resolved.plan.data_parallel.sharding
     over = "dp x cp" if mesh.cp > 1 else "dp"
-    # DDP fits where the step's last backward reaches every parameter: one stage on the rank, no W.
-    if sharding == "replicate" and len(stage.forward_fns) == 1 and not split_backward:
+    # DDP fits where the step's last backward reaches every parameter (the step model prices it alike).
+    if sharding == "replicate" and last_backward_reaches_all(len(stage.forward_fns), split_backward):
         names = first_names(stage.module)
         return DdpSync(stage.module, mesh.replica_mesh.get_group(), ignore=[names[id(p)] for p in ignored], over=over)
     units = data_parallel_units(stage.model, resolved, sorted(stage.forward_fns))

@@ -12,8 +12,11 @@ them whole.
 
 FSDP2's own seconds per unit (`Hardware.unit_overhead_s`, measured on CPU ranks; none on a GPU, where the
 host queues the copies ahead of the device) run on the rank's thread, beside nothing: `pass` on every F and
-whole or input backward of a sharded stage (half each), `gather` on each unit's all-gather, `reduce` on each
-unit's reduce-scatter.
+whole or input backward of a stage FSDP2 holds (half each), `gather` on each unit's all-gather, `reduce` on each
+unit's reduce-scatter, `all_reduce` on each unit's all-reduce under its `replicate`, and `optimizer` per parameter
+it holds on the step's end (AdamW through DTensor). `replicate` is torch's DDP where it fits (`schedules.last_backward_reaches_all`: one
+stage on the rank, whole backwards), one bucketed all-reduce; elsewhere FSDP2's `replicate`, priced as `grad_op`
+is, less its gathers and with each unit's all-reduce in place of its reduce-scatter.
 
 A collective beside compute hides `overlap` of the shorter of the two (the profile's measured share:
 1 where the collective runs on its own engine, as NCCL beside kernels; about 0 on CPU ranks, where
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from ..plan.ranks import expert_groups
 from ..binding.resolve import ResolvedPlan
+from ..schedules import last_backward_reaches_all
 from .collectives import collective_s, groups_link
 from .hardware import Hardware
 from .param_memory import param_unit
@@ -46,6 +50,7 @@ class DpTime:
         holding the same parameters: the dp replicas times the cp ranks (`dp` below counts them all)."""
         shape = resolved.plan.mesh.shape
         self.dp, self.hw = shape.dp * shape.cp, hw
+        self.stages_here = len(resolved.rank_stages(0))
         self.overlap = hw.overlap
         self.gathered = gathered
         self.link = groups_link(hw, shape.along("dp", "cp"), gpus_per_node)
@@ -65,10 +70,14 @@ class DpTime:
         if resolved.plan.lora is not None:
             self.experts = [0 for _ in units]  # frozen: no gradient to reduce
         self._held = [sum(u.values()) for u in self.grad_units]
+        # The parameters FSDP2 holds per stage (trained, not split over ep), each stepped through DTensor.
+        self._tensors = [sum(1 for p in spec.held if p.trained and not p.by_expert) for spec in resolved.stages]
         self._smallest = [min(u.values(), default=None) for u in self.grad_units]
         self._reduces: dict = {}  # (sharding, stage) -> (sum, least) of its units' reduces
         calls = hw.unit_overhead_s  # FSDP2's own seconds per unit: a pass (its hooks), a gather, a reduce
-        self.unit_pass, self.unit_gather, self.unit_reduce = (calls.get(k, 0.0) for k in ("pass", "gather", "reduce"))
+        self.unit_pass, self.unit_gather = calls.get("pass", 0.0), calls.get("gather", 0.0)
+        self.unit_reduce = {"reduce_scatter": calls.get("reduce", 0.0), "all_reduce": calls.get("all_reduce", 0.0)}
+        self.unit_optimizer = calls.get("optimizer", 0.0)
 
     def _ag(self, nbytes: float) -> float:
         return collective_s(self.hw, "all_gather", nbytes * self.gathered, self.dp, self.link)
@@ -77,13 +86,20 @@ class DpTime:
         """The plan's data-parallel sharding, None without data parallelism."""
         return resolved.plan.data_parallel.sharding if self.dp > 1 else None
 
+    def on_fsdp(self, sharding: str | None, split: bool) -> bool:
+        """Whether FSDP2 holds the rank's units (its hooks on every pass): sharded, or replicated off DDP."""
+        return sharding in ("full", "grad_op") or (sharding == "replicate" and not self.on_ddp(sharding, split))
+
+    def on_ddp(self, sharding: str | None, split: bool) -> bool:
+        """Whether the rank's gradients reduce through DDP's buckets (`replicate` where DDP fits)."""
+        return sharding == "replicate" and last_backward_reaches_all(self.stages_here, split)
+
     def reduces_each(self, sharding: str | None, split: bool, reduce: str) -> bool:
         """Whether each whole backward reduces its units' gradients (`data_parallel.reduce: microbatch`)."""
         return reduce == "microbatch" and sharding is not None and not split
 
     def _reduce(self, nbytes: float, sharding: str) -> float:
-        kind = "all_reduce" if sharding == "replicate" else "reduce_scatter"
-        return collective_s(self.hw, kind, nbytes, self.dp, self.link)
+        return collective_s(self.hw, _reduce_kind(sharding), nbytes, self.dp, self.link)
 
     def per_microbatch(self, sharding: str | None, split: bool) -> bool:
         """Whether each F and B gathers its stage's units again (full sharding, whole backwards)."""
@@ -94,12 +110,12 @@ class DpTime:
         nothing hides: the first unit's gather (per-microbatch gathers), the last unit's reduce
         (a backward that reduces its units, `reduce: microbatch`)."""
         gathers, reduces = self.per_microbatch(sharding, split), self.reduces_each(sharding, split, reduce)
-        sharded = sharding in ("full", "grad_op")
+        hooked = self.on_fsdp(sharding, split)
         out = {}
         for s, t in enumerate(times):
             for kind, base in (("F", t.forward), ("B", t.backward), ("I", t.input_backward), ("W", t.weight_backward)):
                 beside, unhidden = 0.0, 0.0
-                if sharded and kind != "W":  # FSDP2's hooks, half on the way in, half on the way back
+                if hooked and kind != "W":  # FSDP2's hooks, half on the way in, half on the way back
                     unhidden += len(self.units[s]) * self.unit_pass / 2
                 if gathers and kind != "W":
                     units = self.units[s] if kind == "F" else self.layers_only[s]
@@ -110,7 +126,8 @@ class DpTime:
                         rss = [self._reduce(b, sharding) for b in self.grad_units[s].values()]
                         self._reduces[sharding, s] = (sum(rss), min(rss, default=0.0))
                     total, least = self._reduces[sharding, s]
-                    beside, unhidden = beside + total, unhidden + least + len(self.grad_units[s]) * self.unit_reduce
+                    unit = self.unit_reduce[_reduce_kind(sharding)]
+                    beside, unhidden = beside + total, unhidden + least + len(self.grad_units[s]) * unit
                 out[kind, s] = self.beside(base, beside) + unhidden
         return out
 
@@ -138,18 +155,25 @@ class DpTime:
                 exposed += self.exposed(times[st].forward, total) + first + len(self.units[st]) * self.unit_gather
         # The step's one reduce, beside the last backward; reduced per microbatch, each backward's
         # duration already holds its own (`costs`).
-        if sharding == "replicate" and not self.reduces_each(sharding, split, reduce):
+        if self.on_ddp(sharding, split) and not self.reduces_each(sharding, split, reduce):
             whole = collective_s(hw, "all_reduce", held, dp, link)
             exposed += max(self.exposed(window, whole), collective_s(hw, "all_reduce", min(held, DDP_BUCKET), dp, link))
-        elif sharding is not None and not self.reduces_each(sharding, split, reduce):
+        elif sharding is not None and not self.reduces_each(sharding, split, reduce):  # FSDP2's, unit by unit
             last_unit = min((self._smallest[s] for s in stages if self._smallest[s] is not None), default=0)
-            exposed += max(self.exposed(window, collective_s(hw, "reduce_scatter", held, dp, link)),
-                           collective_s(hw, "reduce_scatter", last_unit, dp, link))
-            exposed += sum(len(self.grad_units[s]) for s in stages) * self.unit_reduce
+            exposed += max(self.exposed(window, collective_s(hw, _reduce_kind(sharding), held, dp, link)),
+                           collective_s(hw, _reduce_kind(sharding), last_unit, dp, link))
+            exposed += sum(len(self.grad_units[s]) for s in stages) * self.unit_reduce[_reduce_kind(sharding)]
         experts = sum(self.experts[s] for s in stages)  # reduced after the dense gradients, nothing beside it
         exposed += collective_s(hw, "all_reduce", experts, self.expert_replicas, self.expert_link)
         held_elems = held / dtype_bytes / (dp if sharding in ("full", "grad_op") else 1) + experts / dtype_bytes
-        return exposed, held_elems * (3 * dtype_bytes + ADAMW_TRAFFIC) / (hw.optimizer_bandwidth or hw.memory_bandwidth)
+        optimizer = held_elems * (3 * dtype_bytes + ADAMW_TRAFFIC) / (hw.optimizer_bandwidth or hw.memory_bandwidth)
+        if self.on_fsdp(sharding, split):
+            optimizer += sum(self._tensors[s] for s in stages) * self.unit_optimizer
+        return exposed, optimizer
+
+
+def _reduce_kind(sharding: str) -> str:
+    return "all_reduce" if sharding == "replicate" else "reduce_scatter"
 
 
 def _trained_units(resolved: ResolvedPlan) -> list[dict[str, int]]:

@@ -139,11 +139,15 @@ class Hardware(_Strict):
             "the bookkeeping around them; fitted on a tp 2 decoder layer against this model (`rewrite "
             "calibrate`: `sum` on a plain one, `gather` and `scatter` on a sequence-parallel one). Empty: "
             "not modelled"))] = {}
-    unit_overhead_s: Annotated[dict[Literal["pass", "gather", "reduce"], _Seconds], Field(description=(
-        "seconds FSDP2 spends per data-parallel unit beyond its collectives' time alone: `pass` each microbatch's "
-        "forward and backward through a sharded unit (its hooks), `gather` each all-gather (copying the shards in "
-        "and the parameters out), `reduce` each reduce-scatter (the gradients in, the shard out); fitted on a bench "
-        "model under each sharding at two microbatch counts (`rewrite calibrate`). Empty: not modelled"))] = {}
+    unit_overhead_s: Annotated[dict[Literal["pass", "gather", "reduce", "all_reduce", "optimizer"], _Seconds], Field(
+        description=(
+            "seconds FSDP2 spends per data-parallel unit beyond its collectives' time alone: `pass` each "
+            "microbatch's forward and backward through a unit it holds (its hooks), `gather` each all-gather (copying "
+            "the shards in and the parameters out), `reduce` each reduce-scatter (the gradients in, the shard out), "
+            "`all_reduce` each all-reduce of its `replicate`; and `optimizer` per parameter it holds, what the step's "
+            "end (the norm, AdamW) takes beyond plain tensors' (DTensor's dispatch, an operator at a time on CPU); "
+            "fitted on a bench model under each sharding at two microbatch counts and FSDP2's replicate beside DDP "
+            "(`rewrite calibrate`). Empty: not modelled"))] = {}
     cores_per_node: Annotated[int | None, Field(ge=1, description=(
         "CPU cores a node's ranks share, each computing on one thread (a CPU profile, whose compute terms were "
         "measured with devices_per_node ranks busy at once); where a plan's busy ranks outnumber them, each gets "

@@ -8,12 +8,14 @@ ranks holding the same parameters: `dp_time`) then adds, per rank, what torch do
                 (the root stays gathered), the next unit's gather beside this one's compute; a
                 split backward keeps them gathered through the step, as grad_op does
     grad_op     the first forward of a stage gathers its units once a step
-    replicate   one all-reduce of the gradients (DDP's buckets) beside the last backward
-and full / grad_op one reduce-scatter of the gradients beside the last backward; what exceeds
+    replicate   one all-reduce of the gradients (DDP's buckets) beside the last backward, where DDP
+                fits (one stage a rank, whole backwards); elsewhere FSDP2's replicate: no gathers
+and full / grad_op (and FSDP2's replicate) one reduce-scatter (all-reduce) of the gradients beside the last
+backward, unit by unit; what exceeds
 that backward is exposed, and at least the last unit's (or bucket's) share. Under
 `data_parallel.reduce: microbatch` every whole backward reduces its units beside itself instead,
 its last unit's reduce exposed. FSDP2's own work per unit (`unit_overhead_s`: its hooks on each pass of
-full and grad_op, the copies around each gather and reduce-scatter) adds to the action or the step's end
+the units it holds, the copies around each gather and reduce-scatter) adds to the action or the step's end
 that runs it, hidden by nothing. Then AdamW, bound by
 memory traffic over the parameters the rank holds. The step is the slowest rank's end, plus the
 step's small all-reduces over the whole world, which wait for every rank (`WORLD_SYNCS`: the inputs'
@@ -225,7 +227,7 @@ def _simulated(run: ResolvedPlan, table, times: list, dpt: DpTime, dp_mode: tupl
     key = (id(table), run.stage_rank, hop, tuple((t.forward, t.input_backward, t.weight_backward) for t in times),
            dpt.per_microbatch(sharding, split) and tuple(map(tuple, dpt.gather.values())),
            dpt.reduces_each(sharding, split, reduce) and sharding,
-           bool(dpt.unit_pass) and sharding in ("full", "grad_op"), sharing)
+           bool(dpt.unit_pass) and dpt.on_fsdp(sharding, split), sharing)
     if sim_cache is not None and key in sim_cache and sim_cache[key][0] is table:
         return sim_cache[key][1]
     # Durations per (kind, stage) and transfers per pair of pp ranks: each computed once, not per cell.

@@ -95,8 +95,9 @@ def _unit_lines(found: dict) -> str:
     if not calls:
         return _unmeasured(found, "unit_overhead_s: {}", "here", ": FSDP2's work per unit is not charged")
     return (f"unit_overhead_s:            # measured: a {UNIT_LAYERS}-layer bench model with dp over every rank, "
-            f"replicate, grad_op and full at {' and '.join(map(str, UNIT_MICROBATCHES))} microbatches, what FSDP2 adds "
-            "beyond its collectives' time alone, per unit\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
+            f"replicate, grad_op and full at {' and '.join(map(str, UNIT_MICROBATCHES))} microbatches and FSDP2's "
+            "replicate beside DDP, what FSDP2 adds beyond its collectives' time alone, per unit (optimizer: per "
+            "parameter)\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
 
 
 def profile_yaml(found: dict, *, name: str = "calibrated") -> str:

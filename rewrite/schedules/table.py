@@ -252,3 +252,9 @@ def splits_backward(schedule: str, rows: Sequence[str] | None = None) -> bool:
     if schedule in ("zero-bubble", "zbv"):
         return True
     return schedule == "custom" and any("W" in row for row in rows or [])
+
+
+def last_backward_reaches_all(stages_here: int, split_backward: bool) -> bool:
+    """Whether a rank's last backward of a step reaches every parameter the rank holds: one stage on the rank,
+    backwards whole (not split into I and W). Where it does, `replicate` runs on torch's DDP, which reduces in it."""
+    return stages_here == 1 and not split_backward

@@ -11,10 +11,14 @@ from torch import nn
 
 import rewrite
 from rewrite.data_parallel import DdpSync, GradSync
+from rewrite.estimate.dp_time import DpTime
+from rewrite.estimate.step_time import stage_parameters
+from rewrite.schedules import splits_backward
 from rewrite.run.parity import reference_step
 from rewrite.run.presets import build_config, build_model
 from tests.asserts import assert_close
 from tests.distributed.pipeline.test_pipeline import _batch
+from tests.unit.estimate.test_step_time import UNIT
 from tests.multiproc import run
 
 PER_REPLICA = 2
@@ -65,13 +69,16 @@ def _steps(rank: int, world: int) -> list[str]:
     return losses
 
 
+_SCHEDULES = {
+    "afab": {}, "1f1b": {"schedule": "1f1b"}, "zero-bubble": {"schedule": "zero-bubble"},
+    "interleaved-1f1b": {"schedule": "interleaved-1f1b", "virtual_stages": 2},
+}
+
+
 def _which_sync(rank: int, world: int) -> dict:
     config = build_config("tiny-llama")
     out = {}
-    for name, pipeline in {
-        "afab": {}, "1f1b": {"schedule": "1f1b"}, "zero-bubble": {"schedule": "zero-bubble"},
-        "interleaved-1f1b": {"schedule": "interleaved-1f1b", "virtual_stages": 2},
-    }.items():
+    for name, pipeline in _SCHEDULES.items():
         plan = {**_plan(**pipeline), "mesh": {"dp": 2, "pp": 2}}
         model = build_model(config, seed=3)
         reference = copy.deepcopy(model)
@@ -109,6 +116,13 @@ def test_schedules_take_ddp_where_the_last_backward_reaches_every_parameter():
     assert all(r == per_rank[0] for r in per_rank)
     ddp, fsdp = DdpSync.__name__, GradSync.__name__
     assert per_rank[0] == {"afab": ddp, "1f1b": ddp, "zero-bubble": fsdp, "interleaved-1f1b": fsdp}
+    # The step model prices each as it runs: DDP's buckets, or FSDP2's replicate unit by unit.
+    meta = build_model(build_config("tiny-llama"), device="meta")
+    for name, pipeline in _SCHEDULES.items():
+        resolved = rewrite.resolve({**_plan(**pipeline), "mesh": {"dp": 2, "pp": 2}}, meta)
+        dp_time = DpTime(resolved, stage_parameters(resolved, meta)[0], UNIT, 8)
+        split = splits_backward(resolved.plan.pipeline.schedule, None)
+        assert dp_time.on_ddp("replicate", split) == (per_rank[0][name] == ddp) != dp_time.on_fsdp("replicate", split)
 
 
 def test_a_parameter_the_step_never_reaches_is_refused_on_every_rank():

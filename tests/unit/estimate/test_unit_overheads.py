@@ -1,5 +1,5 @@
 """FSDP2's own work per data-parallel unit (`Hardware.unit_overhead_s`: its hooks on each pass, the copies around
-each gather and reduce-scatter) in the step model, counted by hand on the tiny LLaMA (4 layers: 5 units, the
+each gather, reduce-scatter and its replicate's all-reduce, AdamW through DTensor per parameter) in the step model, counted by hand on the tiny LLaMA (4 layers: 5 units, the
 root's among them), in `plan --measure`'s correction, in the profile file, and as `rewrite calibrate` fits it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rewrite.run.calibrate import profile_yaml
 from rewrite.run.calibrate_units import UNIT_MICROBATCHES, unit_overheads
 from tests.unit.estimate.test_step_time import UNIT, _resolved, llama  # noqa: F401 (a fixture)
 
-UNITS, LAYERS, M = 5, 4, 4
+UNITS, LAYERS, M, PARAMETERS = 5, 4, 4, 39
 
 
 def _with(**calls) -> Hardware:
@@ -46,9 +46,29 @@ def test_each_unit_is_charged_by_hand(llama, schedule):
         assert _added(sharded, llama, **{"pass": 0.01}) == pytest.approx(M * UNITS * 0.01)
         assert _added(sharded, llama, reduce=0.01) == pytest.approx(UNITS * 0.01)  # one reduce-scatter a unit a step
     assert _added(plan("full", "microbatch"), llama, reduce=0.01) == pytest.approx(M * UNITS * 0.01)  # each backward's
+    # AdamW through DTensor: per parameter FSDP2 holds (4 layers of 9, the embedding, the final norm, the head)
+    for sharded in (full, grad_op):
+        assert _added(sharded, llama, optimizer=0.01) == pytest.approx(PARAMETERS * 0.01)
+        assert _added(sharded, llama, all_reduce=0.01) == 0  # its replicate's term, not a reduce-scatter's
     # DDP and one rank: none of FSDP2's work
     for none in (replicate, _resolved(llama, m=M, schedule=schedule)):
-        assert _added(none, llama, **{"pass": 0.01}, gather=0.01, reduce=0.01) == 0
+        assert _added(none, llama, **{"pass": 0.01}, gather=0.01, reduce=0.01, all_reduce=0.01, optimizer=0.01) == 0
+
+
+def test_fsdp2s_replicate_is_charged_where_ddp_does_not_fit(llama):
+    """Two stages on the rank (interleaved, whole backwards): `replicate` runs on FSDP2's, not DDP; its hooks on
+    every pass of each stage's units (3 and 3: the root on both), each unit's all-reduce, AdamW per parameter
+    through DTensor; no gather, no reduce-scatter's term."""
+    fsdp = rewrite.resolve({"mesh": {"dp": 2}, "data_parallel": {"sharding": "replicate"},
+                            "pipeline": {"schedule": "interleaved-1f1b", "virtual_stages": 2, "microbatches": M,
+                                         "seq_len": 16}}, llama)
+    assert _added(fsdp, llama, **{"pass": 0.01}) == pytest.approx(M * 6 * 0.01)
+    assert _added(fsdp, llama, all_reduce=0.01) == pytest.approx(6 * 0.01)
+    assert _added(fsdp, llama, optimizer=0.01) == pytest.approx(PARAMETERS * 0.01)
+    assert _added(fsdp, llama, gather=0.01, reduce=0.01) == 0
+    # Split backwards (zero bubble, one stage a rank): FSDP2's too, its 5 units reduced at the step's end.
+    split = _resolved(llama, dp=2, m=M, schedule="zero-bubble", data_parallel={"sharding": "replicate"})
+    assert _added(split, llama, all_reduce=0.01) == pytest.approx(UNITS * 0.01)
 
 
 def test_a_split_backward_gathers_once_and_the_search_bound_holds(llama):
@@ -95,9 +115,10 @@ def test_calibrate_recovers_the_terms_it_was_timed_with():
     world, units, link = 2, [3e6] * LAYERS + [8e6], UNIT.intra_node
     ag, rs = ([collective_s(UNIT, kind, b, world, link) for b in units] for kind in ("all_gather", "reduce_scatter"))
     ar = collective_s(UNIT, "all_reduce", sum(units), world, link)
-    p, g, r, compute = 0.001, 0.003, 0.0005, 0.02
+    ars = [collective_s(UNIT, "all_reduce", b, world, link) for b in units]
+    p, g, r, a, o, compute, end = 0.001, 0.003, 0.0005, 0.002, 0.0002, 0.02, 0.03
 
-    def times(unit_pass, gather, reduce):
+    def times(unit_pass, gather, reduce, all_reduce, optimizer):
         out = {}
         for m in UNIT_MICROBATCHES:
             once = sum(ag) + len(units) * gather + sum(rs) + len(units) * reduce
@@ -105,7 +126,13 @@ def test_calibrate_recovers_the_terms_it_was_timed_with():
             out[f"grad_op {m}"] = compute * m + len(units) * unit_pass * m + once
             out[f"full {m}"] = out[f"grad_op {m}"] + m * (sum(ag) + sum(ag[:-1]) + (2 * len(units) - 1) * gather) \
                 - sum(ag) - len(units) * gather
-        return {"times": out, "units": units}
+            out[f"fsdp_replicate {m}"] = compute * m + len(units) * unit_pass * m + sum(ars) + len(units) * all_reduce
+        ends = {"replicate": end, "fsdp_replicate": end + PARAMETERS * optimizer}
+        return {"times": out, "ends": ends, "units": units, "parameters": PARAMETERS}
 
-    assert unit_overheads(UNIT, times(p, g, r), world) == pytest.approx({"pass": p, "gather": g, "reduce": r})
-    assert unit_overheads(UNIT, times(-p, -g, -r), world) == {"pass": 0.0, "gather": 0.0, "reduce": 0.0}
+    terms = {"pass": p, "gather": g, "reduce": r, "all_reduce": a, "optimizer": o}
+    assert unit_overheads(UNIT, times(p, g, r, a, o), world) == pytest.approx(terms)
+    assert unit_overheads(UNIT, times(-p, -g, -r, -a, -o), world) == dict.fromkeys(terms, 0.0)
+    older = times(p, g, r, a, o)  # a calibration from before FSDP2's replicate was timed: the first three
+    older["times"] = {k: t for k, t in older["times"].items() if not k.startswith("fsdp_")}
+    assert unit_overheads(UNIT, older, world) == pytest.approx({"pass": p, "gather": g, "reduce": r})
