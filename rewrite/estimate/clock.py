@@ -31,7 +31,11 @@ class Clock:
         # Each eager tp collective's cost beside the layer's compute, beyond its time alone (none traced).
         calls = {} if traced else hardware.call_overhead_s
         self.call = {kind: calls.get(kind, 0.0) for kind in self.kinds}
-        self.ep_call = hardware.call_overhead_s.get("sum", 0.0)
+        # An experts' exchange is eager in a compiled step too (its block split at it); beside a tp group's
+        # collectives its ranks have met just before, alone they meet there.
+        measured = hardware.call_overhead_s
+        alone = measured.get("all_to_all", measured.get("sum", 0.0))
+        self.ep_call = measured.get("all_to_all_tp", alone) if tp > 1 else alone
 
     def run(self, flops: float, activation_bytes: float, weight_bytes: float = 0.0) -> float:
         """FLOPs at the matmul rate, activations at the elementwise operators' bandwidth (both slower past the
@@ -60,5 +64,4 @@ class Clock:
         return 0.0 if self.context is None else self.context.seconds(kv_bytes)
 
     def exchange(self, nbytes: float) -> float:  # an all-to-all of what one rank sends, over the ep group
-        # Eager in a compiled step too (the block is split at it), and as blocking as a tp sum: its call cost.
         return collective_s(self.hardware, "all_to_all", nbytes, self.ep, self.ep_link) + self.ep_call

@@ -24,6 +24,7 @@ _Seconds = Annotated[float, Field(ge=0)]
 # parallelism) and the experts' `all_to_all`; on parameters and gradients, torch's `all_reduce` (DDP, replicate,
 # expert replicas), `all_gather` and `reduce_scatter` (FSDP2).
 CollectiveKind = Literal["sum", "gather", "scatter", "all_to_all", "all_reduce", "all_gather", "reduce_scatter"]
+CallKind = Literal["sum", "gather", "scatter", "all_to_all", "all_to_all_tp"]  # `call_overhead_s`'s
 _Curve = dict[Annotated[int, Field(gt=0)], _Seconds]
 
 
@@ -133,12 +134,14 @@ class Hardware(_Strict):
         "gathered or scattered whole; what one rank sends to all), every group of that size on one node at once; "
         "between the sizes measured, interpolated. Missing kinds and sizes, and groups across nodes: the ring "
         "formulas on the links"))] = {}
-    call_overhead_s: Annotated[dict[Literal["sum", "gather", "scatter"], _Seconds], Field(description=(
-            "seconds a tensor-parallel layer's own collective costs inside a step beyond its time alone "
-            "(`collective_times`), per call: the ranks' drift between the calls that bring them together and "
-            "the bookkeeping around them; fitted on a tp 2 decoder layer against this model (`rewrite "
-            "calibrate`: `sum` on a plain one, `gather` and `scatter` on a sequence-parallel one). Empty: "
-            "not modelled"))] = {}
+    call_overhead_s: Annotated[dict[CallKind, _Seconds], Field(description=(
+            "seconds a layer's own collective costs inside a step beyond its time alone (`collective_times`), "
+            "per call: the ranks' drift between the calls that bring them together and the bookkeeping around "
+            "them; fitted on a tp 2 decoder layer against this model (`rewrite calibrate`: `sum` on a plain one, "
+            "`gather` and `scatter` on a sequence-parallel one), and on a MoE's experts split over a pair of "
+            "ranks, each of its all-to-alls: `all_to_all` over dp ranks, `all_to_all_tp` over a tp pair beside "
+            "the attention's collectives. Empty: not modelled; without `all_to_all_tp` an exchange over tp ranks "
+            "is charged `all_to_all`, without that a `sum`'s"))] = {}
     unit_overhead_s: Annotated[dict[Literal["pass", "gather", "reduce", "all_reduce", "optimizer"], _Seconds], Field(
         description=(
             "seconds FSDP2 spends per data-parallel unit beyond its collectives' time alone: `pass` each "

@@ -35,7 +35,8 @@ A layer whose experts are split over ep (e = mesh.ep) exchanges its routed rows 
 expert, then T k rows of h + 1 values out, their results back: 3 all-to-alls over the ep group, balanced
 routing), and their gradients again in I (2; again 3 in a recomputed F): T k (2 h + 1) B bytes each way per
 pass, at the compute dtype (a family whose routing weights stay float32 under bfloat16 sends float32 rows).
-Each exchange blocks as a tp sum does and costs the profile's `call_overhead_s` `sum` beside its own time,
+Each exchange blocks and costs the profile's `call_overhead_s` beside its own time: `all_to_all_tp` over tp
+ranks (beside the tp collectives), `all_to_all` otherwise (missing: `all_to_all`, then a tp `sum`'s),
 compiled or not (a compiled block is split at it).
 When ep borrows tp ranks each tp rank takes 1/t of the tokens: its routed experts' FLOPs (6 T h k i_e)
 and rows divide by t, and the layer all-gathers the chunks' outputs over tp in F (T h B) and their

@@ -31,13 +31,12 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..binding.experts import ExpertSpec
 from ..models.experts import paired_choices
-from ..tensor_parallel.comm import _Adjoint, group_rank, group_size
+from ..tensor_parallel.comm import _Adjoint, all_to_all, group_rank, group_size
 from ..tensor_parallel.sequence import gather_from_sequence, scatter_to_sequence, sequence_chunk
 
 __all__ = ["ExpertShard", "ExpertParallelMixin", "EveryTokenMixin", "ShardedExperts", "TokenSplit", "exchange_counts",
@@ -51,13 +50,13 @@ def exchange_counts(per_expert: torch.Tensor, ep: int, group: ProcessGroup) -> t
     """Rows this rank receives, `[ep, E / ep]`: from source rank `s` for local expert `e`, given the rows
     it sends to each of the `E` experts (`per_expert`, int64, experts of rank `r` at `[r * E / ep, ...)`)."""
     received = torch.empty_like(per_expert)
-    dist.all_to_all_single(received, per_expert.contiguous(), group=group)
+    all_to_all(received, per_expert.contiguous(), group)
     return received.view(ep, -1)
 
 
 def _all_to_all(rows: torch.Tensor, send: list[int], receive: list[int], group: ProcessGroup) -> torch.Tensor:
     out = rows.new_empty((sum(receive), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+    all_to_all(out, rows.contiguous(), group, receive, send)
     return out
 
 

@@ -3,11 +3,12 @@
 N local ranks (one torch thread each, as `rewrite train` runs them on CPU) measure at once:
 matmul throughput at transformer shapes, memory bandwidth, a decoder layer's fixed cost and its
 elementwise operators' bandwidth, eager and compiled, a microbatch's cost outside its layers, a step's
-end (the gradients' norm and AdamW), a tp 2 layer's collectives beyond their time alone
-(`calibrate_layers`), a selectively checkpointed layer's policy (`calibrate_selective`), a context-parallel
-layer's own work (`calibrate_cp`) and FSDP2's own work per unit (`calibrate_units`), then point-to-point and all-reduce times between them on the current
-backend (latency and bandwidth are fitted to the times), and each collective a run makes by size and
-group (`calibrate_links`); `calibrate_profile` writes them as a profile.
+end (the gradients' norm and AdamW), a tp 2 layer's collectives and an ep 2 layer's all-to-alls beyond
+their time alone (`calibrate_layers`, `calibrate_experts`), a selectively checkpointed layer's policy
+(`calibrate_selective`), a context-parallel layer's own work (`calibrate_cp`) and FSDP2's own work per
+unit (`calibrate_units`), then point-to-point and all-reduce times between them on the current backend
+(latency and bandwidth are fitted to the times), and each collective a run makes by size and group
+(`calibrate_links`); `calibrate_profile` writes them as a profile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import statistics
 
 from ..lent import lend
 from .calibrate_cp import context_layer_gaps, context_work
+from .calibrate_experts import ep_call_times, exchange_overheads
 from .calibrate_layers import (LAYER_MODEL, MATMUL_SHAPES, best_of, call_overheads, fit_layers, layer_model_problem,
                                layer_timings, optimizer_bandwidth, tp_call_times, with_layers)
 from .calibrate_links import collective_times, overlap_share
@@ -70,6 +72,7 @@ def _measure(repeats: int, compiled: bool = True, model: str = LAYER_MODEL) -> d
         out["layers"] = layer_timings(repeats, together=dist.barrier, model=model)
         out["optimizer_bandwidth"] = optimizer_bandwidth(repeats, together=dist.barrier)
         out["tp_calls"] = tp_call_times(repeats, together=dist.barrier)
+        out["ep_calls"] = ep_call_times(repeats, together=dist.barrier)
         out["cp_gaps"] = context_layer_gaps(model, repeats, together=dist.barrier)
         out["unit_steps"] = unit_step_times(repeats, together=dist.barrier)
     if compiled and not cuda:
@@ -161,6 +164,11 @@ def calibrate(world: int = 2, *, repeats: int = 10, timeout_s: float = 300.0, co
         per_rank = [call_overheads(_profile(found), r["tp_calls"]) for r in results]
         found["call_overhead_s"] = {kind: statistics.mean(r[kind] for r in per_rank) for kind in per_rank[0]}
         found["measured"]["tp_calls"] = results[0]["tp_calls"]
+    if results[0].get("ep_calls"):  # the experts' all-to-alls, over dp ranks and over a tp pair
+        per_rank = [exchange_overheads(_profile(found), r["ep_calls"]) for r in results]
+        found["call_overhead_s"].update({kind: statistics.mean(r[kind] for r in per_rank) for kind in per_rank[0]})
+        found["measured"]["ep_calls"] = {kind: {way: t[way] for way in ("real", "free")}
+                                         for kind, t in results[0]["ep_calls"].items()}
     if not gpu and "selective_layer_s" in results[0]["layers"]:  # selective checkpointing beyond the recompute
         hardware, three = _profile(found), with_layers(load_config(model), 3)
         selective = [r["layers"]["selective_layer_s"] for r in results]

@@ -9,7 +9,7 @@ import time
 from contextlib import nullcontext
 
 __all__ = ["LAYER_MODEL", "MATMUL_SHAPES", "ROWS", "SEQUENCE", "best_of", "call_overheads", "fit_layers",
-           "layer_model_problem", "layer_timings", "optimizer_bandwidth", "taking_turns", "tp_call_times", "with_layers"]
+           "made_and_free", "layer_model_problem", "layer_timings", "optimizer_bandwidth", "taking_turns", "tp_call_times", "with_layers"]
 
 
 def best_of(fn, repeats: int, *, sync=lambda: None, together=None) -> float:
@@ -226,7 +226,6 @@ def tp_call_times(repeats: int, together=None) -> dict[str, dict]:
 
     from ..binding.resolve import resolve
     from ..tensor_parallel.apply import apply_tensor_parallel
-    from ..tensor_parallel.comm import loopback
     from .presets import build_config, build_model
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -240,22 +239,32 @@ def tp_call_times(repeats: int, together=None) -> dict[str, dict]:
         model = build_model(build_config("bench-llama", num_hidden_layers=TP_LAYERS))
         apply_tensor_parallel(model, resolve(_tp_plan(sequence_parallel), model, world_size=2), group)
 
-        def step():
-            for _ in range(microbatches):
-                model(input_ids=ids, use_cache=False).logits.sum().backward()
-
-        times: dict = {"real": [], "free": []}
-        for i in range(max(repeats // 2, 2) + 1):  # the first round warms up, untimed
-            for way, made in times.items():
-                (together or (lambda: None))()
-                start = time.perf_counter()
-                with nullcontext([]) if way == "real" else loopback() as swaps:
-                    step()
-                if i:
-                    made.append(time.perf_counter() - start)
-        out[kind] = {way: statistics.median(t) for way, t in times.items()} | {"swaps": swaps}
+        out[kind] = made_and_free(model, ids, microbatches, repeats, together)
     dist.destroy_process_group(group)  # its threads (gone with the models) would slow what calibrate measures next
     return out
+
+
+def made_and_free(model, ids, microbatches: int, repeats: int, together=None, swaps_too: bool = True) -> dict:
+    """{"real": s, "free": s, "swaps": [bytes, ...]}: `microbatches` forwards and backwards of `model` on `ids`
+    with its collectives made and without (`tensor_parallel.comm.loopback`; `swaps_too` False: its all-to-alls
+    alone), taking turns, the median of each (the first round warms up, untimed); `swaps`: the bytes of each
+    exchange a step makes that is looped back."""
+    from ..tensor_parallel.comm import loopback
+
+    def step():
+        for _ in range(microbatches):
+            model(input_ids=ids, use_cache=False).logits.sum().backward()
+
+    times: dict = {"real": [], "free": []}
+    for i in range(max(repeats // 2, 2) + 1):
+        for way, made in times.items():
+            (together or (lambda: None))()
+            start = time.perf_counter()
+            with nullcontext([]) if way == "real" else loopback(swaps_too) as swaps:
+                step()
+            if i:
+                made.append(time.perf_counter() - start)
+    return {way: statistics.median(t) for way, t in times.items()} | {"swaps": swaps}
 
 
 def call_overheads(hardware, times: dict[str, dict]) -> dict[str, float]:

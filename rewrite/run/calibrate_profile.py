@@ -77,7 +77,8 @@ def _call_lines(found: dict) -> str:
     if not calls:
         return _unmeasured(found, "call_overhead_s: {}", "(an odd number of ranks: no tp 2 groups)")
     return ("call_overhead_s:            # measured: a tp 2 model's collectives inside its layers (made against not "
-            "made, every pair at once) beyond their time alone, per call\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
+            "made, every pair at once; all_to_all, all_to_all_tp: a MoE's, its experts over a dp pair, a tp pair) "
+            "beyond their time alone, per call\n" + "\n".join(f"  {kind}: {t:.3g}" for kind, t in calls.items()))
 
 
 def _context_lines(found: dict) -> str:

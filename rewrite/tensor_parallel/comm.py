@@ -17,7 +17,8 @@ from torch.distributed import ProcessGroup
 from ..lent import lend
 from ..torch_internals import traced_all_gather, traced_all_reduce, traced_reduce_scatter
 
-__all__ = ["all_reduce_sum", "all_gather_into", "reduce_scatter_into", "traced", "loopback", "group_rank", "group_size",
+__all__ = ["all_reduce_sum", "all_gather_into", "reduce_scatter_into", "all_to_all", "traced", "loopback", "group_rank",
+           "group_size",
            "copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel", "SharedInputCopy"]
 
 
@@ -54,25 +55,28 @@ def swaps(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     return x.device.type == "cpu" and not size & (size - 1) and dist.get_backend(group) == "gloo"
 
 
-_LOOPBACK: list | None = None  # inside `loopback`: the bytes of each swap not made
+_LOOPBACK: list | None = None  # inside `loopback`: the bytes of each exchange not made
+_SWAPS_TOO = True  # inside `loopback`: the swaps looped back too, not the experts' all-to-alls alone
 
 
 @contextmanager
-def loopback():
-    """Within it the pairwise swaps move nothing: each rank receives its own tensor, so the results are wrong
-    and no rank waits for another. What a step's layers cost without their collectives, for timing
-    (`rewrite calibrate`); yields the list of the bytes each swap would have sent."""
-    global _LOOPBACK
-    outer, _LOOPBACK = _LOOPBACK, []
+def loopback(swaps: bool = True):
+    """Within it the pairwise swaps and the experts' all-to-alls move nothing: each rank receives its own tensor,
+    so the results are wrong and no rank waits for another. What a step's layers cost without their
+    collectives, for timing (`rewrite calibrate`); yields the list of the bytes each exchange would have sent.
+    `swaps` False: the all-to-alls alone, the swaps made."""
+    global _LOOPBACK, _SWAPS_TOO
+    outer = _LOOPBACK, _SWAPS_TOO
+    _LOOPBACK, _SWAPS_TOO = [], swaps
     try:
         yield _LOOPBACK
     finally:
-        _LOOPBACK = outer
+        _LOOPBACK, _SWAPS_TOO = outer
 
 
 def swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup | None) -> None:
     """Send `send` to group rank `peer` while receiving its tensor into `recv`."""
-    if _LOOPBACK is not None:
+    if _LOOPBACK is not None and _SWAPS_TOO:
         _LOOPBACK.append(send.numel() * send.element_size())
         recv.copy_(send)
         return
@@ -80,6 +84,17 @@ def swap(send: torch.Tensor, recv: torch.Tensor, peer: int, group: ProcessGroup 
     ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+
+
+def all_to_all(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None) -> None:
+    """`dist.all_to_all_single`: `x`'s rows in `in_splits` to the ranks of `group` in order, theirs into `out`.
+    Inside `loopback`, `out` is `x` (a rank that sends each rank what it would receive from it: the same rows)."""
+    if _LOOPBACK is not None:
+        _LOOPBACK.append(x.numel() * x.element_size())
+        out.copy_(x)
+        return
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
 
 
 def traced() -> bool:

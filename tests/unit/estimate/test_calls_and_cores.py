@@ -16,8 +16,9 @@ from rewrite.estimate.hardware import Hardware
 from rewrite.estimate.stage_time import stage_times
 from rewrite.estimate.step_time import core_sharing, predict_step, world_sync_s
 from rewrite.run.calibrate import profile_yaml
+from rewrite.run.calibrate_experts import exchange_overheads
 from rewrite.run.calibrate_layers import call_overheads
-from rewrite.tensor_parallel.comm import loopback, swap
+from rewrite.tensor_parallel.comm import all_to_all, loopback, swap
 from tests.unit.estimate.test_step_time import UNIT, _resolved, llama  # noqa: F401 (a fixture)
 
 CALLS = {"sum": 0.01, "gather": 0.02, "scatter": 0.04}
@@ -169,6 +170,11 @@ def test_calibrate_prices_the_calls_beyond_their_time_alone():
              "gather": {"real": 0.6, "free": 0.59, "swaps": [4096] * 10}}  # less than alone: none
     assert call_overheads(hw, times) == pytest.approx({"sum": 0.004, "gather": 0.0, "scatter": 0.0})
     assert call_overheads(hw, {}) == {}
+    # The experts' all-to-alls (made against looped back beside the tp collectives), each priced as an all-to-all.
+    hw = _with(collective_times={"all_to_all": {2: {1024: 0.001, 4096: 0.002}}, "sum": {2: {1024: 0.5, 4096: 0.5}}})
+    times = {"all_to_all": {"real": 1.0, "free": 0.8, "swaps": [4096] * 50},
+             "all_to_all_tp": {"real": 1.0, "free": 0.99, "swaps": [1024] * 50}}  # less than alone: none
+    assert exchange_overheads(hw, times) == pytest.approx({"all_to_all": 0.002, "all_to_all_tp": 0.0})
 
 
 def test_the_profile_file_carries_both_or_says_why_not():
@@ -189,5 +195,14 @@ def test_loopback_moves_nothing_and_counts_the_bytes():
         swap(send, recv, 1, None)
         swap(send[:2], recv[:2], 1, None)
     assert torch.equal(recv, send) and swaps == [24, 8]
+    out = torch.zeros(6)
+    with loopback() as made:  # the experts' all-to-alls too: each rank keeps what it sends
+        all_to_all(out, send, None, [3, 3], [3, 3])
+    assert torch.equal(out, send) and made == [24]
+    recv.zero_()
+    with loopback(swaps=False) as made, pytest.raises(ValueError):  # the all-to-alls alone: a swap is made
+        all_to_all(out, send + 1, None)
+        swap(send, recv, 1, None)
+    assert made == [24] and torch.equal(out, send + 1) and not recv.any()
     with pytest.raises(ValueError):  # outside it, a swap needs its process group again
         swap(send, recv, 1, None)

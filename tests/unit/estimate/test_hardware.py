@@ -116,8 +116,9 @@ def test_rewrite_calibrate_measures_this_machine(tmp_path):
         times = list(by_n[2].values())
         assert list(by_n) == [2] and len(times) == 5 and 0 < times[0] and times == sorted(times), kind
     assert 0 <= hw.overlap <= 1  # gloo's threads share the ranks' cores: little or nothing hidden
-    # A tp 2 layer's collectives beyond their time alone, per call (0 where the noise leaves nothing), and the cores.
-    assert set(hw.call_overhead_s) == {"sum", "gather", "scatter"}
+    # A tp 2 layer's collectives and a MoE's all-to-alls (its experts over a dp pair, and over a tp pair) beyond
+    # their time alone, per call (0 where the noise leaves nothing), and the cores.
+    assert set(hw.call_overhead_s) == {"sum", "gather", "scatter", "all_to_all", "all_to_all_tp"}
     assert all(0 <= t < 0.1 for t in hw.call_overhead_s.values()) and hw.call_overhead_s["gather"] == hw.call_overhead_s["scatter"]
     assert hw.cores_per_node == len(os.sched_getaffinity(0))
     # A cp 2 layer's own work beyond what it is charged (its exchanges looped back), each part 0 where noise leaves

@@ -78,14 +78,24 @@ def test_the_step_time_counts_the_exchanges_and_the_experts_own_reduce():
     assert ep.forward == pytest.approx(dense.forward + 4 * (layer + counts))  # the same compute, and the exchanges
     assert ep.input_backward == pytest.approx(dense.input_backward + 4 * layer)
     assert ep.weight_backward == pytest.approx(dense.weight_backward)
-    # Each exchange blocks as a tp sum: the profile's cost per call of a sum, 3 in F and 2 in I, compiled or not.
-    calls = Hardware.model_validate({**UNIT.model_dump(), "call_overhead_s": {"sum": 0.01}})
-    for resolved in (split, rewrite.resolve({**base, "mesh": {"dp": 4, "ep": 2}, "tensor_parallel": RULE,
-                                             "compile": True}, model)):
-        (plain,), (priced,) = stage_times(resolved, model, UNIT), stage_times(resolved, model, calls)
-        assert priced.forward - plain.forward == pytest.approx(4 * 3 * 0.01)
-        assert priced.input_backward - plain.input_backward == pytest.approx(4 * 2 * 0.01)
-        assert priced.ep_comm - plain.ep_comm == pytest.approx(4 * 5 * 0.01)
+    # Each exchange costs the profile's measured cost per all-to-all (a profile without one: a tp sum's), 3 in F
+    # and 2 in I, compiled or not; the tp kinds' costs are not an exchange's.
+    compiled = rewrite.resolve({**base, "mesh": {"dp": 4, "ep": 2}, "tensor_parallel": RULE, "compile": True}, model)
+    for calls, each in (({"sum": 0.01}, 0.01), ({"sum": 0.01, "all_to_all": 0.002, "all_to_all_tp": 0.5}, 0.002),
+                        ({"gather": 0.01, "scatter": 0.01}, 0.0)):
+        hw = Hardware.model_validate({**UNIT.model_dump(), "call_overhead_s": calls})
+        for resolved in (split, compiled):
+            (plain,), (priced,) = stage_times(resolved, model, UNIT), stage_times(resolved, model, hw)
+            assert priced.forward - plain.forward == pytest.approx(4 * 3 * each), calls
+            assert priced.input_backward - plain.input_backward == pytest.approx(4 * 2 * each), calls
+            assert priced.ep_comm - plain.ep_comm == pytest.approx(4 * 5 * each), calls
+    # Experts over tp ranks: the exchanges sit between the tp group's collectives, `all_to_all_tp` each.
+    over_tp = rewrite.resolve({**base, "mesh": {"tp": 2, "ep": 2}, "tensor_parallel": RULE}, model)
+    for calls, each in (({"sum": 0.01, "all_to_all": 0.002, "all_to_all_tp": 0.001}, 0.001),
+                        ({"sum": 0.01, "all_to_all": 0.002}, 0.002), ({"sum": 0.01}, 0.01)):
+        hw = Hardware.model_validate({**UNIT.model_dump(), "call_overhead_s": calls})
+        (plain,), (priced,) = stage_times(over_tp, model, UNIT), stage_times(over_tp, model, hw)
+        assert priced.ep_comm - plain.ep_comm == pytest.approx(4 * 5 * each), calls
     # Across nodes (one device a node) the exchange takes the network.
     (far,) = stage_times(split, model, UNIT, gpus_per_node=1)
     assert far.ep_comm == pytest.approx(4 * (2 * (all_to_all_s(rows * 65, 2, UNIT.inter_node, 1.0)
