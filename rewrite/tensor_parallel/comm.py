@@ -18,8 +18,7 @@ from ..lent import lend
 from ..torch_internals import traced_all_gather, traced_all_reduce, traced_reduce_scatter
 
 __all__ = ["all_reduce_sum", "all_gather_into", "reduce_scatter_into", "all_to_all", "traced", "loopback", "group_rank",
-           "group_size",
-           "copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel", "SharedInputCopy"]
+           "group_size", "copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel", "SharedInputCopy"]
 
 
 def _no_group(group: ProcessGroup | None) -> bool:
@@ -42,10 +41,8 @@ def group_rank(group: ProcessGroup | None = None) -> int:
         return 0
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(
-            f"global rank {dist.get_rank()} is not a member of the given process group; "
-            "build each layer with a group that contains the calling rank"
-        )
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of the given process group; build each "
+                         "layer with a group that contains the calling rank")
     return rank
 
 
@@ -90,11 +87,10 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, out_spli
                in_splits: list[int] | None = None) -> None:
     """`dist.all_to_all_single`: `x`'s rows in `in_splits` to the ranks of `group` in order, theirs into `out`.
     Inside `loopback`, `out` is `x` (a rank that sends each rank what it would receive from it: the same rows)."""
-    if _LOOPBACK is not None:
-        _LOOPBACK.append(x.numel() * x.element_size())
-        out.copy_(x)
-        return
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if _LOOPBACK is None:
+        return dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    _LOOPBACK.append(x.numel() * x.element_size())
+    out.copy_(x)
 
 
 def traced() -> bool:
@@ -192,10 +188,8 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup 
 def _split_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     size, rank = group_size(group), group_rank(group)
     if x.shape[-1] % size:
-        raise ValueError(
-            f"cannot split the last dimension ({x.shape[-1]}) of a tensor of shape "
-            f"{tuple(x.shape)} evenly across {size} ranks"
-        )
+        raise ValueError(f"cannot split the last dimension ({x.shape[-1]}) of a tensor of shape {tuple(x.shape)} "
+                         f"evenly across {size} ranks")
     return x.chunk(size, dim=-1)[rank].contiguous()
 
 
@@ -210,10 +204,8 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 
 
 class _Adjoint(torch.autograd.Function):
-    """A collective and its adjoint: forward `fwd(x, *f_args)`, backward `bwd(grad, *b_args)`.
-
-    `fwd` and `bwd` are module-level functions, looked up by the caller at each call (benches patch them).
-    """
+    """A collective and its adjoint: forward `fwd(x, *f_args)`, backward `bwd(grad, *b_args)` (module-level
+    functions, looked up by the caller at each call: benches patch them)."""
 
     @staticmethod
     def forward(ctx, x, fwd, f_args, bwd, b_args):
