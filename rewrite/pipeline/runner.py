@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..doing import doing
 from ..errors import InputError
 from ..lent import lend
+from ..mesh import calm_gloo_threads
 from ..schedules import placement, plan_table, schedule_rules, table_problems
 from .inputs import check_step_inputs
 from .loss import LossFn, causal_lm_loss, loss_for, sums_tokens
@@ -89,6 +90,7 @@ def run_schedule(
     if pipeline.schedule != "custom" and (problems := schedule_rules(pipeline.schedule, pp, k, m)):
         raise InputError(f"run_schedule: {m} microbatches: " + "; ".join(problems))
     rows = None if pipeline.table is None else tuple(pipeline.table)
+    calm_gloo_threads()  # any started since the last step (mesh.py)
     return _run(stage, _table(pipeline.schedule, rows, pp, k, m), inputs, targets, loss_fn, tokens)
 
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch.distributed as dist
 
-from rewrite.mesh import build_mesh
+from rewrite.mesh import build_mesh, calm_gloo_threads, release_groups
 from rewrite.plan.ranks import Coords, Shape
 from tests.multiproc import run
 
@@ -111,3 +111,52 @@ def test_release_groups_frees_a_meshs_groups_and_keeps_the_default():
         assert got["world"] == 4.0
         for sizes in ("{'dp': 2, 'tp': 2}", "{'pp': 2, 'cp': 2}", "{'dp': 4}"):
             assert got[sizes]["destroyed"] >= 1 and got[sizes]["grown"] and got[sizes]["back"], (sizes, got[sizes])
+
+
+def _policies() -> dict[int, int]:
+    """The scheduling policy of each of this process's gloo I/O threads, by thread id."""
+    import os
+
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "gloo_tcp_loop":
+                    out[int(tid)] = os.sched_getscheduler(int(tid))
+        except OSError:
+            continue
+    return out
+
+
+def _thread_policies(rank: int, world: int) -> dict:
+    import os
+    import threading
+    import time
+
+    mesh = build_mesh(Shape(tp=world))
+    seen = {"built": _policies()}  # the default group's thread is named by now; a new group's may not be yet
+    dist.barrier(group=mesh.tp_group)
+    time.sleep(0.2)  # every group's thread started and named
+    seen["step"], seen["stepped"] = calm_gloo_threads(), _policies()  # what each step does
+    seen["again"], seen["main"] = calm_gloo_threads(), os.sched_getscheduler(threading.get_native_id())
+    os.environ["REWRITE_GLOO_THREADS"] = "default"
+    try:
+        seen["put back"], seen["default"] = calm_gloo_threads(), _policies()
+    finally:
+        del os.environ["REWRITE_GLOO_THREADS"]
+    seen["batch again"], seen["after"] = calm_gloo_threads(), _policies()
+    release_groups(mesh)
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setscheduler"), reason="thread policies are Linux's")
+def test_gloo_io_threads_run_as_batch_threads_unless_asked_not_to():
+    import os
+
+    for seen in run(_thread_policies, 2):
+        assert os.SCHED_BATCH in seen["built"].values(), seen  # build_mesh set those it found
+        stepped = seen["stepped"]
+        assert len(stepped) >= 2 and set(stepped.values()) == {os.SCHED_BATCH}, seen  # the world's and the tp group's
+        assert seen["again"] == 0 and seen["main"] == os.SCHED_OTHER, seen  # nothing left to change; compute untouched
+        assert seen["put back"] == len(stepped) and set(seen["default"].values()) == {os.SCHED_OTHER}, seen
+        assert seen["batch again"] == len(stepped) and set(seen["after"].values()) == {os.SCHED_BATCH}, seen
