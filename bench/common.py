@@ -5,6 +5,7 @@ Every measurement runs one torch thread per rank, on CPU with gloo.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -243,6 +244,18 @@ def add_model_flag(parser) -> None:
 def result_key(name: str, model: str) -> str:
     """The results file's entry for bench `name` on `model`: `name` for the bench LLaMA, `name MODEL` else."""
     return name if model == MODEL else f"{name} {model}"
+
+
+def step_parser(doc: str, *, steps: int, warmup: int = 2, per: str = "run",
+                entry: str | None = None) -> argparse.ArgumentParser:
+    """A timed bench's command line: its docstring's first line, `--steps` (timed, per `per`), `--warmup`
+    (untimed, first) and, given the results entry it writes, `--out` (the results file)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps, help=f"timed steps per {per}")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
+    if entry is not None:
+        parser.add_argument("--out", default="bench/results.json", help=f"its {entry!r} entry is replaced")
+    return parser
 
 
 def save_result(out: str | Path, key: str, value) -> None:

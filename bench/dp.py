@@ -18,7 +18,6 @@ Writes the "dp" entry of bench/results.json.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -164,10 +163,7 @@ def table(res: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per implementation")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--out", default="bench/results.json", help="its 'dp' entry is replaced")
+    parser = common.step_parser(__doc__, steps=7, per="implementation", entry="dp")
     args = parser.parse_args()
     runs = common.launch(compare, REPLICAS, args.warmup, args.steps)
     single = common.single_process(one_process, args.warmup, args.steps)

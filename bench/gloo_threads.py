@@ -16,7 +16,6 @@ bench/results.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -102,13 +101,10 @@ def table(res: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.step_parser(__doc__, steps=5, warmup=1, per="layout and way", entry="gloo_threads")
     parser.add_argument("--world", type=int, choices=(2, 4), default=2, help="ranks (4: the layouts of 4 ranks)")
     parser.add_argument("--layouts", help=f"a comma-separated subset of: {', '.join(LAYOUTS + LAYOUTS_4)}; "
                         "writes nothing")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout and way")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--out", default="bench/results.json", help="its 'gloo_threads' entry is replaced")
     args = parser.parse_args()
     known = LAYOUTS_4 if args.world == 4 else LAYOUTS
     layouts = tuple(s.strip() for s in args.layouts.split(",")) if args.layouts else known

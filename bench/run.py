@@ -10,7 +10,6 @@ per-schedule pipeline comparison alone is `python -m bench.schedules`, data para
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -40,9 +39,7 @@ def _machine() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per implementation")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser = common.step_parser(__doc__, steps=7, per="implementation")
     parser.add_argument("--out", default="bench/results.json")
     args = parser.parse_args()
     start = time.time()

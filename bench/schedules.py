@@ -18,7 +18,6 @@ Writes the "schedules" entry of bench/results.json (`bench.run` runs it too).
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from pathlib import Path
@@ -91,9 +90,7 @@ def _kept_bytes(stage) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per implementation")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser = common.step_parser(__doc__, steps=7, per="implementation")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + ", ".join(SCHEDULES))
     parser.add_argument("--torch-only", action="store_true", help="only torch's schedules (no rewrite side)")
     parser.add_argument("--out", default=None,

@@ -36,7 +36,6 @@ attention. Writes "tp_baselines".
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import time
 
@@ -369,14 +368,11 @@ def baselines_table(runs: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser = common.step_parser(__doc__, steps=5, entry="tp_options")
     parser.add_argument("--schedule", default="afab", help="the rewrite runs' pipeline.schedule (pp = 1)")
     parser.add_argument("--runs", help=f"a comma-separated subset of: {ONE}, dtensor, plain-loop, "
                         f"{', '.join(PLANS)}; writes nothing")
     parser.add_argument("--baselines", action="store_true", help="compare one-process baselines instead")
-    parser.add_argument("--out", default="bench/results.json", help="its 'tp_options' entry is replaced")
     args = parser.parse_args()
     start = time.time()
     if args.baselines:

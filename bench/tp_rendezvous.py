@@ -24,7 +24,6 @@ computes its own rows' gradients. Writes the "tp_rendezvous" entry of bench/resu
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -178,10 +177,7 @@ def table(res: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--out", default="bench/results.json", help="its 'tp_rendezvous' entry is replaced")
+    parser = common.step_parser(__doc__, steps=5, entry="tp_rendezvous")
     args = parser.parse_args()
     start = time.time()
     res = summarize(common.launch(measure, 2, args.warmup, args.steps))
